@@ -1,0 +1,17 @@
+"""ms-memopt: sight, first aid and prevention for fragmented device memory in MindSpore training.
+
+The core (this package outside :mod:`ms_memopt.mindspore`) is framework-free: layouts and
+metrics, the event model and trace readers, allocator models, replay, the planner, the
+estimator and the simulator. :mod:`ms_memopt.mindspore` is the only adapter to MindSpore.
+"""
+from __future__ import annotations
+
+from .errors import InputError
+from .layout import Block, Layout, Segment
+from .metrics import LayoutMetrics, frag_ratio, measure
+from .units import format_size, parse_count, parse_size
+
+__version__ = "0.1.0"
+
+__all__ = ["InputError", "Block", "Layout", "Segment", "LayoutMetrics", "frag_ratio", "measure",
+           "format_size", "parse_count", "parse_size", "__version__"]

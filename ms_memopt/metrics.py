@@ -44,7 +44,7 @@ def frag_ratio(free_total: int, largest_free: int) -> float | None:
 
     Example:
         >>> frag_ratio(14 * 2**30, 3 * 2**30)
-        3.6666666666666665
+        3.666666666666667
         >>> frag_ratio(0, 0) is None
         True
     """

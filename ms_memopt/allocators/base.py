@@ -1,0 +1,123 @@
+"""What every allocator model is: the interface the replay engine, simulator and scans drive.
+
+A model owns a simulated address space. ``malloc`` returns the address it chose, or ``None``
+after recording an :class:`OOMRecord` when the request cannot be served within ``capacity``
+(models never raise on OOM: the caller decides what a failed request means). ``layout()``
+exports the current state as a :class:`~ms_memopt.layout.Layout` for the metrics.
+
+Subclasses keep ``reserved`` and ``allocated`` current (bytes) and call :meth:`_note_usage`
+after every change so peaks are tracked.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+from ..layout import Layout
+from ..metrics import LayoutMetrics, measure
+
+__all__ = ["AllocatorModel", "OOMRecord"]
+
+
+@dataclass(slots=True)
+class OOMRecord:
+    """A request the model could not serve; sizes in bytes, measured at the moment of failure.
+
+    ``kind`` is ``"fragmentation"`` when ``size <= free_total + device_free`` (enough memory
+    in total, but not in one piece), else ``"capacity"``.
+    """
+
+    size: int
+    stream: int
+    free_total: int
+    largest_free: int
+    reserved: int
+    allocated: int
+    capacity: int | None
+    device_free: int | None = None
+    tag: str | None = None
+    event_index: int | None = None
+
+    @property
+    def kind(self) -> str:
+        available = self.free_total + (self.device_free or 0)
+        return "fragmentation" if self.size <= available else "capacity"
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["kind"] = self.kind
+        return out
+
+
+class AllocatorModel(ABC):
+    """Base class of the allocator models (see :mod:`ms_memopt.allocators`).
+
+    Args:
+        capacity: device memory the pool may reserve in total, in bytes (``None``: unbounded).
+    """
+
+    name: ClassVar[str] = "abstract"
+    #: True when free ranges are contiguous in *virtual* space across physical chunks.
+    virtual: ClassVar[bool] = False
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        self.reserved = 0
+        self.allocated = 0
+        self.peak_reserved = 0
+        self.peak_allocated = 0
+        self.segment_allocs = 0
+        self.ooms: list[OOMRecord] = []
+
+    # --- requests -----------------------------------------------------------------------
+    @abstractmethod
+    def malloc(self, size: int, *, stream: int = 0, pool: str | None = None,
+               tag: str | None = None) -> int | None:
+        """Serve ``size`` bytes; return the block's address, or ``None`` (and record an OOM)."""
+
+    @abstractmethod
+    def free(self, addr: int) -> None:
+        """Free the live block at ``addr`` (its memory is reusable right away)."""
+
+    def empty_cache(self) -> None:
+        """Return idle whole segments to the device (``empty_cache()``); default: nothing."""
+
+    # --- recorded context (replay of real traces) -----------------------------------------
+    def note_segment_alloc(self, addr: int, size: int, stream: int = 0) -> None:
+        """The recording saw a new segment at ``addr``; models may place their next segment there."""
+
+    def release_segment(self, addr: int, size: int, stream: int = 0) -> None:
+        """The recording released the segment at ``addr``; models release it if it is idle."""
+
+    def restore(self, layout: Layout) -> None:
+        """Start from a recorded state (segments and live blocks at their addresses)."""
+        raise NotImplementedError(f"the {self.name} model cannot start from a recorded state")
+
+    # --- state ----------------------------------------------------------------------------
+    @abstractmethod
+    def layout(self) -> Layout:
+        """The current segments and blocks."""
+
+    def metrics(self) -> LayoutMetrics:
+        """:func:`~ms_memopt.metrics.measure` of the current layout."""
+        return measure(self.layout())
+
+    def largest_free(self) -> int:
+        """The largest hole a request could get without growing the pool, in bytes."""
+        return self.metrics().largest_free
+
+    # --- helpers for subclasses -------------------------------------------------------------
+    def _note_usage(self) -> None:
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+
+    def _record_oom(self, size: int, stream: int, tag: str | None) -> None:
+        m = self.metrics()
+        device_free = None if self.capacity is None else max(self.capacity - self.reserved, 0)
+        self.ooms.append(OOMRecord(size=size, stream=stream, free_total=m.free_total,
+                                   largest_free=m.largest_free, reserved=m.reserved,
+                                   allocated=m.allocated, capacity=self.capacity,
+                                   device_free=device_free, tag=tag))
