@@ -126,7 +126,7 @@ class RecomputeConfig:
 class TrainConfig:
     """What the MindFormers sections say about the training step."""
     batch_size: int = 1                 # runner_config.batch_size: sequences per micro-batch
-    optimizer_type: str = "AdamWeightDecay"
+    optimizer_type: str | None = None   # optimizer.type; None: mixed-precision Adam, FP32 states
     max_device_memory: int | None = None  # context.max_device_memory, bytes (GiB-based)
     seed: int = 0
 
@@ -586,7 +586,7 @@ def _read_train(r: _Reader, data: dict) -> TrainConfig:
     ctx = r.section(data, "context", "context")
     return TrainConfig(
         batch_size=r.get(runner, "batch_size", "runner_config.batch_size", r.integer(minimum=1), 1),
-        optimizer_type=r.get(opt, "type", "optimizer.type", r.string, "AdamWeightDecay"),
+        optimizer_type=r.get(opt, "type", "optimizer.type", r.string, None),
         max_device_memory=r.get(ctx, "max_device_memory", "context.max_device_memory", r.mindspore_size, None),
         seed=r.get(data, "seed", "seed", r.integer(minimum=0), 0),
     )
@@ -607,10 +607,10 @@ _EXTRA_KEYS = {"probability", "size", "lifetime_steps"}
 _TRAIN_KEYS = {"steps", "learning_rate", "batch_size", "seed", "dataset", "device", "checkpoint_every_steps"}
 
 
-def _default_optimizer_dtype(optimizer_type: str, param_dtype: str) -> str:
+def _default_optimizer_dtype(optimizer_type: str | None, param_dtype: str) -> str:
     """Adam m/v dtype: MindSpore's ``nn.AdamWeightDecay`` clones the parameters (same dtype);
-    ``FP32StateAdamWeightDecay`` and other Adam variants keep FP32 states."""
-    if "FP32" in optimizer_type.upper():
+    ``FP32StateAdamWeightDecay``, other Adam variants and no ``optimizer.type`` keep FP32 states."""
+    if optimizer_type is None or "FP32" in optimizer_type.upper():
         return "float32"
     return param_dtype if optimizer_type == "AdamWeightDecay" else "float32"
 
