@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,8 @@ def test_minimal_recipe_gets_documented_defaults():
     assert r.model.intermediate_size == llama_ffn_size(64) == 256
     assert r.model.compute_dtype == r.model.param_init_type == "bfloat16"
     assert (r.parallel.data_parallel, r.parallel.model_parallel, r.parallel.pipeline_stage) == (1, 1, 1)
-    assert r.memopt == MemoptConfig(grad_dtype="bfloat16")
+    assert (r.memopt.workload.seq_min, r.memopt.workload.seq_max) == (4, 32)   # seq_length / 8 .. seq_length
+    assert dataclasses.replace(r.memopt, workload=MemoptConfig().workload) == MemoptConfig(grad_dtype="bfloat16")
     assert r.memopt.zero_stage == 0 and r.memopt.master_weights
     assert r.memopt.allocator.increase_size == 2**30 and not r.memopt.allocator.pregrow
     assert r.capacity is None
@@ -175,6 +177,11 @@ def test_unknown_memopt_key_suggests_the_right_one():
      "parallel_config.pipeline_stage", "num_layers"),
     (lambda d: d.update(context={"max_device_memory": "0GB"}), "context.max_device_memory", "positive"),
     (lambda d: d.update(memopt={"allocator": {"name": "tcmalloc"}}), "memopt.allocator.name", "mindspore"),
+    (lambda d: d.update(memopt={"workload": {"seq_max": 64}}), "memopt.workload.seq_max", "seq_length (32)"),
+    (lambda d: d.update(memopt={"workload": {"seq_min": 16, "seq_max": 8}}), "memopt.workload.seq_min", "seq_max"),
+    (lambda d: d.update(memopt={"workload": {"long_tail": 1.5}}), "memopt.workload.long_tail", "<= 1"),
+    (lambda d: d.update(memopt={"workload": {"seq_distribution": "zipf"}}), "memopt.workload.seq_distribution",
+     "lognormal"),
 ])
 def test_bad_values_name_key_value_and_expectation(mutate, key, expected):
     data = copy.deepcopy(TINY)

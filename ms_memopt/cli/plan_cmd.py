@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from ..estimate import REGIONS, Estimate, StageEstimate, estimate
@@ -29,7 +30,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     if args.capacity is not None:
-        import dataclasses
         hbm = parse_size(args.capacity, source="--capacity")
         device = dataclasses.replace(recipe.memopt.device, hbm=hbm)
         recipe = dataclasses.replace(recipe, memopt=dataclasses.replace(recipe.memopt, device=device))
