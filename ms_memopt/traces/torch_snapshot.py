@@ -12,7 +12,8 @@ with :class:`SafeUnpickler`, which refuses every global, so only builtin contain
 
 Mapping to :class:`~ms_memopt.events.Event`:
 
-* ``alloc`` -> ``alloc`` with the recorded ``addr`` and a fresh ``id``;
+* ``alloc`` -> ``alloc`` with the recorded ``addr`` and a fresh ``id`` (``time`` in seconds
+  from ``time_us`` when present);
 * ``free_completed`` (and the oldest files' ``free``) -> ``free`` of the latest live ``alloc``
   at that address: the block becomes reusable only once the stream has finished with it, so
   ``free_requested`` is left out;
@@ -257,7 +258,7 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
         if isinstance(stream, bool) or not isinstance(stream, int):
             raise InputError(f"{where}: expected an integer 'stream', got {stream!r}", source=source)
         t = entry.get("time_us")
-        time = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+        time = t / 1e6 if isinstance(t, (int, float)) and not isinstance(t, bool) else None  # seconds
         if action == "alloc":
             events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time))
             live_id[addr] = next_id
