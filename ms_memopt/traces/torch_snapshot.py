@@ -84,7 +84,10 @@ def safe_load(path: str | Path):
     try:
         return SafeUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as exc:
-        raise InputError(f"not a safe PyTorch memory snapshot: {exc}", source=source) from None
+        if str(exc).startswith("refused"):
+            raise InputError(f"not a safe PyTorch memory snapshot: {exc}", source=source) from None
+        kind = "truncated" if "truncated" in str(exc) else "malformed"
+        raise InputError(f"{kind} pickle ({exc}); expected a PyTorch memory snapshot", source=source) from None
     except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
             OverflowError, MemoryError, RecursionError, UnicodeDecodeError) as exc:
         kind = "truncated" if isinstance(exc, EOFError) else "malformed"
