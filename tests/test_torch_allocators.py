@@ -140,6 +140,17 @@ def test_empty_cache_releases_only_idle_segments():
     assert m.reserved == 0 and m.layout().segments == []
 
 
+def test_release_segment_stands_in_for_a_diverged_one():
+    m = TorchCachingAllocator()
+    a = m.malloc(3 * MiB)
+    b = m.malloc(30 * MiB)
+    m.free(a)
+    m.release_segment(0xdead_0000, 20 * MiB)     # not the model's: its idle 20 MiB segment goes
+    assert m.reserved == 30 * MiB
+    m.release_segment(b, 30 * MiB)               # in use: stays
+    assert m.reserved == 30 * MiB
+
+
 def test_oom_record_and_release_then_retry():
     m = TorchCachingAllocator(capacity=64 * MiB)
     a = m.malloc(30 * MiB)

@@ -6,6 +6,8 @@ import pickle
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ms_memopt.errors import InputError
 from ms_memopt.events import Event, Trace
@@ -114,6 +116,8 @@ def test_truncated_empty_missing_and_garbage_files(tmp_path):
     ({"segments": [_segment(0, 2 * MiB, [_block(0, MiB)])], "device_traces": [[]]}, "blocks cover"),
     ({"segments": [_segment(0, MiB, [_block(0, MiB, state="zombie")])], "device_traces": [[]]}, "unknown state"),
     ({"segments": [_segment(0, MiB, [_block(0, MiB)], kind="huge")], "device_traces": [[]]}, "segment_type"),
+    ({"segments": [_segment(0, 2 * MiB, [_block(0, 2 * MiB)]), _segment(MiB, 2 * MiB, [_block(MiB, 2 * MiB)])],
+      "device_traces": [[]]}, "overlap"),
 ])
 def test_wrong_shape_is_an_input_error_naming_the_file(tmp_path, data, message):
     path = _write(tmp_path, data)
@@ -329,3 +333,40 @@ def test_memory_viz_round_trip_shared(tmp_path, name):
     again = read_torch_snapshot(out)
     assert [_key(e) for e in again.events] == [_key(e) for e in trace.events]
     assert again.final == trace.final and again.initial == trace.initial
+
+
+# --- fuzzing: whatever the bytes or the shape, only InputError comes out ------------------------------
+_scalar = st.one_of(st.none(), st.booleans(), st.integers(-2, 2**50), st.floats(allow_nan=False),
+                    st.text(max_size=8), st.sampled_from(["alloc", "free_completed", "segment_alloc",
+                                                          "inactive", "active_allocated", "large", "small"]))
+_value = st.recursive(_scalar, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(
+        ["segments", "device_traces", "address", "total_size", "size", "addr", "action", "state",
+         "blocks", "stream", "segment_type", "device"]), inner, max_size=6)), max_leaves=25)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=_value)
+def test_fuzzed_shapes_only_raise_input_error(tmp_path, data):
+    path = _write(tmp_path, data, "fuzz.pickle")
+    try:
+        trace = read_torch_snapshot(path)
+    except InputError as exc:
+        assert str(exc).startswith(str(path))
+    else:
+        trace.final.check()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(0, 10_000), flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)),
+                                                   max_size=4))
+def test_fuzzed_bytes_only_raise_input_error(tmp_path, cut, flips):
+    whole = bytearray(_synthetic(tmp_path).read_bytes())
+    for pos, byte in flips:
+        whole[pos % len(whole)] = byte
+    path = tmp_path / "bytes.pickle"
+    path.write_bytes(bytes(whole[: cut % (len(whole) + 1)]))
+    try:
+        read_torch_snapshot(path)
+    except InputError as exc:
+        assert str(exc).startswith(str(path))

@@ -321,8 +321,16 @@ class TorchCachingAllocator(AllocatorModel):
             self._recorded.append((addr, size, stream))
 
     def release_segment(self, addr: int, size: int, stream: int = 0) -> None:
+        """Release the recorded segment if it is idle here; after a divergence, an idle segment
+        of the same size and stream stands in for it (the recording released an idle one)."""
         if addr in self._segments and self._idle(addr):
             self._release(addr)
+            return
+        for start in self._segment_addrs:
+            seg_size, seg_stream, _ = self._segments[start]
+            if seg_size == size and seg_stream == stream and self._idle(start):
+                self._release(start)
+                return
 
     def restore(self, layout: Layout) -> None:
         self._reset()

@@ -317,6 +317,11 @@ class TorchExpandableAllocator(AllocatorModel):
     def empty_cache(self) -> None:
         self._unmap_all()
 
+    def release_segment(self, addr: int, size: int, stream: int = 0) -> None:
+        """A recorded ``segment_free`` means the recording ran ``empty_cache()`` (or released
+        cached memory before an OOM retry): unmap the free pages, as that would here."""
+        self._unmap_all()
+
     def restore(self, layout: Layout) -> None:
         self._reset()
         for seg in sorted(layout.segments, key=lambda s: s.addr):

@@ -158,6 +158,9 @@ def _final_layout(segments: list, device: int, source: str) -> Layout:
             raise InputError(f"{where}: blocks cover {cursor - addr} bytes, segment has {total}", source=source)
         out.append(Segment(addr, total, blocks, stream=stream, pool=kind))
     out.sort(key=lambda s: s.addr)
+    for before, after in zip(out, out[1:]):
+        if after.addr < before.end:
+            raise InputError(f"segments at {before.addr:#x} and {after.addr:#x} overlap", source=source)
     return Layout(out)
 
 
