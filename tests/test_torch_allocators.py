@@ -56,6 +56,9 @@ def test_roundup_power2_divisions():
 def test_bad_options(option, value):
     with pytest.raises(InputError, match=option):
         create("torch", **{option: value})
+    if option == "roundup_power2_divisions":
+        with pytest.raises(InputError, match=option):
+            create("torch-expandable", **{option: value})
 
 
 def test_small_pool_split_and_best_fit_lowest_address():

@@ -38,7 +38,7 @@ from ..errors import InputError
 from ..layout import Block, Layout, Segment
 from .base import AllocatorModel
 
-__all__ = ["TorchCachingAllocator", "round_size", "allocation_size"]
+__all__ = ["TorchCachingAllocator", "round_size", "allocation_size", "check_divisions"]
 
 MiB = 1 << 20
 MIN_BLOCK = 512                 # kMinBlockSize
@@ -78,6 +78,13 @@ def round_size(size: int, divisions: int = 0) -> int:
     return (size + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
 
 
+def check_divisions(divisions: int | None) -> None:
+    """Raise :class:`InputError` unless ``divisions`` is ``None`` or a power of two >= 1."""
+    d = divisions
+    if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1 or d & (d - 1)):
+        raise InputError(f"must be a power of two >= 1, got {d!r}", key="roundup_power2_divisions")
+
+
 def allocation_size(rounded: int) -> int:
     """The segment size the allocator asks the driver for when nothing cached fits.
 
@@ -111,10 +118,7 @@ class TorchCachingAllocator(AllocatorModel):
                     or max_split_size_mb <= LARGE_BUFFER // MiB:
                 raise InputError(f"must be an integer > {LARGE_BUFFER // MiB} (MiB), got {max_split_size_mb!r}",
                                  key="max_split_size_mb")
-        if roundup_power2_divisions is not None:
-            d = roundup_power2_divisions
-            if isinstance(d, bool) or not isinstance(d, int) or d < 1 or d & (d - 1):
-                raise InputError(f"must be a power of two >= 1, got {d!r}", key="roundup_power2_divisions")
+        check_divisions(roundup_power2_divisions)
         self.max_split_size = None if max_split_size_mb is None else max_split_size_mb * MiB
         self.divisions = roundup_power2_divisions or 0
         self._reset()

@@ -36,7 +36,7 @@ from bisect import bisect_left, insort
 
 from ..layout import Block, Layout, Segment
 from .base import AllocatorModel
-from .torch import MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER, LARGE_BUFFER, round_size
+from .torch import LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, check_divisions, round_size
 
 __all__ = ["TorchExpandableAllocator"]
 
@@ -72,8 +72,7 @@ class TorchExpandableAllocator(AllocatorModel):
 
     def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None) -> None:
         super().__init__(capacity)
-        from .torch import TorchCachingAllocator
-        TorchCachingAllocator(roundup_power2_divisions=roundup_power2_divisions)  # validates the option
+        check_divisions(roundup_power2_divisions)
         self.divisions = roundup_power2_divisions or 0
         self.range_size = UNBOUNDED_RANGE if capacity is None else capacity + capacity // 8
         self._reset()
