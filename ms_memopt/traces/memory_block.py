@@ -116,16 +116,19 @@ def _records(handle, source: str, width: int):
         yield pending_line, "\n".join(pending)
 
 
-def _split_row(text: str, columns: list[str], free_text: int | None, source: str, line: int) -> list[str]:
+def _split_row(text: str, columns: list[str], free_text: int | None, trailing: bool, source: str,
+               line: int) -> list[str]:
     parts = text.split(",")
     width = len(columns)
-    if len(parts) == width + 1 and parts[-1].strip() == "":
-        parts.pop()  # the writer's trailing comma
+    if trailing:
+        # the writer ends every field with a comma; a row without the last one was cut short
+        if parts[-1].strip() != "":
+            raise InputError(f"expected {width} fields each followed by a comma as in the header; the row "
+                             "does not end with a comma (truncated row?)", source=source, line=line)
+        parts.pop()
     if len(parts) == width:
         return parts
     if len(parts) > width and free_text is not None:
-        if parts[-1].strip() == "":
-            parts.pop()
         after = width - free_text - 1
         if len(parts) >= width:
             head = parts[:free_text]
@@ -160,14 +163,14 @@ def read_memory_block(path: str | Path) -> Trace:
             if missing:
                 raise InputError(f"not a MindSpore memory_block.csv header: missing {', '.join(missing)}; "
                                  f"expected columns {', '.join(REQUIRED_COLUMNS)}, ...", source=source, line=1)
-            return _read_rows(handle, columns, source)
+            return _read_rows(handle, columns, header.rstrip().endswith(","), source)
     except UnicodeDecodeError:
         raise InputError("not UTF-8 text; expected a MindSpore memory_block.csv", source=source) from None
     except OSError as exc:
         raise InputError(f"cannot read: {exc.strerror}", source=source) from None
 
 
-def _read_rows(handle, columns: list[str], source: str) -> Trace:
+def _read_rows(handle, columns: list[str], trailing: bool, source: str) -> Trace:
     index = {name: i for i, name in enumerate(columns)}
     free_text = index.get(_FREE_TEXT_COLUMN)
     i_start, i_end = index["start_time_stamp"], index["end_time_stamp"]
@@ -179,7 +182,7 @@ def _read_rows(handle, columns: list[str], source: str) -> Trace:
     rows = never_freed = inner_rows = inner_bytes = unknown_end = 0
     pools: set[str] = set()
     for line, text in _records(handle, source, len(columns)):
-        fields = _split_row(text, columns, free_text, source, line)
+        fields = _split_row(text, columns, free_text, trailing, source, line)
         rows += 1
         start = _int(fields[i_start], "start_time_stamp", source, line)
         end = _int(fields[i_end], "end_time_stamp", source, line)
