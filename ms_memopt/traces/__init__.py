@@ -130,6 +130,9 @@ def load_trace(path: str | Path, *, format: str | None = None) -> Trace:
             trace = reader(path)
         except InputError:
             raise
+        except ImportError as exc:  # the reader's own helpers load lazily too
+            raise InputError(f"looks like a {FORMATS[format][0]}, but its reader is not available ({exc})",
+                             source=source) from None
         except _FOREIGN_ERRORS as exc:
             raise InputError(f"cannot read as a {FORMATS[format][0]}: {type(exc).__name__}: {exc}"[:300],
                              source=source) from None
