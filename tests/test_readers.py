@@ -75,6 +75,15 @@ def test_memory_block_2_10_sample():
     _paired(trace)
 
 
+def test_header_only_file_as_written_on_cpu(tmp_path):
+    """MindSpore 2.10 on CPU writes only this header (CPU blocks are not tracked): zero events."""
+    header = ("start_time_stamp,end_time_stamp,device_addr,stream_id,pool_type,size,actual_used_memory,"
+              "actual_peak_memory,file_name,line_num,type,producer_task,task_name,node_name,graph_name,"
+              "user_tasks,last_user_task,python_stack,is_persistent,is_small,\n")
+    trace = load_trace(_write(tmp_path, "memory_block.csv", header))
+    assert trace.format == "mindspore-memory-block" and trace.events == [] and trace.meta["layout"] == "2.10"
+
+
 def test_older_layout_reads_the_same_events():
     new = read_memory_block(DATA / "memory_block_2.10.csv")
     old = read_memory_block(DATA / "memory_block_older.csv")
