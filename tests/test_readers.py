@@ -140,7 +140,10 @@ def test_msmemscope_shared_baseline():
     trace = load_trace(_shared("traces", "msmemscope", "baseline.csv"))
     assert trace.format == "msmemscope"
     actions = [e.action for e in trace.events]
-    assert actions.count("alloc") == 18 and actions.count("free") == 14  # as the CSV: 18 PTA MALLOC, 14 FREE
+    # as the CSV: 18 PTA MALLOC, 14 FREE; plus one placeholder for memory held before recording
+    assert actions.count("alloc") == 19 and actions.count("free") == 14
+    held = trace.events[1]
+    assert (held.action, held.id, held.tag, held.addr, held.size) == ("alloc", 0, "pre-trace", 0x12c041200000, 4096)
     assert actions.count("segment_alloc") == 3 and actions.count("segment_free") == 2
     assert trace.meta["other_device_allocs"] == 3  # HAL allocations holding no PTA tensor
     inferred = trace.events[0]

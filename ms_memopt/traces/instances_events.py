@@ -54,6 +54,8 @@ def read_instances_trace(path: str | Path) -> Trace:
     Raises:
         InputError: whatever the instances reader rejects (it names file and line).
     """
-    from .instances import read_instances  # written separately; imported when needed
+    from . import instances  # written separately; imported when needed
 
-    return instances_to_trace(read_instances(path), source=str(path))
+    # the instance reader is called read_instance on its branch; accept either spelling
+    read = getattr(instances, "read_instances", None) or getattr(instances, "read_instance")
+    return instances_to_trace(read(path), source=str(path))

@@ -19,7 +19,11 @@ Mapping (``Event`` / ``Event Type``):
 * Segments that existed before recording started: when framework allocations fall outside every
   recorded segment, and the first event's ``total`` says how much the pool already held, one
   segment of that size is inferred, placed at the allocations' lowest address rounded down to
-  2 MiB when it still covers them (``tag="inferred"``, ``meta["inferred_segments"]``).
+  2 MiB when it still covers them (``tag="inferred"``, ``meta["inferred_segments"]``). When the
+  lowest such allocation lies above that base, the space below it is held by an ``alloc`` of id 0
+  (``tag="pre-trace"``, ``meta["pre_trace_bytes"]``): memory allocated before recording began and
+  not freed while it ran (with it, the torch model reproduces every recorded address of the
+  shared baseline).
 
 Rows are sorted by ``Timestamp(ns)`` (the file is not in time order), then by ``ID``. Only one
 device is replayed: the lowest ``Device Id`` with memory events (``meta["devices"]`` lists all).
@@ -210,9 +214,15 @@ def _to_trace(rows: list[_Row], devices: set[str], source: str) -> Trace:
     inferred = _infer_initial_segment(outside, first_total, rows, pool_segment)
     if inferred is not None:
         base, size = inferred
-        events.append(Event("segment_alloc", size=size, addr=base, time=rows[0].time if rows else None,
-                            tag="inferred"))
+        start = rows[0].time if rows else None
+        events.append(Event("segment_alloc", size=size, addr=base, time=start, tag="inferred"))
         meta["inferred_segments"] = 1
+        low = min(r.addr for r in outside)
+        if low > base:
+            # the pool placed the first recorded tensor above the segment's base: something
+            # allocated before recording began still holds [base, low)
+            events.append(Event("alloc", id=0, size=low - base, addr=base, time=start, tag="pre-trace"))
+            meta["pre_trace_bytes"] = low - base
 
     segment_of_free: dict[int, bool] = {}  # base -> is a pool segment (for matching HAL frees)
     open_ids: dict[int, int] = {}  # allocation_id or addr -> event id
