@@ -54,8 +54,10 @@ def _models(wanted: list[str] | None, notes: list[str]) -> list[str]:
 
 def _traces(n_events: int, notes: list[str]):
     started = time.perf_counter()
-    yield f"synthetic {n_events:,}", synthetic_trace(n_events, seed=0)
+    trace = synthetic_trace(n_events, seed=0)
     notes.append(f"synthetic trace built in {time.perf_counter() - started:.1f} s")
+    yield f"synthetic {n_events:,}", trace
+    del trace
     for relative in SHARED_TRACES:
         path = SHARED / relative
         if not path.exists():
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     models = _models(args.models.split(",") if args.models else None, notes)
     by_trace: dict[str, dict[str, float | None]] = {}
+    failures: dict[tuple[str, str], list[str]] = {}
     for label, trace in _traces(args.events, notes):
         row: dict[str, float | None] = {}
         # short traces are timed several times (best of), the big one once
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 row[name] = _throughput(trace, name, repeats)
             except Exception as exc:  # a model failing on one trace must not hide the others
-                notes.append(f"{name} on {label}: {type(exc).__name__}: {exc}"[:200])
+                failures.setdefault((name, f"{type(exc).__name__}: {exc}"[:160]), []).append(label)
                 row[name] = None
         by_trace[f"{label} ({len(trace.events):,} ev)"] = row
 
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         if synthetic.get(name) is not None:
             verdict = "meets" if synthetic[name] >= TARGET else "BELOW"
             print(f"{name}: {synthetic[name]:,.0f} events/s on the synthetic trace, {verdict} the {TARGET:,} target")
+    for (name, message), labels in failures.items():
+        notes.append(f"{name} failed on {', '.join(labels)}: {message}")
     for note in notes:
         print(f"note: {note}")
     print(json.dumps({"events_per_s": synthetic, "by_trace": by_trace, "events": args.events, "target": TARGET}))
