@@ -34,6 +34,7 @@ Example:
 """
 from __future__ import annotations
 
+import gc
 import re
 from pathlib import Path
 
@@ -50,6 +51,7 @@ _FREE_TEXT_COLUMN = "python_stack"
 # a data row starts with a (possibly negative) integer timestamp; anything else continues the
 # previous row's free text (a python_stack with newlines)
 _ROW_START = re.compile(r"^-?\d+,")
+_ROW_FIRST = set("-0123456789")
 _NULL_ADDRESSES = {"", "0", "(nil)", "nil", "null", "nullptr", "0x0"}
 
 
@@ -102,7 +104,7 @@ def _records(handle, source: str, width: int):
     pending_line = 0
     for number, text in enumerate(handle, start=2):
         text = text.rstrip("\r\n")
-        if _ROW_START.match(text):
+        if text[:1] in _ROW_FIRST and _ROW_START.match(text):
             if pending is not None:
                 yield pending_line, "\n".join(pending)
             pending, pending_line = [text], number
@@ -171,37 +173,75 @@ def read_memory_block(path: str | Path) -> Trace:
 
 
 def _read_rows(handle, columns: list[str], trailing: bool, source: str) -> Trace:
+    # building a million small objects triggers the cyclic GC over and over; none of them form cycles
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _read_rows_fast(handle, columns, trailing, source)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _row_values(fields: list[str], cols: tuple, source: str, line: int) -> tuple[int, int, int, int | None, int]:
+    """(start, end, size, addr, stream) of a row, with messages naming the bad field."""
+    i_start, i_end, i_size, i_addr, i_stream = cols
+    start = _int(fields[i_start], "start_time_stamp", source, line)
+    end = _int(fields[i_end], "end_time_stamp", source, line)
+    size = _int(fields[i_size], "size", source, line)
+    if size < 0:
+        raise InputError(f"size: expected a non-negative integer, got {size}", source=source, line=line)
+    addr = parse_address(fields[i_addr], source=source, line=line)
+    stream = _int(fields[i_stream], "stream_id", source, line) if i_stream is not None and fields[i_stream].strip() else 0
+    return start, end, size, addr, stream
+
+
+def _read_rows_fast(handle, columns: list[str], trailing: bool, source: str) -> Trace:
     index = {name: i for i, name in enumerate(columns)}
     free_text = index.get(_FREE_TEXT_COLUMN)
     i_start, i_end = index["start_time_stamp"], index["end_time_stamp"]
     i_addr, i_size = index["device_addr"], index["size"]
     i_stream, i_type = index.get("stream_id"), index.get("type")
     i_persistent, i_pool = index.get("is_persistent"), index.get("pool_type")
+    cols = (i_start, i_end, i_size, i_addr, i_stream)
+    width = len(columns) + (1 if trailing else 0)
 
-    keyed: list[tuple[int, int, int, Event]] = []
+    keys: list[int] = []
+    events: list[Event] = []
     rows = never_freed = inner_rows = inner_bytes = unknown_end = 0
     pools: set[str] = set()
+    last_pool = None
     for line, text in _records(handle, source, len(columns)):
-        fields = _split_row(text, columns, free_text, trailing, source, line)
+        fields = text.split(",")
+        if len(fields) == width and (not trailing or fields[-1] == ""):
+            if trailing:
+                fields.pop()
+        else:
+            fields = _split_row(text, columns, free_text, trailing, source, line)
         rows += 1
-        start = _int(fields[i_start], "start_time_stamp", source, line)
-        end = _int(fields[i_end], "end_time_stamp", source, line)
-        size = _int(fields[i_size], "size", source, line)
-        if size < 0:
-            raise InputError(f"size: expected a non-negative integer, got {size}", source=source, line=line)
+        try:  # fast path; any doubt goes through the checks that name the field
+            start, end, size = int(fields[i_start]), int(fields[i_end]), int(fields[i_size])
+            addr = int(fields[i_addr], 0) or None
+            stream = int(fields[i_stream]) if i_stream is not None else 0
+            if size < 0 or addr is not None and addr < 0:
+                raise ValueError
+        except ValueError:
+            start, end, size, addr, stream = _row_values(fields, cols, source, line)
         if start < 0:
             inner_rows += 1
             inner_bytes += size
             continue
-        addr = parse_address(fields[i_addr], source=source, line=line)
-        stream = _int(fields[i_stream], "stream_id", source, line) if i_stream is not None and fields[i_stream].strip() else 0
-        tag = fields[i_type].strip() or None if i_type is not None else None
-        persistent = i_persistent is not None and fields[i_persistent].strip().lower() in ("1", "true")
-        if i_pool is not None and fields[i_pool].strip():
-            pools.add(fields[i_pool].strip())
-        pool = "persistent" if persistent else None
-        keyed.append((start, 1, rows, Event("alloc", id=rows, size=size, addr=addr, stream=stream,
-                                            pool=pool, time=start, tag=tag)))
+        tag = (fields[i_type].strip() or None) if i_type is not None else None
+        pool = None
+        if i_persistent is not None and fields[i_persistent].strip() in ("1", "true", "True"):
+            pool = "persistent"
+        if i_pool is not None and fields[i_pool] != last_pool:
+            last_pool = fields[i_pool]
+            if last_pool.strip():
+                pools.add(last_pool.strip())
+        # sort key: time, then frees (0) before allocs (1), then row order
+        keys.append(((start << 1) | 1) << 40 | rows)
+        events.append(Event("alloc", rows, size, addr, stream, pool, start, tag, None))
         if end == NEVER_FREED:
             never_freed += 1
         elif end < 0:
@@ -209,10 +249,10 @@ def _read_rows(handle, columns: list[str], trailing: bool, source: str) -> Trace
         elif end < start:
             raise InputError(f"end_time_stamp {end} is before start_time_stamp {start}", source=source, line=line)
         else:
-            keyed.append((end, 0, rows, Event("free", id=rows, addr=addr, stream=stream, time=end)))
-    # equal times cannot happen with one counter; if they do, frees first (half-open lifetimes)
-    keyed.sort(key=lambda item: (item[0], item[1], item[2]))
+            keys.append((end << 1) << 40 | rows)
+            events.append(Event("free", rows, 0, addr, stream, None, end, None, None))
+    order = sorted(range(len(keys)), key=keys.__getitem__)
     meta = {"rows": rows, "never_freed": never_freed, "somas_inner_rows": inner_rows,
             "somas_inner_bytes": inner_bytes, "unknown_end_rows": unknown_end, "pools": sorted(pools),
             "layout": "2.10" if "actual_used_memory" in index else "older", "time_unit": "logical"}
-    return Trace([item[3] for item in keyed], source=source, format=FORMAT, meta=meta)
+    return Trace([events[i] for i in order], source=source, format=FORMAT, meta=meta)
