@@ -188,3 +188,28 @@ def test_console_exit_code_and_message(tmp_path):
                           text=True, env=env, timeout=60)
     assert proc.returncode == 2
     assert "empty file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_empty_trace_replays(tmp_path, fake_model, capsys):
+    header = ("start_time_stamp,end_time_stamp,device_addr,stream_id,pool_type,size,actual_used_memory,"
+              "actual_peak_memory,file_name,line_num,type,producer_task,task_name,node_name,graph_name,"
+              "user_tasks,last_user_task,python_stack,is_persistent,is_small,\n")
+    path = _bad(tmp_path, "memory_block.csv", header.encode())
+    code, out, _ = _run(["replay", str(path), "--allocator", fake_model, "--json"], capsys)
+    result = json.loads(out)  # strict JSON: no Infinity even with nothing timed
+    assert code == 0 and result["events"] == 0 and result["events_per_s"] in (None, 0.0)
+
+
+def test_first_oom_is_described(fake_model, capsys):
+    code, out, _ = _run(["replay", str(DATA / "memory_block_2.10.csv"), "--allocator", fake_model,
+                         "--capacity", "10MiB"], capsys)
+    assert code == 0 and "first OOM" in out and "at event" in out
+
+
+def test_export_memory_viz(tmp_path, capsys):
+    pytest.importorskip("ms_memopt.traces.memory_viz")
+    pytest.importorskip("ms_memopt.allocators.mindspore")
+    target = tmp_path / "viz.pickle"
+    code, _, err = _run(["replay", str(DATA / "memory_block_2.10.csv"), "--export-memory-viz", str(target)], capsys)
+    assert code == 0, err
+    assert target.stat().st_size > 0

@@ -76,7 +76,7 @@ def parse_address(text: str, *, source: str | None = None, line: int | None = No
 
     Example:
         >>> parse_address("0x12c041400000"), parse_address("4096"), parse_address("(nil)")
-        (20615843397632, 4096, None)
+        (20616937734144, 4096, None)
     """
     text = text.strip()
     if text.lower() in _NULL_ADDRESSES:
