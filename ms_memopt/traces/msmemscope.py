@@ -25,7 +25,8 @@ Mapping (``Event`` / ``Event Type``):
   not freed while it ran (with it, the torch model reproduces every recorded address of the
   shared baseline).
 
-Rows are sorted by ``Timestamp(ns)`` (the file is not in time order), then by ``ID``. Only one
+Rows are sorted by ``Timestamp(ns)`` (the file is not in time order), then by ``ID``; another
+unit in the column name (``Timestamp(us)``) is accepted and kept in ``meta["time_unit"]``. Only one
 device is replayed: the lowest ``Device Id`` with memory events (``meta["devices"]`` lists all).
 ``time`` is the timestamp in nanoseconds.
 """
@@ -42,7 +43,7 @@ from .memory_block import parse_address
 __all__ = ["FORMAT", "REQUIRED_COLUMNS", "looks_like_msmemscope", "read_msmemscope", "parse_attr"]
 
 FORMAT = "msmemscope"
-REQUIRED_COLUMNS = ("ID", "Event", "Event Type", "Timestamp(ns)", "Device Id", "Attr")
+REQUIRED_COLUMNS = ("ID", "Event", "Event Type", "Device Id", "Attr")  # plus Timestamp(<unit>)
 _SEGMENT_TYPE = "HAL"
 _HOST_TYPES = {"HOST", "HOST_PINNED"}
 _SEGMENT_ALIGN = 2 * 2**20
@@ -54,7 +55,11 @@ def looks_like_msmemscope(first_line: str) -> bool:
         columns = next(csv.reader([first_line.lstrip("\ufeff")]))
     except (csv.Error, StopIteration):
         return False
-    return all(name in columns for name in REQUIRED_COLUMNS)
+    return all(name in columns for name in REQUIRED_COLUMNS) and _time_column(columns) is not None
+
+
+def _time_column(columns: list[str]) -> str | None:
+    return next((c for c in columns if c.startswith("Timestamp")), None)
 
 
 def parse_attr(text: str, *, source: str | None = None, line: int | None = None) -> dict[str, str]:
@@ -127,10 +132,13 @@ def _read(handle, source: str) -> Trace:
                              source=source, line=1)
         header[0] = header[0].lstrip("\ufeff")
         missing = [c for c in REQUIRED_COLUMNS if c not in header]
+        time_column = _time_column(header)
+        if time_column is None:
+            missing.append("Timestamp(ns)")
         if missing:
             raise InputError(f"not an msMemScope CSV header: missing {', '.join(missing)}", source=source, line=1)
         col = {name: i for i, name in enumerate(header)}
-        width = max(col[c] for c in REQUIRED_COLUMNS) + 1
+        width = max(col[c] for c in REQUIRED_COLUMNS + (time_column,)) + 1
         i_ptr, i_name = col.get("Ptr"), col.get("Name")
         rows: list[_Row] = []
         devices: set[str] = set()
@@ -148,10 +156,10 @@ def _read(handle, source: str) -> Trace:
             if event not in ("MALLOC", "FREE", "MSTX"):
                 continue
             try:
-                time = int(fields[col["Timestamp(ns)"]])
+                time = int(fields[col[time_column]])
                 order = int(fields[col["ID"]])
             except ValueError:
-                raise InputError("Timestamp(ns) and ID: expected integers", source=source, line=line) from None
+                raise InputError(f"{time_column} and ID: expected integers", source=source, line=line) from None
             if event == "MSTX":
                 name = fields[i_name].strip() if i_name is not None else ""
                 rows.append(_Row(time, order, line, event, kind, None, None, 0, None, name or kind))
@@ -169,14 +177,15 @@ def _read(handle, source: str) -> Trace:
             rows.append(_Row(time, order, line, event, kind, handle_id, addr, size, total, device))
     except csv.Error as exc:
         raise InputError(f"malformed CSV ({exc})", source=source, line=reader.line_num) from None
-    return _to_trace(rows, devices, source)
+    unit = time_column[len("Timestamp"):].strip("() ") or "ns"
+    return _to_trace(rows, devices, source, unit)
 
 
 def _device_key(device: str):
     return (0, int(device)) if device.isdigit() else (1, device)
 
 
-def _to_trace(rows: list[_Row], devices: set[str], source: str) -> Trace:
+def _to_trace(rows: list[_Row], devices: set[str], source: str, unit: str) -> Trace:
     rows.sort(key=lambda r: (r.time, r.order))
     device = min(devices, key=_device_key) if devices else None
     rows = [r for r in rows if r.event == "MSTX" or r.name == device]
@@ -209,7 +218,7 @@ def _to_trace(rows: list[_Row], devices: set[str], source: str) -> Trace:
             outside.append(row)
 
     events: list[Event] = []
-    meta: dict = {"devices": sorted(devices, key=_device_key), "device": device, "time_unit": "ns",
+    meta: dict = {"devices": sorted(devices, key=_device_key), "device": device, "time_unit": unit,
                   "other_device_allocs": 0, "other_device_bytes": 0, "inferred_segments": 0}
     inferred = _infer_initial_segment(outside, first_total, rows, pool_segment)
     if inferred is not None:
