@@ -213,3 +213,14 @@ def test_export_memory_viz(tmp_path, capsys):
     code, _, err = _run(["replay", str(DATA / "memory_block_2.10.csv"), "--export-memory-viz", str(target)], capsys)
     assert code == 0, err
     assert target.stat().st_size > 0
+
+
+def test_model_that_cannot_restore_exits_2(capsys, monkeypatch, fake_model):
+    from ms_memopt.events import Trace
+    from ms_memopt.layout import Layout
+
+    monkeypatch.setattr("ms_memopt.traces.load_trace",
+                        lambda path, format=None: Trace([], source=str(path), format="torch-snapshot",
+                                                        initial=Layout([])))
+    code, _, err = _run(["replay", "snapshot.pickle", "--allocator", fake_model], capsys)
+    assert code == 2 and "cannot start from a recorded state" in err and "--allocator" in err

@@ -68,7 +68,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise InputError(f"allocator model {name!r} is not available in this build ({exc})",
                          key="--allocator") from None
-    result = replay(trace, model)
+    try:
+        result = replay(trace, model)
+    except NotImplementedError as exc:  # e.g. a model that cannot start from a snapshot's state
+        raise InputError(f"{exc}; this trace starts from a recorded state, try --allocator "
+                         f"{'torch' if trace.format == 'torch-snapshot' else 'mindspore'}",
+                         key="--allocator") from None
     if args.export_memory_viz:
         try:
             from ..traces.memory_viz import write_memory_viz
