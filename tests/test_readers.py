@@ -373,3 +373,10 @@ def test_fuzz_pool_debug_dump(cut, flips):
 def test_fuzz_memory_block_rows(text):
     header = "start_time_stamp,end_time_stamp,device_addr,stream_id,size,type,python_stack,is_persistent,\n"
     _load_or_input_error(load_trace, (header + text).encode(), ".csv")
+
+
+def test_jsonl_segment_events_need_an_address(tmp_path):
+    path = _write(tmp_path, "e.jsonl", '{"format": "ms-memopt-events", "version": 1}\n'
+                                       '{"action":"segment_alloc","size":4096}\n')
+    with pytest.raises(InputError, match="event 1 \\(segment_alloc\\) has no 'addr'"):
+        load_trace(path)

@@ -100,6 +100,14 @@ def detect_format(path: str | Path) -> str:
     raise InputError(f"unknown trace format (first line {shown!r}); expected {_EXPECTED}", source=source, line=1)
 
 
+def _check_segment_events(trace: Trace, source: str) -> None:
+    """Segment events need the segment's address (allocator models place and release by it)."""
+    for number, event in enumerate(trace.events, start=1):
+        if event.action in ("segment_alloc", "segment_free") and event.addr is None:
+            raise InputError(f"event {number} ({event.action}) has no 'addr'; segment events need the "
+                             "segment's base address", source=source)
+
+
 def _reader(name: str) -> Callable[[str | Path], Trace]:
     module_name, function = FORMATS[name][1].split(":")
     return getattr(importlib.import_module(module_name), function)
@@ -138,6 +146,8 @@ def load_trace(path: str | Path, *, format: str | None = None) -> Trace:
                              source=source) from None
     else:
         trace = reader(path)
+    if format == "jsonl":
+        _check_segment_events(trace, source)
     if not trace.format:
         trace.format = format
     if not trace.source:
