@@ -131,7 +131,7 @@ def test_layout_check_finds_adjacent_free_blocks():
 events_strategy = st.lists(st.builds(
     Event,
     action=st.sampled_from(["alloc", "free", "segment_alloc", "step", "mark"]),
-    id=st.integers(0, 2**40), size=st.integers(1, 2**40), addr=st.none() | st.integers(0, 2**48),
+    id=st.integers(0, 2**40), size=st.integers(1, 2**40), addr=st.integers(0, 2**48),
     stream=st.integers(0, 7), pool=st.none() | st.sampled_from(["persistent", "common"]),
     time=st.none() | st.floats(0, 1e9), tag=st.none() | st.text(max_size=10), step=st.none() | st.integers(0, 10**6),
 ), max_size=30)

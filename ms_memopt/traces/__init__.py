@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import pickle
 from pathlib import Path
 from typing import Callable
 
@@ -45,9 +44,6 @@ FORMATS: dict[str, tuple[str, str]] = {
 _EXPECTED = ("a PyTorch snapshot pickle, an ms-memopt JSONL log, a MindSpore memory_block.csv, "
              "an msMemScope CSV or an id,lower,upper,size instance CSV")
 _SNIFF_BYTES = 65536
-# readers written in other modules may fail in ways of their own on hostile input
-_FOREIGN_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError, OverflowError,
-                   RecursionError, pickle.UnpicklingError, UnicodeDecodeError, MemoryError)
 
 
 def detect_format(path: str | Path) -> str:
@@ -100,13 +96,6 @@ def detect_format(path: str | Path) -> str:
     raise InputError(f"unknown trace format (first line {shown!r}); expected {_EXPECTED}", source=source, line=1)
 
 
-def _check_segment_events(trace: Trace, source: str) -> None:
-    """Segment events need the segment's address (allocator models place and release by it)."""
-    for number, event in enumerate(trace.events, start=1):
-        if event.action in ("segment_alloc", "segment_free") and event.addr is None:
-            raise InputError(f"event {number} ({event.action}) has no 'addr'; segment events need the "
-                             "segment's base address", source=source)
-
 
 def _reader(name: str) -> Callable[[str | Path], Trace]:
     module_name, function = FORMATS[name][1].split(":")
@@ -128,26 +117,7 @@ def load_trace(path: str | Path, *, format: str | None = None) -> Trace:
         format = detect_format(path)
     elif format not in FORMATS:
         raise InputError(f"unknown trace format {format!r}; expected one of {', '.join(FORMATS)}", key="--format")
-    try:
-        reader = _reader(format)
-    except ImportError as exc:
-        raise InputError(f"looks like a {FORMATS[format][0]}, but its reader is not available ({exc})",
-                         source=source) from None
-    if format in ("torch-snapshot", "instances"):
-        try:
-            trace = reader(path)
-        except InputError:
-            raise
-        except ImportError as exc:  # the reader's own helpers load lazily too
-            raise InputError(f"looks like a {FORMATS[format][0]}, but its reader is not available ({exc})",
-                             source=source) from None
-        except _FOREIGN_ERRORS as exc:
-            raise InputError(f"cannot read as a {FORMATS[format][0]}: {type(exc).__name__}: {exc}"[:300],
-                             source=source) from None
-    else:
-        trace = reader(path)
-    if format == "jsonl":
-        _check_segment_events(trace, source)
+    trace = _reader(format)(path)
     if not trace.format:
         trace.format = format
     if not trace.source:
