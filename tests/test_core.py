@@ -1,14 +1,13 @@
 """Units, errors, layout metrics and the JSONL event format."""
 from __future__ import annotations
 
-import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ms_memopt.errors import InputError
-from ms_memopt.events import Event, EventWriter, Trace, read_jsonl, write_jsonl
+from ms_memopt.events import Event, EventWriter, read_jsonl, write_jsonl
 from ms_memopt.layout import Block, Layout, Segment
 from ms_memopt.metrics import fits, frag_ratio, hole_histogram, measure
 from ms_memopt.units import format_size, parse_count, parse_size

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ms_memopt.errors import InputError
-from ms_memopt.events import Event, Trace, read_jsonl, write_jsonl
+from ms_memopt.events import Event, Trace, write_jsonl
 from ms_memopt.metrics import measure
 from ms_memopt.traces import FORMATS, detect_format, load_trace
 from ms_memopt.traces.instances_events import instances_to_trace
