@@ -45,7 +45,7 @@ from ..layout import Block, Layout, Segment
 from ..metrics import LayoutMetrics, measure
 
 __all__ = ["Move", "Run", "CompactionPlan", "plan_compaction", "apply_plan", "slide_targets",
-           "coalesce_runs"]
+           "coalesce_runs", "run_bounds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +169,17 @@ def slide_targets(addrs: np.ndarray, sizes: np.ndarray, pinned: np.ndarray, star
     return targets, stopped_by
 
 
+def run_bounds(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index bounds ``(starts, stops)`` of the runs in a move list (see :func:`coalesce_runs`);
+    arrays, for executors that loop over thousands of runs."""
+    n = len(src)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    joins = (src[1:] == src[:-1] + size[:-1]) & ((src[1:] - dst[1:]) == (src[:-1] - dst[:-1]))
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return starts, np.append(starts[1:], n)
+
+
 def coalesce_runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[Run]:
     """Merge consecutive moves into runs: move ``i+1`` joins move ``i``'s run when its source
     starts where ``i``'s ends and both shift by the same delta (one memmove moves both).
@@ -181,12 +192,7 @@ def coalesce_runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[Ru
     src = np.asarray(src, dtype=np.int64)
     dst = np.asarray(dst, dtype=np.int64)
     size = np.asarray(size, dtype=np.int64)
-    n = len(src)
-    if n == 0:
-        return []
-    joins = (src[1:] == src[:-1] + size[:-1]) & ((src[1:] - dst[1:]) == (src[:-1] - dst[:-1]))
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    stops = np.append(starts[1:], n)
+    starts, stops = run_bounds(src, dst, size)
     ends = src + size
     return [Run(int(src[a]), int(dst[a]), int(ends[b - 1] - src[a]), int(a), int(b - a))
             for a, b in zip(starts.tolist(), stops.tolist())]
