@@ -132,6 +132,17 @@ def test_when_frag_above_and_arenas():
     assert callback.step_end(3) is None     # nothing left to gain
 
 
+def test_layout_fn_gives_the_record_figures():
+    arena = Arena(8 * 1024, alignment=1024)
+    handles = [arena.alloc(1024) for _ in range(8)]
+    for h in handles[1::2]:
+        arena.free(h)
+    callback = CompactionCallback(every=1, arenas=[arena], layout_fn=arena.layout, live=False, barrier=None)
+    record = callback.step_end(1)
+    assert (record["largest_free_before"], record["largest_free_after"]) == (1024, 4096)
+    assert (record["frag_ratio_before"], record["frag_ratio_after"]) == (3.0, 0.0)
+
+
 def test_registered_parameters_are_included():
     extra = Parameter(Tensor(np.arange(6, dtype=np.float32)), name="extra_state")
     register(extra)
