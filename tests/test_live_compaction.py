@@ -186,3 +186,31 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_graph_mode_training_with_compaction_is_bit_identical():
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        ref_losses, ref_params, _ = _train()
+        losses, params, _ = _train(CompactionCallback(every=2, barrier=None))
+    finally:
+        ms.set_context(mode=mode)
+    assert losses == ref_losses
+    assert all(np.array_equal(a, b) for a, b in zip(params, ref_params))
+
+
+def test_bfloat16_and_float16_parameters_keep_dtype_and_bits():
+    base = np.random.default_rng(3).standard_normal(64).astype(np.float32)
+    params = [Parameter(Tensor(base).astype(ms.bfloat16), name="bf16"),
+              Parameter(Tensor(base.astype(np.float16)), name="fp16")]
+    before = [p.asnumpy().copy() for p in params]
+    live_compact(params)
+    assert [p.dtype for p in params] == [ms.bfloat16, ms.float16]
+    assert all(np.array_equal(p.asnumpy().view(np.uint16), b.view(np.uint16)) for p, b in zip(params, before))
+
+
+def test_nan_and_negative_zero_survive_verification():
+    p = Parameter(Tensor(np.array([np.nan, -0.0, 1.0], dtype=np.float32)), name="odd")
+    live_compact([p])
+    assert np.array_equal(p.asnumpy().view(np.uint32), np.array([np.nan, -0.0, 1.0], np.float32).view(np.uint32))

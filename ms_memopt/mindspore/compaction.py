@@ -167,6 +167,14 @@ def _pynative() -> bool:
     return ms.get_context("mode") == ms.PYNATIVE_MODE
 
 
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit-for-bit equality (NaN payloads and -0.0 included), any dtype."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return np.array_equal(np.ascontiguousarray(a).reshape(-1).view(np.uint8),
+                          np.ascontiguousarray(b).reshape(-1).view(np.uint8))
+
+
 def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: bool = True,
                  release: bool = True) -> LiveCompactionReport:
     """Relocate ``tensors`` (Parameters) so they land together in freshly allocated memory.
@@ -230,7 +238,7 @@ def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: b
     t2 = time.perf_counter()
     if verify:
         for p, h in zip(params, hosts):
-            if not np.array_equal(p.asnumpy(), h, equal_nan=h.dtype.kind in "fc"):
+            if not _same_bits(p.asnumpy(), h):
                 raise CompactionError(f"parameter {p.name} changed during compaction")
     return LiveCompactionReport(
         tensors=len(params), bytes=int(sum(h.nbytes for h in hosts)),
