@@ -399,8 +399,9 @@ class StoreBarrier:
             raise BarrierTimeout(f"{exc} within {self.timeout:.0f} s (barrier_timeout); a rank died "
                                  f"or hung before compacting — giving up instead of hanging") from None
         except Exception as exc:
-            raise BarrierTimeout(f"{what}: the barrier store failed ({exc!r}); rank 0, which hosts "
-                                 f"it at {self.host}:{self.port}, probably died") from exc
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise BarrierTimeout(f"{what}: the barrier store failed ({first_line}); rank 0, which "
+                                 f"hosts it at {self.host}:{self.port}, probably died") from exc
         return any(_as_text(v) == "1" for v in votes)
 
 
