@@ -6,7 +6,8 @@ parameters on CPU.
    ``np.copyto`` of the same number of bytes in the same buffer, right after each compaction.
    ``arena_fraction_of_memmove`` = best memmove time / best compaction time (both best of N:
    the machine is shared and noisy); the median of the per-round ratios is printed too.
-2. Planner: ``plan_compaction`` on the same arena's ``Layout`` (the simulator's path).
+2. Planner: ``plan_compaction`` on the same arena's ``Layout`` (the simulator's path), and its
+   effect on synthetic layouts shaped like the field report (printed first).
 3. Live: ``live_compact`` of float32 Parameters (default 256 MiB in 64 tensors) on CPU, with and
    without read-back verification -> seconds per GB; plus the extra time of the first training
    step after a compaction in a tiny PyNative job (the optimizer's jit graph recompiles).
@@ -30,6 +31,83 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ms_memopt.arena import Arena, ArenaFull  # noqa: E402
 from ms_memopt.compaction import plan_compaction  # noqa: E402
+from ms_memopt.layout import Block, Layout, Segment  # noqa: E402
+
+GB = 10**9
+GiB = 2**30
+
+
+def _segment(addr: int, items: list[tuple[bool, int, bool]]) -> Segment:
+    blocks, cursor = [], addr
+    for i, (live, size, pinned) in enumerate(items):
+        blocks.append(Block(cursor, size, live, id=(addr + i) if live else None, pinned=pinned))
+        cursor += size
+    return Segment(addr, cursor - addr, blocks)
+
+
+def field_report_layout(rng: np.random.Generator, pinned_every: int | None = None) -> Layout:
+    """One 96 GB range: 82 GB in 400 tensors, 14 GB free in 9 holes of at most 3 GB."""
+    holes = [int(h * GB) for h in (3, 2.5, 2, 2, 1.5, 1, 1, 0.5, 0.5)]
+    sizes = (rng.dirichlet(np.ones(400)) * 82 * GB).astype(np.int64)
+    after = set(rng.choice(400, len(holes), replace=False).tolist())
+    items, k = [], 0
+    for i, size in enumerate(sizes.tolist()):
+        items.append((True, size, pinned_every is not None and i % pinned_every == 0))
+        if i in after:
+            items.append((False, holes[k], False))
+            k += 1
+    return Layout([_segment(0, items)], capacity=96 * GB)
+
+
+def doubling_pool_layout(rng: np.random.Generator) -> Layout:
+    """Segments of 1, 2, ... 32 GiB (a pool grown by doubling), ~70 % of 8-512 MiB blocks live."""
+    segments, addr = [], 0
+    for k in range(6):
+        size, used, items = GiB << k, 0, []
+        while used < size:
+            block = int(min(rng.integers(8 << 20, 512 << 20), size - used))
+            live = bool(rng.random() < 0.7)
+            if items and not live and not items[-1][0]:
+                items[-1] = (False, items[-1][1] + block, False)
+            else:
+                items.append((live, block, False))
+            used += block
+        segments.append(_segment(addr, items))
+        addr += size + GiB
+    return Layout(segments, capacity=96 * GB)
+
+
+def planner_examples() -> dict:
+    """The planner on synthetic layouts shaped like the field report; sizes in GB."""
+    rng = np.random.default_rng(1)
+    field = field_report_layout(rng)
+    pinned = field_report_layout(rng, pinned_every=25)
+    pool = doubling_pool_layout(rng)
+    cases = [("field-report shape, one 96 GB range", field, {}),
+             ("same, target_largest_free=4.2GB", field, {"target_largest_free": int(4.2 * GB)}),
+             ("same, max_bytes=10GB", field, {"max_bytes": 10 * GB}),
+             ("field-report shape, every 25th tensor pinned", pinned, {}),
+             ("pool of doubling segments 1..32 GiB", pool, {}),
+             ("same, evacuate=True", pool, {"evacuate": True})]
+    print("planner on example layouts (GB = 1e9 bytes)")
+    print(f"{'layout':<46} {'free':>5} {'largest before->after':>22} {'frag before->after':>19} "
+          f"{'moved':>6} {'moves':>5} {'released':>8}")
+    out = {}
+    for name, layout, options in cases:
+        t0 = time.perf_counter()
+        plan = plan_compaction(layout, **options)
+        seconds = time.perf_counter() - t0
+        s = plan.summary()
+        print(f"{name:<46} {s['free_total_before'] / GB:>5.1f} "
+              f"{s['largest_free_before'] / GB:>10.2f} -> {s['largest_free_after'] / GB:>6.2f}    "
+              f"{s['frag_ratio_before']:>7.2f} -> {s['frag_ratio_after']:>6.2f}   "
+              f"{s['bytes_moved'] / GB:>6.1f} {s['moves']:>5} {s['released_segments']:>8}  ({seconds * 1e3:.0f} ms)")
+        out.setdefault("planner_examples", []).append({"layout": name, **s})
+    full, target = out["planner_examples"][0], out["planner_examples"][1]
+    out["planner_field_full_gb_moved"] = full["bytes_moved"] / GB
+    out["planner_field_target_gb_moved"] = target["bytes_moved"] / GB
+    print()
+    return out
 
 
 def fragment(arena: Arena, seed: int) -> int:
@@ -148,6 +226,7 @@ def main() -> None:
     parser.add_argument("--live-tensors", type=int, default=64)
     parser.add_argument("--no-live", action="store_true", help="skip the MindSpore part")
     args = parser.parse_args()
+    examples = planner_examples()
     print(f"arena compaction, {args.arena_mib} MiB host arena, {args.rounds} rounds")
     figures = bench_arena(args.arena_mib << 20, args.rounds)
     print(f"\narena compaction throughput = {figures['arena_fraction_of_memmove']:.2f} x numpy memmove "
@@ -155,6 +234,8 @@ def main() -> None:
           f"Layout planner on the same arena: {figures['layout_planner_seconds'] * 1e3:.0f} ms")
     if not args.no_live:
         figures.update(bench_live(args.live_mib << 20, args.live_tensors, args.rounds))
+    figures["planner_field_full_gb_moved"] = examples["planner_field_full_gb_moved"]
+    figures["planner_field_target_gb_moved"] = examples["planner_field_target_gb_moved"]
     print(json.dumps(figures))
 
 
