@@ -151,6 +151,11 @@ def test_registered_parameters_are_included():
     finally:
         unregister(extra)
     assert not any(t is extra for t in long_lived_tensors())
+    register(extra)
+    del extra
+    import gc
+    gc.collect()
+    assert not any(t.name == "extra_state" for t in long_lived_tensors())   # weak registry
 
 
 def test_barrier_timeout_is_clear_when_peer_is_missing():

@@ -38,7 +38,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+import weakref
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -72,11 +73,13 @@ class BarrierTimeout(RuntimeError):
 
 # --- the registry -----------------------------------------------------------------------------
 
-_REGISTRY: dict[int, Parameter] = {}
+# weak: registering a Parameter does not keep it alive
+_REGISTRY: "weakref.WeakValueDictionary[int, Parameter]" = weakref.WeakValueDictionary()
 
 
 def register(*tensors: Parameter) -> None:
-    """Make ``tensors`` (Parameters) part of every live compaction, beside the network's."""
+    """Make ``tensors`` (Parameters) part of every live compaction, beside the network's.
+    The registry holds weak references: a Parameter nobody else holds drops out."""
     for t in tensors:
         if not isinstance(t, Parameter):
             raise TypeError(f"only Parameters can be relocated in place, got {type(t).__name__}")
