@@ -1,0 +1,1 @@
+"""Trace readers: every format becomes a :class:`~ms_memopt.events.Trace`."""
