@@ -3,9 +3,9 @@
 For each buffer, the already placed buffers alive at the same time are found with one numpy
 mask over all placed buffers, sorted by offset, and the first address gap of at least
 ``size`` bytes is taken (first fit) — or the tightest such gap (best fit). Orders tried:
-by size (the classic "greedy by size" of TFLite and MindSpore SOMAS), by lifetime, by area,
-and by start time. On compiler-exported instances (SOMAS) the size order usually reaches
-the peak-live lower bound; when it does not, another order often does.
+by breadth (buffers alive at the busiest moments first), by size (the classic "greedy by
+size"), by lifetime, by area and by start time. On compiler-exported instances (MindSpore
+SOMAS) the breadth order often reaches the peak-live lower bound exactly.
 
 Example:
     >>> from ms_memopt.planner.problem import Buffer
@@ -23,19 +23,58 @@ from .problem import Buffer
 
 __all__ = ["ORDERS", "greedy_place", "order_buffers"]
 
-# name -> sort key (smallest key placed first); ties end with the input position for determinism
-ORDERS: dict[str, Callable[[Buffer], tuple]] = {
-    "size": lambda b: (-b.size, -b.lifetime, b.lower),
-    "lifetime": lambda b: (-b.lifetime, -b.size, b.lower),
-    "area": lambda b: (-b.area, -b.size, b.lower),
-    "start": lambda b: (b.lower, -b.size, -b.lifetime),
+def _live_peak_per_buffer(buffers: Sequence[Buffer]) -> np.ndarray:
+    """For each buffer, the largest live-bytes total during its lifetime (its "breadth")."""
+    times = np.unique(np.fromiter((t for b in buffers for t in (b.lower, b.upper)), dtype=np.int64))
+    lowers = np.searchsorted(times, [b.lower for b in buffers])
+    uppers = np.searchsorted(times, [b.upper for b in buffers])
+    sizes = np.fromiter((b.size for b in buffers), dtype=np.int64, count=len(buffers))
+    delta = np.zeros(len(times), dtype=np.int64)
+    np.add.at(delta, lowers, sizes)
+    np.add.at(delta, uppers, -sizes)
+    live = np.cumsum(delta)[:-1]  # live bytes in section k = [times[k], times[k + 1])
+    # sparse table: level j holds the max over 2**j consecutive sections
+    levels = [live]
+    while 2 ** len(levels) <= len(live):
+        prev, half = levels[-1], 2 ** (len(levels) - 1)
+        levels.append(np.maximum(prev[:-half], prev[half:]))
+    spans = uppers - lowers
+    level = np.floor(np.log2(spans)).astype(np.int64)
+    peak = np.empty(len(buffers), dtype=np.int64)
+    for j in np.unique(level):
+        rows = np.flatnonzero(level == j)
+        table = levels[j]
+        peak[rows] = np.maximum(table[lowers[rows]], table[uppers[rows] - 2 ** j])
+    return peak
+
+
+def _keys_breadth(buffers: Sequence[Buffer]) -> list[tuple]:
+    peak = _live_peak_per_buffer(buffers)
+    return [(-int(peak[i]), -b.size, -b.lifetime) for i, b in enumerate(buffers)]
+
+
+def _keys_breadth_lifetime(buffers: Sequence[Buffer]) -> list[tuple]:
+    peak = _live_peak_per_buffer(buffers)
+    return [(-int(peak[i]), -b.lifetime, -b.size) for i, b in enumerate(buffers)]
+
+
+# name -> function giving one sort key per buffer (smallest placed first; ties by input position)
+ORDERS: dict[str, Callable[[Sequence[Buffer]], list[tuple]]] = {
+    # buffers alive at the busiest moment first, so the peak is packed without gaps (TFLite's
+    # "greedy by breadth"); then each time's buffers by size
+    "breadth": _keys_breadth,
+    "breadth-lifetime": _keys_breadth_lifetime,
+    "size": lambda bufs: [(-b.size, -b.lifetime, b.lower) for b in bufs],
+    "lifetime": lambda bufs: [(-b.lifetime, -b.size, b.lower) for b in bufs],
+    "area": lambda bufs: [(-b.area, -b.size, b.lower) for b in bufs],
+    "start": lambda bufs: [(b.lower, -b.size, -b.lifetime) for b in bufs],
 }
 
 
 def order_buffers(buffers: Sequence[Buffer], order: str) -> list[int]:
     """Indices of ``buffers`` in the placement order named ``order`` (a key of :data:`ORDERS`)."""
-    key = ORDERS[order]
-    return sorted(range(len(buffers)), key=lambda i: (key(buffers[i]), i))
+    keys = ORDERS[order](buffers)
+    return sorted(range(len(buffers)), key=lambda i: (keys[i], i))
 
 
 def greedy_place(buffers: Sequence[Buffer], *, order: str = "size", fit: str = "first") -> dict[str, int]:
@@ -45,6 +84,8 @@ def greedy_place(buffers: Sequence[Buffer], *, order: str = "size", fit: str = "
     lowest), falling back to the top of the stack when no gap fits. Returns id -> offset.
     """
     n = len(buffers)
+    if n == 0:
+        return {}
     lowers = np.fromiter((b.lower for b in buffers), dtype=np.int64, count=n)
     uppers = np.fromiter((b.upper for b in buffers), dtype=np.int64, count=n)
     sizes = np.fromiter((b.size for b in buffers), dtype=np.int64, count=n)

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
 from .problem import Buffer
 from .sections import Sections
 
@@ -45,7 +47,9 @@ PREFERENCES: dict[str, Callable[[Buffer], tuple]] = {
     "area": lambda b: (-b.area, -b.size),
 }
 
-_CHECK_EVERY = 512  # nodes between clock reads
+
+
+_FORCED_PER_NODE = 16  # forced raises applied together in one node
 
 
 @dataclass
@@ -109,7 +113,7 @@ class _Search:
         rank = [0] * len(sub)
         for r, i in enumerate(order):
             rank[i] = r
-        self.cover = [sorted(c, key=rank.__getitem__) for c in self.sec.cover]
+        self.rank = rank
         self.min_size = min(self.sizes, default=1)
 
     def run(self, deadline: float | None, node_limit: int | None) -> SearchResult:
@@ -117,122 +121,119 @@ class _Search:
         ids = [b.id for b in self.buffers]
         if n == 0:
             return SearchResult({i: 0 for i in ids}, False, 0)
-        if max(self.sizes) > self.capacity:
+        capacity = self.capacity
+        if max(self.sizes) > capacity:
             return SearchResult(None, True, 0)
-        sizes, first, last, cover = self.sizes, self.sec.first, self.sec.last, self.cover
         count = self.sec.count
-        big = self.capacity + 1  # floor of a section where nothing is left to place
-        floor = [0] * count
-        remaining = [len(c) for c in cover]
-        rem_bytes = [sum(sizes[u] for u in c) for c in cover]
-        if any(rem_bytes[k] > self.capacity for k in range(count)):
+        sizes = np.asarray(self.sizes, dtype=np.int64)
+        first = np.asarray(self.sec.first, dtype=np.int64)
+        last = np.asarray(self.sec.last, dtype=np.int64)
+        delta = np.zeros(count + 1, dtype=np.int64)
+        np.add.at(delta, first, 1)
+        np.add.at(delta, last, -1)
+        remaining = np.cumsum(delta)[:-1]  # unplaced buffers alive in each section
+        delta[:] = 0
+        np.add.at(delta, first, sizes)
+        np.add.at(delta, last, -sizes)
+        rem_bytes = np.cumsum(delta)[:-1]  # their bytes
+        if int(rem_bytes.max()) > capacity:
             return SearchResult(None, True, 0)
-        key = [0 if remaining[k] else big for k in range(count)]  # floor, or big when done
-        min_off = [0] * n
+        big = capacity + 1  # the key of a section where nothing is left to place
+        key = np.where(remaining > 0, 0, big).astype(np.int64)  # the floor, or big when done
+        rank = self.rank
+        placed = np.zeros(n, dtype=bool)
+        min_off = np.zeros(n, dtype=np.int64)
         offset = [0] * n
-        placed = [False] * n
+        firsts, lasts, size_list = self.sec.first, self.sec.last, self.sizes
+        min_size = self.min_size
         left = n
         nodes = 0
-        capacity = self.capacity
-        min_size = self.min_size
 
         def expand() -> list:
-            """The node's frame: [s, f, candidates, raises, next choice, undo record].
+            """The node's frame: [f, candidates, raises, next choice, undo record].
 
-            Looks at every section of the lowest run: one with no candidate is raised at once
-            (a forced move, ``candidates`` empty); otherwise the section with the fewest
-            candidates is branched on (fail first), with one skip raise as its last branch.
+            In the run of sections at the lowest floor ``f``, a section where no unplaced buffer
+            can sit at ``f`` is raised at once (a forced move, no candidates); otherwise the
+            section with the fewest candidates is branched on (fail first), with raising it
+            (the skip branch) as its last branch. ``raises`` is empty for a dead end.
             """
-            f = min(key)
-            s = key.index(f)
-            lo = s
-            while lo > 0 and key[lo - 1] == f:
-                lo -= 1
-            hi = s + 1
-            while hi < count and key[hi] == f:
-                hi += 1
-            left_wall = key[lo - 1] if lo > 0 else big
-            right_wall = key[hi] if hi < count else big
-            forced = []
-            best = None
-            for t in range(lo, hi):
-                if remaining[t] == 0:
-                    continue
-                candidates = []
-                skip_to = big
-                for u in cover[t]:
-                    if placed[u]:
-                        continue
-                    crossing = 0
-                    if first[u] < lo:
-                        crossing = left_wall
-                    if last[u] > hi and right_wall > crossing:
-                        crossing = right_wall
-                    if crossing:  # rests above a neighbouring floor at best
-                        bound = crossing if crossing > min_off[u] else min_off[u]
-                    elif min_off[u] <= f:
-                        candidates.append(u)
-                        bound = f + min_size
-                    else:
-                        bound = min_off[u] if min_off[u] > f + min_size else f + min_size
-                    if bound < skip_to:
-                        skip_to = bound
-                if skip_to + rem_bytes[t] > capacity:
-                    skip_to = big  # raising this section cannot fit
-                if not candidates:
-                    if skip_to >= big:
-                        return [t, f, (), (), 0, None]  # dead end
-                    forced.append((t, skip_to))
-                elif not forced and (best is None or len(candidates) < len(best[2])):
-                    best = [t, f, candidates, ((t, skip_to),) if skip_to < big else (), 0, None]
-            if forced:
-                return [forced[0][0], f, (), forced, 0, None]
-            return best
+            f = int(key.min())
+            s = int(key.argmin())
+            off_floor = key != f
+            before = np.flatnonzero(off_floor[:s])
+            lo = int(before[-1]) + 1 if before.size else 0
+            after = np.flatnonzero(off_floor[s:])
+            hi = s + int(after[0]) if after.size else count
+            left_wall = int(key[lo - 1]) if lo > 0 else big
+            right_wall = int(key[hi]) if hi < count else big
+            unplaced = ~placed
+            inside = (first >= lo) & (last <= hi)
+            candidate = unplaced & inside & (min_off <= f)
+            # lowest address each unplaced buffer could take if nothing sits at f where it is
+            crossing = np.maximum(np.where(first < lo, left_wall, 0), np.where(last > hi, right_wall, 0))
+            bound = np.where(inside, np.maximum(min_off, f + min_size), np.maximum(crossing, min_off))
+            width = hi - lo
+            per_section = np.cumsum(np.bincount(first[candidate] - lo, minlength=width + 1)
+                                    - np.bincount(last[candidate] - lo, minlength=width + 1))[:width]
+            busy = remaining[lo:hi] > 0
+            empty = np.flatnonzero(busy & (per_section == 0))
+            if empty.size:
+                forced = []
+                for t in (lo + empty[:_FORCED_PER_NODE]).tolist():
+                    covering = unplaced & (first <= t) & (last > t)
+                    target = int(bound[covering].min())
+                    if target + int(rem_bytes[t]) > capacity:
+                        return [f, (), (), 0, None]  # dead end: the section cannot hold its buffers
+                    forced.append((t, target))
+                return [f, (), forced, 0, None]
+            t = lo + int(np.argmin(np.where(busy, per_section, n + 1)))
+            covering = unplaced & (first <= t) & (last > t)
+            chosen = np.flatnonzero(candidate & covering)
+            candidates = sorted(chosen.tolist(), key=rank.__getitem__)
+            target = int(bound[covering].min())
+            raises = ((t, target),) if target + int(rem_bytes[t]) <= capacity else ()
+            return [f, candidates, raises, 0, None]
 
         stack = [expand()]
         while stack:
             frame = stack[-1]
-            s, f, candidates, skip_to, choice, undo = frame  # skip_to: the raises of the last branch
+            f, candidates, raises, choice, undo = frame
             if undo is not None:  # take back the previous branch of this node
-                kind, u, old_mins, old_floors = undo
+                u, old_mins = undo
                 for v, m in old_mins:
                     min_off[v] = m
-                if kind == "place":
-                    for k in range(first[u], last[u]):
-                        remaining[k] += 1
-                        rem_bytes[k] += sizes[u]
-                        floor[k] = f
-                        key[k] = f
+                if u >= 0:
+                    a, b = firsts[u], lasts[u]
+                    remaining[a:b] += 1
+                    rem_bytes[a:b] += size_list[u]
+                    key[a:b] = f
                     placed[u] = False
                     left += 1
                 else:
-                    for t in old_floors:
-                        floor[t] = f
+                    for t, _ in raises:
                         key[t] = f
-                frame[5] = None
+                frame[4] = None
             nodes += 1
-            if nodes % _CHECK_EVERY == 0:
-                if deadline is not None and time.perf_counter() > deadline:
-                    return SearchResult(None, False, nodes)
-                if node_limit is not None and nodes > node_limit:
-                    return SearchResult(None, False, nodes)
+            if deadline is not None and time.perf_counter() > deadline:
+                return SearchResult(None, False, nodes)
+            if node_limit is not None and nodes > node_limit:
+                return SearchResult(None, False, nodes)
             if choice < len(candidates):
                 u = candidates[choice]
-                frame[4] = choice + 1
+                frame[3] = choice + 1
                 old_mins = []
                 for v in candidates[:choice]:  # tried before at this floor: not here again
-                    old_mins.append((v, min_off[v]))
+                    old_mins.append((v, int(min_off[v])))
                     min_off[v] = f + 1
-                top = f + sizes[u]
-                for k in range(first[u], last[u]):
-                    remaining[k] -= 1
-                    rem_bytes[k] -= sizes[u]
-                    floor[k] = top
-                    key[k] = top if remaining[k] else big
+                top = f + size_list[u]
+                a, b = firsts[u], lasts[u]
+                remaining[a:b] -= 1
+                rem_bytes[a:b] -= size_list[u]
+                key[a:b] = np.where(remaining[a:b] > 0, top, big)
                 placed[u] = True
                 offset[u] = f
                 left -= 1
-                frame[5] = ("place", u, old_mins, None)
+                frame[4] = (u, old_mins)
                 if top > capacity:
                     continue
                 if left == 0:
@@ -242,16 +243,15 @@ class _Search:
                     return SearchResult(offsets, False, nodes)
                 stack.append(expand())
                 continue
-            if choice == len(candidates) and skip_to:
-                frame[4] = choice + 1
+            if choice == len(candidates) and raises:
+                frame[3] = choice + 1
                 old_mins = []
                 for v in candidates:
-                    old_mins.append((v, min_off[v]))
+                    old_mins.append((v, int(min_off[v])))
                     min_off[v] = f + 1
-                for t, target in skip_to:
-                    floor[t] = target
+                for t, target in raises:
                     key[t] = target
-                frame[5] = ("raise", None, old_mins, [t for t, _ in skip_to])
+                frame[4] = (-1, old_mins)
                 stack.append(expand())
                 continue
             stack.pop()
