@@ -4,8 +4,10 @@ The idea follows MiniMalloc (Moffitt, ASPLOS 2023): it is enough to search *cano
 placements, where every buffer rests at address 0 or directly on a buffer alive at the same
 time (any placement can be pushed down into one without growing). Time is cut into sections
 (:mod:`.sections`); each has a *floor*, a lower bound on the address of every buffer not yet
-placed that is alive there. At each node the search takes the lowest section ``s`` (floor
-``f``) and branches:
+placed that is alive there. At each node the search looks at the *run* of neighbouring
+sections at the lowest floor ``f``. A section of the run where no unplaced buffer can sit at
+``f`` is raised at once (a forced move). Otherwise it branches on the section ``s`` of the run
+with the fewest candidates (fail first):
 
 * *place u*: some buffer sits at ``f`` in ``s``; it must be one whose whole lifetime lies in the
   run of sections at floor ``f`` around ``s`` (a *candidate*); placing it lifts the floors of
@@ -13,12 +15,13 @@ placed that is alive there. At each node the search takes the lowest section ``s
   (a per-buffer minimum offset), so no placement is reached twice;
 * *skip*: nothing sits at ``f`` in ``s``; the lowest buffer there then rests on a buffer not yet
   placed (so at least ``f + smallest size``) or lies above a neighbouring floor; the floor of
-  ``s`` is raised to the smallest such bound. When there is no candidate this is the only branch.
+  ``s`` is raised to the smallest such bound.
 
 Pruning: in every section, floor + bytes of the unplaced buffers alive there must stay within
 the capacity. Placing a buffer leaves that slack unchanged, so only raises need the check.
 The search is complete: when it ends without a placement, none exists within the capacity.
-The implementation (plain lists, an explicit stack, undo records) is this project's own.
+The implementation (numpy arrays over buffers and sections, so a node costs a few vector
+operations; an explicit stack with undo records instead of recursion) is this project's own.
 
 Example:
     >>> from ms_memopt.planner.problem import Buffer
@@ -38,7 +41,7 @@ import numpy as np
 from .problem import Buffer
 from .sections import Sections
 
-__all__ = ["PREFERENCES", "SearchResult", "search_place", "minimize"]
+__all__ = ["PREFERENCES", "SearchResult", "search_place"]
 
 # name -> key: candidates at a node are tried smallest key first
 PREFERENCES: dict[str, Callable[[Buffer], tuple]] = {
@@ -46,8 +49,6 @@ PREFERENCES: dict[str, Callable[[Buffer], tuple]] = {
     "lifetime": lambda b: (-b.lifetime, -b.size),
     "area": lambda b: (-b.area, -b.size),
 }
-
-
 
 _FORCED_PER_NODE = 16  # forced raises applied together in one node
 
@@ -79,25 +80,6 @@ def search_place(buffers: Sequence[Buffer], capacity: int, *, deadline: float | 
         node_limit: give up after this many nodes.
     """
     return _Search(buffers, capacity, prefer).run(deadline, node_limit)
-
-
-def minimize(buffers: Sequence[Buffer], start_arena: int, floor_bound: int, *,
-             deadline: float | None = None, prefer: str = "size") -> tuple[dict[str, int] | None, bool]:
-    """Shrink the arena below ``start_arena`` (a known feasible arena) down to ``floor_bound``.
-
-    Repeats :func:`search_place` with capacity = best arena found - 1 until the search proves
-    nothing smaller exists or the deadline passes. Returns (best offsets found or None, proven
-    optimal) where proven optimal means the last returned-or-start arena is minimal.
-    """
-    best: dict[str, int] | None = None
-    arena = start_arena
-    while arena > floor_bound:
-        result = search_place(buffers, arena - 1, deadline=deadline, prefer=prefer)
-        if result.offsets is None:
-            return best, result.exhausted
-        best = result.offsets
-        arena = max((best[b.id] + b.size for b in buffers), default=0)
-    return best, True
 
 
 class _Search:

@@ -1,7 +1,7 @@
 """Time sections: the elementary intervals between consecutive lifetime endpoints.
 
-Both the skyline heuristic and the exact search keep one "floor" (lowest free address) per
-section. A buffer alive during ``[lower, upper)`` covers sections ``first .. last - 1``.
+The exact search keeps one floor (lowest address still usable) per section. A buffer alive
+during ``[lower, upper)`` covers sections ``first .. last - 1``.
 
 Example:
     >>> from ms_memopt.planner.problem import Buffer
@@ -27,18 +27,16 @@ class Sections:
     Attributes:
         times: sorted distinct endpoints; section k is ``[times[k], times[k + 1])``.
         first, last: per buffer, its sections are ``range(first[i], last[i])``.
-        cover: per section, the buffers alive in it (in buffer-list order).
     """
 
     times: list[int]
     first: list[int]
     last: list[int]
-    cover: list[list[int]]
 
     @property
     def count(self) -> int:
         """Number of sections."""
-        return len(self.cover)
+        return max(len(self.times) - 1, 0)
 
     @classmethod
     def of(cls, buffers: Sequence[Buffer]) -> "Sections":
@@ -46,8 +44,4 @@ class Sections:
         times = sorted({b.lower for b in buffers} | {b.upper for b in buffers})
         first = [bisect.bisect_left(times, b.lower) for b in buffers]
         last = [bisect.bisect_left(times, b.upper) for b in buffers]
-        cover: list[list[int]] = [[] for _ in range(max(len(times) - 1, 0))]
-        for i in range(len(buffers)):
-            for k in range(first[i], last[i]):
-                cover[k].append(i)
-        return cls(times, first, last, cover)
+        return cls(times, first, last)
