@@ -35,6 +35,7 @@ GREEDY_RUNS: tuple[tuple[str, str], ...] = (
     ("size", "best"), ("start", "best"), ("lifetime", "best"), ("area", "first"),
 )
 
+_GREEDY_SHARE = 0.2  # greedy runs after the first stop once this share of the time is spent
 _FIRST_NODE_LIMIT = 2000  # nodes per search attempt in the first round (at least 4 per buffer);
 # it grows 4x per round
 
@@ -95,28 +96,27 @@ def pack(buffers: Iterable[Buffer], capacity: int | None = None, time_limit: flo
         raise InputError(f"capacity must be an integer number of bytes >= 0, got {capacity!r}",
                          source="capacity")
     deadline = started + limit
+    greedy_until = started + limit * _GREEDY_SHARE
     bound = lower_bound(items)
     goal = max(bound, int(bound * (1.0 + gap)))
     best = _Best(items)
-    optimal = False
     if not items:
         best.offer({}, "empty")
     for order, fit in GREEDY_RUNS if items else ():
         best.offer(greedy_place(items, order=order, fit=fit), f"greedy:{order}/{fit}")
         if best.arena is not None and best.arena <= goal:
             break
-        if time.perf_counter() > deadline and best.arena is not None:
-            break
+        if best.arena is not None and time.perf_counter() > greedy_until:
+            break  # leave most of the time to the search
     if best.arena is None:  # cannot happen unless every greedy run was wrong; stack them
         best.offer(_stacked(items), "stack")
-    optimal = best.arena == bound
-    if capacity is not None and best.arena > capacity and capacity >= bound:
-        outcome = _attempt(best, capacity, deadline)
-        if outcome == "infeasible":
-            optimal = True  # nothing fits in capacity; best stays the smallest we have
+    proven_low = bound  # no arena below this exists
+    if capacity is not None and best.arena > capacity >= bound:
+        if _attempt(best, capacity, deadline) == "infeasible":
+            proven_low = capacity + 1
+    optimal = best.arena <= proven_low
     if not optimal and best.arena > goal and time.perf_counter() < deadline:
-        optimal = _improve(best, bound, goal, deadline)
-    optimal = optimal or best.arena == bound
+        optimal = _improve(best, proven_low, goal, deadline)
     problems = validate(items, best.offsets)
     seconds = time.perf_counter() - started
     ratio = best.arena / bound if bound else 1.0
@@ -155,35 +155,32 @@ def _attempt(best: _Best, target: int, deadline: float) -> str:
     return "timeout"
 
 
-def _improve(best: _Best, bound: int, goal: int, deadline: float) -> bool:
+def _improve(best: _Best, proven_low: int, goal: int, deadline: float) -> bool:
     """Shrink the arena toward ``goal`` by searching at decreasing targets; True if proven optimal.
 
-    Binary search between the largest target proven infeasible and the best arena, each
-    attempt with an equal share of the remaining time; a timeout counts as "not found" for
-    choosing the next target but proves nothing.
+    ``proven_low`` is the smallest arena not yet ruled out (the lower bound, or more when a
+    capacity was proven infeasible). Bisects between the smallest target not yet tried and the
+    best arena, each attempt with a third of the remaining time; a timeout moves the next target
+    up but proves nothing. Once every smaller target has timed out, the rest of the time goes
+    to one attempt just below the best arena.
     """
-    low = bound  # every arena below ``bound`` is impossible
-    proven_low = bound
-    if goal > bound:  # the caller accepts this much: try it straight away
-        remaining = deadline - time.perf_counter()
-        outcome = _attempt(best, goal, min(deadline, time.perf_counter() + remaining / 2))
+    low = proven_low
+    if goal > proven_low:  # the caller accepts this much: all the time goes to reaching it
+        outcome = _attempt(best, goal, deadline)
         if outcome == "infeasible":
             low = proven_low = goal + 1
-        if best.arena <= goal:
+    while best.arena > max(goal, proven_low):
+        now = time.perf_counter()
+        if now >= deadline:
             return False
-    while best.arena > goal and best.arena > proven_low:
-        remaining = deadline - time.perf_counter()
-        if remaining <= 0:
-            return False
-        target = max(goal, (low + best.arena - 1) // 2) if low < best.arena - 1 else best.arena - 1
-        share = deadline if target <= low else time.perf_counter() + remaining / 3
-        outcome = _attempt(best, target, min(deadline, share))
+        if low >= best.arena:
+            target, until = best.arena - 1, deadline
+        else:
+            target = max(goal, (low + best.arena - 1) // 2)
+            until = deadline if target == best.arena - 1 else now + (deadline - now) / 3
+        outcome = _attempt(best, target, until)
         if outcome == "infeasible":
             low = proven_low = target + 1
         elif outcome == "timeout":
             low = target + 1
-            if low >= best.arena:  # every smaller target timed out: try again closer to the top
-                low = proven_low
-                if time.perf_counter() >= deadline:
-                    return False
     return best.arena <= proven_low
