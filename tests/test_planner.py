@@ -302,3 +302,34 @@ def test_cli_bad_input_exits_2_and_names_the_line(tmp_path, capsys, text, extra,
 def test_cli_missing_file_exits_2(tmp_path, capsys):
     assert main(["pack", str(tmp_path / "nope.csv")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_reads_an_event_trace_through_load_trace(tmp_path, capsys, monkeypatch):
+    import ms_memopt.traces as traces
+
+    events = [SimpleNamespace(action="alloc", id="x", size=64), SimpleNamespace(action="alloc", id="y", size=32),
+              SimpleNamespace(action="free", id="x", size=64), SimpleNamespace(action="alloc", id="z", size=64)]
+    monkeypatch.setattr(traces, "load_trace", lambda path: SimpleNamespace(events=events), raising=False)
+    path = tmp_path / "trace.jsonl"
+    path.write_text("{}\n")
+    assert main(["pack", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["buffers"] == 3 and report["lower_bound"] == 96 and report["arena"] == 96
+
+
+def test_cli_without_a_trace_reader_rejects_a_non_instance_file(tmp_path, capsys, monkeypatch):
+    import ms_memopt.traces as traces
+
+    monkeypatch.delattr(traces, "load_trace", raising=False)
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"action": "alloc"}\n')
+    assert main(["pack", str(path)]) == 2
+    assert f"{path}:1:" in capsys.readouterr().err
+
+
+def test_pack_accepts_numpy_integers_and_int_ids():
+    np = pytest.importorskip("numpy")
+    solution = pack([Buffer(1, np.int64(0), np.int64(2), np.int64(4)), Buffer(2, 1, 3, np.int32(4))])
+    assert solution.offsets == {1: 0, 2: 4} and solution.valid
+    with pytest.raises(InputError, match="size must be an integer"):
+        pack([Buffer("a", 0, 1, 1.5)])

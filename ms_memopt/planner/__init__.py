@@ -102,12 +102,12 @@ def pack(buffers: Iterable[Buffer], capacity: int | None = None, time_limit: flo
     best = _Best(items)
     if not items:
         best.offer({}, "empty")
-    for order, fit in GREEDY_RUNS if items else ():
+    for run, (order, fit) in enumerate(GREEDY_RUNS if items else ()):
         best.offer(greedy_place(items, order=order, fit=fit), f"greedy:{order}/{fit}")
         if best.arena is not None and best.arena <= goal:
             break
-        if best.arena is not None and time.perf_counter() > greedy_until:
-            break  # leave most of the time to the search
+        if run >= 1 and time.perf_counter() > greedy_until:
+            break  # greedy by size has run (never worse than it); leave the rest to the search
     if best.arena is None:  # cannot happen unless every greedy run was wrong; stack them
         best.offer(_stacked(items), "stack")
     proven_low = bound  # no arena below this exists

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -88,17 +89,23 @@ class Solution:
 def check_buffers(buffers: Iterable[Buffer], *, source: str | None = None) -> list[Buffer]:
     """Return ``buffers`` as a list after checking ids are unique, sizes >= 0, ``lower < upper``.
 
+    Integer-like values (numpy integers) are converted to ``int``.
+
     Raises:
         InputError: the first bad buffer (``line`` is its 1-based position in the list).
     """
     result = list(buffers)
     seen: set[str] = set()
     for position, buf in enumerate(result, start=1):
+        values = []
         for name in ("lower", "upper", "size"):
             value = getattr(buf, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise InputError(f"buffer {buf.id!r}: {name} must be an integer, got {value!r}",
                                  source=source, line=position)
+            values.append(int(value))
+        if any(type(getattr(buf, name)) is not int for name in ("lower", "upper", "size")):
+            buf = result[position - 1] = Buffer(buf.id, *values)  # numpy integers -> int
         if buf.size < 0:
             raise InputError(f"buffer {buf.id!r}: size must be >= 0, got {buf.size}",
                              source=source, line=position)
