@@ -15,7 +15,9 @@ Example:
 """
 from __future__ import annotations
 
+import numbers
 import time
+import warnings
 from typing import Iterable
 
 from ..errors import InputError
@@ -48,7 +50,6 @@ class _Best:
         self.offsets: dict[str, int] | None = None
         self.arena: int | None = None
         self.method = ""
-        self.rejected: list[str] = []
 
     def offer(self, offsets: dict[str, int] | None, method: str) -> bool:
         """Keep ``offsets`` if valid and smaller than the best so far; True when kept."""
@@ -58,8 +59,9 @@ class _Best:
         if self.arena is not None and arena >= self.arena:
             return False
         problems = validate(self.buffers, offsets, limit=1)
-        if problems:  # a bug in an algorithm: never report it, remember why
-            self.rejected.append(f"{method}: {problems[0]}")
+        if problems:  # a bug in an algorithm: never return it, but say so
+            warnings.warn(f"planner: discarded an invalid placement from {method}: {problems[0]}",
+                          RuntimeWarning, stacklevel=3)
             return False
         self.offsets, self.arena, self.method = offsets, arena, method
         return True
@@ -89,12 +91,18 @@ def pack(buffers: Iterable[Buffer], capacity: int | None = None, time_limit: flo
     """
     started = time.perf_counter()
     items = check_buffers(buffers, source="buffers")
-    limit = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
-    if limit < 0:
+    try:
+        limit = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
+    except (TypeError, ValueError):
+        raise InputError(f"time limit must be a number of seconds, got {time_limit!r}",
+                         source="time_limit") from None
+    if not limit >= 0:
         raise InputError(f"time limit must be >= 0 seconds, got {time_limit}", source="time_limit")
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
-        raise InputError(f"capacity must be an integer number of bytes >= 0, got {capacity!r}",
-                         source="capacity")
+    if capacity is not None:
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 0:
+            raise InputError(f"capacity must be an integer number of bytes >= 0, got {capacity!r}",
+                             source="capacity")
+        capacity = int(capacity)
     deadline = started + limit
     greedy_until = started + limit * _GREEDY_SHARE
     bound = lower_bound(items)
@@ -122,7 +130,7 @@ def pack(buffers: Iterable[Buffer], capacity: int | None = None, time_limit: flo
     ratio = best.arena / bound if bound else 1.0
     return Solution(offsets=best.offsets, arena=best.arena, lower_bound=bound, ratio=ratio,
                     valid=not problems, seconds=seconds, method=best.method, optimal=optimal,
-                    capacity=capacity, problems=problems + best.rejected)
+                    capacity=capacity, problems=problems)
 
 
 def _stacked(items: list[Buffer]) -> dict[str, int]:
