@@ -67,7 +67,7 @@ logger = logging.getLogger("ms_memopt.standalone")
 TRAIN_LOG_NAME = "train.jsonl"
 LAYOUTS_NAME = "layouts.jsonl"
 RUN_META_NAME = "run.json"
-SCAN_LOG_NAME = "scan.jsonl"
+SCAN_LOG_NAME = "scan.jsonl"   # under rank_N/, written by LayoutScanCallback
 _CKPT_DIR = "checkpoints"
 _CKPT_RE = re.compile(r"^step_(\d+)\.ckpt$")
 _FUSED_NAMES = {"fusedadamw", "fused_adamw"}
@@ -289,38 +289,22 @@ class _Checkpointer(Callback):
 
 
 class _ProgressBar(Callback):
-    """tqdm bar: step, loss, step time and the frag ratio of the latest scan (from the scan log)."""
+    """tqdm bar: step, loss, step time and the frag ratio of the latest scan."""
 
-    def __init__(self, total: int, initial: int, scan_log: Path, enabled: bool) -> None:
+    def __init__(self, total: int, initial: int, scan_callback, enabled: bool) -> None:
         super().__init__()
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, disable=not enabled,
                         desc="train")
-        self.scan_log = scan_log
-        self._offset = 0
+        self.scan_callback = scan_callback
         self.frag: float | None = None
-
-    def _latest_frag(self) -> None:
-        try:
-            with open(self.scan_log, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except OSError:
-            return
-        cut = chunk.rfind(b"\n") + 1
-        self._offset += cut
-        for line in chunk[:cut].splitlines():
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if obj.get("kind", "scan") == "scan" and "frag_ratio" in obj:
-                self.frag = obj["frag_ratio"]
 
     def on_train_step_end(self, run_context):
         p = run_context.original_args()
-        self._latest_frag()
+        records = getattr(self.scan_callback, "records", None) or []
+        if records:
+            self.frag = records[-1].frag_ratio
         frag = "n/a" if self.frag is None else f"{self.frag:.2f}"
         self.bar.set_postfix_str(f"loss={p.loss_value:.4f} step={p.step_seconds * 1000:.0f}ms frag={frag}",
                                  refresh=False)
@@ -364,8 +348,10 @@ def _scanned_layout(scan_callback) -> Layout | None:
 
 def _clear_outputs(out: Path) -> None:
     """A fresh run in a used directory starts its logs and checkpoints over."""
-    for name in (TRAIN_LOG_NAME, SCAN_LOG_NAME, LAYOUTS_NAME, RUN_META_NAME):
+    for name in (TRAIN_LOG_NAME, LAYOUTS_NAME, RUN_META_NAME):
         (out / name).unlink(missing_ok=True)
+    for old in out.glob(f"rank_*/{SCAN_LOG_NAME}"):
+        old.unlink()
     for old in (out / _CKPT_DIR).glob("step_*.ckpt"):
         old.unlink()
 
@@ -408,14 +394,23 @@ def _optional(module: str, name: str, not_wired: list[str], feature: str):
         return None
 
 
-def _scan_callback(cls, recipe: Recipe, out: Path, network, optimizer):
+def _scan_callback(cls, recipe: Recipe, out: Path):
     """Build LayoutScanCallback with the keywords it accepts (its signature is the scan branch's)."""
     import inspect
 
     mem = recipe.memopt
+    allocator = mem.allocator
+    options = {"increase_size": allocator.increase_size, "pregrow": allocator.pregrow}
+    if allocator.init_size:
+        options["init_size"] = allocator.init_size
+    name = allocator.name.replace("_", "-")
+    if name == "pool":  # the shadow replays tensors through a plain pool; pool mode has its own regions
+        name, options = "mindspore", {"increase_size": allocator.increase_size}
+    if name != "mindspore":
+        options.pop("pregrow", None), options.pop("init_size", None)
     wanted = {"every": mem.scan_every, "log_dir": str(out), "watch": dict(mem.watch) or None,
-              "network": network, "optimizer": optimizer, "capacity": recipe.capacity,
-              "source": "auto"}
+              "capacity": recipe.capacity, "source": "auto",
+              "model_options": {"allocator": name, "options": options}}
     try:
         accepted = inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -471,7 +466,7 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
     tr, mem = recipe.memopt.train, recipe.memopt
     total = int(steps or tr.steps)
     target = select_device(device)
-    ms.set_context(device_target=target)
+    ms.set_device(target)
     ms.set_seed(tr.seed)
     np.random.seed(tr.seed)
 
@@ -516,7 +511,7 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
     scan_cb = None
     scan_cls = _optional("scan_callback", "LayoutScanCallback", not_wired, "layout scans")
     if scan_cls is not None:
-        scan_cb = _scan_callback(scan_cls, recipe, out, net_with_loss, optimizer)
+        scan_cb = _scan_callback(scan_cls, recipe, out)
         callbacks.append(scan_cb)
         callbacks.append(_LayoutSnapshots(out / LAYOUTS_NAME, scan_cb,
                                           _snapshot_steps(start + 1, total, mem.scan_every)))
@@ -528,7 +523,7 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
             callbacks.append(compaction_cb)
     checkpointer = _Checkpointer(out / _CKPT_DIR, tr.checkpoint_every_steps, total)
     callbacks += [checkpointer, _StepLog(out / TRAIN_LOG_NAME, start),
-                  _ProgressBar(total, start, out / SCAN_LOG_NAME, progress)]
+                  _ProgressBar(total, start, scan_cb, progress)]
 
     params = _CallbackParams(
         network=net_with_loss, train_network=train_net, optimizer=optimizer, train_dataset=None,
@@ -563,7 +558,7 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
             cb.on_train_epoch_end(context)
             cb.on_train_end(context)
     result.checkpoints = checkpointer.saved
-    result.scans = len(getattr(getattr(scan_cb, "scanner", None), "records", []) or [])
+    result.scans = len(getattr(scan_cb, "records", None) or [])
     result.compactions = int(getattr(compaction_cb, "compactions", 0) or 0) if compaction_cb else 0
     result.seconds = time.perf_counter() - started
     meta = {"recipe": recipe.source, **result.to_dict()}
