@@ -24,7 +24,7 @@ def _tiny(tmp_path: Path, **train) -> Path:
         "model": {"model_config": {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
                                    "vocab_size": 64, "intermediate_size": 64, "compute_dtype": "float32",
                                    "param_init_type": "float32"}},
-        "memopt": {"device": {"hbm": "64MiB"}, "scan_every": 2, "watch": {"bucket": "64KiB"},
+        "memopt": {"device": {"hbm": "64MiB"}, "scan_every": 2, "compact_every": 3, "watch": {"bucket": "64KiB"},
                    "allocator": {"increase_size": "256KiB"},
                    "train": {"steps": 4, "batch_size": 2, "checkpoint_every_steps": 2, **train}},
     }
@@ -52,7 +52,9 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert second.start_step == 3
     assert second.losses == full.losses[2:]                     # bit for bit
     assert _losses(part) == _losses(tmp_path / "full")          # the log holds every step once
-    assert (part / "rank_0" / "scan.jsonl").exists()
+    assert full.compactions == 1 and not full.not_wired       # step 3: live parameters moved
+    kinds = [json.loads(line)["kind"] for line in (part / "rank_0" / "scan.jsonl").read_text().splitlines()]
+    assert kinds.count("compaction") == 1 and kinds.count("scan") >= 2
     meta = json.loads((part / "run.json").read_text())
     assert meta["device"] == "CPU" and meta["start_step"] == 3
 

@@ -421,19 +421,21 @@ def _scan_callback(cls, recipe: Recipe, out: Path):
 
 
 def _compaction_callback(cls, recipe: Recipe, out: Path, scan_cb):
-    import inspect
-
+    """CompactionCallback every ``compact_every`` steps (``scan_every`` when only a frag threshold
+    is given), gated by the latest scan's frag ratio; its records join the rank's scan log."""
     mem = recipe.memopt
-    wanted = {"every": mem.compact_every, "frag_above": mem.compact_when_frag_above,
-              "when_frag_above": mem.compact_when_frag_above, "scan_callback": scan_cb,
-              "scanner": getattr(scan_cb, "scanner", None), "log_dir": str(out)}
+
+    def latest_frag():
+        records = getattr(scan_cb, "records", None) or []
+        return records[-1].frag_ratio if records else None
+
     try:
-        accepted = inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        accepted = {}
-    if not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
-        wanted = {k: v for k, v in wanted.items() if k in accepted}
-    return cls(**wanted)
+        from .scan_callback import detect_rank
+        rank = detect_rank()
+    except ImportError:
+        rank = 0
+    return cls(every=mem.compact_every or mem.scan_every, when_frag_above=mem.compact_when_frag_above,
+               frag_fn=latest_frag, log_dir=str(out / f"rank_{rank}"))
 
 
 def _snapshot_steps(first: int, total: int, every: int) -> set[int]:
@@ -559,7 +561,7 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
             cb.on_train_end(context)
     result.checkpoints = checkpointer.saved
     result.scans = len(getattr(scan_cb, "records", None) or [])
-    result.compactions = int(getattr(compaction_cb, "compactions", 0) or 0) if compaction_cb else 0
+    result.compactions = len(getattr(compaction_cb, "records", None) or [])
     result.seconds = time.perf_counter() - started
     meta = {"recipe": recipe.source, **result.to_dict()}
     meta.pop("losses"), meta.pop("step_seconds")
