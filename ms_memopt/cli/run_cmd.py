@@ -188,7 +188,7 @@ def _export_memory_viz(out: Path, path: str, result) -> str:
         return "not written: ms_memopt.traces.memory_viz missing"
     from ..events import Event
 
-    step, layout = layouts[-1]
+    step, layout = layouts[-1].step, layouts[-1].layout
     events = [Event("alloc", id=i, size=b.size, addr=b.addr, step=step, tag=b.tag)
               for i, b in enumerate(b for s in layout.segments for b in s.blocks if b.live)]
     write_memory_viz(path, events, layout)

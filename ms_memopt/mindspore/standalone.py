@@ -58,14 +58,14 @@ from mindspore.train import Callback, RunContext
 from ..errors import InputError
 from ..layout import Layout
 from ..recipe import Recipe
+from ..report import LAYOUTS_NAME, layout_to_dict
 
 __all__ = ["RunResult", "select_device", "gpt_config_from_recipe", "token_batches", "run_standalone",
-           "latest_checkpoint", "layout_to_dict", "TRAIN_LOG_NAME", "LAYOUTS_NAME", "RUN_META_NAME"]
+           "latest_checkpoint", "TRAIN_LOG_NAME", "RUN_META_NAME"]
 
 logger = logging.getLogger("ms_memopt.standalone")
 
 TRAIN_LOG_NAME = "train.jsonl"
-LAYOUTS_NAME = "layouts.jsonl"
 RUN_META_NAME = "run.json"
 SCAN_LOG_NAME = "scan.jsonl"   # under rank_N/, written by LayoutScanCallback
 _CKPT_DIR = "checkpoints"
@@ -224,14 +224,6 @@ def latest_checkpoint(out: str | Path) -> tuple[int, Path] | None:
             if match:
                 found.append((int(match.group(1)), entry))
     return max(found) if found else None
-
-
-def layout_to_dict(layout: Layout, *, step: int, label: str) -> dict:
-    """A layout as one JSON object of ``layouts.jsonl`` (read by :mod:`ms_memopt.report`)."""
-    return {"step": step, "label": label, "capacity": layout.capacity,
-            "segments": [{"addr": s.addr, "size": s.size, "stream": s.stream, "pool": s.pool,
-                          "blocks": [[b.addr, b.size, bool(b.live), b.tag] for b in s.blocks]}
-                         for s in layout.segments]}
 
 
 # --- callbacks -----------------------------------------------------------------------------------
