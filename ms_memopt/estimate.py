@@ -1,0 +1,439 @@
+"""Per-card device memory of a training job, by region, from its recipe.
+
+Six regions, in bytes per card, for every pipeline stage (the worst stage is what must fit):
+
+* ``parameters`` — the weights in their dtype (``param_init_type``), split by tensor and
+  pipeline parallelism; sharded over data parallel with ZeRO stage 3.
+* ``gradients`` — one gradient per parameter in ``memopt.grad_dtype``; sharded with ZeRO >= 2.
+* ``optimizer`` — Adam's FP32 master copy (when the parameters are 16-bit and
+  ``memopt.master_weights``), first and second moments m, v; sharded with ZeRO >= 1
+  (MindSpore's parallel optimizer). Mixed-precision Adam is 2 + 2 + 12 = 16 bytes/parameter;
+  sharded over N_d cards: 4 + 12/N_d (stage 1), 2 + 14/N_d (stage 2), 16/N_d (stage 3)
+  (Rajbhandari et al., "ZeRO", 2019).
+* ``activations`` — what the forward pass keeps for the backward pass, per Transformer layer
+  and micro-batch (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models", 2022), times the micro-batches in flight on the stage under 1F1B.
+* ``communication`` — gradient buckets (AllReduce, ReduceScatter, AllGather) and pipeline
+  send/receive buffers.
+* ``workspace`` — operator workspaces and framework scratch (``memopt.workspace``).
+
+All functions are pure; the formulas are summarized in docs/recipes.md.
+
+Example:
+    >>> zero_model_state_bytes(7_500_000_000, data_parallel=64, stage=1) / 1e9
+    31.40625
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .recipe import DTYPE_BYTES, ModelConfig, Recipe, RecomputeConfig
+
+__all__ = [
+    "REGIONS", "StageEstimate", "Estimate", "estimate", "zero_model_state_bytes",
+    "korthikanti_layer_activation_bytes", "layer_activation_bytes", "layer_input_bytes",
+    "layer_params", "embedding_params", "output_layer_params", "model_params", "stage_params",
+    "in_flight_micro_batches", "stage_activation_bytes", "communication_bytes", "FUSION_BUCKET",
+]
+
+#: the region names, in report order
+REGIONS = ("parameters", "gradients", "optimizer", "activations", "communication", "workspace")
+#: MindSpore's default communication fusion threshold (64 MB) used as the default bucket size
+FUSION_BUCKET = 64 * 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# published formulas
+# ---------------------------------------------------------------------------------------------
+
+def zero_model_state_bytes(params: int, *, data_parallel: int = 1, stage: int = 0,
+                           param_bytes: int = 2, grad_bytes: int = 2, optimizer_bytes: int = 12) -> float:
+    """Model-state bytes per card for mixed-precision Adam under ZeRO (Rajbhandari et al. 2019).
+
+    ``stage`` 0: nothing sharded, ``(2 + 2 + 12) P``; 1: optimizer states sharded,
+    ``4P + 12P/N_d``; 2: + gradients, ``2P + 14P/N_d``; 3: + parameters, ``16P/N_d``.
+
+    Example:
+        >>> [round(zero_model_state_bytes(7.5e9, data_parallel=64, stage=s) / 1e9, 1) for s in range(4)]
+        [120.0, 31.4, 16.6, 1.9]
+    """
+    d = data_parallel
+    return (param_bytes * params / (d if stage >= 3 else 1)
+            + grad_bytes * params / (d if stage >= 2 else 1)
+            + optimizer_bytes * params / (d if stage >= 1 else 1))
+
+
+def korthikanti_layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, *,
+                                       tensor_parallel: int = 1, sequence_parallel: bool = False,
+                                       recompute: str = "none") -> float:
+    """Activation bytes one GPT layer keeps per micro-batch, 16-bit (Korthikanti et al. 2022).
+
+    s = ``seq``, b = ``micro_batch``, h = ``hidden``, a = ``heads``, t = ``tensor_parallel``:
+
+    * no parallelism ``sbh(34 + 5as/h)``;
+    * tensor parallel ``sbh(10 + 24/t + 5as/(ht))``;
+    * tensor + sequence parallel ``sbh/t (34 + 5as/h)``;
+    * ``recompute="selective"`` drops the ``5as/h`` attention-score term (TP+SP: ``34sbh/t``);
+    * ``recompute="full"`` keeps only the layer input, ``2sbh``.
+
+    Example:
+        >>> korthikanti_layer_activation_bytes(2048, 1, 12288, 96, tensor_parallel=8,
+        ...     sequence_parallel=True, recompute="selective") / 2**20
+        102.0
+    """
+    s, b, h, a, t = seq, micro_batch, hidden, heads, tensor_parallel
+    sbh = s * b * h
+    if recompute == "full":
+        return 2.0 * sbh
+    scores = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    if sequence_parallel:
+        return sbh / t * (34.0 + scores)
+    return sbh * (10.0 + 24.0 / t + scores / t)
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters
+# ---------------------------------------------------------------------------------------------
+
+def layer_params(model: ModelConfig) -> int:
+    """Parameters of one Transformer layer (unsharded): Q, K, V, O projections (K and V
+    ``n_kv_heads`` wide: grouped-query attention), the FFN (three matrices when gated, SwiGLU;
+    two otherwise) and two norms. Biases are not counted (LLaMA has none).
+
+    Example:
+        >>> from ms_memopt.recipe import recipe_from_dict
+        >>> m = recipe_from_dict({"model": {"model_config": {"num_layers": 32, "hidden_size": 4096,
+        ...     "num_heads": 32, "seq_length": 4096, "vocab_size": 32000}}}).model
+        >>> layer_params(m)          # LLaMA-7B layer
+        202383360
+    """
+    h, kv, f = model.hidden_size, model.kv_size, model.intermediate_size
+    attention = 2 * h * h + 2 * h * kv
+    ffn = (3 if model.ffn_gated else 2) * h * f
+    return attention + ffn + 2 * h
+
+
+def embedding_params(model: ModelConfig) -> int:
+    """The vocabulary embedding: ``vocab_size * hidden_size``."""
+    return model.vocab_size * model.hidden_size
+
+
+def output_layer_params(model: ModelConfig) -> int:
+    """The output projection (0 when tied to the embedding) plus the final norm."""
+    head = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
+    return head + model.hidden_size
+
+
+def model_params(model: ModelConfig) -> int:
+    """All parameters of the model (unsharded).
+
+    Example: MindFormers' LLaMA-2 70B config gives about 6.9e10.
+    """
+    return model.num_layers * layer_params(model) + embedding_params(model) + output_layer_params(model)
+
+
+def stage_params(recipe: Recipe) -> list[int]:
+    """Parameters held by one card of each pipeline stage, before ZeRO sharding.
+
+    Layer weights are split over tensor parallel (norms replicated); the embedding sits on the
+    first stage (split over tensor parallel unless ``vocab_emb_dp``), the output layer on the
+    last. ``memopt.params`` rescales every stage so the model totals that count.
+    """
+    model, t = recipe.model, recipe.parallel.model_parallel
+    norms = 2 * model.hidden_size
+    per_layer = (layer_params(model) - norms) / t + norms
+    emb = embedding_params(model) / (1 if recipe.parallel.vocab_emb_dp else t)
+    out = (output_layer_params(model) - model.hidden_size) / t + model.hidden_size
+    layers = recipe.stage_layers()
+    counts = [n * per_layer for n in layers]
+    counts[0] += emb
+    counts[-1] += out
+    if recipe.memopt.params is not None:
+        scale = recipe.memopt.params / model_params(model)
+        counts = [c * scale for c in counts]
+    return [int(round(c)) for c in counts]
+
+
+# ---------------------------------------------------------------------------------------------
+# activations
+# ---------------------------------------------------------------------------------------------
+
+def layer_input_bytes(model: ModelConfig, *, seq: int, micro_batch: int, tensor_parallel: int = 1,
+                      sequence_parallel: bool = False) -> int:
+    """What a fully recomputed layer keeps: its input, ``2sbh`` (``/t`` with sequence parallel)."""
+    nbytes = DTYPE_BYTES[model.compute_dtype] * seq * micro_batch * model.hidden_size
+    return nbytes // tensor_parallel if sequence_parallel else nbytes
+
+
+def layer_activation_bytes(model: ModelConfig, *, seq: int, micro_batch: int, tensor_parallel: int = 1,
+                           sequence_parallel: bool = False, recompute: str = "none",
+                           comm_kept: bool = False) -> int:
+    """Activation bytes one layer keeps for one micro-batch on one card.
+
+    Korthikanti et al.'s per-element count, generalized to the shapes real configs use; for a
+    GPT layer (FFN 4h with GeLU, dropout, multi-head attention, 16-bit norms, no flash
+    attention) it equals :func:`korthikanti_layer_activation_bytes`. Per token, with 2-byte
+    (``compute_dtype``) tensors:
+
+    * outside the tensor-parallel region (split by t only with sequence parallel): two norm
+      inputs (``layernorm_compute_type`` bytes each, 4h at 16-bit), the QKV input 2h, the FFN
+      input 2h, and with dropout two 1-byte masks (h each);
+    * inside it (split by t): Q 2h, K and V ``2 n_kv_heads h / a`` each, the attention output 2h,
+      the FFN's 4f (two tensors: fc1 output and GeLU output, 16h for f = 4h) or 8f when gated
+      (gate, up, act(gate), product); attention scores ``a s`` per token: softmax output 2, with
+      attention dropout + mask 1 + output 2 (``5as/h`` per sbh); none with flash attention, which
+      keeps a 4-byte log-sum-exp per head instead.
+
+    ``recompute``: ``"selective"`` drops the attention scores, ``"full"`` keeps only the layer
+    input (:func:`layer_input_bytes`). ``comm_kept``: with sequence parallel, the all-gathered
+    QKV and FFN inputs are kept whole (no communication recompute), adding ``4h (1 - 1/t)``.
+
+    Example (GPT-3 175B layer, s 2048, TP 8 + SP, selective): 34 sbh / t bytes, 102 MiB.
+    """
+    s, b, t = seq, micro_batch, tensor_parallel
+    if recompute == "full":
+        return layer_input_bytes(model, seq=s, micro_batch=b, tensor_parallel=t, sequence_parallel=sequence_parallel)
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    h, a, f, kv = model.hidden_size, model.num_heads, model.intermediate_size, model.kv_size
+    c = DTYPE_BYTES[model.compute_dtype]
+    norm = DTYPE_BYTES[model.layernorm_compute_type]
+    masks = 2 * h if model.hidden_dropout else 0
+    outside = 2 * norm * h + c * h + c * h + masks
+    inside = c * h + 2 * c * kv + c * h + (4 if model.ffn_gated else 2) * c * f
+    if model.use_flash_attention:
+        inside += 4 * a
+    elif recompute == "none":
+        inside += a * s * (c + (1 + c if model.attention_dropout else 0))
+    per_token = inside / t + (outside / t if sequence_parallel else outside)
+    if comm_kept and sequence_parallel:
+        per_token += 2 * c * h * (1 - 1 / t)
+    return int(round(per_token * s * b))
+
+
+def in_flight_micro_batches(stage: int, pipeline_stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak under 1F1B:
+    ``min(m, p - stage)``; the first stage holds ``p`` (Narayanan et al. 2021)."""
+    return max(1, min(micro_batches, pipeline_stages - stage))
+
+
+@dataclass(frozen=True)
+class _StageActivations:
+    bytes: int
+    recomputed_layers: int
+    selective_layers: int
+
+
+def stage_activation_bytes(recipe: Recipe, stage: int, *, checkpoint_every: int | None = None) -> _StageActivations:
+    """Activation bytes on one card of ``stage`` at its peak (start of the first backward).
+
+    Every layer not fully recomputed keeps :func:`layer_activation_bytes`; a fully recomputed
+    one keeps its input. ``checkpoint_every = k`` keeps the full activations of one layer in k
+    and recomputes the others (activation region ~1/k), on top of ``recompute_config``'s
+    counts (the first layers of a stage are the recomputed ones, as in MindFormers). The stage
+    holds :func:`in_flight_micro_batches` micro-batches; when every layer is recomputed, the
+    backward regenerates one layer's activations on top. The last stage adds the logits
+    (compute dtype + an FP32 copy for the loss). ``memopt.activation_factor`` scales the total.
+    """
+    model, par, rc = recipe.model, recipe.parallel, recipe.recompute
+    n = recipe.stage_layers()[stage]
+    k = checkpoint_every if checkpoint_every is not None else recipe.memopt.checkpoint_every
+    full = RecomputeConfig.layers(rc.recompute, stage, n)
+    if k is not None:
+        full = max(full, n - math.ceil(n / k))
+    selective = RecomputeConfig.layers(rc.select_recompute, stage, n)
+    comm = n if rc.mp_comm_recompute else RecomputeConfig.layers(rc.select_comm_recompute, stage, n)
+    shape = dict(seq=model.seq_length, micro_batch=recipe.train.batch_size,
+                 tensor_parallel=par.model_parallel, sequence_parallel=par.use_seq_parallel)
+    kept = [layer_activation_bytes(model, **shape, recompute="selective" if j < selective else "none",
+                                   comm_kept=j >= comm) for j in range(n)]
+    inp = layer_input_bytes(model, **shape)
+    per_micro_batch = full * inp + sum(kept[full:])
+    m = in_flight_micro_batches(stage, par.pipeline_stage, par.micro_batch_num)
+    total = m * per_micro_batch
+    if full == n:
+        total += max(kept) - inp
+    if stage == par.pipeline_stage - 1:
+        logits = model.seq_length * recipe.train.batch_size * model.vocab_size / par.model_parallel
+        total += logits * (DTYPE_BYTES[model.compute_dtype] + 4)
+    return _StageActivations(int(round(total * recipe.memopt.activation_factor)), full, selective)
+
+
+# ---------------------------------------------------------------------------------------------
+# communication
+# ---------------------------------------------------------------------------------------------
+
+def communication_bytes(recipe: Recipe, grad_bytes: int) -> dict[str, int]:
+    """Communication buffers per card by kind; explicit ``memopt.communication`` values win.
+
+    Defaults: with data parallel, one fused gradient bucket of MindSpore's 64 MB fusion
+    threshold (no larger than the gradients): AllReduce without ZeRO, ReduceScatter + AllGather
+    with it; with pipeline parallel, send and receive buffers for one boundary activation in
+    each direction (``4 sbh`` bytes, ``/t`` with sequence parallel).
+    """
+    par, mem, model = recipe.parallel, recipe.memopt, recipe.model
+    cfg = mem.communication
+    dp = par.data_parallel > 1
+    bucket = min(FUSION_BUCKET, grad_bytes)
+    boundary = layer_input_bytes(model, seq=model.seq_length, micro_batch=recipe.train.batch_size,
+                                 tensor_parallel=par.model_parallel, sequence_parallel=par.use_seq_parallel)
+    defaults = {
+        "allreduce_bucket": bucket if dp and mem.zero_stage == 0 else 0,
+        "reduce_scatter_bucket": bucket if dp and mem.zero_stage >= 1 else 0,
+        "allgather_bucket": bucket if dp and mem.zero_stage >= 1 else 0,
+        "p2p_buffers": 2 * boundary if par.pipeline_stage > 1 else 0,
+    }
+    given = dataclasses.asdict(cfg)
+    return {key: (given[key] if given[key] is not None else value) for key, value in defaults.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# the estimate
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One card of one pipeline stage. Bytes everywhere; ``params`` is a count."""
+    stage: int
+    layers: int
+    in_flight: int
+    params: int
+    recomputed_layers: int
+    regions: dict[str, int]
+    parameters_by_dtype: dict[str, int]
+    optimizer_states: dict[str, int]
+    communication: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.regions.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "layers": self.layers, "in_flight": self.in_flight,
+                "params": self.params, "recomputed_layers": self.recomputed_layers,
+                "regions": dict(self.regions), "parameters_by_dtype": dict(self.parameters_by_dtype),
+                "optimizer_states": dict(self.optimizer_states),
+                "communication_buffers": dict(self.communication), "total": self.total}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-card memory of every pipeline stage; the worst stage decides ``fits``.
+
+    ``checkpoint_every`` is the recommended interval: the least recompute that fits (1 = keep
+    every layer, no extra recompute; ``None`` when nothing fits or no capacity is known).
+    """
+    stages: list[StageEstimate]
+    capacity: int | None
+    checkpoint_every: int | None
+    model_params: int
+    source: str = "<recipe>"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> StageEstimate:
+        return max(self.stages, key=lambda s: (s.total, -s.stage))
+
+    @property
+    def regions(self) -> dict[str, int]:
+        return dict(self.worst.regions)
+
+    @property
+    def total(self) -> int:
+        return self.worst.total
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity is None else self.total <= self.capacity
+
+    @property
+    def headroom(self) -> int | None:
+        return None if self.capacity is None else self.capacity - self.total
+
+    def to_dict(self, *, per_stage: bool = True) -> dict[str, Any]:
+        """JSON-ready: sizes in bytes."""
+        worst = self.worst
+        out: dict[str, Any] = {
+            "recipe": self.source, "regions": self.regions, "total": self.total,
+            "capacity": self.capacity, "fits": self.fits, "headroom": self.headroom,
+            "checkpoint_every": self.checkpoint_every, "worst_stage": worst.stage,
+            "parameters_by_dtype": dict(worst.parameters_by_dtype),
+            "optimizer_states": dict(worst.optimizer_states),
+            "communication_buffers": dict(worst.communication),
+            "model_params": self.model_params, "params_per_card": worst.params,
+            "layers": worst.layers, "in_flight": worst.in_flight,
+            "recomputed_layers": worst.recomputed_layers, "notes": list(self.notes),
+        }
+        if per_stage:
+            out["stages"] = [s.to_dict() for s in self.stages]
+        return out
+
+
+def _shard(nbytes: float, ways: int, sharded: bool) -> int:
+    return int(math.ceil(nbytes / ways)) if sharded else int(round(nbytes))
+
+
+def _stage_estimate(recipe: Recipe, stage: int, params: int, checkpoint_every: int | None) -> StageEstimate:
+    model, par, mem = recipe.model, recipe.parallel, recipe.memopt
+    d, z = par.data_parallel, mem.zero_stage
+    p_dtype = model.param_init_type
+    param_bytes = _shard(params * DTYPE_BYTES[p_dtype], d, z >= 3)
+    grad_bytes = _shard(params * DTYPE_BYTES[mem.grad_dtype], d, z >= 2)
+    master = 4 * params if (mem.master_weights and DTYPE_BYTES[p_dtype] < 4) else 0
+    moment = params * DTYPE_BYTES[mem.optimizer_dtype]
+    states = {"master": _shard(master, d, z >= 1), "m": _shard(moment, d, z >= 1), "v": _shard(moment, d, z >= 1)}
+    acts = stage_activation_bytes(recipe, stage, checkpoint_every=checkpoint_every)
+    comm = communication_bytes(recipe, _shard(params * DTYPE_BYTES[mem.grad_dtype], d, False))
+    regions = {"parameters": param_bytes, "gradients": grad_bytes, "optimizer": sum(states.values()),
+               "activations": acts.bytes, "communication": sum(comm.values()), "workspace": mem.workspace}
+    return StageEstimate(stage=stage, layers=recipe.stage_layers()[stage],
+                         in_flight=in_flight_micro_batches(stage, par.pipeline_stage, par.micro_batch_num),
+                         params=params, recomputed_layers=acts.recomputed_layers, regions=regions,
+                         parameters_by_dtype={p_dtype: param_bytes}, optimizer_states=states,
+                         communication=comm)
+
+
+def _stages(recipe: Recipe, checkpoint_every: int | None) -> list[StageEstimate]:
+    return [_stage_estimate(recipe, i, p, checkpoint_every) for i, p in enumerate(stage_params(recipe))]
+
+
+def estimate(recipe: Recipe) -> Estimate:
+    """Per-card bytes by region for every pipeline stage of ``recipe``, and the worst stage.
+
+    The recommended ``checkpoint_every`` is the smallest k (1 .. layers on a stage) whose worst
+    stage fits the capacity: the least recompute that fits.
+
+    Example:
+        >>> from ms_memopt.recipe import recipe_from_dict
+        >>> r = recipe_from_dict({"model": {"model_config": {"num_layers": 2, "hidden_size": 64,
+        ...     "num_heads": 4, "seq_length": 32, "vocab_size": 256}},
+        ...     "memopt": {"device": {"hbm": "1GiB"}, "workspace": "16MiB"}})
+        >>> e = estimate(r); e.fits, e.checkpoint_every
+        (True, 1)
+    """
+    stages = _stages(recipe, None)
+    capacity = recipe.capacity
+    recommended = None
+    notes: list[str] = []
+    if capacity is not None:
+        for k in range(1, max(recipe.stage_layers()) + 1):
+            trial = _stages(recipe, k)
+            if max(s.total for s in trial) <= capacity:
+                recommended = k
+                break
+        if recommended is None:
+            notes.append("does not fit even with checkpoint_every = the layers on a stage (one layer "
+                         "per stage keeps its activations): add parallelism or ZeRO sharding")
+    else:
+        notes.append("no capacity: set memopt.device.hbm or context.max_device_memory")
+    if recipe.memopt.params is not None:
+        notes.append(f"parameter count set by memopt.params ({recipe.memopt.params}); "
+                     f"the shapes give {model_params(recipe.model)}")
+    return Estimate(stages=stages, capacity=capacity, checkpoint_every=recommended,
+                    model_params=recipe.memopt.params or model_params(recipe.model),
+                    source=recipe.source, notes=notes)

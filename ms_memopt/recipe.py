@@ -1,0 +1,774 @@
+"""YAML recipes: MindFormers-style keys plus a ``memopt:`` section, validated into dataclasses.
+
+A recipe is a MindFormers training config (``model.model_config``, ``parallel_config``,
+``parallel``, ``recompute_config``, ``runner_config``, ``optimizer``, ``context``) with one
+section of our own, ``memopt:``. A plain MindFormers config with no ``memopt:`` section loads
+unchanged: every MindFormers section and key we do not use is ignored. Inside ``memopt:`` every
+key is ours, so an unknown key is an error (with a did-you-mean). Every key, its default and its
+meaning is documented in ``docs/recipes.md``.
+
+Sizes in bytes, counts as integers; strings such as ``"4.2GB"``, ``"512MiB"``, ``"7.5e9"`` or
+``"100B"`` are accepted where a size or count is expected (PyYAML reads ``7.5e9`` as a string,
+because YAML 1.1 floats need a dot and a signed exponent). ``context.max_device_memory`` follows
+MindSpore's meaning: ``"56GB"`` is 56 GiB.
+
+Example:
+    >>> r = recipe_from_dict({"model": {"model_config": {"num_layers": 2, "hidden_size": 64,
+    ...     "num_heads": 4, "seq_length": 32, "vocab_size": 256}}})
+    >>> r.model.intermediate_size, r.parallel.data_parallel, r.memopt.zero_stage
+    (256, 1, 0)
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from .errors import InputError
+from .units import parse_count, parse_size
+
+__all__ = [
+    "DTYPE_BYTES", "ModelConfig", "ParallelConfig", "RecomputeConfig", "TrainConfig", "DeviceConfig",
+    "CommunicationConfig", "AllocatorConfig", "ShapeCacheConfig", "ExtraAllocsConfig",
+    "WorkloadConfig", "StandaloneTrainConfig", "MemoptConfig", "Recipe", "load_recipe",
+    "recipe_from_dict", "llama_ffn_size",
+]
+
+#: bytes per element of the dtypes recipes may name
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
+                  "half": "float16"}
+_GATED_ACTS = {"silu", "swiglu", "swish", "geglu"}
+_PLAIN_ACTS = {"gelu", "fast_gelu", "relu", "gelu_new", "tanh", "sigmoid"}
+
+_MISSING = object()
+
+
+# ---------------------------------------------------------------------------------------------
+# records
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Transformer's shape and dtypes (``model.model_config``).
+
+    ``intermediate_size`` is resolved: given, or LLaMA's rule from ``ffn_dim_multiplier`` and
+    ``multiple_of`` (gated FFN), or ``4 * hidden_size`` (plain FFN).
+    """
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    n_kv_heads: int
+    seq_length: int
+    vocab_size: int
+    intermediate_size: int
+    ffn_gated: bool
+    compute_dtype: str = "bfloat16"
+    param_init_type: str = "bfloat16"
+    layernorm_compute_type: str = "float32"
+    use_flash_attention: bool = False
+    hidden_dropout: bool = False
+    attention_dropout: bool = False
+    tie_word_embeddings: bool = False
+    offset: tuple[int, ...] = ()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the K (and of the V) projection: ``n_kv_heads * head_dim``."""
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """``parallel_config`` and ``parallel.enable_parallel_optimizer``."""
+    data_parallel: int = 1
+    model_parallel: int = 1
+    pipeline_stage: int = 1
+    micro_batch_num: int = 1
+    use_seq_parallel: bool = False
+    vocab_emb_dp: bool = True
+    enable_parallel_optimizer: bool = False
+
+    @property
+    def cards(self) -> int:
+        return self.data_parallel * self.model_parallel * self.pipeline_stage
+
+
+# A recompute setting is a bool (all layers or none) or a per-pipeline-stage list of layer counts.
+RecomputeSetting = bool | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """``recompute_config``: each setting a bool or a per-stage tuple of layer counts."""
+    recompute: RecomputeSetting = False
+    select_recompute: RecomputeSetting = False
+    select_comm_recompute: RecomputeSetting = False
+    mp_comm_recompute: bool = True
+
+    @staticmethod
+    def layers(setting: RecomputeSetting, stage: int, stage_layers: int) -> int:
+        """Number of the stage's layers a setting covers (bool: all or none; list: its entry)."""
+        if isinstance(setting, bool):
+            return stage_layers if setting else 0
+        return min(setting[stage], stage_layers)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What the MindFormers sections say about the training step."""
+    batch_size: int = 1                 # runner_config.batch_size: sequences per micro-batch
+    optimizer_type: str = "AdamWeightDecay"
+    max_device_memory: int | None = None  # context.max_device_memory, bytes (GiB-based)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    name: str = "Ascend910B"
+    hbm: int | None = None
+    cards: int | None = None
+
+
+@dataclass(frozen=True)
+class CommunicationConfig:
+    """Communication buffers in bytes; ``None`` = the default derived from the parallel setup."""
+    allreduce_bucket: int | None = None
+    reduce_scatter_bucket: int | None = None
+    allgather_bucket: int | None = None
+    p2p_buffers: int | None = None
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """How the device pool is set up (consumed by the allocator models and the simulator)."""
+    name: str = "mindspore"
+    increase_size: int = 2**30
+    pregrow: bool = False
+    init_size: int | None = None
+    align: int = 512
+
+
+@dataclass(frozen=True)
+class ShapeCacheConfig:
+    """Small long-lived tensors created once per new input shape (RoPE tables, workspaces)."""
+    bytes_per_shape: int = 10 * 2**20
+    max_shapes: int | None = None
+
+
+@dataclass(frozen=True)
+class ExtraAllocsConfig:
+    """Odd allocations outside the step pattern (logging, checkpoint staging, eval)."""
+    probability: float = 0.0
+    size: int = 64 * 2**20
+    lifetime_steps: int = 1
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """Knobs of the synthetic per-step alloc/free pattern (read by the simulator)."""
+    enabled: bool = True
+    seed: int = 0
+    steps: int = 1000
+    dynamic_seq: bool = False
+    seq_distribution: str = "uniform"
+    seq_min: int | None = None
+    seq_max: int | None = None
+    seq_buckets: tuple[int, ...] = ()
+    seq_align: int = 1
+    long_tail: float = 0.0
+    shape_cache: ShapeCacheConfig = field(default_factory=ShapeCacheConfig)
+    extra_allocs: ExtraAllocsConfig = field(default_factory=ExtraAllocsConfig)
+    comm_jitter: float = 0.0
+
+
+@dataclass(frozen=True)
+class StandaloneTrainConfig:
+    """``memopt.train``: the standalone run (``ms-memopt run``) on one device."""
+    steps: int = 20
+    learning_rate: float = 1e-3
+    batch_size: int = 2
+    seed: int = 0
+    dataset: str = "synthetic"
+    device: str = "CPU"
+    checkpoint_every_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class MemoptConfig:
+    """The ``memopt:`` section (all keys ours; defaults documented in docs/recipes.md)."""
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    params: int | None = None
+    zero_stage: int = 0
+    grad_dtype: str = "bfloat16"
+    master_weights: bool = True
+    optimizer_dtype: str = "float32"
+    checkpoint_every: int | None = None
+    activation_factor: float = 1.0
+    pool_mode: bool = False
+    scan_every: int = 100
+    compact_every: int | None = None
+    compact_when_frag_above: float | None = None
+    watch: dict[str, int] = field(default_factory=dict)
+    communication: CommunicationConfig = field(default_factory=CommunicationConfig)
+    workspace: int = 2**30
+    allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    train: StandaloneTrainConfig = field(default_factory=StandaloneTrainConfig)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A validated recipe. ``source`` is the file (or label) it came from."""
+    model: ModelConfig
+    parallel: ParallelConfig
+    recompute: RecomputeConfig
+    train: TrainConfig
+    memopt: MemoptConfig
+    source: str = "<recipe>"
+
+    @property
+    def capacity(self) -> int | None:
+        """Per-card memory to fit in: ``memopt.device.hbm``, else ``context.max_device_memory``."""
+        if self.memopt.device.hbm is not None:
+            return self.memopt.device.hbm
+        return self.train.max_device_memory
+
+    def stage_layers(self) -> list[int]:
+        """Transformer layers on each pipeline stage.
+
+        Even split; the remainder goes to the last stages (they hold fewer micro-batches in
+        flight under 1F1B); a MindFormers ``offset`` list moves layers between stages.
+        """
+        p = self.parallel.pipeline_stage
+        base, extra = divmod(self.model.num_layers, p)
+        layers = [base + (1 if i >= p - extra else 0) for i in range(p)]
+        if self.model.offset:
+            layers = [n + o for n, o in zip(layers, self.model.offset)]
+        return layers
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Load and validate a recipe file.
+
+    Raises:
+        InputError: unreadable file, YAML syntax error (with the line), or a bad value (with the
+            key path, the value and what was expected).
+
+    Example:
+        >>> load_recipe("recipes/demo_cpu.yaml").model.hidden_size   # doctest: +SKIP
+        64
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read the recipe: {exc}", source=str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"invalid YAML: {problem}", source=str(path), line=line) from None
+    return recipe_from_dict(data, source=str(path))
+
+
+def recipe_from_dict(data: Any, *, source: str = "<recipe>") -> Recipe:
+    """Validate an already-parsed recipe mapping (what ``yaml.safe_load`` returns)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise InputError(f"expected a mapping at the top level, got {type(data).__name__}", source=source)
+    r = _Reader(source)
+    model = _read_model(r, data)
+    parallel = _read_parallel(r, data)
+    recompute = _read_recompute(r, data, parallel.pipeline_stage)
+    train = _read_train(r, data)
+    memopt = _read_memopt(r, data, model, parallel, train)
+    recipe = Recipe(model=model, parallel=parallel, recompute=recompute, train=train,
+                    memopt=memopt, source=source)
+    _check_consistency(r, recipe)
+    return recipe
+
+
+def llama_ffn_size(hidden_size: int, ffn_dim_multiplier: float | None = None,
+                   multiple_of: int = 256) -> int:
+    """LLaMA's FFN width: ``2/3 * 4h``, times ``ffn_dim_multiplier``, rounded up to ``multiple_of``.
+
+    Example:
+        >>> llama_ffn_size(8192, 1.3, 256)     # MindFormers' LLaMA-2 70B config
+        28416
+        >>> llama_ffn_size(4096)               # LLaMA-7B
+        11008
+    """
+    width = int(2 * 4 * hidden_size / 3)
+    if ffn_dim_multiplier is not None:
+        width = int(ffn_dim_multiplier * width)
+    return multiple_of * ((width + multiple_of - 1) // multiple_of)
+
+
+class _Reader:
+    """Typed access to nested mappings with error messages that name the key path."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, key: str, value: Any, expected: str) -> InputError:
+        return InputError(f"got {value!r}; expected {expected}", source=self.source, key=key)
+
+    def section(self, data: dict, name: str, path: str) -> dict:
+        value = data.get(name)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.fail(path, value, "a mapping")
+        return value
+
+    def get(self, data: dict, name: str, path: str, conv: Callable[[Any, str], Any], default: Any = _MISSING) -> Any:
+        value = data.get(name, _MISSING)
+        if value is _MISSING or value is None:
+            if default is _MISSING:
+                raise InputError("missing required key", source=self.source, key=path)
+            return default
+        return conv(value, path)
+
+    # converters -------------------------------------------------------------------------------
+    def integer(self, minimum: int | None = 1, maximum: int | None = None) -> Callable[[Any, str], int]:
+        def conv(value: Any, path: str) -> int:
+            number: float | None = None
+            if isinstance(value, bool):
+                number = None
+            elif isinstance(value, int):
+                number = value
+            elif isinstance(value, float) and value.is_integer():
+                number = value
+            elif isinstance(value, str):
+                number = _integer_from_text(value)
+            bounds = _bounds_text(minimum, maximum)
+            if number is None:
+                raise self.fail(path, value, f"an integer{bounds}")
+            number = int(number)
+            if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+                raise self.fail(path, value, f"an integer{bounds}")
+            return number
+        return conv
+
+    def number(self, minimum: float | None = None, maximum: float | None = None,
+               exclusive_min: bool = False) -> Callable[[Any, str], float]:
+        def conv(value: Any, path: str) -> float:
+            number: float | None = None
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                number = float(value)
+            elif isinstance(value, str):
+                try:
+                    number = float(value)
+                except ValueError:
+                    number = None
+            low = "" if minimum is None else (f" > {minimum}" if exclusive_min else f" >= {minimum}")
+            high = "" if maximum is None else f" <= {maximum}"
+            expected = f"a number{low}{' and' if low and high else ''}{high}"
+            if number is None or not math.isfinite(number):
+                raise self.fail(path, value, expected)
+            if minimum is not None and (number <= minimum if exclusive_min else number < minimum):
+                raise self.fail(path, value, expected)
+            if maximum is not None and number > maximum:
+                raise self.fail(path, value, expected)
+            return number
+        return conv
+
+    def boolean(self, value: Any, path: str) -> bool:
+        if isinstance(value, bool):
+            return value
+        raise self.fail(path, value, "true or false")
+
+    def string(self, value: Any, path: str) -> str:
+        if isinstance(value, str):
+            return value
+        raise self.fail(path, value, "a string")
+
+    def choice(self, *options: str) -> Callable[[Any, str], str]:
+        def conv(value: Any, path: str) -> str:
+            if isinstance(value, str) and value.lower() in options:
+                return value.lower()
+            raise self.fail(path, value, "one of " + ", ".join(options))
+        return conv
+
+    def dtype(self, value: Any, path: str) -> str:
+        if isinstance(value, str):
+            name = value.strip().lower().removeprefix("mstype.").removeprefix("ms.")
+            name = _DTYPE_ALIASES.get(name, name)
+            if name in DTYPE_BYTES:
+                return name
+        raise self.fail(path, value, "a dtype: float32, float16 or bfloat16")
+
+    def size(self, positive: bool = True) -> Callable[[Any, str], int]:
+        def conv(value: Any, path: str) -> int:
+            nbytes = parse_size(value, source=self.source, key=path)
+            if positive and nbytes <= 0:
+                raise self.fail(path, value, "a positive size such as '4.2GB' or '512MiB'")
+            return nbytes
+        return conv
+
+    def mindspore_size(self, value: Any, path: str) -> int:
+        """MindSpore's ``max_device_memory``: ``"56GB"`` means 56 GiB."""
+        text = value
+        if isinstance(value, str) and value.strip().upper().endswith("GB"):
+            text = value.strip()[:-2] + "GiB"
+        nbytes = parse_size(text, source=self.source, key=path)
+        if nbytes <= 0:
+            raise self.fail(path, value, "a positive size such as '56GB' (GiB, as in MindSpore)")
+        return nbytes
+
+    def count(self, value: Any, path: str) -> int:
+        number = parse_count(value, source=self.source, key=path)
+        if number <= 0:
+            raise self.fail(path, value, "a positive count such as '7.5e9' or '100B'")
+        return number
+
+    def recompute_setting(self, stages: int) -> Callable[[Any, str], RecomputeSetting]:
+        def conv(value: Any, path: str) -> RecomputeSetting:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+                return True   # a list of op-name patterns: selective recompute on every layer
+            if isinstance(value, dict):
+                return True
+            if isinstance(value, (list, tuple)):
+                counts = []
+                for i, item in enumerate(value):
+                    counts.append(self.integer(minimum=0)(item, f"{path}[{i}]"))
+                if len(counts) != stages:
+                    raise self.fail(path, value, f"a bool or a list of {stages} layer counts "
+                                    f"(one per pipeline stage)")
+                return tuple(counts)
+            raise self.fail(path, value, "a bool or a per-pipeline-stage list of layer counts")
+        return conv
+
+    def strict(self, data: dict, path: str, known: set[str]) -> None:
+        """Reject keys of our own sections that we do not know, with a did-you-mean."""
+        for key in data:
+            if key not in known:
+                hint = difflib.get_close_matches(str(key), sorted(known), n=1)
+                tip = f"; did you mean {hint[0]!r}?" if hint else ""
+                raise InputError(f"unknown key{tip} (known: {', '.join(sorted(known))})",
+                                 source=self.source, key=f"{path}.{key}")
+
+
+_DEVICE_NAMES = {"cpu": "CPU", "ascend": "Ascend", "gpu": "GPU"}
+
+
+def _integer_from_text(text: str) -> int | None:
+    """``"4096"``, ``"7.5e9"``, ``"100B"`` -> int; ``None`` when not a whole number."""
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            return parse_count(text)
+        except InputError:
+            return None
+    return int(value) if math.isfinite(value) and value.is_integer() else None
+
+
+def _bounds_text(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" from {minimum} to {maximum}"
+    if minimum is not None:
+        return f" >= {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# sections
+# ---------------------------------------------------------------------------------------------
+
+def _read_model(r: _Reader, data: dict) -> ModelConfig:
+    model = r.section(data, "model", "model")
+    mc = r.section(model, "model_config", "model.model_config")
+    p = "model.model_config"
+    pos = r.integer(minimum=1)
+    if not mc:
+        raise InputError("missing section: the model's shape (num_layers, hidden_size, num_heads, "
+                         "seq_length, vocab_size) is required", source=r.source, key=p)
+    num_layers = r.get(mc, "num_layers", f"{p}.num_layers", pos)
+    hidden = r.get(mc, "hidden_size", f"{p}.hidden_size", pos)
+    heads = r.get(mc, "num_heads", f"{p}.num_heads", pos)
+    kv_heads = r.get(mc, "n_kv_heads", f"{p}.n_kv_heads", pos, heads)
+    seq = r.get(mc, "seq_length", f"{p}.seq_length", pos)
+    vocab = r.get(mc, "vocab_size", f"{p}.vocab_size", pos)
+    if hidden % heads:
+        raise r.fail(f"{p}.num_heads", heads, f"a divisor of hidden_size ({hidden})")
+    if heads % kv_heads:
+        raise r.fail(f"{p}.n_kv_heads", kv_heads, f"a divisor of num_heads ({heads})")
+
+    act = r.get(mc, "hidden_act", f"{p}.hidden_act", r.string, None)
+    if act is not None:
+        act_l = act.lower()
+        if act_l not in _GATED_ACTS | _PLAIN_ACTS:
+            raise r.fail(f"{p}.hidden_act", act, "one of " + ", ".join(sorted(_GATED_ACTS | _PLAIN_ACTS)))
+        gated = act_l in _GATED_ACTS
+    else:
+        gated = True   # LLaMA-style SwiGLU unless told otherwise
+    multiplier = r.get(mc, "ffn_dim_multiplier", f"{p}.ffn_dim_multiplier",
+                       r.number(minimum=0, exclusive_min=True), None)
+    multiple_of = r.get(mc, "multiple_of", f"{p}.multiple_of", pos, 256)
+    default_ffn = llama_ffn_size(hidden, multiplier, multiple_of) if gated else 4 * hidden
+    ffn = r.get(mc, "intermediate_size", f"{p}.intermediate_size", pos, default_ffn)
+
+    compute = r.get(mc, "compute_dtype", f"{p}.compute_dtype", r.dtype, "bfloat16")
+    param_dtype = r.get(mc, "param_init_type", f"{p}.param_init_type", r.dtype, compute)
+    norm_dtype = r.get(mc, "layernorm_compute_type", f"{p}.layernorm_compute_type", r.dtype, "float32")
+    flash = r.get(mc, "use_flash_attention", f"{p}.use_flash_attention", r.boolean, False)
+    rate = r.number(minimum=0, maximum=1)
+    hidden_drop = r.get(mc, "hidden_dropout_rate", f"{p}.hidden_dropout_rate", rate, 0.0) > 0
+    attn_drop = r.get(mc, "attention_dropout_rate", f"{p}.attention_dropout_rate", rate, 0.0) > 0
+    tie = r.get(mc, "tie_word_embeddings", f"{p}.tie_word_embeddings", r.boolean, False)
+    offset: tuple[int, ...] = ()
+    raw_offset = mc.get("offset")
+    if isinstance(raw_offset, (list, tuple)):
+        offset = tuple(r.integer(minimum=None)(v, f"{p}.offset[{i}]") for i, v in enumerate(raw_offset))
+    elif raw_offset not in (None, 0) and not (isinstance(raw_offset, int) and not isinstance(raw_offset, bool)):
+        raise r.fail(f"{p}.offset", raw_offset, "0 or a per-stage list of layer offsets")
+    return ModelConfig(num_layers=num_layers, hidden_size=hidden, num_heads=heads, n_kv_heads=kv_heads,
+                       seq_length=seq, vocab_size=vocab, intermediate_size=ffn, ffn_gated=gated,
+                       compute_dtype=compute, param_init_type=param_dtype,
+                       layernorm_compute_type=norm_dtype, use_flash_attention=flash,
+                       hidden_dropout=hidden_drop, attention_dropout=attn_drop,
+                       tie_word_embeddings=tie, offset=offset)
+
+
+def _read_parallel(r: _Reader, data: dict) -> ParallelConfig:
+    pc = r.section(data, "parallel_config", "parallel_config")
+    par = r.section(data, "parallel", "parallel")
+    p = "parallel_config"
+    pos = r.integer(minimum=1)
+    return ParallelConfig(
+        data_parallel=r.get(pc, "data_parallel", f"{p}.data_parallel", pos, 1),
+        model_parallel=r.get(pc, "model_parallel", f"{p}.model_parallel", pos, 1),
+        pipeline_stage=r.get(pc, "pipeline_stage", f"{p}.pipeline_stage", pos, 1),
+        micro_batch_num=r.get(pc, "micro_batch_num", f"{p}.micro_batch_num", pos, 1),
+        use_seq_parallel=r.get(pc, "use_seq_parallel", f"{p}.use_seq_parallel", r.boolean, False),
+        vocab_emb_dp=r.get(pc, "vocab_emb_dp", f"{p}.vocab_emb_dp", r.boolean, True),
+        enable_parallel_optimizer=r.get(par, "enable_parallel_optimizer",
+                                        "parallel.enable_parallel_optimizer", r.boolean, False),
+    )
+
+
+def _read_recompute(r: _Reader, data: dict, stages: int) -> RecomputeConfig:
+    rc = r.section(data, "recompute_config", "recompute_config")
+    p = "recompute_config"
+    setting = r.recompute_setting(stages)
+    return RecomputeConfig(
+        recompute=r.get(rc, "recompute", f"{p}.recompute", setting, False),
+        select_recompute=r.get(rc, "select_recompute", f"{p}.select_recompute", setting, False),
+        select_comm_recompute=r.get(rc, "select_comm_recompute", f"{p}.select_comm_recompute", setting, False),
+        mp_comm_recompute=r.get(rc, "mp_comm_recompute", f"{p}.mp_comm_recompute", r.boolean, True),
+    )
+
+
+def _read_train(r: _Reader, data: dict) -> TrainConfig:
+    runner = r.section(data, "runner_config", "runner_config")
+    opt = r.section(data, "optimizer", "optimizer")
+    ctx = r.section(data, "context", "context")
+    return TrainConfig(
+        batch_size=r.get(runner, "batch_size", "runner_config.batch_size", r.integer(minimum=1), 1),
+        optimizer_type=r.get(opt, "type", "optimizer.type", r.string, "AdamWeightDecay"),
+        max_device_memory=r.get(ctx, "max_device_memory", "context.max_device_memory", r.mindspore_size, None),
+        seed=r.get(data, "seed", "seed", r.integer(minimum=0), 0),
+    )
+
+
+_MEMOPT_KEYS = {"device", "params", "zero_stage", "grad_dtype", "master_weights", "optimizer_dtype",
+                "checkpoint_every", "activation_factor", "pool_mode", "scan_every", "compact_every",
+                "compact_when_frag_above", "watch", "communication", "workspace", "allocator",
+                "workload", "train"}
+_DEVICE_KEYS = {"name", "hbm", "cards"}
+_COMM_KEYS = {"allreduce_bucket", "reduce_scatter_bucket", "allgather_bucket", "p2p_buffers"}
+_ALLOCATOR_KEYS = {"name", "increase_size", "pregrow", "init_size", "align"}
+_ALLOCATOR_NAMES = ("mindspore", "mindspore_vmm", "torch", "torch_expandable", "pool")
+_WORKLOAD_KEYS = {"enabled", "seed", "steps", "dynamic_seq", "seq_distribution", "seq_min", "seq_max",
+                  "seq_buckets", "seq_align", "long_tail", "shape_cache", "extra_allocs", "comm_jitter"}
+_SHAPE_CACHE_KEYS = {"bytes_per_shape", "max_shapes"}
+_EXTRA_KEYS = {"probability", "size", "lifetime_steps"}
+_TRAIN_KEYS = {"steps", "learning_rate", "batch_size", "seed", "dataset", "device", "checkpoint_every_steps"}
+
+
+def _default_optimizer_dtype(optimizer_type: str, param_dtype: str) -> str:
+    """Adam m/v dtype: MindSpore's ``nn.AdamWeightDecay`` clones the parameters (same dtype);
+    ``FP32StateAdamWeightDecay`` and other Adam variants keep FP32 states."""
+    if "FP32" in optimizer_type.upper():
+        return "float32"
+    return param_dtype if optimizer_type == "AdamWeightDecay" else "float32"
+
+
+def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelConfig,
+                 train: TrainConfig) -> MemoptConfig:
+    m = r.section(data, "memopt", "memopt")
+    r.strict(m, "memopt", _MEMOPT_KEYS)
+    pos = r.integer(minimum=1)
+    size = r.size()
+
+    dev = r.section(m, "device", "memopt.device")
+    r.strict(dev, "memopt.device", _DEVICE_KEYS)
+    device = DeviceConfig(
+        name=r.get(dev, "name", "memopt.device.name", r.string, "Ascend910B"),
+        hbm=r.get(dev, "hbm", "memopt.device.hbm", size, None),
+        cards=r.get(dev, "cards", "memopt.device.cards", pos, None),
+    )
+
+    comm = r.section(m, "communication", "memopt.communication")
+    r.strict(comm, "memopt.communication", _COMM_KEYS)
+    zero_size = r.size(positive=False)
+    communication = CommunicationConfig(**{
+        k: r.get(comm, k, f"memopt.communication.{k}", zero_size, None) for k in sorted(_COMM_KEYS)})
+
+    alloc = r.section(m, "allocator", "memopt.allocator")
+    r.strict(alloc, "memopt.allocator", _ALLOCATOR_KEYS)
+    allocator = AllocatorConfig(
+        name=r.get(alloc, "name", "memopt.allocator.name", r.choice(*_ALLOCATOR_NAMES), "mindspore"),
+        increase_size=r.get(alloc, "increase_size", "memopt.allocator.increase_size", size, 2**30),
+        pregrow=r.get(alloc, "pregrow", "memopt.allocator.pregrow", r.boolean, False),
+        init_size=r.get(alloc, "init_size", "memopt.allocator.init_size", size, None),
+        align=r.get(alloc, "align", "memopt.allocator.align", pos, 512),
+    )
+
+    watch_raw = m.get("watch") or {}
+    if not isinstance(watch_raw, dict):
+        raise r.fail("memopt.watch", watch_raw, "a mapping of name -> size, e.g. {allreduce: 4.2GB}")
+    watch = {str(name): size(value, f"memopt.watch.{name}") for name, value in watch_raw.items()}
+
+    workload = _read_workload(r, r.section(m, "workload", "memopt.workload"), train)
+    tr = r.section(m, "train", "memopt.train")
+    r.strict(tr, "memopt.train", _TRAIN_KEYS)
+    standalone = StandaloneTrainConfig(
+        steps=r.get(tr, "steps", "memopt.train.steps", pos, 20),
+        learning_rate=r.get(tr, "learning_rate", "memopt.train.learning_rate",
+                            r.number(minimum=0, exclusive_min=True), 1e-3),
+        batch_size=r.get(tr, "batch_size", "memopt.train.batch_size", pos, 2),
+        seed=r.get(tr, "seed", "memopt.train.seed", r.integer(minimum=0), train.seed),
+        dataset=r.get(tr, "dataset", "memopt.train.dataset", r.string, "synthetic"),
+        device=_DEVICE_NAMES[r.get(tr, "device", "memopt.train.device", r.choice(*_DEVICE_NAMES), "cpu")],
+        checkpoint_every_steps=r.get(tr, "checkpoint_every_steps", "memopt.train.checkpoint_every_steps", pos, None),
+    )
+
+    zero_default = 1 if parallel.enable_parallel_optimizer else 0
+    # Gradients take the compute dtype, except that FP32 parameters get FP32 gradients
+    # (the cast's backward casts them back to the parameter's dtype).
+    grad_default = "float32" if model.param_init_type == "float32" else model.compute_dtype
+    return MemoptConfig(
+        device=device,
+        params=r.get(m, "params", "memopt.params", r.count, None),
+        zero_stage=r.get(m, "zero_stage", "memopt.zero_stage", r.integer(minimum=0, maximum=3), zero_default),
+        grad_dtype=r.get(m, "grad_dtype", "memopt.grad_dtype", r.dtype, grad_default),
+        master_weights=r.get(m, "master_weights", "memopt.master_weights", r.boolean, True),
+        optimizer_dtype=r.get(m, "optimizer_dtype", "memopt.optimizer_dtype", r.dtype,
+                              _default_optimizer_dtype(train.optimizer_type, model.param_init_type)),
+        checkpoint_every=r.get(m, "checkpoint_every", "memopt.checkpoint_every", pos, None),
+        activation_factor=r.get(m, "activation_factor", "memopt.activation_factor",
+                                r.number(minimum=0, exclusive_min=True), 1.0),
+        pool_mode=r.get(m, "pool_mode", "memopt.pool_mode", r.boolean, False),
+        scan_every=r.get(m, "scan_every", "memopt.scan_every", pos, 100),
+        compact_every=r.get(m, "compact_every", "memopt.compact_every", pos, None),
+        compact_when_frag_above=r.get(m, "compact_when_frag_above", "memopt.compact_when_frag_above",
+                                      r.number(minimum=0, exclusive_min=True), None),
+        watch=watch,
+        communication=communication,
+        workspace=r.get(m, "workspace", "memopt.workspace", r.size(positive=False), 2**30),
+        allocator=allocator,
+        workload=workload,
+        train=standalone,
+    )
+
+
+def _read_workload(r: _Reader, w: dict, train: TrainConfig) -> WorkloadConfig:
+    p = "memopt.workload"
+    r.strict(w, p, _WORKLOAD_KEYS)
+    pos = r.integer(minimum=1)
+    sc = r.section(w, "shape_cache", f"{p}.shape_cache")
+    r.strict(sc, f"{p}.shape_cache", _SHAPE_CACHE_KEYS)
+    ea = r.section(w, "extra_allocs", f"{p}.extra_allocs")
+    r.strict(ea, f"{p}.extra_allocs", _EXTRA_KEYS)
+    buckets_raw = w.get("seq_buckets") or []
+    if not isinstance(buckets_raw, (list, tuple)):
+        raise r.fail(f"{p}.seq_buckets", buckets_raw, "a list of sequence lengths")
+    buckets = tuple(sorted(pos(v, f"{p}.seq_buckets[{i}]") for i, v in enumerate(buckets_raw)))
+    fraction = r.number(minimum=0, maximum=1)
+    workload = WorkloadConfig(
+        enabled=r.get(w, "enabled", f"{p}.enabled", r.boolean, True),
+        seed=r.get(w, "seed", f"{p}.seed", r.integer(minimum=0), train.seed),
+        steps=r.get(w, "steps", f"{p}.steps", pos, 1000),
+        dynamic_seq=r.get(w, "dynamic_seq", f"{p}.dynamic_seq", r.boolean, False),
+        seq_distribution=r.get(w, "seq_distribution", f"{p}.seq_distribution",
+                               r.choice("uniform", "lognormal", "fixed"), "uniform"),
+        seq_min=r.get(w, "seq_min", f"{p}.seq_min", pos, None),
+        seq_max=r.get(w, "seq_max", f"{p}.seq_max", pos, None),
+        seq_buckets=buckets,
+        seq_align=r.get(w, "seq_align", f"{p}.seq_align", pos, 1),
+        long_tail=r.get(w, "long_tail", f"{p}.long_tail", fraction, 0.0),
+        shape_cache=ShapeCacheConfig(
+            bytes_per_shape=r.get(sc, "bytes_per_shape", f"{p}.shape_cache.bytes_per_shape",
+                                  r.size(positive=False), 10 * 2**20),
+            max_shapes=r.get(sc, "max_shapes", f"{p}.shape_cache.max_shapes", pos, None)),
+        extra_allocs=ExtraAllocsConfig(
+            probability=r.get(ea, "probability", f"{p}.extra_allocs.probability", fraction, 0.0),
+            size=r.get(ea, "size", f"{p}.extra_allocs.size", r.size(), 64 * 2**20),
+            lifetime_steps=r.get(ea, "lifetime_steps", f"{p}.extra_allocs.lifetime_steps", pos, 1)),
+        comm_jitter=r.get(w, "comm_jitter", f"{p}.comm_jitter", fraction, 0.0),
+    )
+    if workload.seq_min is not None and workload.seq_max is not None and workload.seq_min > workload.seq_max:
+        raise r.fail(f"{p}.seq_min", workload.seq_min, f"at most memopt.workload.seq_max ({workload.seq_max})")
+    return workload
+
+
+def _check_consistency(r: _Reader, recipe: Recipe) -> None:
+    model, par, mem = recipe.model, recipe.parallel, recipe.memopt
+    t, pp = par.model_parallel, par.pipeline_stage
+    if model.num_heads % t:
+        raise r.fail("model.model_config.num_heads", model.num_heads,
+                     f"a multiple of parallel_config.model_parallel ({t})")
+    if model.n_kv_heads % t and t % model.n_kv_heads:
+        raise r.fail("model.model_config.n_kv_heads", model.n_kv_heads,
+                     f"a multiple or a divisor of parallel_config.model_parallel ({t})")
+    if model.intermediate_size % t:
+        raise r.fail("model.model_config.intermediate_size", model.intermediate_size,
+                     f"a multiple of parallel_config.model_parallel ({t})")
+    if model.num_layers < pp:
+        raise r.fail("parallel_config.pipeline_stage", pp,
+                     f"at most model.model_config.num_layers ({model.num_layers})")
+    if model.offset:
+        if len(model.offset) != pp:
+            raise r.fail("model.model_config.offset", list(model.offset),
+                         f"a list of {pp} per-stage offsets")
+        if sum(model.offset) != 0 or min(recipe.stage_layers()) < 1:
+            raise r.fail("model.model_config.offset", list(model.offset),
+                         "offsets that sum to 0 and leave at least one layer on every stage")
+    if mem.device.cards is not None and mem.device.cards != par.cards:
+        raise r.fail("memopt.device.cards", mem.device.cards,
+                     f"data_parallel x model_parallel x pipeline_stage = {par.data_parallel} x {t} x {pp}"
+                     f" = {par.cards}")
+    if mem.checkpoint_every is not None:
+        most = max(recipe.stage_layers())
+        if mem.checkpoint_every > most:
+            raise r.fail("memopt.checkpoint_every", mem.checkpoint_every,
+                         f"at most the layers on a pipeline stage ({most})")
+    if par.micro_batch_num < pp and pp > 1:
+        raise r.fail("parallel_config.micro_batch_num", par.micro_batch_num,
+                     f"at least parallel_config.pipeline_stage ({pp}) for 1F1B")
+    if (mem.allocator.init_size is not None and recipe.capacity is not None
+            and mem.allocator.init_size > recipe.capacity):
+        raise r.fail("memopt.allocator.init_size", mem.allocator.init_size,
+                     f"at most the card's capacity ({recipe.capacity} bytes)")
