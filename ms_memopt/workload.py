@@ -48,14 +48,14 @@ Example:
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
 import numpy as np
 
 from .events import Event
 
-__all__ = ["DynamicSeq", "ShapeCache", "Extras", "CommJitter", "WorkloadSpec", "StepWorkload",
+__all__ = ["WorkloadSpec", "StepWorkload",
            "iter_events", "spec_from_recipe", "WATCH_TAG"]
 
 #: The tag of the AllReduce buffer request (the default watched request).
@@ -69,78 +69,33 @@ def _aligned(nbytes: float) -> int:
     return max(_ALIGN, (n + _ALIGN - 1) // _ALIGN * _ALIGN)
 
 
-# --- mechanism settings ----------------------------------------------------------------------
-@dataclass
-class DynamicSeq:
-    """Dynamic sequence lengths (unpadded batches, packing slack).
-
-    The length of each micro-batch is ``seq_length * (1 - (1 - min_fraction) * X)`` with
-    ``X ~ Beta(1, tail)`` (a smaller ``tail`` gives more short sequences), rounded down to
-    ``granularity`` tokens. With ``shapes > 0`` the length is instead one of ``shapes`` fixed
-    lengths evenly spread over ``[min_fraction, 1] * seq_length`` (a finite set of shapes).
-    """
-
-    enabled: bool = True
-    min_fraction: float = 0.5
-    tail: float = 3.0
-    granularity: int = 64
-    shapes: int = 0
-
-
-@dataclass
-class ShapeCache:
-    """Tensors cached per new shape that live on (RoPE tables, position ids, masks, workspaces).
-
-    On the first micro-batch with a new length, ``tensors`` tensors of
-    ``bytes_per_shape * length / seq_length / tensors`` bytes each are allocated one per layer
-    group, in the middle of the forward pass, and never freed. ``limit > 0`` bounds the
-    cache to that many shapes (least recently used shape freed first).
-    """
-
-    enabled: bool = True
-    bytes_per_shape: int = 10 * 2**20
-    tensors: int = 4
-    limit: int = 0
-
-
-@dataclass
-class Extras:
-    """Occasional extra allocations; each interval ``0`` switches that kind off.
-
-    Evaluation every ``eval_every`` steps (a forward over ``eval_micro_batches`` micro-batches,
-    no saved activations beyond one layer), checkpoint staging every ``checkpoint_every``
-    steps (the BF16 weights copied in ``checkpoint_chunks`` chunks before the host copy),
-    logging reductions every ``log_every`` steps (``log_tensors`` small tensors).
-    """
-
-    enabled: bool = True
-    eval_every: int = 200
-    eval_micro_batches: int = 2
-    checkpoint_every: int = 250
-    checkpoint_chunks: int = 8
-    log_every: int = 10
-    log_tensors: int = 4
-    log_bytes: int = 64 * 2**10
-
-
-@dataclass
-class CommJitter:
-    """The AllReduce buffer is requested before one of the last ``spread_layers`` backward
-    layers of the last micro-batch (uniformly drawn) rather than after the backward."""
-
-    enabled: bool = True
-    spread_layers: int = 4
-
-
+# --- mechanism settings (the keys of ``memopt.workload``) --------------------------------------
 @dataclass
 class WorkloadSpec:
-    """One card's training step, sizes in bytes (per card, per micro-batch at full length).
+    """One card's training step, sizes in bytes (per card, per micro-batch at ``seq_length``).
 
-    ``activation_bytes`` is what one layer saves for backward for one micro-batch of
-    ``seq_length`` tokens; ``workspace_bytes`` the transient peak inside a layer;
-    ``recompute_every = k > 0`` keeps only each k-layer segment's input (``input_bytes``)
-    and recomputes the segment in backward; ``in_flight`` is how many micro-batches' forward
-    activations 1F1B keeps alive (the pipeline depth on the first stage).
+    Shape of the step: ``activation_bytes`` is what one layer saves for backward for one
+    micro-batch of ``seq_length`` tokens; ``workspace_bytes`` the transient peak inside a layer;
+    ``recompute_every = k > 0`` keeps only each k-layer segment's input (``input_bytes``) and
+    recomputes the segment in backward; ``in_flight`` is how many micro-batches' activations
+    1F1B keeps alive (the pipeline depth on the first stage).
+
+    Variation (``memopt.workload``; ``enabled = False`` switches every mechanism off):
+
+    * ``dynamic_seq`` with ``seq_distribution`` (``uniform``: uniform in
+      ``[seq_min, seq_max]``; ``lognormal``: packed rows, ``seq_max`` minus a log-normal packing
+      slack of median ``seq_max / 32``; ``fixed``: always ``seq_max``), ``long_tail`` (share of
+      micro-batches drawn uniformly from ``[seq_min, seq_max]`` instead: short rows at shard
+      ends, split long documents), ``seq_align`` (lengths rounded down to a multiple: fewer
+      distinct shapes), ``seq_buckets`` (a finite set of lengths; each micro-batch pads up to
+      the smallest bucket that holds it).
+    * ``cache_bytes_per_shape`` (0 = off) and ``cache_max_shapes`` (``None`` = unbounded, else
+      LRU over that many shapes): per new shape, ``cache_tensors`` tensors live on.
+    * ``extra_probability`` (0 = off), ``extra_size``, ``extra_lifetime_steps``: per step, with
+      that probability, one extra tensor (evaluation, checkpoint staging, logging) at a random
+      moment of the step, freed at the start of the step ``extra_lifetime_steps`` later.
+    * ``comm_jitter`` (0 = off): the AllReduce buffer is requested before one of the last
+      ``comm_jitter`` share of the step's backward layer passes instead of after the backward.
     """
 
     layers: int = 15
@@ -150,48 +105,62 @@ class WorkloadSpec:
     param_bytes: int = int(3.1 * 2**30)
     grad_bytes: int = int(6.1 * 2**30)
     optimizer_bytes: int = int(18.4 * 2**30)
-    activation_bytes: int = int(0.43 * 2**30)
-    workspace_bytes: int = int(0.6 * 2**30)
+    activation_bytes: int = int(0.415 * 2**30)
+    workspace_bytes: int = 2**30
     input_bytes: int = 0
     recompute_every: int = 0
-    p2p_bytes: int = 24 * 2**20
+    p2p_bytes: int = 16 * 2**20
     allreduce_bytes: int = 4_200_000_000
-    bucket_bytes: int = 256 * 2**20
-    buckets: int = 4
+    bucket_bytes: int = 0
+    buckets: int = 0
     optimizer_groups: int = 8
     enabled: bool = True
-    dynamic_seq: DynamicSeq = field(default_factory=DynamicSeq)
-    shape_cache: ShapeCache = field(default_factory=ShapeCache)
-    extras: Extras = field(default_factory=Extras)
-    comm_jitter: CommJitter = field(default_factory=CommJitter)
+    dynamic_seq: bool = True
+    seq_distribution: str = "lognormal"
+    seq_min: int = 1024
+    seq_max: int = 8192
+    seq_align: int = 16
+    seq_buckets: tuple[int, ...] = ()
+    long_tail: float = 0.05
+    cache_bytes_per_shape: int = 10 * 2**20
+    cache_max_shapes: int | None = None
+    cache_tensors: int = 4
+    extra_probability: float = 0.02
+    extra_size: int = 256 * 2**20
+    extra_lifetime_steps: int = 1
+    comm_jitter: float = 0.2
 
     def __post_init__(self) -> None:
         if self.input_bytes <= 0:
-            # the layer input is one hidden-state tensor; about 1/17 of the selective-recompute
-            # saved set (2sbh of 34sbh, Korthikanti et al. 2022)
+            # the layer input is one hidden-state tensor: 2sbh of the ~34sbh a layer saves
             self.input_bytes = max(_ALIGN, self.activation_bytes // 17)
         self.in_flight = max(1, min(self.in_flight, self.micro_batches))
+        self.seq_buckets = tuple(sorted(self.seq_buckets))
+
+    #: the switchable mechanisms and the value that switches each off
+    OFF = {"dynamic_seq": False, "shape_cache": 0, "extra_allocs": 0.0, "comm_jitter": 0.0}
+    _FIELD = {"dynamic_seq": "dynamic_seq", "shape_cache": "cache_bytes_per_shape",
+              "extra_allocs": "extra_probability", "comm_jitter": "comm_jitter"}
 
     def mechanisms(self) -> dict[str, bool]:
         """Which variation mechanisms are on (all ``False`` when ``enabled`` is off)."""
-        return {name: bool(self.enabled and getattr(self, name).enabled)
-                for name in ("dynamic_seq", "shape_cache", "extras", "comm_jitter")}
+        return {name: bool(self.enabled and getattr(self, attr)) for name, attr in self._FIELD.items()}
 
-    def with_mechanisms(self, **switches: bool) -> "WorkloadSpec":
-        """A copy with some mechanisms switched (``spec.with_mechanisms(shape_cache=False)``)."""
-        out = WorkloadSpec(**{f.name: getattr(self, f.name) for f in fields(self)
-                              if f.name not in ("dynamic_seq", "shape_cache", "extras", "comm_jitter")},
-                           **{name: type(getattr(self, name))(**asdict(getattr(self, name)))
-                              for name in ("dynamic_seq", "shape_cache", "extras", "comm_jitter")})
-        for name, on in switches.items():
-            getattr(out, name).enabled = bool(on)
-        return out
+    def without(self, *names: str) -> "WorkloadSpec":
+        """A copy with the named mechanisms switched off (``spec.without("shape_cache")``)."""
+        unknown = set(names) - set(self._FIELD)
+        if unknown:
+            raise ValueError(f"unknown mechanisms {sorted(unknown)}; expected some of {sorted(self._FIELD)}")
+        return replace(self, **{self._FIELD[n]: self.OFF[n] for n in names})
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 # --- the generator ---------------------------------------------------------------------------
+_EXTRA_KINDS = ("eval", "checkpoint", "logging")
+
+
 class StepWorkload:
     """Generates the event lists of one card's steps; ids are unique across the whole run.
 
@@ -206,7 +175,8 @@ class StepWorkload:
         self.rng = np.random.default_rng(seed)
         self._next_id = 0
         self._mech = spec.mechanisms()
-        self._cache: OrderedDict[int, list[tuple[int, int]]] = OrderedDict()  # length -> [(id, size)]
+        self._cache: OrderedDict[int, list[int]] = OrderedDict()  # length -> live tensor ids
+        self._extras_due: dict[int, list[int]] = {}                # step -> ids to free then
         self.shapes_seen: set[int] = set()
         self._events: list[Event] = []
 
@@ -218,9 +188,6 @@ class StepWorkload:
 
     def _free(self, tid: int) -> None:
         self._events.append(Event("free", id=tid))
-
-    def _mark(self, tag: str, step: int) -> None:
-        self._events.append(Event("mark", tag=tag, step=step))
 
     # the parts -------------------------------------------------------------------------------
     def prologue(self) -> list[Event]:
@@ -236,104 +203,100 @@ class StepWorkload:
         return out
 
     def step(self, step: int) -> list[Event]:
-        """The events of training step ``step`` (1-based), starting with its ``step`` event."""
+        """The events of training step ``step`` (1-based): its ``step`` event, the 1F1B
+        forward/backward passes, the communication, the optimizer and a ``mark``
+        ``"optimizer_end"`` (where compaction may run)."""
         s = self.spec
         self._events = [Event("step", step=step)]
+        for tid in self._extras_due.pop(step, ()):
+            self._free(tid)
+        # every draw of the step happens here, in a fixed order, so that a seed fixes the stream
         lengths = [self._sequence_length() for _ in range(s.micro_batches)]
-        jitter_layer = self._allreduce_moment()
-        saved: dict[int, list[list[int]]] = {}
-        # 1F1B: in_flight forwards, then alternate one forward / one backward, then drain
+        passes = s.micro_batches * s.layers
+        allreduce_at = self._allreduce_moment(passes)
+        extra_at = self._extra_moment(2 * passes)
         order: list[tuple[str, int]] = [("F", m) for m in range(s.in_flight)]
         for m in range(s.in_flight, s.micro_batches):
             order += [("B", m - s.in_flight), ("F", m)]
         order += [("B", m) for m in range(s.micro_batches - s.in_flight, s.micro_batches)]
-        allreduce_id = None
+        saved: dict[int, list[list[int]]] = {}
+        counters = {"pass": 0, "backward": 0}
+        hooks = {"allreduce_at": allreduce_at, "extra_at": extra_at, "allreduce_id": None,
+                 "step": step}
         for phase, m in order:
             if phase == "F":
-                saved[m] = self._forward(step, lengths[m])
+                saved[m] = self._forward(lengths[m], counters, hooks)
             else:
-                last = m == s.micro_batches - 1
-                allreduce_id = self._backward(saved.pop(m), lengths[m],
-                                              jitter_layer if last else None)
-        if allreduce_id is None:
-            allreduce_id = self._alloc(s.allreduce_bytes, WATCH_TAG)
-        self._communicate(allreduce_id)
+                self._backward(saved.pop(m), lengths[m], counters, hooks)
+        if hooks["allreduce_id"] is None:
+            hooks["allreduce_id"] = self._alloc(s.allreduce_bytes, WATCH_TAG)
+        self._communicate(hooks["allreduce_id"])
         self._optimizer()
-        self._mark("optimizer_end", step)
-        self._extras(step)
+        self._events.append(Event("mark", tag="optimizer_end", step=step))
         out, self._events = self._events, []
         return out
 
     # mechanisms (each a small function drawing from self.rng) ---------------------------------
     def _sequence_length(self) -> int:
         """Tokens in one micro-batch (``dynamic_seq``); ``seq_length`` when switched off."""
-        s, d = self.spec, self.spec.dynamic_seq
-        if not self._mech["dynamic_seq"]:
+        s = self.spec
+        if not self._mech["dynamic_seq"] or s.seq_distribution == "fixed":
             return s.seq_length
-        if d.shapes > 0:
-            if d.shapes == 1:
-                return s.seq_length
-            k = int(self.rng.integers(d.shapes))
-            frac = d.min_fraction + (1.0 - d.min_fraction) * k / (d.shapes - 1)
-            return max(d.granularity, int(s.seq_length * frac) // d.granularity * d.granularity)
-        x = self.rng.beta(1.0, d.tail)
-        length = s.seq_length * (1.0 - (1.0 - d.min_fraction) * x)
-        return max(d.granularity, int(length) // d.granularity * d.granularity)
+        lo, hi = s.seq_min, s.seq_max
+        if s.seq_distribution == "uniform" or (s.long_tail and self.rng.random() < s.long_tail):
+            length = self.rng.uniform(lo, hi)
+        else:   # lognormal packing slack: rows are nearly full, now and then much shorter
+            length = hi - self.rng.lognormal(np.log(hi / 32), 1.0)
+        length = int(min(max(length, lo), hi))
+        if s.seq_buckets:
+            return next((b for b in s.seq_buckets if b >= length), s.seq_buckets[-1])
+        align = max(1, s.seq_align)
+        return max(align, length // align * align)
 
     def _cache_shape(self, length: int) -> None:
-        """``shape_cache``: a new shape allocates its cached tensors, which stay live."""
+        """``shape_cache``: a new shape allocates its cached tensors, which stay live
+        (an LRU over ``cache_max_shapes`` shapes frees the oldest shape's tensors)."""
         self.shapes_seen.add(length)
         if not self._mech["shape_cache"]:
             return
-        c = self.spec.shape_cache
+        s = self.spec
         if length in self._cache:
             self._cache.move_to_end(length)
             return
-        size = _aligned(c.bytes_per_shape * length / self.spec.seq_length / max(1, c.tensors))
-        self._cache[length] = [(self._alloc(size, "shape_cache"), size) for _ in range(max(1, c.tensors))]
-        while c.limit > 0 and len(self._cache) > c.limit:
-            _, tensors = self._cache.popitem(last=False)
-            for tid, _ in tensors:
+        n = max(1, s.cache_tensors)
+        size = _aligned(s.cache_bytes_per_shape * length / s.seq_length / n)
+        self._cache[length] = [self._alloc(size, "shape_cache") for _ in range(n)]
+        while s.cache_max_shapes and len(self._cache) > s.cache_max_shapes:
+            for tid in self._cache.popitem(last=False)[1]:
                 self._free(tid)
 
-    def _allreduce_moment(self) -> int | None:
-        """``comm_jitter``: the backward layer (counted from the last) before which the
-        AllReduce buffer is requested; ``None`` = after the whole backward."""
-        c = self.spec.comm_jitter
+    def _allreduce_moment(self, passes: int) -> int | None:
+        """``comm_jitter``: index of the backward layer pass before which the AllReduce buffer
+        is requested, among the step's last ``comm_jitter`` share; ``None`` = after backward."""
         if not self._mech["comm_jitter"]:
             return None
-        return int(self.rng.integers(min(c.spread_layers, self.spec.layers)))
+        window = max(1, int(np.ceil(self.spec.comm_jitter * passes)))
+        return passes - 1 - int(self.rng.integers(window))
 
-    def _extras(self, step: int) -> None:
-        """``extras``: evaluation, checkpoint staging, logging, on their intervals."""
-        if not self._mech["extras"]:
-            return
-        s, x = self.spec, self.spec.extras
-        if x.log_every and step % x.log_every == 0:
-            ids = [self._alloc(_aligned(x.log_bytes * (1 + self.rng.random())), "logging")
-                   for _ in range(x.log_tensors)]
-            for tid in ids:
-                self._free(tid)
-        if x.checkpoint_every and step % x.checkpoint_every == 0:
-            chunk = _aligned(s.param_bytes / max(1, x.checkpoint_chunks))
-            for _ in range(x.checkpoint_chunks):
-                self._free(self._alloc(chunk, "checkpoint"))
-        if x.eval_every and step % x.eval_every == 0:
-            for _ in range(x.eval_micro_batches):
-                length = self._sequence_length()
-                scale = length / s.seq_length
-                prev = None
-                for _layer in range(s.layers):
-                    ws = self._alloc(_aligned(s.workspace_bytes * scale), "eval")
-                    out = self._alloc(_aligned(s.input_bytes * scale), "eval")
-                    self._free(ws)
-                    if prev is not None:
-                        self._free(prev)
-                    prev = out
-                self._free(prev)
+    def _extra_moment(self, passes: int) -> int | None:
+        """``extra_allocs``: the layer pass (forward or backward) before which this step's
+        extra tensor is allocated, or ``None`` when the step has none."""
+        if not self._mech["extra_allocs"]:
+            return None
+        if self.rng.random() >= self.spec.extra_probability:
+            return None
+        return int(self.rng.integers(passes))
+
+    def _maybe_extra(self, counters: dict, hooks: dict) -> None:
+        if hooks["extra_at"] is not None and counters["pass"] == hooks["extra_at"]:
+            s = self.spec
+            kind = _EXTRA_KINDS[hooks["step"] % len(_EXTRA_KINDS)]
+            tid = self._alloc(_aligned(s.extra_size), kind)
+            self._extras_due.setdefault(hooks["step"] + max(1, s.extra_lifetime_steps), []).append(tid)
+        counters["pass"] += 1
 
     # step phases -----------------------------------------------------------------------------
-    def _forward(self, step: int, length: int) -> list[list[int]]:
+    def _forward(self, length: int, counters: dict, hooks: dict) -> list[list[int]]:
         """One micro-batch forward; returns the saved tensor ids per layer."""
         s = self.spec
         scale = length / s.seq_length
@@ -343,25 +306,25 @@ class StepWorkload:
         recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
         saved: list[list[int]] = []
         k = s.recompute_every
-        cache_at = s.layers // 2   # shape tensors are built lazily where the op first runs
+        cache_at = s.layers // 2   # shape tensors are built lazily where their op first runs
         for layer in range(s.layers):
+            self._maybe_extra(counters, hooks)
             ws = self._alloc(ws_size, "workspace")
             if layer == cache_at:
                 self._cache_shape(length)
-            if k and layer % k != 0:
-                saved.append([])
-            elif k:
+            if not k:
+                saved.append([self._alloc(act, "activation")])
+            elif layer % k == 0:
                 saved.append([self._alloc(inp, "checkpoint_input")])
             else:
-                saved.append([self._alloc(act, "activation")])
+                saved.append([])
             self._free(ws)
             if layer == 0:
                 self._free(recv)
-        send = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
-        self._free(send)
+        self._free(self._alloc(_aligned(s.p2p_bytes * scale), "p2p"))
         return saved
 
-    def _backward(self, saved: list[list[int]], length: int, allreduce_before: int | None) -> int | None:
+    def _backward(self, saved: list[list[int]], length: int, counters: dict, hooks: dict) -> None:
         """One micro-batch backward, last layer first; may request the AllReduce buffer."""
         s = self.spec
         scale = length / s.seq_length
@@ -369,18 +332,18 @@ class StepWorkload:
         ws_size = _aligned(s.workspace_bytes * scale)
         grad_size = _aligned(s.param_bytes / s.layers)
         k = s.recompute_every
-        allreduce_id = None
         recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
         recomputed: list[int] = []
-        for back_index, layer in enumerate(reversed(range(s.layers))):
-            if allreduce_before is not None and back_index == s.layers - 1 - allreduce_before:
-                allreduce_id = self._alloc(s.allreduce_bytes, WATCH_TAG)
+        for layer in reversed(range(s.layers)):
+            if counters["backward"] == hooks["allreduce_at"]:
+                hooks["allreduce_id"] = self._alloc(s.allreduce_bytes, WATCH_TAG)
+            counters["backward"] += 1
+            self._maybe_extra(counters, hooks)
             if k and (layer % k == k - 1 or layer == s.layers - 1):
                 # recompute the whole segment's activations before its backward
-                first = layer - layer % k
-                recomputed = [self._alloc(act, "recompute") for _ in range(first, layer + 1)]
+                recomputed = [self._alloc(act, "recompute") for _ in range(layer - layer % k, layer + 1)]
             ws = self._alloc(ws_size, "grad_workspace")
-            wgrad = self._alloc(grad_size, "weight_grad")   # BF16, cast-added into FP32 buffer
+            wgrad = self._alloc(grad_size, "weight_grad")   # BF16, cast-added into the FP32 buffer
             self._free(wgrad)
             self._free(ws)
             if k:
@@ -389,9 +352,7 @@ class StepWorkload:
                 self._free(tid)
             if layer == 0:
                 self._free(recv)
-        send = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
-        self._free(send)
-        return allreduce_id
+        self._free(self._alloc(_aligned(s.p2p_bytes * scale), "p2p"))
 
     def _communicate(self, allreduce_id: int) -> None:
         """ReduceScatter buckets allocated back to back, then the AllReduce completes."""
@@ -402,10 +363,11 @@ class StepWorkload:
         self._free(allreduce_id)
 
     def _optimizer(self) -> None:
-        """Non-fused AdamW per parameter group: FP32 grad cast and update temporary."""
+        """Non-fused AdamW per parameter group: the FP32 gradient cast and the update
+        temporary, two intermediate FP32 copies of the group."""
         s = self.spec
         groups = max(1, s.optimizer_groups)
-        temp = _aligned(s.param_bytes * 2 / groups)   # FP32 copy of the group's parameters
+        temp = _aligned(s.param_bytes * 2 / groups)
         for _ in range(groups):
             cast = self._alloc(temp, "optimizer_temp")
             update = self._alloc(temp, "optimizer_temp")
@@ -428,6 +390,56 @@ def iter_events(spec: WorkloadSpec, steps: int, seed: int = 0) -> Iterator[Event
         yield from gen.step(step)
 
 
-def spec_from_recipe(recipe) -> WorkloadSpec:
-    """Build the :class:`WorkloadSpec` of a recipe (see :mod:`ms_memopt.recipe`)."""
-    raise NotImplementedError("filled in once ms_memopt.recipe exists")
+def spec_from_recipe(recipe, *, stage: int = 0) -> WorkloadSpec:
+    """The :class:`WorkloadSpec` of one pipeline stage of a recipe (default: the first, which
+    holds the most micro-batches in flight), sizes from :mod:`ms_memopt.estimate`."""
+    from . import estimate as est
+
+    model, par, mem = recipe.model, recipe.parallel, recipe.memopt
+    w = mem.workload
+    stage_est = est.estimate(recipe).stages[stage]
+    regions = stage_est.regions
+    layers = stage_est.layers
+    shape = dict(seq=model.seq_length, micro_batch=recipe.train.batch_size,
+                 tensor_parallel=par.model_parallel, sequence_parallel=par.use_seq_parallel)
+    selective = bool(recipe.recompute.select_recompute)
+    factor = mem.activation_factor
+    activation = est.layer_activation_bytes(model, **shape, recompute="selective" if selective else "none",
+                                            comm_kept=not recipe.recompute.mp_comm_recompute)
+    k = mem.checkpoint_every or 0
+    if recipe.recompute.recompute is True:
+        k = layers
+    comm = stage_est.communication
+    buckets = [comm.get("reduce_scatter_bucket", 0), comm.get("allgather_bucket", 0)]
+    seq_max = w.seq_max or model.seq_length
+    return WorkloadSpec(
+        layers=layers,
+        micro_batches=par.micro_batch_num,
+        in_flight=stage_est.in_flight,
+        seq_length=model.seq_length,
+        param_bytes=regions["parameters"],
+        grad_bytes=regions["gradients"],
+        optimizer_bytes=regions["optimizer"],
+        activation_bytes=int(activation * factor),
+        workspace_bytes=regions.get("workspace", mem.workspace),
+        input_bytes=int(est.layer_input_bytes(model, **shape) * factor),
+        recompute_every=k if k and k < layers or k == layers else 0,
+        p2p_bytes=max(_ALIGN, comm.get("p2p_buffers", 0) // 2),
+        allreduce_bytes=comm.get("allreduce_bucket") or mem.watch.get(WATCH_TAG, 0) or _ALIGN,
+        bucket_bytes=max(buckets),
+        buckets=sum(1 for b in buckets if b),
+        enabled=w.enabled,
+        dynamic_seq=w.dynamic_seq,
+        seq_distribution=w.seq_distribution,
+        seq_min=min(w.seq_min or seq_max, seq_max),
+        seq_max=seq_max,
+        seq_align=w.seq_align,
+        seq_buckets=tuple(w.seq_buckets),
+        long_tail=w.long_tail,
+        cache_bytes_per_shape=w.shape_cache.bytes_per_shape,
+        cache_max_shapes=w.shape_cache.max_shapes,
+        extra_probability=w.extra_allocs.probability,
+        extra_size=w.extra_allocs.size,
+        extra_lifetime_steps=w.extra_allocs.lifetime_steps,
+        comm_jitter=w.comm_jitter,
+    )
