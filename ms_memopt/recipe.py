@@ -126,7 +126,7 @@ class RecomputeConfig:
 class TrainConfig:
     """What the MindFormers sections say about the training step."""
     batch_size: int = 1                 # runner_config.batch_size: sequences per micro-batch
-    optimizer_type: str = "AdamWeightDecay"
+    optimizer_type: str | None = None   # optimizer.type; None: mixed-precision Adam, FP32 states
     max_device_memory: int | None = None  # context.max_device_memory, bytes (GiB-based)
     seed: int = 0
 
@@ -180,8 +180,8 @@ class WorkloadConfig:
     steps: int = 1000
     dynamic_seq: bool = False
     seq_distribution: str = "uniform"
-    seq_min: int | None = None
-    seq_max: int | None = None
+    seq_min: int = 1
+    seq_max: int = 1
     seq_buckets: tuple[int, ...] = ()
     seq_align: int = 1
     long_tail: float = 0.0
@@ -586,7 +586,7 @@ def _read_train(r: _Reader, data: dict) -> TrainConfig:
     ctx = r.section(data, "context", "context")
     return TrainConfig(
         batch_size=r.get(runner, "batch_size", "runner_config.batch_size", r.integer(minimum=1), 1),
-        optimizer_type=r.get(opt, "type", "optimizer.type", r.string, "AdamWeightDecay"),
+        optimizer_type=r.get(opt, "type", "optimizer.type", r.string, None),
         max_device_memory=r.get(ctx, "max_device_memory", "context.max_device_memory", r.mindspore_size, None),
         seed=r.get(data, "seed", "seed", r.integer(minimum=0), 0),
     )
@@ -607,10 +607,10 @@ _EXTRA_KEYS = {"probability", "size", "lifetime_steps"}
 _TRAIN_KEYS = {"steps", "learning_rate", "batch_size", "seed", "dataset", "device", "checkpoint_every_steps"}
 
 
-def _default_optimizer_dtype(optimizer_type: str, param_dtype: str) -> str:
+def _default_optimizer_dtype(optimizer_type: str | None, param_dtype: str) -> str:
     """Adam m/v dtype: MindSpore's ``nn.AdamWeightDecay`` clones the parameters (same dtype);
-    ``FP32StateAdamWeightDecay`` and other Adam variants keep FP32 states."""
-    if "FP32" in optimizer_type.upper():
+    ``FP32StateAdamWeightDecay``, other Adam variants and no ``optimizer.type`` keep FP32 states."""
+    if optimizer_type is None or "FP32" in optimizer_type.upper():
         return "float32"
     return param_dtype if optimizer_type == "AdamWeightDecay" else "float32"
 
@@ -651,7 +651,7 @@ def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelC
         raise r.fail("memopt.watch", watch_raw, "a mapping of name -> size, e.g. {allreduce: 4.2GB}")
     watch = {str(name): size(value, f"memopt.watch.{name}") for name, value in watch_raw.items()}
 
-    workload = _read_workload(r, r.section(m, "workload", "memopt.workload"), train)
+    workload = _read_workload(r, r.section(m, "workload", "memopt.workload"), train, model)
     tr = r.section(m, "train", "memopt.train")
     r.strict(tr, "memopt.train", _TRAIN_KEYS)
     standalone = StandaloneTrainConfig(
@@ -694,7 +694,7 @@ def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelC
     )
 
 
-def _read_workload(r: _Reader, w: dict, train: TrainConfig) -> WorkloadConfig:
+def _read_workload(r: _Reader, w: dict, train: TrainConfig, model: ModelConfig) -> WorkloadConfig:
     p = "memopt.workload"
     r.strict(w, p, _WORKLOAD_KEYS)
     pos = r.integer(minimum=1)
@@ -714,8 +714,8 @@ def _read_workload(r: _Reader, w: dict, train: TrainConfig) -> WorkloadConfig:
         dynamic_seq=r.get(w, "dynamic_seq", f"{p}.dynamic_seq", r.boolean, False),
         seq_distribution=r.get(w, "seq_distribution", f"{p}.seq_distribution",
                                r.choice("uniform", "lognormal", "fixed"), "uniform"),
-        seq_min=r.get(w, "seq_min", f"{p}.seq_min", pos, None),
-        seq_max=r.get(w, "seq_max", f"{p}.seq_max", pos, None),
+        seq_min=r.get(w, "seq_min", f"{p}.seq_min", pos, max(1, model.seq_length // 8)),
+        seq_max=r.get(w, "seq_max", f"{p}.seq_max", pos, model.seq_length),
         seq_buckets=buckets,
         seq_align=r.get(w, "seq_align", f"{p}.seq_align", pos, 1),
         long_tail=r.get(w, "long_tail", f"{p}.long_tail", fraction, 0.0),
@@ -729,8 +729,14 @@ def _read_workload(r: _Reader, w: dict, train: TrainConfig) -> WorkloadConfig:
             lifetime_steps=r.get(ea, "lifetime_steps", f"{p}.extra_allocs.lifetime_steps", pos, 1)),
         comm_jitter=r.get(w, "comm_jitter", f"{p}.comm_jitter", fraction, 0.0),
     )
-    if workload.seq_min is not None and workload.seq_max is not None and workload.seq_min > workload.seq_max:
+    if workload.seq_max > model.seq_length:
+        raise r.fail(f"{p}.seq_max", workload.seq_max,
+                     f"at most model.model_config.seq_length ({model.seq_length})")
+    if workload.seq_min > workload.seq_max:
         raise r.fail(f"{p}.seq_min", workload.seq_min, f"at most memopt.workload.seq_max ({workload.seq_max})")
+    if buckets and buckets[-1] > model.seq_length:
+        raise r.fail(f"{p}.seq_buckets", list(buckets),
+                     f"lengths of at most model.model_config.seq_length ({model.seq_length})")
     return workload
 
 

@@ -1,0 +1,94 @@
+"""``ms-memopt plan RECIPE``: per-card memory by region, fit against HBM, checkpoint interval.
+
+Exit codes: 0 ok; 1 with ``--fail-on-oom`` when the worst stage does not fit; 2 bad input.
+
+Example:
+    ms-memopt plan recipes/dense_100b_1024x910c.yaml --per-stage
+    ms-memopt plan pretrain_llama2_70b.yaml --json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from ..estimate import REGIONS, Estimate, StageEstimate, estimate
+from ..recipe import load_recipe
+from ..units import format_size, parse_size
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML (a MindFormers config, optionally with a memopt: section)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (sizes in bytes)")
+    parser.add_argument("--per-stage", action="store_true", help="one column per pipeline stage")
+    parser.add_argument("--capacity", help="override the per-card capacity, e.g. 64GiB")
+    parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when the worst stage does not fit")
+
+
+def run(args: argparse.Namespace) -> int:
+    recipe = load_recipe(args.recipe)
+    if args.capacity is not None:
+        hbm = parse_size(args.capacity, source="--capacity")
+        device = dataclasses.replace(recipe.memopt.device, hbm=hbm)
+        recipe = dataclasses.replace(recipe, memopt=dataclasses.replace(recipe.memopt, device=device))
+    result = estimate(recipe)
+    if args.json:
+        print(json.dumps(result.to_dict(per_stage=True), sort_keys=False))
+    else:
+        print(_table(result, per_stage=args.per_stage))
+    if args.fail_on_oom and result.fits is False:
+        return 1
+    return 0
+
+
+def _count(n: int) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _row(label: str, cells: list[str], width: int) -> str:
+    return f"{label:<26}" + "".join(f"{c:>{width}}" for c in cells)
+
+
+def _table(result: Estimate, *, per_stage: bool) -> str:
+    worst = result.worst
+    stages: list[StageEstimate] = result.stages if per_stage else [worst]
+    width = 12
+    head = [f"stage {s.stage}" for s in stages]
+    flight = f"{worst.in_flight} micro-batch{'es' if worst.in_flight != 1 else ''} in flight"
+    lines = [f"recipe: {result.source}",
+             f"model: {_count(result.model_params)} parameters; worst stage {worst.stage} "
+             f"({worst.layers} layers, {flight}, {_count(worst.params)} parameters per card)", ""]
+    lines.append(_row("region", head, width))
+    for name in REGIONS:
+        lines.append(_row(name, [format_size(s.regions[name]) for s in stages], width))
+        if name == "parameters":
+            for dtype in worst.parameters_by_dtype:
+                lines.append(_row(f"  {dtype}", [format_size(s.parameters_by_dtype.get(dtype, 0)) for s in stages], width))
+        if name == "optimizer":
+            for state in ("master", "m", "v"):
+                lines.append(_row(f"  {state}", [format_size(s.optimizer_states[state]) for s in stages], width))
+        if name == "communication":
+            for kind, nbytes in worst.communication.items():
+                if nbytes or any(s.communication[kind] for s in stages):
+                    lines.append(_row(f"  {kind}", [format_size(s.communication[kind]) for s in stages], width))
+    lines.append(_row("total", [format_size(s.total) for s in stages], width))
+    lines.append("")
+    if result.capacity is None:
+        lines.append("capacity: unknown (set memopt.device.hbm or context.max_device_memory)")
+    else:
+        verdict = "fits" if result.fits else "DOES NOT FIT"
+        lines.append(f"capacity: {format_size(result.capacity)} per card; worst stage {format_size(result.total)}: "
+                     f"{verdict} (headroom {format_size(result.headroom)})")
+    if result.checkpoint_every is not None:
+        k = result.checkpoint_every
+        what = "no extra recompute needed" if k == 1 else f"keep one layer in {k}, recompute the others"
+        lines.append(f"checkpoint_every: {k} ({what})")
+    else:
+        lines.append("checkpoint_every: none fits")
+    lines.extend(f"note: {note}" for note in result.notes)
+    return "\n".join(lines)

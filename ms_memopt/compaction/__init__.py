@@ -1,0 +1,12 @@
+"""Compaction: plan moves of live blocks toward low addresses so holes merge.
+
+:mod:`.planner` is framework-free and shared by the simulator (on allocator-model layouts)
+and by :class:`ms_memopt.arena.Arena` (on real bytes). See docs/compaction.md.
+"""
+from __future__ import annotations
+
+from .planner import (CompactionPlan, Move, Run, apply_plan, coalesce_runs, plan_compaction,
+                      slide_targets)
+
+__all__ = ["CompactionPlan", "Move", "Run", "apply_plan", "coalesce_runs", "plan_compaction",
+           "slide_targets"]
