@@ -114,6 +114,8 @@ class WorkloadSpec:
     bucket_bytes: int = 0
     buckets: int = 0
     optimizer_groups: int = 8
+    activation_split: tuple[float, ...] = (0.35, 0.3, 0.2, 0.15)
+    workspace_split: tuple[float, ...] = (0.5, 0.3, 0.2)
     enabled: bool = True
     dynamic_seq: bool = True
     seq_distribution: str = "lognormal"
@@ -300,25 +302,26 @@ class StepWorkload:
         """One micro-batch forward; returns the saved tensor ids per layer."""
         s = self.spec
         scale = length / s.seq_length
-        act = _aligned(s.activation_bytes * scale)
+        acts = [_aligned(s.activation_bytes * scale * share) for share in s.activation_split]
         inp = _aligned(s.input_bytes * scale)
-        ws_size = _aligned(s.workspace_bytes * scale)
+        wss = [_aligned(s.workspace_bytes * scale * share) for share in s.workspace_split]
         recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
         saved: list[list[int]] = []
         k = s.recompute_every
         cache_at = s.layers // 2   # shape tensors are built lazily where their op first runs
         for layer in range(s.layers):
             self._maybe_extra(counters, hooks)
-            ws = self._alloc(ws_size, "workspace")
+            ws = [self._alloc(size, "workspace") for size in wss]
             if layer == cache_at:
                 self._cache_shape(length)
             if not k:
-                saved.append([self._alloc(act, "activation")])
+                saved.append([self._alloc(size, "activation") for size in acts])
             elif layer % k == 0:
                 saved.append([self._alloc(inp, "checkpoint_input")])
             else:
                 saved.append([])
-            self._free(ws)
+            for tid in reversed(ws):
+                self._free(tid)
             if layer == 0:
                 self._free(recv)
         self._free(self._alloc(_aligned(s.p2p_bytes * scale), "p2p"))
@@ -329,7 +332,7 @@ class StepWorkload:
         s = self.spec
         scale = length / s.seq_length
         act = _aligned(s.activation_bytes * scale)
-        ws_size = _aligned(s.workspace_bytes * scale)
+        wss = [_aligned(s.workspace_bytes * scale * share) for share in s.workspace_split]
         grad_size = _aligned(s.param_bytes / s.layers)
         k = s.recompute_every
         recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
@@ -342,13 +345,14 @@ class StepWorkload:
             if k and (layer % k == k - 1 or layer == s.layers - 1):
                 # recompute the whole segment's activations before its backward
                 recomputed = [self._alloc(act, "recompute") for _ in range(layer - layer % k, layer + 1)]
-            ws = self._alloc(ws_size, "grad_workspace")
+            ws = [self._alloc(size, "grad_workspace") for size in wss]
             wgrad = self._alloc(grad_size, "weight_grad")   # BF16, cast-added into the FP32 buffer
             self._free(wgrad)
-            self._free(ws)
+            for tid in reversed(ws):
+                self._free(tid)
             if k:
                 self._free(recomputed.pop())
-            for tid in saved[layer]:
+            for tid in reversed(saved[layer]):
                 self._free(tid)
             if layer == 0:
                 self._free(recv)
