@@ -294,10 +294,11 @@ def simulate_policy(spec: WorkloadSpec, policy: str, cfg: SimConfig, *, seed: in
                         fail(event, step)
                         dead = True
                         break
-                    addr_of[event.id] = addr
                     if drain is not None:
-                        for gone in drain():
-                            addr_of.pop(gone, None)
+                        gone = drain()
+                        if gone:
+                            _forget(addr_of, gone)
+                    addr_of[event.id] = addr
                 elif action == "free":
                     addr = addr_of.pop(event.id, None)
                     if addr is not None:
@@ -348,6 +349,13 @@ def simulate_policy(spec: WorkloadSpec, policy: str, cfg: SimConfig, *, seed: in
     result.events = events
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _forget(addr_of: dict[int, int], addrs: list[int]) -> None:
+    """Drop the tensors a pool-mode cache evicted (their later frees must not hit new blocks)."""
+    wanted = set(addrs)
+    for tid in [t for t, a in addr_of.items() if a in wanted]:
+        del addr_of[tid]
 
 
 def _note_compaction(result: PolicyResult, track: _Tracker, step: int, before: Layout, after: Layout,

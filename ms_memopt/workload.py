@@ -126,7 +126,7 @@ class WorkloadSpec:
     long_tail: float = 0.05
     cache_bytes_per_shape: int = 10 * 2**20
     cache_max_shapes: int | None = None
-    cache_tensors: int = 4
+    cache_tensors: int = 8
     extra_probability: float = 0.02
     extra_size: int = 256 * 2**20
     extra_lifetime_steps: int = 1
@@ -255,22 +255,28 @@ class StepWorkload:
         align = max(1, s.seq_align)
         return max(align, length // align * align)
 
-    def _cache_shape(self, length: int) -> None:
-        """``shape_cache``: a new shape allocates its cached tensors, which stay live
-        (an LRU over ``cache_max_shapes`` shapes frees the oldest shape's tensors)."""
-        self.shapes_seen.add(length)
+    def _cache_shape(self, length: int, part: int) -> None:
+        """``shape_cache``: a new shape allocates its cached tensors, which stay live; they are
+        built where their ops first run, so part ``part`` (of ``cache_tensors``) comes at its
+        own layer of the forward. An LRU over ``cache_max_shapes`` shapes frees the oldest."""
+        if part == 0:
+            self.shapes_seen.add(length)
         if not self._mech["shape_cache"]:
             return
         s = self.spec
-        if length in self._cache:
-            self._cache.move_to_end(length)
+        entry = self._cache.get(length)
+        if entry is not None and len(entry) > part:
+            if part == 0:
+                self._cache.move_to_end(length)
             return
+        if entry is None:
+            entry = self._cache[length] = []
         n = max(1, s.cache_tensors)
-        size = _aligned(s.cache_bytes_per_shape * length / s.seq_length / n)
-        self._cache[length] = [self._alloc(size, "shape_cache") for _ in range(n)]
-        while s.cache_max_shapes and len(self._cache) > s.cache_max_shapes:
-            for tid in self._cache.popitem(last=False)[1]:
-                self._free(tid)
+        entry.append(self._alloc(_aligned(s.cache_bytes_per_shape * length / s.seq_length / n), "shape_cache"))
+        if part == 0:
+            while s.cache_max_shapes and len(self._cache) > s.cache_max_shapes:
+                for tid in self._cache.popitem(last=False)[1]:
+                    self._free(tid)
 
     def _allreduce_moment(self, passes: int) -> int | None:
         """``comm_jitter``: index of the backward layer pass before which the AllReduce buffer
@@ -308,12 +314,14 @@ class StepWorkload:
         recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
         saved: list[list[int]] = []
         k = s.recompute_every
-        cache_at = s.layers // 2   # shape tensors are built lazily where their op first runs
+        n_cache = max(1, s.cache_tensors)
+        cache_at = {(i * s.layers) // n_cache: i for i in range(n_cache)} if n_cache <= s.layers \
+            else {0: 0}
         for layer in range(s.layers):
             self._maybe_extra(counters, hooks)
             ws = [self._alloc(size, "workspace") for size in wss]
-            if layer == cache_at:
-                self._cache_shape(length)
+            if layer in cache_at:
+                self._cache_shape(length, cache_at[layer])
             if not k:
                 saved.append([self._alloc(size, "activation") for size in acts])
             elif layer % k == 0:
