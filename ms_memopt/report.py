@@ -36,7 +36,7 @@ from .metrics import measure
 from .units import format_size
 
 __all__ = ["LayoutSnapshot", "layout_to_dict", "layout_from_dict", "read_layouts", "write_layouts",
-           "plot_memory_map", "plot_region_budget", "plot_loss", "scan_timeline_rows", "build_report",
+           "plot_memory_map", "plot_region_budget", "plot_loss", "plot_scan_timeline", "build_report",
            "LAYOUTS_NAME", "REPORT_NAME"]
 
 LAYOUTS_NAME = "layouts.jsonl"
@@ -48,7 +48,8 @@ _PURPOSE_COLORS = {"parameter": "#1f77b4", "optimizer": "#9467bd", "gradient": "
                    "workspace": "#e377c2", "other": "#7f7f7f"}
 _PURPOSE_OF = {"param": "parameter", "weight": "parameter", "optim": "optimizer", "master": "optimizer",
                "adam": "optimizer", "grad": "gradient", "activ": "activation", "act": "activation",
-               "saved": "activation", "allreduce": "allreduce", "comm": "allreduce", "reduce": "allreduce",
+               "saved": "activation", "allreduce": "allreduce", "communication": "allreduce", "comm_": "allreduce",
+               "reduce": "allreduce", "bucket": "allreduce",
                "shape": "shape_cache", "rope": "shape_cache", "workspace": "workspace", "scratch": "workspace"}
 _FREE_COLOR = "#f2f2f2"
 
@@ -166,6 +167,16 @@ def _category(tag: str | None) -> tuple[str, str]:
     return "other", _PURPOSE_COLORS["other"]
 
 
+def _pool_category(pool: str) -> tuple[str, str]:
+    """Untagged live blocks (allocator models keep no tags) are coloured by their pool or region."""
+    purpose, color = _category(pool)
+    if purpose != "other":
+        return purpose, color
+    if pool == "persistent":
+        return "persistent pool (parameters, optimizer states)", "#1f77b4"
+    return f"{pool} pool (untagged)", "#7f7f7f"
+
+
 def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
                     title: str = "Memory map") -> Path:
     """One row per snapshot: the pool's segments laid end to end in address order (gaps between
@@ -188,22 +199,29 @@ def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
     for row, snap in enumerate(snapshots):
         y = rows - 1 - row
         offset = 0
+        previous = None
         bars: dict[str, list[tuple[float, float]]] = {}
         for seg in sorted(snap.layout.segments, key=lambda s: s.addr):
             for block in seg.blocks:
                 start = (offset + block.addr - seg.addr) / div
                 width = block.size / div
                 if block.live:
-                    label, color = _category(block.tag)
+                    label, color = _category(block.tag) if block.tag else _pool_category(seg.pool)
                     used[label] = color
                 else:
                     label, color = "free", _FREE_COLOR
                 bars.setdefault(color, []).append((start, width))
             ax.plot([offset / div] * 2, [y - 0.42, y + 0.42], color="black", linewidth=0.8)
+            if seg.pool != previous and seg.size / widest > 0.03:   # name each region where it starts
+                ax.text((offset + seg.size * 0.01) / div, y - 0.33, seg.pool, fontsize=6.5, va="bottom",
+                        ha="left", color="black", alpha=0.85)
+            previous = seg.pool
             offset += seg.size
         ax.plot([offset / div] * 2, [y - 0.42, y + 0.42], color="black", linewidth=0.8)
+        few = sum(len(v) for v in bars.values()) <= 400   # block edges only where they stay visible
         for color, spans in bars.items():
-            ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color, edgecolor="none")
+            ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color,
+                           edgecolor="white" if few else "none", linewidth=0.4)
         m = measure(snap.layout)
         ratio = "n/a" if m.frag_ratio is None else f"{m.frag_ratio:.2f}"
         ax.text(offset / div, y + 0.45, f" free {format_size(m.free_total)}, largest hole "
@@ -215,7 +233,9 @@ def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
     ax.set_xlim(0, widest / div * 1.01)
     ax.set_xlabel(f"offset in reserved memory ({unit}); segments in address order, black ticks = "
                   f"segment boundaries")
-    handles = [Patch(facecolor=c, label=f"live: {n}") for n, c in sorted(used.items())]
+    order = list(_PURPOSE_COLORS)
+    handles = [Patch(facecolor=c, label=f"live: {n}")
+               for n, c in sorted(used.items(), key=lambda nc: (order.index(nc[0]) if nc[0] in order else 99, nc[0]))]
     handles.append(Patch(facecolor=_FREE_COLOR, edgecolor="#999999", label="free (hole)"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if rows < 3 else -0.2),
               ncol=min(len(handles), 6), fontsize=8, frameon=False)
@@ -327,33 +347,48 @@ def _scan_logs(directory: Path) -> dict[int, list[dict]]:
     return dict(sorted(out.items()))
 
 
-def scan_timeline_rows(scans: dict[int, list[dict]]) -> list[dict]:
-    """Scan-log lines as rows of the simulation timeline format (``policy`` = ``"rank N"``), so
-    :func:`ms_memopt.plots.plot_fragmentation_timeline` draws runs and simulations alike."""
-    rows = []
+def plot_scan_timeline(scans: dict[int, list[dict]], path: str | Path, *,
+                       title: str = "Layout scans") -> Path:
+    """``free_total``, ``largest_free`` and ``frag_ratio`` against the step from scan logs, one line
+    per rank, compactions (triangles) and predicted OOMs (a watched request that would not fit:
+    crosses) marked. Like :func:`ms_memopt.plots.plot_fragmentation_timeline` (for simulations),
+    but the size unit follows the data: a CPU run's pool is a few MiB."""
+    plt = _pyplot()
+    sizes = [line.get(k) or 0 for lines in scans.values() for line in lines for k in ("free_total", "largest_free")]
+    div, unit = _unit(max(sizes, default=1))
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
     for rank, lines in scans.items():
-        policy = f"rank {rank}"
-        last_scan = None
-        for line in lines:
-            kind = line.get("kind", "scan")
-            if kind == "scan" and line.get("largest_free") is not None:
-                last_scan = line
-                rows.append({"policy": policy, "seed": 0, "step": line["step"], "kind": "scan",
-                             "free_total": line["free_total"], "largest_free": line["largest_free"],
-                             "frag_ratio": line.get("frag_ratio")})
-            elif kind == "compaction":
-                largest = line.get("largest_free_after")
-                if largest is None and last_scan is not None:
-                    largest = last_scan["largest_free"]
-                rows.append({"policy": policy, "seed": 0, "step": line["step"], "kind": "compaction",
-                             "free_total": None, "largest_free": largest or 0,
-                             "frag_ratio": line.get("frag_ratio_after")})
-            for name, w in (line.get("watch") or {}).items():
-                if kind == "scan" and not w.get("fits", True):
-                    rows.append({"policy": policy, "seed": 0, "step": line["step"], "kind": "oom",
-                                 "free_total": line["free_total"], "largest_free": line["largest_free"] or 0,
-                                 "frag_ratio": line.get("frag_ratio"), "tag": name, "predicted": True})
-    return rows
+        pts = [l for l in lines if l.get("kind", "scan") == "scan" and l.get("free_total") is not None]
+        steps = [l["step"] for l in pts]
+        label = f"rank {rank}"
+        line, = axes[0].plot(steps, [l["free_total"] / div for l in pts], marker=".", label=label)
+        color = line.get_color()
+        axes[1].plot(steps, [(l["largest_free"] or 0) / div for l in pts], marker=".", color=color, label=label)
+        axes[2].plot(steps, [float("nan") if l.get("frag_ratio") is None else l["frag_ratio"] for l in pts],
+                     marker=".", color=color, label=label)
+        comp = [l["step"] for l in lines if l.get("kind") == "compaction"]
+        for x in comp:
+            for ax in axes:
+                ax.axvline(x, color=color, linestyle=":", linewidth=1)
+        if comp:
+            by_step = {l["step"]: l for l in pts}
+            ys = [(by_step[x]["largest_free"] or 0) / div if x in by_step else 0 for x in comp]
+            axes[1].scatter(comp, ys, marker="^", s=60, color=color, zorder=3, label=f"{label}: compaction")
+        ooms = [l for l in pts if any(not w.get("fits", True) for w in (l.get("watch") or {}).values())]
+        if ooms:
+            axes[1].scatter([l["step"] for l in ooms], [(l["largest_free"] or 0) / div for l in ooms], marker="x",
+                            s=70, color="red", zorder=3, label=f"{label}: predicted OOM (watched request)")
+    axes[0].set_ylabel(f"free_total ({unit})")
+    axes[1].set_ylabel(f"largest_free ({unit})")
+    axes[2].set_ylabel("frag_ratio\n(free_total / largest_free - 1)")
+    axes[2].set_xlabel("training step")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def _timeline_plot(timeline: Path, png: Path, title: str) -> tuple[Path | None, str | None]:
@@ -462,17 +497,8 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
         for err in merged.source_errors:
             lines.append(f"- rank {err['rank']} step {err.get('step')}: source {err.get('source')!r} failed: "
                          f"{err.get('error')}")
-        run_timeline = root / "scan_timeline.jsonl"
-        with open(run_timeline, "w", encoding="utf-8") as f:
-            for row in scan_timeline_rows(scans):
-                f.write(json.dumps(row) + "\n")
-        png, problem = _timeline_plot(run_timeline, root / "scan_fragmentation.png",
-                                      f"{root.name}: layout scans")
-        if png is not None:
-            lines += ["", "![fragmentation timeline of the scans](scan_fragmentation.png)"]
-        else:
-            problems.append(problem)
-        lines.append("")
+        plot_scan_timeline(scans, root / "scan_fragmentation.png", title=f"{title or root.name}: layout scans")
+        lines += ["", "![fragmentation timeline of the scans](scan_fragmentation.png)", ""]
 
     # a simulation
     if timeline.is_file():
