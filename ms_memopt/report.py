@@ -366,14 +366,16 @@ def plot_scan_timeline(scans: dict[int, list[dict]], path: str | Path, *,
         axes[1].plot(steps, [(l["largest_free"] or 0) / div for l in pts], marker=".", color=color, label=label)
         axes[2].plot(steps, [float("nan") if l.get("frag_ratio") is None else l["frag_ratio"] for l in pts],
                      marker=".", color=color, label=label)
-        comp = [l["step"] for l in lines if l.get("kind") == "compaction"]
-        for x in comp:
+        comp = [l for l in lines if l.get("kind") == "compaction"]
+        by_step = {l["step"]: l for l in pts}
+        for c in comp:
             for ax in axes:
-                ax.axvline(x, color=color, linestyle=":", linewidth=1)
-        if comp:
-            by_step = {l["step"]: l for l in pts}
-            ys = [(by_step[x]["largest_free"] or 0) / div if x in by_step else 0 for x in comp]
-            axes[1].scatter(comp, ys, marker="^", s=60, color=color, zorder=3, label=f"{label}: compaction")
+                ax.axvline(c["step"], color=color, linestyle=":", linewidth=1)
+        if comp:   # the marker sits at the largest block after compaction (or the step's scan)
+            ys = [(c.get("largest_free_after") or (by_step.get(c["step"]) or {}).get("largest_free") or 0) / div
+                  for c in comp]
+            axes[1].scatter([c["step"] for c in comp], ys, marker="^", s=60, color=color, zorder=3,
+                            label=f"{label}: compaction")
         ooms = [l for l in pts if any(not w.get("fits", True) for w in (l.get("watch") or {}).values())]
         if ooms:
             axes[1].scatter([l["step"] for l in ooms], [(l["largest_free"] or 0) / div for l in ooms], marker="x",
