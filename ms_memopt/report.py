@@ -491,6 +491,9 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
                   format_size(s.free_total_max), s.watch_failures] for s in _pick(merged.steps, 12)]
         lines += _md_table(["step", "ranks", "frag max", "frag median", "worst rank", "min largest_free",
                             "max free_total", "watch fails"], table)
+        sources = {line["extra"]["source_description"] for ls in scans.values() for line in ls
+                   if isinstance(line.get("extra"), dict) and line["extra"].get("source_description")}
+        lines += ["", *(f"Scan source: {text}." for text in sorted(sources))]
         compactions = [(r, line) for r, ls in scans.items() for line in ls if line.get("kind") == "compaction"]
         if compactions:
             lines += ["", f"Compactions: {len(compactions)} (" + ", ".join(

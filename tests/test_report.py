@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from ms_memopt.cli import main
 from ms_memopt.errors import InputError
 from ms_memopt.layout import Block, Layout, Segment
-from ms_memopt.report import (LayoutSnapshot, build_report, layout_from_dict, layout_to_dict, plot_memory_map,
+from ms_memopt.report import (LayoutSnapshot, _category, build_report, layout_from_dict, layout_to_dict, plot_memory_map,
                               plot_region_budget, read_layouts, write_layouts)
 
 MiB = 2**20
@@ -164,3 +164,22 @@ def test_report_bad_input_exits_2(tmp_path, capsys):
     (tmp_path / "rank_0" / "scan.jsonl").write_text('{"kind": "scan", "step": 1}\nnot json\n')
     assert main(["report", str(tmp_path)]) == 2
     assert "scan.jsonl:2" in capsys.readouterr().err
+
+
+def test_demo_memory_map_layouts_come_from_the_simulated_workload():
+    from ms_memopt.demo import simulated_layouts
+    from ms_memopt.metrics import measure
+    from ms_memopt.recipe import load_recipe
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    snaps = simulated_layouts(load_recipe(recipes / "demo_cpu.yaml"), [1, 5], policies=("baseline",))
+    snaps += simulated_layouts(load_recipe(recipes / "dense_100b_1024x910c.yaml"), [1], policies=("pool",))
+    assert [s.label for s in snaps] == ["baseline step 1", "baseline step 5", "pool step 1"]
+    for snap in snaps:
+        snap.layout.check()
+        m = measure(snap.layout)
+        assert m.allocated > 0 and m.free_total > 0
+        tags = {b.tag for b in snap.layout.live_blocks()}
+        assert None not in tags                               # every live block knows its purpose
+        assert "parameter" in {_category(t)[0] for t in tags}
+    assert {s.pool for s in snaps[-1].layout.segments} >= {"parameters", "activations"}   # one segment per region
