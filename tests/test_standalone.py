@@ -135,3 +135,23 @@ def test_bad_device_and_steps_are_usage_errors(tmp_path):
     with pytest.raises(SystemExit) as info:
         main(["run", str(recipe), "--device", "gpu"])
     assert info.value.code == 2
+
+
+def test_export_memory_viz_writes_the_last_scanned_layout(tmp_path):
+    from ms_memopt.cli.run_cmd import _export_memory_viz
+    from ms_memopt.layout import Block, Layout, Segment
+    from ms_memopt.mindspore.standalone import RunResult
+    from ms_memopt.report import LayoutSnapshot, write_layouts
+    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+
+    seg = Segment(1 << 21, 4096, [Block(1 << 21, 1024, True, tag="parameter"), Block((1 << 21) + 1024, 3072, False)])
+    write_layouts(tmp_path / "layouts.jsonl", [LayoutSnapshot(5, "a", Layout([seg]))])
+    result = RunResult(out=str(tmp_path), device="CPU", start_step=1, steps=5)
+    path = _export_memory_viz(tmp_path, str(tmp_path / "viz.pickle"), result)
+    trace = read_torch_snapshot(path)
+    assert [(e.action, e.addr, e.size) for e in trace.events] == [("alloc", 1 << 21, 1024)]
+    assert not result.not_wired
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _export_memory_viz(empty, str(empty / "v.pickle"), result).startswith("not written")
+    assert "no layout" in result.not_wired[0]
