@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ms_memopt.errors import InputError
 from ms_memopt.events import Event, Trace
-from ms_memopt.layout import Block, Layout, Segment
+from ms_memopt.layout import Layout
 from ms_memopt.traces.memory_viz import placed_events, snapshot_dict, write_memory_viz
 from ms_memopt.traces.torch_snapshot import (SafeUnpickler, looks_like_torch_snapshot, read_torch_snapshot,
                                              safe_load)
