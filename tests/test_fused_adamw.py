@@ -136,6 +136,21 @@ def test_no_bias_correction_equals_nn_adamweightdecay():
         np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_strided_gradients_are_read_in_logical_order():
+    """A transposed-view gradient must not be copied in its raw storage order."""
+    rng = np.random.default_rng(2)
+    init = rng.normal(size=(3, 5)).astype(np.float32)
+    p = Parameter(Tensor(init), name="w")
+    grads = [rng.normal(size=(5, 3)).astype(np.float32) for _ in range(3)]
+    opt = FusedAdamW([p], learning_rate=1e-2)
+    for g in grads:
+        strided = Tensor(g).T
+        assert not strided.is_contiguous()
+        opt((strided,))
+    ref = reference_adamw(init, [g.T for g in grads], 1e-2)
+    np.testing.assert_allclose(p.asnumpy(), ref, rtol=2e-6, atol=2e-6)
+
+
 TINY = GPTConfig(num_layers=2, hidden_size=16, num_heads=2, seq_length=8, vocab_size=32, seed=3)
 
 
@@ -155,6 +170,17 @@ def test_model_train_equals_functional_loop():
     model.train(1, synthetic_dataset(TINY, 4, 3, seed=5), dataset_sink_mode=False)
     for a, b in zip(net_a.trainable_params(), net_b.trainable_params()):
         np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6, err_msg=a.name)
+
+
+def test_gpt_training_without_bias_correction_equals_nn_adamweightdecay():
+    batches = list(synthetic_batches(TINY, 4, 3, seed=5))
+    nets = [GPTWithLoss(GPT(TINY)) for _ in range(2)]
+    plain = _train(nets[0], nn.AdamWeightDecay(nets[0].trainable_params(), 1e-2, weight_decay=0.01), batches)
+    fused = _train(nets[1], FusedAdamW(nets[1].trainable_params(), 1e-2, weight_decay=0.01,
+                                       bias_correction=False), batches)
+    np.testing.assert_allclose(fused, plain, rtol=1e-5)
+    for a, b in zip(nets[0].trainable_params(), nets[1].trainable_params()):
+        np.testing.assert_allclose(b.asnumpy(), a.asnumpy(), rtol=1e-4, atol=1e-5, err_msg=a.name)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -120,9 +120,9 @@ class _Linear(nn.Cell):
         self.compute_dtype = compute_dtype
 
     def construct(self, x):
-        w = self.weight.astype(self.compute_dtype)
-        y = ops.matmul(x, w.T) + self.bias.astype(self.compute_dtype)
-        return y
+        # dense() takes W as (out, in) directly: no transposed view, so the gradient of W
+        # comes out contiguous.
+        return ops.dense(x, self.weight.astype(self.compute_dtype), self.bias.astype(self.compute_dtype))
 
 
 class _LayerNorm(nn.Cell):
@@ -208,7 +208,7 @@ class GPT(nn.Cell):
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
-        logits = ops.matmul(x, self.head.astype(self.compute_dtype).T)
+        logits = ops.dense(x, self.head.astype(self.compute_dtype))
         return logits.astype(ms.float32)
 
 
