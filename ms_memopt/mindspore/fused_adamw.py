@@ -270,7 +270,11 @@ class FusedAdamW(nn.Optimizer):
         for region in self.regions:
             # The gradient region: one C++ call moves every gradient of this dtype into one
             # buffer, several times faster on CPU than reshape + concat (one view op per tensor).
-            grads = combine_tensor_list_contiguous([gradients[i] for i in region.param_indices], True)
+            # combine copies raw storage, so strided gradients (e.g. of a transposed weight)
+            # must be made contiguous first; is_contiguous reads host-side metadata only.
+            grads = combine_tensor_list_contiguous(
+                [g if g.is_contiguous() else g.contiguous()
+                 for g in (gradients[i] for i in region.param_indices)], True)
             low_precision = region.dtype != ms.float32
             flat_grad = grads[0:region.numel]
             if low_precision:

@@ -71,18 +71,25 @@ class GPTConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.intermediate_size is None:
-            self.intermediate_size = 4 * self.hidden_size
-        if self.param_dtype is None:
-            self.param_dtype = self.dtype
-        _ms_dtype(self.dtype), _ms_dtype(self.param_dtype)
-        for name in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size",
-                     "intermediate_size"):
+        # None stays None (not filled in) so that replacing hidden_size or dtype in
+        # ``GPTConfig(**{**cfg.to_dict(), ...})`` moves the derived values with it.
+        _ms_dtype(self.dtype), _ms_dtype(self.storage_dtype)
+        for name in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+
+    @property
+    def ffn_size(self) -> int:
+        """MLP width: ``intermediate_size`` or ``4 * hidden_size``."""
+        return 4 * self.hidden_size if self.intermediate_size is None else self.intermediate_size
+
+    @property
+    def storage_dtype(self) -> str:
+        """Parameter dtype: ``param_dtype`` or ``dtype``."""
+        return self.dtype if self.param_dtype is None else self.param_dtype
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,9 +120,9 @@ class _Linear(nn.Cell):
         self.compute_dtype = compute_dtype
 
     def construct(self, x):
-        w = self.weight.astype(self.compute_dtype)
-        y = ops.matmul(x, w.T) + self.bias.astype(self.compute_dtype)
-        return y
+        # dense() takes W as (out, in) directly: no transposed view, so the gradient of W
+        # comes out contiguous.
+        return ops.dense(x, self.weight.astype(self.compute_dtype), self.bias.astype(self.compute_dtype))
 
 
 class _LayerNorm(nn.Cell):
@@ -142,7 +149,7 @@ class GPTBlock(nn.Cell):
 
     def __init__(self, config: GPTConfig, init: _Init) -> None:
         super().__init__()
-        h, f = config.hidden_size, config.intermediate_size
+        h, f = config.hidden_size, config.ffn_size
         cdt = _ms_dtype(config.dtype)
         proj_std = 0.02 / math.sqrt(2 * config.num_layers)
         self.num_heads = config.num_heads
@@ -184,7 +191,7 @@ class GPT(nn.Cell):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        init = _Init(config.seed, _ms_dtype(config.param_dtype))
+        init = _Init(config.seed, _ms_dtype(config.storage_dtype))
         cdt = _ms_dtype(config.dtype)
         self.compute_dtype = cdt
         self.tok_embedding = init.normal((config.vocab_size, config.hidden_size), 0.02, "tok_embedding")
@@ -201,7 +208,7 @@ class GPT(nn.Cell):
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
-        logits = ops.matmul(x, self.head.astype(self.compute_dtype).T)
+        logits = ops.dense(x, self.head.astype(self.compute_dtype))
         return logits.astype(ms.float32)
 
 
@@ -256,7 +263,7 @@ def activation_bytes_per_block(config: GPTConfig, batch_size: int) -> int:
     gelu out, in the compute dtype; attention scores and probabilities (float32 scores,
     compute-dtype probabilities) per head per key. LayerNorm statistics are ignored.
     """
-    b, s, h, f = batch_size, config.seq_length, config.hidden_size, config.intermediate_size
+    b, s, h, f = batch_size, config.seq_length, config.hidden_size, config.ffn_size
     e = dtype_bytes(config.dtype)
     per_token = (2 * h + 3 * h + h + 2 * h + h + 2 * f + h)  # ln1 in/out, qkv, attn out, ln2 in/out, fc1 in, fc1 out+gelu, fc2 in
     scores = config.num_heads * s * s * (4 + e)
