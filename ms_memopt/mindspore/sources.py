@@ -123,10 +123,12 @@ def _capsule_address(obj) -> int | None:
     if isinstance(obj, int):
         return obj
     try:
-        get = ctypes.pythonapi.PyCapsule_GetPointer
-        get.restype = ctypes.c_void_p
-        get.argtypes = [ctypes.py_object, ctypes.c_char_p]
-        return int(get(obj, None) or 0) or None
+        api = ctypes.pythonapi
+        api.PyCapsule_GetName.restype = ctypes.c_char_p
+        api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+        api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+        api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        return int(api.PyCapsule_GetPointer(obj, api.PyCapsule_GetName(obj)) or 0) or None
     except Exception:  # an unnamed capsule or another object: the base stays unknown
         return None
 
@@ -209,10 +211,13 @@ class DeviceSource(Source):
         mtime, path = max(files)
         if mtime <= self._last_dump_mtime:
             return None, None
-        from ..traces.ms_debug_dump import read_pool_debug_dump  # written alongside; optional here
-        layout = read_pool_debug_dump(path)
         self._last_dump_mtime = mtime
-        return layout, path
+        try:
+            from ..traces.ms_debug_dump import read_pool_debug_dump  # imported only when a dump exists
+            return read_pool_debug_dump(path), path
+        except Exception as exc:  # an unreadable dump: this scan falls back to the probe
+            logger.warning("cannot use the pool debug dump %s: %s: %s", path, type(exc).__name__, exc)
+            return None, None
 
     def _probe(self, upper: int) -> tuple[int, int]:
         """Largest size (multiple of the granularity) the pool serves from a hole: binary search."""
