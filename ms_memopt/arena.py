@@ -46,7 +46,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .compaction.planner import run_bounds, slide_targets
+from .compaction.planner import cheapest_window, run_bounds, slide_targets
 from .layout import Block, Layout, Segment
 from .metrics import frag_ratio
 
@@ -249,8 +249,8 @@ class Arena:
                 target_largest_free: int | None = None) -> ArenaCompactionReport:
         """Slide live handles toward offset 0 (pinned ones stay) and update them in one pass.
 
-        ``max_bytes`` bounds the bytes moved; ``target_largest_free`` stops once a hole of that
-        size exists. Views taken before are stale afterwards. Python's garbage collector is
+        ``max_bytes`` bounds the bytes moved; ``target_largest_free`` moves only the cheapest
+        range of handles that opens one hole of that size (as the planner does). Views taken before are stale afterwards. Python's garbage collector is
         paused meanwhile: a collection over thousands of handles would cost as much as copying
         tens of megabytes.
         """
@@ -275,12 +275,16 @@ class Arena:
         spans = np.fromiter([h.span for h in handles], dtype=np.int64, count=n)
         pinned = np.fromiter([h.pinned for h in handles], dtype=bool, count=n)
         stopped_by = None
-        if target_largest_free is not None and largest_before >= target_largest_free:
-            targets = addrs
-        else:
-            targets, stopped_by = slide_targets(addrs, spans, pinned, 0, self.capacity,
-                                                max_bytes=max_bytes,
-                                                target_largest_free=target_largest_free)
+        targets = None
+        if target_largest_free is not None:
+            if largest_before >= target_largest_free:
+                targets = addrs
+            else:
+                found = cheapest_window(addrs, spans, pinned, 0, self.capacity, target_largest_free)
+                if found is not None and (max_bytes is None or found[1] <= max_bytes):
+                    targets, stopped_by = found[0], "target_largest_free"
+        if targets is None:
+            targets, stopped_by = slide_targets(addrs, spans, pinned, 0, self.capacity, max_bytes=max_bytes)
         moving = np.flatnonzero(targets != addrs)
         src, dst, size = addrs[moving], targets[moving], spans[moving]
         starts, stops = run_bounds(src, dst, size)

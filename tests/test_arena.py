@@ -65,9 +65,12 @@ def test_random_sequences_keep_every_handle_intact(sequence, alignment):
             arena.pin(handle, not handle.pinned)
         elif op == "compact":
             pinned_at = {h: h.offset for h in live if h.pinned}
-            bound = [None, size * 8][seed % 2]
-            report = arena.compact(max_bytes=bound)
+            bound = [None, size * 8, None][seed % 3]
+            target = size * 4 if seed % 3 == 2 else None
+            reachable = plan_compaction(arena.layout()).after.largest_free
+            report = arena.compact(max_bytes=bound, target_largest_free=target)
             assert bound is None or report.bytes_moved <= bound
+            assert target is None or report.largest_free_after >= min(target, reachable)
             assert all(h.offset == off for h, off in pinned_at.items())
             assert report.largest_free_after >= report.largest_free_before
             if bound is None and not pinned_at and sums:

@@ -132,6 +132,17 @@ def test_when_frag_above_and_arenas():
     assert callback.step_end(3) is None     # nothing left to gain
 
 
+def test_layout_fn_gives_the_record_figures():
+    arena = Arena(8 * 1024, alignment=1024)
+    handles = [arena.alloc(1024) for _ in range(8)]
+    for h in handles[1::2]:
+        arena.free(h)
+    callback = CompactionCallback(every=1, arenas=[arena], layout_fn=arena.layout, live=False, barrier=None)
+    record = callback.step_end(1)
+    assert (record["largest_free_before"], record["largest_free_after"]) == (1024, 4096)
+    assert (record["frag_ratio_before"], record["frag_ratio_after"]) == (3.0, 0.0)
+
+
 def test_registered_parameters_are_included():
     extra = Parameter(Tensor(np.arange(6, dtype=np.float32)), name="extra_state")
     register(extra)
@@ -175,3 +186,31 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_graph_mode_training_with_compaction_is_bit_identical():
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        ref_losses, ref_params, _ = _train()
+        losses, params, _ = _train(CompactionCallback(every=2, barrier=None))
+    finally:
+        ms.set_context(mode=mode)
+    assert losses == ref_losses
+    assert all(np.array_equal(a, b) for a, b in zip(params, ref_params))
+
+
+def test_bfloat16_and_float16_parameters_keep_dtype_and_bits():
+    base = np.random.default_rng(3).standard_normal(64).astype(np.float32)
+    params = [Parameter(Tensor(base).astype(ms.bfloat16), name="bf16"),
+              Parameter(Tensor(base.astype(np.float16)), name="fp16")]
+    before = [p.asnumpy().copy() for p in params]
+    live_compact(params)
+    assert [p.dtype for p in params] == [ms.bfloat16, ms.float16]
+    assert all(np.array_equal(p.asnumpy().view(np.uint16), b.view(np.uint16)) for p, b in zip(params, before))
+
+
+def test_nan_and_negative_zero_survive_verification():
+    p = Parameter(Tensor(np.array([np.nan, -0.0, 1.0], dtype=np.float32)), name="odd")
+    live_compact([p])
+    assert np.array_equal(p.asnumpy().view(np.uint32), np.array([np.nan, -0.0, 1.0], np.float32).view(np.uint32))

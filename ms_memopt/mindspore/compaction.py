@@ -50,6 +50,7 @@ from mindspore import Parameter, Tensor
 from mindspore.train import Callback
 
 from ..arena import Arena
+from ..metrics import measure
 
 __all__ = ["live_compact", "LiveCompactionReport", "register", "unregister", "registered",
            "long_lived_tensors", "CompactionCallback", "StoreBarrier", "BarrierTimeout",
@@ -155,8 +156,23 @@ def _compile_cache() -> set | None:
     return None
 
 
+def _synchronize() -> None:
+    """Wait for the device's streams (there are none to wait for on CPU, where
+    ``mindspore.runtime.synchronize`` only logs "CPU device is not supported")."""
+    if _device_target() != "CPU":
+        ms.runtime.synchronize()
+
+
 def _pynative() -> bool:
     return ms.get_context("mode") == ms.PYNATIVE_MODE
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit-for-bit equality (NaN payloads and -0.0 included), any dtype."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return np.array_equal(np.ascontiguousarray(a).reshape(-1).view(np.uint8),
+                          np.ascontiguousarray(b).reshape(-1).view(np.uint8))
 
 
 def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: bool = True,
@@ -182,7 +198,7 @@ def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: b
         raise CompactionError("this MindSpore has no jit compile cache to refresh; relocating "
                               "parameters in PyNative would freeze them (see docs/compaction.md)")
     t0 = time.perf_counter()
-    ms.runtime.synchronize()
+    _synchronize()
     reserved_before, allocated_before = _memory("reserved"), _memory("allocated")
     hosts = [p.asnumpy().copy() for p in params]
     t1 = time.perf_counter()
@@ -222,7 +238,7 @@ def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: b
     t2 = time.perf_counter()
     if verify:
         for p, h in zip(params, hosts):
-            if not np.array_equal(p.asnumpy(), h, equal_nan=h.dtype.kind in "fc"):
+            if not _same_bits(p.asnumpy(), h):
                 raise CompactionError(f"parameter {p.name} changed during compaction")
     return LiveCompactionReport(
         tensors=len(params), bytes=int(sum(h.nbytes for h in hosts)),
@@ -383,8 +399,9 @@ class StoreBarrier:
             raise BarrierTimeout(f"{exc} within {self.timeout:.0f} s (barrier_timeout); a rank died "
                                  f"or hung before compacting — giving up instead of hanging") from None
         except Exception as exc:
-            raise BarrierTimeout(f"{what}: the barrier store failed ({exc!r}); rank 0, which hosts "
-                                 f"it at {self.host}:{self.port}, probably died") from exc
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise BarrierTimeout(f"{what}: the barrier store failed ({first_line}); rank 0, which "
+                                 f"hosts it at {self.host}:{self.port}, probably died") from exc
         return any(_as_text(v) == "1" for v in votes)
 
 
@@ -425,6 +442,10 @@ class CompactionCallback(Callback):
         frag_fn: returns the last scan's frag ratio (``None`` when unknown), e.g. from a
             ``LayoutScanCallback``.
         arenas: :class:`~ms_memopt.arena.Arena` objects to compact too.
+        layout_fn: returns the device pool's current :class:`~ms_memopt.layout.Layout` (e.g. a
+            scan source's); when given, the record's before/after figures are measured on it,
+            else they are the most fragmented arena's (``None`` without either: MindSpore has
+            no public API for the pool's largest free block).
         live: relocate the network's and optimizer's Parameters (plus registered ones).
         tensors: more Parameters to relocate.
         log_dir: directory of the scan log (``scan.jsonl``); ``None``: no log.
@@ -438,6 +459,7 @@ class CompactionCallback(Callback):
 
     def __init__(self, every: int = 500, when_frag_above: float | None = None, *,
                  frag_fn: Callable[[], float | None] | None = None, arenas: Sequence[Arena] = (),
+                 layout_fn: Callable[[], Any] | None = None,
                  live: bool = True, tensors: Sequence[Parameter] = (), log_dir: str | os.PathLike | None = None,
                  barrier_timeout: float = 60.0, barrier: Any = "auto", verify: bool = True) -> None:
         super().__init__()
@@ -447,6 +469,7 @@ class CompactionCallback(Callback):
         self.when_frag_above = when_frag_above
         self.frag_fn = frag_fn
         self.arenas = list(arenas)
+        self.layout_fn = layout_fn
         self.live = live
         self.tensors = list(tensors)
         self.log_path = Path(log_dir) / SCAN_LOG_NAME if log_dir is not None else None
@@ -482,7 +505,7 @@ class CompactionCallback(Callback):
         rank, _ = _rank_and_world()
         barrier = self.barrier
         if barrier is not None:
-            ms.runtime.synchronize()   # this rank's collectives of the step are done
+            _synchronize()   # this rank's collectives of the step are done
             want = barrier.agree(step, want)
         if not want:
             return None
@@ -492,6 +515,7 @@ class CompactionCallback(Callback):
         return record
 
     def _compact(self, step: int, rank: int, network: Any, optimizer: Any) -> dict:
+        pool_before = measure(self.layout_fn()) if self.layout_fn is not None else None
         t0 = time.perf_counter()
         arena_reports = [a.compact() for a in self.arenas]
         live_report = None
@@ -500,20 +524,26 @@ class CompactionCallback(Callback):
             if tensors:
                 live_report = live_compact(tensors, verify=self.verify)
         seconds = time.perf_counter() - t0
-        worst_before = max((r.frag_ratio_before for r in arena_reports if r.frag_ratio_before is not None),
-                           default=None)
-        worst_after = max((r.frag_ratio_after for r in arena_reports if r.frag_ratio_after is not None),
-                          default=None)
+        pool_after = measure(self.layout_fn()) if self.layout_fn is not None else None
+        # the record's before/after figures are the most fragmented arena's (all are listed)
+        worst = max(arena_reports, key=lambda r: (r.frag_ratio_before is not None, r.frag_ratio_before or 0.0),
+                    default=None)
         record = {
             "kind": "compaction", "step": step, "rank": rank, "time": time.time(),
-            "frag_ratio_before": worst_before, "frag_ratio_after": worst_after,
-            "largest_free_before": min((r.largest_free_before for r in arena_reports), default=None),
-            "largest_free_after": min((r.largest_free_after for r in arena_reports), default=None),
+            "frag_ratio_before": worst.frag_ratio_before if worst else None,
+            "frag_ratio_after": worst.frag_ratio_after if worst else None,
+            "largest_free_before": worst.largest_free_before if worst else None,
+            "largest_free_after": worst.largest_free_after if worst else None,
+            "free_total": worst.free_total if worst else None,
             "bytes_moved": sum(r.bytes_moved for r in arena_reports) + (live_report.bytes if live_report else 0),
             "seconds": seconds,
             "arenas": [r.to_dict() for r in arena_reports],
             "live": live_report.to_dict() if live_report else None,
         }
+        if pool_before is not None:
+            record.update(frag_ratio_before=pool_before.frag_ratio, frag_ratio_after=pool_after.frag_ratio,
+                          largest_free_before=pool_before.largest_free,
+                          largest_free_after=pool_after.largest_free, free_total=pool_after.free_total)
         self.records.append(record)
         if self.log_path is not None:
             _append_jsonl(self.log_path, record)
