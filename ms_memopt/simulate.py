@@ -285,7 +285,10 @@ def simulate_policy(spec: WorkloadSpec, policy: str, cfg: SimConfig, *, seed: in
                 if action == "alloc":
                     tag = event.tag
                     if tag in watch:
-                        track.sample(step, "watch", _free_total(model), model.largest_free(), {"tag": tag})
+                        extra = {"tag": tag}
+                        if region_metrics is not None:
+                            extra["region_frag"] = _note_regions(result, region_metrics())
+                        track.sample(step, "watch", _free_total(model), model.largest_free(), extra)
                         lf = model.largest_free()
                         if track.watch_min is None or lf < track.watch_min:
                             track.watch_min = lf
@@ -309,15 +312,7 @@ def simulate_policy(spec: WorkloadSpec, policy: str, cfg: SimConfig, *, seed: in
                         ft, lf = _free_total(model), model.largest_free()
                         extra = None
                         if region_metrics is not None:
-                            per_region = region_metrics()
-                            extra = {"region_frag": per_region}
-                            for name, ratio in per_region.items():
-                                if ratio is not None:
-                                    worst = result.region_frag_max_by_region or {}
-                                    worst[name] = max(worst.get(name, 0.0), ratio)
-                                    result.region_frag_max_by_region = worst
-                                    if result.region_frag_max is None or ratio > result.region_frag_max:
-                                        result.region_frag_max = ratio
+                            extra = {"region_frag": _note_regions(result, region_metrics())}
                         track.last_scan_frag = track.sample(step, "scan", ft, lf, extra)
                     if compacting:
                         periodic = cfg.compact_every and step % cfg.compact_every == 0
@@ -349,6 +344,18 @@ def simulate_policy(spec: WorkloadSpec, policy: str, cfg: SimConfig, *, seed: in
     result.events = events
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _note_regions(result: PolicyResult, per_region: dict[str, float | None]) -> dict[str, float | None]:
+    """Keep the worst frag ratio inside each pool-mode region."""
+    worst = result.region_frag_max_by_region or {}
+    for name, ratio in per_region.items():
+        if ratio is not None:
+            worst[name] = max(worst.get(name, 0.0), ratio)
+            if result.region_frag_max is None or ratio > result.region_frag_max:
+                result.region_frag_max = ratio
+    result.region_frag_max_by_region = worst
+    return per_region
 
 
 def _forget(addr_of: dict[int, int], addrs: list[int]) -> None:

@@ -315,13 +315,14 @@ class StepWorkload:
         saved: list[list[int]] = []
         k = s.recompute_every
         n_cache = max(1, s.cache_tensors)
-        cache_at = {(i * s.layers) // n_cache: i for i in range(n_cache)} if n_cache <= s.layers \
-            else {0: 0}
+        cache_at: dict[int, list[int]] = {}
+        for part in range(n_cache):
+            cache_at.setdefault(part * s.layers // n_cache, []).append(part)
         for layer in range(s.layers):
             self._maybe_extra(counters, hooks)
             ws = [self._alloc(size, "workspace") for size in wss]
-            if layer in cache_at:
-                self._cache_shape(length, cache_at[layer])
+            for part in cache_at.get(layer, ()):
+                self._cache_shape(length, part)
             if not k:
                 saved.append([self._alloc(size, "activation") for size in acts])
             elif layer % k == 0:
