@@ -78,7 +78,9 @@ class PolicyResult:
     ``frag_at_oom`` is the frag ratio of the last scan before the OOM; ``oom_kind`` is
     ``"fragmentation"`` when the failing request was smaller than ``free_total`` at that
     moment, else ``"capacity"``. ``frag_before_compaction``/``frag_after_compaction`` are the
-    worst over all compactions. ``largest_free_by_window`` is the smallest ``largest_free``
+    worst over all compactions; ``frag_after_compaction_segment_max`` the worst frag ratio
+    inside one segment (pool block) right after a compaction (what compaction can reach in one
+    contiguous range). ``largest_free_by_window`` is the smallest ``largest_free``
     seen in each ``scan_every``-step window (at scans and before watched requests).
     """
 
@@ -99,6 +101,7 @@ class PolicyResult:
     frag_before_compaction: float | None = None
     frag_after_compaction: float | None = None
     largest_free_after_compaction_min: int | None = None
+    frag_after_compaction_segment_max: float | None = None
     bytes_moved: int = 0
     peak_allocated: int = 0
     peak_reserved: int = 0
@@ -374,6 +377,12 @@ def _note_compaction(result: PolicyResult, track: _Tracker, step: int, before: L
         result.frag_before_compaction = mb.frag_ratio
     if ma.frag_ratio is not None and (result.frag_after_compaction is None or ma.frag_ratio > result.frag_after_compaction):
         result.frag_after_compaction = ma.frag_ratio
+    for seg in after.segments:
+        holes = [b.size for b in seg.blocks if not b.live]
+        seg_ratio = frag_ratio(sum(holes), max(holes, default=0))
+        if seg_ratio is not None and (result.frag_after_compaction_segment_max is None
+                                      or seg_ratio > result.frag_after_compaction_segment_max):
+            result.frag_after_compaction_segment_max = seg_ratio
     if result.largest_free_after_compaction_min is None or ma.largest_free < result.largest_free_after_compaction_min:
         result.largest_free_after_compaction_min = ma.largest_free
     track.sample(step, "compaction", ma.free_total, ma.largest_free,
