@@ -183,13 +183,14 @@ class StepWorkload:
         self._events: list[Event] = []
 
     # ids and emitters --------------------------------------------------------------------
+    # positional Event(action, id, size, addr, stream, pool, time, tag, step): the hot path
     def _alloc(self, size: int, tag: str, pool: str | None = None) -> int:
         self._next_id += 1
-        self._events.append(Event("alloc", id=self._next_id, size=size, tag=tag, pool=pool))
+        self._events.append(Event("alloc", self._next_id, size, None, 0, pool, None, tag, None))
         return self._next_id
 
     def _free(self, tid: int) -> None:
-        self._events.append(Event("free", id=tid))
+        self._events.append(Event("free", tid))
 
     # the parts -------------------------------------------------------------------------------
     def prologue(self) -> list[Event]:
