@@ -127,6 +127,7 @@ class WorkloadSpec:
     cache_bytes_per_shape: int = 10 * 2**20
     cache_max_shapes: int | None = None
     cache_tensors: int = 8
+    cache_backward_share: float = 0.0
     extra_probability: float = 0.02
     extra_size: int = 256 * 2**20
     extra_lifetime_steps: int = 1
@@ -305,6 +306,20 @@ class StepWorkload:
         counters["pass"] += 1
 
     # step phases -----------------------------------------------------------------------------
+    def _cache_layers(self, phase: str) -> dict[int, list[int]]:
+        """Where the cached tensors of a new shape are built: layer -> parts. The first
+        ``cache_backward_share`` of the parts belong to forward ops, spread over the forward;
+        the rest to backward ops (their own per-shape workspaces), spread over the backward."""
+        s = self.spec
+        n = max(1, s.cache_tensors)
+        n_back = int(round(n * s.cache_backward_share))
+        parts = range(n - n_back) if phase == "forward" else range(n - n_back, n)
+        count = max(1, len(parts))
+        out: dict[int, list[int]] = {}
+        for i, part in enumerate(parts):
+            out.setdefault(i * s.layers // count, []).append(part)
+        return out
+
     def _forward(self, length: int, counters: dict, hooks: dict) -> list[list[int]]:
         """One micro-batch forward; returns the saved tensor ids per layer."""
         s = self.spec
@@ -315,10 +330,7 @@ class StepWorkload:
         recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
         saved: list[list[int]] = []
         k = s.recompute_every
-        n_cache = max(1, s.cache_tensors)
-        cache_at: dict[int, list[int]] = {}
-        for part in range(n_cache):
-            cache_at.setdefault(part * s.layers // n_cache, []).append(part)
+        cache_at = self._cache_layers("forward")
         for layer in range(s.layers):
             self._maybe_extra(counters, hooks)
             ws = [self._alloc(size, "workspace") for size in wss]
@@ -347,7 +359,8 @@ class StepWorkload:
         k = s.recompute_every
         recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
         recomputed: list[int] = []
-        for layer in reversed(range(s.layers)):
+        cache_at = self._cache_layers("backward")
+        for back_index, layer in enumerate(reversed(range(s.layers))):
             if counters["backward"] == hooks["allreduce_at"]:
                 hooks["allreduce_id"] = self._alloc(s.allreduce_bytes, WATCH_TAG)
             counters["backward"] += 1
@@ -356,6 +369,8 @@ class StepWorkload:
                 # recompute the whole segment's activations before its backward
                 recomputed = [self._alloc(act, "recompute") for _ in range(layer - layer % k, layer + 1)]
             ws = [self._alloc(size, "grad_workspace") for size in wss]
+            for part in cache_at.get(back_index, ()):
+                self._cache_shape(length, part)
             wgrad = self._alloc(grad_size, "weight_grad")   # BF16, cast-added into the FP32 buffer
             self._free(wgrad)
             for tid in reversed(ws):
