@@ -90,7 +90,8 @@ class WorkloadSpec:
       distinct shapes), ``seq_buckets`` (a finite set of lengths; each micro-batch pads up to
       the smallest bucket that holds it).
     * ``cache_bytes_per_shape`` (0 = off) and ``cache_max_shapes`` (``None`` = unbounded, else
-      LRU over that many shapes): per new shape, ``cache_tensors`` tensors live on.
+      LRU over that many shapes): per new shape, ``cache_tensors`` tensors live on; the share
+      ``cache_backward_share`` of them belongs to backward ops and is built in the backward.
     * ``extra_probability`` (0 = off), ``extra_size``, ``extra_lifetime_steps``: per step, with
       that probability, one extra tensor (evaluation, checkpoint staging, logging) at a random
       moment of the step, freed at the start of the step ``extra_lifetime_steps`` later.
@@ -126,8 +127,8 @@ class WorkloadSpec:
     long_tail: float = 0.05
     cache_bytes_per_shape: int = 10 * 2**20
     cache_max_shapes: int | None = None
-    cache_tensors: int = 8
-    cache_backward_share: float = 0.0
+    cache_tensors: int = 4
+    cache_backward_share: float = 0.5
     extra_probability: float = 0.02
     extra_size: int = 256 * 2**20
     extra_lifetime_steps: int = 1
