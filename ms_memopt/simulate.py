@@ -78,7 +78,9 @@ class PolicyResult:
     ``frag_at_oom`` is the frag ratio of the last scan before the OOM; ``oom_kind`` is
     ``"fragmentation"`` when the failing request was smaller than ``free_total`` at that
     moment, else ``"capacity"``. ``frag_before_compaction``/``frag_after_compaction`` are the
-    worst over all compactions. ``largest_free_by_window`` is the smallest ``largest_free``
+    worst over all compactions; ``frag_after_compaction_segment_max`` the worst frag ratio
+    inside one segment (pool block) right after a compaction (what compaction can reach in one
+    contiguous range). ``largest_free_by_window`` is the smallest ``largest_free``
     seen in each ``scan_every``-step window (at scans and before watched requests).
     """
 
@@ -99,6 +101,7 @@ class PolicyResult:
     frag_before_compaction: float | None = None
     frag_after_compaction: float | None = None
     largest_free_after_compaction_min: int | None = None
+    frag_after_compaction_segment_max: float | None = None
     bytes_moved: int = 0
     peak_allocated: int = 0
     peak_reserved: int = 0
@@ -231,6 +234,133 @@ def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig) -> 
     return fresh, before, after, plan.bytes_moved
 
 
+class _Run:
+    """One policy on one seed, fed one step's events at a time (so several policies can
+    share one generated stream)."""
+
+    def __init__(self, spec: WorkloadSpec, policy: str, cfg: SimConfig, seed: int,
+                 timeline: IO[str] | None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        self.cfg = cfg
+        self.result = PolicyResult(policy=policy, seed=seed, steps=cfg.steps)
+        self.track = _Tracker(self.result, timeline)
+        self.model = _make_model(policy, spec, cfg)
+        self.watch = dict(cfg.watch)
+        self.watch_need = max(self.watch.values(), default=0)
+        self.compacting = policy == "compact"
+        self.region_metrics = getattr(self.model, "region_metrics", None)
+        self.drain = getattr(self.model, "drain_evicted", None)
+        self.addr_of: dict[int, int] = {}
+        self.dead = False
+        self.seconds = 0.0
+
+    def feed(self, step: int, batch: list) -> bool:
+        """Run one step's events; ``False`` once the job has died (OOM)."""
+        if self.dead:
+            return False
+        started = time.perf_counter()
+        cfg, track, result, watch = self.cfg, self.track, self.result, self.watch
+        model, addr_of, drain, region_metrics = self.model, self.addr_of, self.drain, self.region_metrics
+        malloc, free = model.malloc, model.free
+        for event in batch:
+            action = event.action
+            if action == "alloc":
+                tag = event.tag
+                if tag in watch:
+                    extra = {"tag": tag}
+                    if region_metrics is not None:
+                        extra["region_frag"] = _note_regions(result, region_metrics())
+                    lf = model.largest_free()
+                    track.sample(step, "watch", _free_total(model), lf, extra)
+                    if track.watch_min is None or lf < track.watch_min:
+                        track.watch_min = lf
+                addr = malloc(event.size, pool=event.pool, tag=tag)
+                if addr is None:
+                    self._fail(event, step)
+                    break
+                if drain is not None:
+                    gone = drain()
+                    if gone:
+                        _forget(addr_of, gone)
+                addr_of[event.id] = addr
+            elif action == "free":
+                addr = addr_of.pop(event.id, None)
+                if addr is not None:
+                    free(addr)
+            elif action == "mark" and event.tag == "optimizer_end":
+                scan = cfg.scan_every and step % cfg.scan_every == 0
+                if scan:
+                    extra = None
+                    if region_metrics is not None:
+                        extra = {"region_frag": _note_regions(result, region_metrics())}
+                    track.last_scan_frag = track.sample(step, "scan", _free_total(model),
+                                                        model.largest_free(), extra)
+                if self.compacting:
+                    periodic = cfg.compact_every and step % cfg.compact_every == 0
+                    warned = scan and track.watch_min is not None and \
+                        track.watch_min < self.watch_need * (1.0 + cfg.watch_margin)
+                    if periodic or warned:
+                        model, before, after, moved = _compact(model, addr_of, cfg)
+                        self.model = model
+                        malloc, free = model.malloc, model.free
+                        _note_compaction(result, track, step, before, after, moved,
+                                         "periodic" if periodic else "warning")
+                if scan:
+                    track.watch_min = None
+                    track.close_window()
+        if not self.dead:
+            result.events += len(batch)
+        self.seconds += time.perf_counter() - started
+        return not self.dead
+
+    def _fail(self, event, step: int) -> None:
+        model, result = self.model, self.result
+        oom = model.ooms[-1] if model.ooms else None
+        free_total = _free_total(model)
+        result.oom_step = step
+        result.oom_tag = event.tag
+        result.oom_size = event.size
+        result.free_total_at_oom = free_total
+        result.largest_free_at_oom = oom.largest_free if oom else model.largest_free()
+        result.oom_kind = "fragmentation" if event.size < free_total else "capacity"
+        result.frag_at_oom = self.track.last_scan_frag
+        self.track.sample(step, "oom", free_total, result.largest_free_at_oom,
+                          {"tag": event.tag, "size": event.size, "oom_kind": result.oom_kind})
+        self.dead = True
+
+    def finish(self, gen: StepWorkload, generation_seconds: float) -> PolicyResult:
+        result, model = self.result, self.model
+        self.track.close_window()
+        result.peak_allocated = model.peak_allocated
+        result.peak_reserved = max(model.peak_reserved, model.reserved)
+        result.shapes_seen = len(gen.shapes_seen)
+        result.seconds = self.seconds + generation_seconds
+        return result
+
+
+def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig, seed: int,
+                  timeline: IO[str] | None, on_step: Callable[[int], None] | None) -> list[PolicyResult]:
+    """Every policy on one seed, fed the same generated steps (generated once)."""
+    runs = [_Run(spec, policy, cfg, seed, timeline) for policy in policies]
+    gen = StepWorkload(spec, seed)
+    started = time.perf_counter()
+    batch = gen.prologue()
+    generation = time.perf_counter() - started
+    alive = [run for run in runs if run.feed(0, batch)]
+    for step in range(1, cfg.steps + 1):
+        if not alive:
+            break
+        started = time.perf_counter()
+        batch = gen.step(step)
+        generation += time.perf_counter() - started
+        alive = [run for run in alive if run.feed(step, batch)]
+        if on_step is not None:
+            on_step(step)
+    share = generation / max(1, len(runs))
+    return [run.finish(gen, share) for run in runs]
+
+
 def simulate_policy(spec: WorkloadSpec, policy: str, cfg: SimConfig, *, seed: int | None = None,
                     timeline: IO[str] | None = None,
                     on_step: Callable[[int], None] | None = None) -> PolicyResult:
@@ -245,110 +375,20 @@ def simulate_policy(spec: WorkloadSpec, policy: str, cfg: SimConfig, *, seed: in
         timeline: a text file to stream the samples to as JSON lines.
         on_step: called after every step (progress bars).
     """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
     seed = cfg.seed if seed is None else seed
-    result = PolicyResult(policy=policy, seed=seed, steps=cfg.steps)
-    track = _Tracker(result, timeline)
-    model = _make_model(policy, spec, cfg)
-    gen = StepWorkload(spec, seed)
-    watch = dict(cfg.watch)
-    watch_need = max(watch.values(), default=0)
-    compacting = policy == "compact"
-    region_metrics = getattr(model, "region_metrics", None)
-    addr_of: dict[int, int] = {}
-    events = 0
-    started = time.perf_counter()
-    step = 0
+    return _run_lockstep(spec, (policy,), cfg, seed, timeline, on_step)[0]
 
-    def fail(event, step: int) -> None:
-        oom = model.ooms[-1] if model.ooms else None
-        free_total = _free_total(model)
-        result.oom_step = step
-        result.oom_tag = event.tag
-        result.oom_size = event.size
-        result.free_total_at_oom = free_total
-        result.largest_free_at_oom = oom.largest_free if oom else model.largest_free()
-        result.oom_kind = "fragmentation" if event.size < free_total else "capacity"
-        result.frag_at_oom = track.last_scan_frag
-        track.sample(step, "oom", free_total, result.largest_free_at_oom,
-                     {"tag": event.tag, "size": event.size, "oom_kind": result.oom_kind})
 
-    drain = getattr(model, "drain_evicted", None)
-    stream = [gen.prologue()]
-    dead = False
-    while not dead:
-        for batch in stream:
-            malloc, free = model.malloc, model.free
-            for event in batch:
-                action = event.action
-                if action == "alloc":
-                    tag = event.tag
-                    if tag in watch:
-                        track.sample(step, "watch", _free_total(model), model.largest_free(), {"tag": tag})
-                        lf = model.largest_free()
-                        if track.watch_min is None or lf < track.watch_min:
-                            track.watch_min = lf
-                    addr = malloc(event.size, pool=event.pool, tag=tag)
-                    if addr is None:
-                        fail(event, step)
-                        dead = True
-                        break
-                    if drain is not None:
-                        gone = drain()
-                        if gone:
-                            _forget(addr_of, gone)
-                    addr_of[event.id] = addr
-                elif action == "free":
-                    addr = addr_of.pop(event.id, None)
-                    if addr is not None:
-                        free(addr)
-                elif action == "mark" and event.tag == "optimizer_end":
-                    scan = cfg.scan_every and step % cfg.scan_every == 0
-                    if scan:
-                        ft, lf = _free_total(model), model.largest_free()
-                        extra = None
-                        if region_metrics is not None:
-                            per_region = region_metrics()
-                            extra = {"region_frag": per_region}
-                            for name, ratio in per_region.items():
-                                if ratio is not None:
-                                    worst = result.region_frag_max_by_region or {}
-                                    worst[name] = max(worst.get(name, 0.0), ratio)
-                                    result.region_frag_max_by_region = worst
-                                    if result.region_frag_max is None or ratio > result.region_frag_max:
-                                        result.region_frag_max = ratio
-                        track.last_scan_frag = track.sample(step, "scan", ft, lf, extra)
-                    if compacting:
-                        periodic = cfg.compact_every and step % cfg.compact_every == 0
-                        warned = scan and track.watch_min is not None and \
-                            track.watch_min < watch_need * (1.0 + cfg.watch_margin)
-                        if periodic or warned:
-                            model, before, after, moved = _compact(model, addr_of, cfg)
-                            malloc, free = model.malloc, model.free
-                            _note_compaction(result, track, step, before, after, moved,
-                                             "periodic" if periodic else "warning")
-                    if scan:
-                        track.watch_min = None
-                        track.close_window()
-            events += len(batch) if not dead else 0
-            if dead:
-                break
-        if dead or step >= cfg.steps:
-            break
-        if on_step is not None and step:
-            on_step(step)
-        step += 1
-        stream = [gen.step(step)]
-    if on_step is not None and step:
-        on_step(step)
-    track.close_window()
-    result.peak_allocated = model.peak_allocated
-    result.peak_reserved = max(model.peak_reserved, model.reserved)
-    result.shapes_seen = len(gen.shapes_seen)
-    result.events = events
-    result.seconds = time.perf_counter() - started
-    return result
+def _note_regions(result: PolicyResult, per_region: dict[str, float | None]) -> dict[str, float | None]:
+    """Keep the worst frag ratio inside each pool-mode region."""
+    worst = result.region_frag_max_by_region or {}
+    for name, ratio in per_region.items():
+        if ratio is not None:
+            worst[name] = max(worst.get(name, 0.0), ratio)
+            if result.region_frag_max is None or ratio > result.region_frag_max:
+                result.region_frag_max = ratio
+    result.region_frag_max_by_region = worst
+    return per_region
 
 
 def _forget(addr_of: dict[int, int], addrs: list[int]) -> None:
@@ -367,6 +407,12 @@ def _note_compaction(result: PolicyResult, track: _Tracker, step: int, before: L
         result.frag_before_compaction = mb.frag_ratio
     if ma.frag_ratio is not None and (result.frag_after_compaction is None or ma.frag_ratio > result.frag_after_compaction):
         result.frag_after_compaction = ma.frag_ratio
+    for seg in after.segments:
+        holes = [b.size for b in seg.blocks if not b.live]
+        seg_ratio = frag_ratio(sum(holes), max(holes, default=0))
+        if seg_ratio is not None and (result.frag_after_compaction_segment_max is None
+                                      or seg_ratio > result.frag_after_compaction_segment_max):
+            result.frag_after_compaction_segment_max = seg_ratio
     if result.largest_free_after_compaction_min is None or ma.largest_free < result.largest_free_after_compaction_min:
         result.largest_free_after_compaction_min = ma.largest_free
     track.sample(step, "compaction", ma.free_total, ma.largest_free,
@@ -377,10 +423,11 @@ def _note_compaction(result: PolicyResult, track: _Tracker, step: int, before: L
 def simulate(spec: WorkloadSpec, cfg: SimConfig, *, policies: tuple[str, ...] = POLICIES,
              seeds: list[int] | None = None, timeline: IO[str] | None = None,
              on_step: Callable[[int], None] | None = None) -> dict[str, PolicySummary]:
-    """Every policy over every seed (the same seeds, so the same event streams, per policy)."""
+    """Every policy over every seed. The policies of one seed run in lock step on one generated
+    stream (the same events for every policy, generated once)."""
     seeds = [cfg.seed] if seeds is None else list(seeds)
-    out: dict[str, PolicySummary] = {}
-    for policy in policies:
-        runs = [simulate_policy(spec, policy, cfg, seed=s, timeline=timeline, on_step=on_step) for s in seeds]
-        out[policy] = PolicySummary(policy, runs)
-    return out
+    per_policy: dict[str, list[PolicyResult]] = {p: [] for p in policies}
+    for seed in seeds:
+        for result in _run_lockstep(spec, tuple(policies), cfg, seed, timeline, on_step):
+            per_policy[result.policy].append(result)
+    return {p: PolicySummary(p, runs) for p, runs in per_policy.items()}

@@ -90,7 +90,8 @@ class WorkloadSpec:
       distinct shapes), ``seq_buckets`` (a finite set of lengths; each micro-batch pads up to
       the smallest bucket that holds it).
     * ``cache_bytes_per_shape`` (0 = off) and ``cache_max_shapes`` (``None`` = unbounded, else
-      LRU over that many shapes): per new shape, ``cache_tensors`` tensors live on.
+      LRU over that many shapes): per new shape, ``cache_tensors`` tensors live on; the share
+      ``cache_backward_share`` of them belongs to backward ops and is built in the backward.
     * ``extra_probability`` (0 = off), ``extra_size``, ``extra_lifetime_steps``: per step, with
       that probability, one extra tensor (evaluation, checkpoint staging, logging) at a random
       moment of the step, freed at the start of the step ``extra_lifetime_steps`` later.
@@ -126,7 +127,8 @@ class WorkloadSpec:
     long_tail: float = 0.05
     cache_bytes_per_shape: int = 10 * 2**20
     cache_max_shapes: int | None = None
-    cache_tensors: int = 8
+    cache_tensors: int = 4
+    cache_backward_share: float = 0.5
     extra_probability: float = 0.02
     extra_size: int = 256 * 2**20
     extra_lifetime_steps: int = 1
@@ -183,13 +185,14 @@ class StepWorkload:
         self._events: list[Event] = []
 
     # ids and emitters --------------------------------------------------------------------
+    # positional Event(action, id, size, addr, stream, pool, time, tag, step): the hot path
     def _alloc(self, size: int, tag: str, pool: str | None = None) -> int:
         self._next_id += 1
-        self._events.append(Event("alloc", id=self._next_id, size=size, tag=tag, pool=pool))
+        self._events.append(Event("alloc", self._next_id, size, None, 0, pool, None, tag, None))
         return self._next_id
 
     def _free(self, tid: int) -> None:
-        self._events.append(Event("free", id=tid))
+        self._events.append(Event("free", tid))
 
     # the parts -------------------------------------------------------------------------------
     def prologue(self) -> list[Event]:
@@ -304,6 +307,20 @@ class StepWorkload:
         counters["pass"] += 1
 
     # step phases -----------------------------------------------------------------------------
+    def _cache_layers(self, phase: str) -> dict[int, list[int]]:
+        """Where the cached tensors of a new shape are built: layer -> parts. The first
+        ``cache_backward_share`` of the parts belong to forward ops, spread over the forward;
+        the rest to backward ops (their own per-shape workspaces), spread over the backward."""
+        s = self.spec
+        n = max(1, s.cache_tensors)
+        n_back = int(round(n * s.cache_backward_share))
+        parts = range(n - n_back) if phase == "forward" else range(n - n_back, n)
+        count = max(1, len(parts))
+        out: dict[int, list[int]] = {}
+        for i, part in enumerate(parts):
+            out.setdefault(i * s.layers // count, []).append(part)
+        return out
+
     def _forward(self, length: int, counters: dict, hooks: dict) -> list[list[int]]:
         """One micro-batch forward; returns the saved tensor ids per layer."""
         s = self.spec
@@ -314,14 +331,12 @@ class StepWorkload:
         recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
         saved: list[list[int]] = []
         k = s.recompute_every
-        n_cache = max(1, s.cache_tensors)
-        cache_at = {(i * s.layers) // n_cache: i for i in range(n_cache)} if n_cache <= s.layers \
-            else {0: 0}
+        cache_at = self._cache_layers("forward")
         for layer in range(s.layers):
             self._maybe_extra(counters, hooks)
             ws = [self._alloc(size, "workspace") for size in wss]
-            if layer in cache_at:
-                self._cache_shape(length, cache_at[layer])
+            for part in cache_at.get(layer, ()):
+                self._cache_shape(length, part)
             if not k:
                 saved.append([self._alloc(size, "activation") for size in acts])
             elif layer % k == 0:
@@ -345,7 +360,8 @@ class StepWorkload:
         k = s.recompute_every
         recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
         recomputed: list[int] = []
-        for layer in reversed(range(s.layers)):
+        cache_at = self._cache_layers("backward")
+        for back_index, layer in enumerate(reversed(range(s.layers))):
             if counters["backward"] == hooks["allreduce_at"]:
                 hooks["allreduce_id"] = self._alloc(s.allreduce_bytes, WATCH_TAG)
             counters["backward"] += 1
@@ -354,6 +370,8 @@ class StepWorkload:
                 # recompute the whole segment's activations before its backward
                 recomputed = [self._alloc(act, "recompute") for _ in range(layer - layer % k, layer + 1)]
             ws = [self._alloc(size, "grad_workspace") for size in wss]
+            for part in cache_at.get(back_index, ()):
+                self._cache_shape(length, part)
             wgrad = self._alloc(grad_size, "weight_grad")   # BF16, cast-added into the FP32 buffer
             self._free(wgrad)
             for tid in reversed(ws):

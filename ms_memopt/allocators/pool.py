@@ -295,8 +295,8 @@ def region_sizes_for_workload(spec, capacity: int | None = None) -> dict[str, in
         "communication": int(spec.allreduce_bytes + spec.buckets * spec.bucket_bytes + 4 * spec.p2p_bytes * scale) + 2**20,
         "workspace": int((max(workspace_set, optimizer_temps) + extras) * 1.25),
     }
-    used = sum(sizes.values())
     floor = 64 * spec.cache_bytes_per_shape
-    room = (capacity - used) if capacity is not None else 2**31
-    sizes["cache"] = int(max(min(room, 2**31), min(floor, max(room, 0))))
-    return {k: (v + _ALIGN - 1) // _ALIGN * _ALIGN for k, v in sizes.items()}
+    sizes = {k: (v + _ALIGN - 1) // _ALIGN * _ALIGN for k, v in sizes.items()}
+    room = (capacity - sum(sizes.values())) if capacity is not None else 2**31
+    sizes["cache"] = int(max(min(room, 2**31), min(floor, max(room, 0)))) // _ALIGN * _ALIGN
+    return sizes

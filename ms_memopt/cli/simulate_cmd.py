@@ -23,6 +23,8 @@ def add_parser(parser) -> None:
     parser.add_argument("--policy", default="baseline,compact,pool",
                         help="comma-separated policies: baseline, compact, pool")
     parser.add_argument("--allocator", default=None, help="allocator model (default: memopt.allocator.name)")
+    parser.add_argument("--allocator-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="allocator model option, e.g. pregrow=true or increase_size=8GiB (repeatable)")
     parser.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 and report the median")
     parser.add_argument("--seed", type=int, default=None, help="the one seed (default: memopt.workload.seed)")
     parser.add_argument("--out", default=None, help="directory for timeline.jsonl and plots")
@@ -53,6 +55,7 @@ def run(args) -> int:
                          key="--allocator")
     if args.allocator and args.allocator != recipe.memopt.allocator.name:
         cfg.allocator_options = {}
+    cfg.allocator_options.update(_options(args.allocator_option))
     seeds = list(range(args.seeds)) if args.seeds else [cfg.seed]
 
     out_dir = Path(args.out) if args.out else None
@@ -98,6 +101,23 @@ def run(args) -> int:
         _print_table(results, cfg, bool(args.seeds))
     any_oom = any(r.oom_step is not None for s in results.values() for r in s.seeds)
     return 1 if (args.fail_on_oom and any_oom) else 0
+
+
+def _options(items: list[str]) -> dict:
+    """``KEY=VALUE`` pairs: booleans, sizes (``8GiB``) or integers."""
+    from ..units import parse_size
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"expected KEY=VALUE, got {item!r}", key="--allocator-option")
+        low = value.strip().lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+        else:
+            out[key] = parse_size(value, key="--allocator-option")
+    return out
 
 
 def _print_table(results, cfg, many: bool) -> None:
