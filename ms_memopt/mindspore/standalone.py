@@ -132,6 +132,17 @@ def select_device(requested: str = "auto") -> str:
     return "Ascend" if usable else "CPU"
 
 
+def _use_device(target: str) -> None:
+    """Select the device once; a process whose runtime already runs on ``target`` keeps it."""
+    if ms.get_context("device_target") == target:
+        return
+    try:
+        ms.set_device(target)
+    except RuntimeError as exc:   # MindSpore's runtime is initialised for another device
+        raise InputError(f"this process already runs MindSpore on {ms.get_context('device_target')}; "
+                         f"cannot switch to {target} ({exc})", key="--device") from None
+
+
 def gpt_config_from_recipe(recipe: Recipe, device: str):
     """The :class:`~ms_memopt.mindspore.model.GPTConfig` for ``recipe`` on ``device``, and notes.
 
@@ -460,7 +471,7 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
     tr, mem = recipe.memopt.train, recipe.memopt
     total = int(steps or tr.steps)
     target = select_device(device)
-    ms.set_device(target)
+    _use_device(target)
     ms.set_seed(tr.seed)
     np.random.seed(tr.seed)
 
