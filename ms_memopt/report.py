@@ -508,7 +508,7 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
     # a simulation
     if timeline.is_file():
         found = True
-        lines += _simulation_section(root, timeline, problems)
+        lines += _simulation_section(root, timeline, problems, title or root.name)
 
     # layouts
     snapshots = read_layouts(root)
@@ -548,7 +548,7 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
     return out
 
 
-def _simulation_section(root: Path, timeline: Path, problems: list[str]) -> list[str]:
+def _simulation_section(root: Path, timeline: Path, problems: list[str], title: str) -> list[str]:
     rows = _jsonl(timeline)
     by_policy: dict[str, dict] = {}
     for row in rows:
@@ -579,7 +579,7 @@ def _simulation_section(root: Path, timeline: Path, problems: list[str]) -> list
                       p["compactions"]])
     lines += _md_table(["policy", "seeds", "OOM", "frag max", "min largest_free", "compactions"], table)
     png = root / "fragmentation.png"
-    drawn, problem = _timeline_plot(timeline, png, f"{root.name}: simulated fragmentation")
+    drawn, problem = _timeline_plot(timeline, png, title)
     if drawn is not None:
         lines += ["", "![fragmentation timeline](fragmentation.png)"]
     else:

@@ -37,6 +37,8 @@ def _losses(out: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in map(json.loads, (out / "train.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.mindspore
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     from ms_memopt.mindspore.standalone import latest_checkpoint, run_standalone
 
@@ -59,6 +61,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert meta["device"] == "CPU" and meta["start_step"] == 3
 
 
+@pytest.mark.mindspore
 def test_npy_token_stream_trains(tmp_path):
     from ms_memopt.mindspore.standalone import run_standalone
 
@@ -70,6 +73,7 @@ def test_npy_token_stream_trains(tmp_path):
     assert len(result.losses) == 2 and all(np.isfinite(result.losses))
 
 
+@pytest.mark.mindspore
 @pytest.mark.parametrize("content, expected", [
     (np.arange(10), "at least seq_length + 1"),
     (np.full(100, 64), "vocab_size=64"),
@@ -87,6 +91,7 @@ def test_bad_token_files_are_input_errors(tmp_path, content, expected):
     assert expected in str(info.value)
 
 
+@pytest.mark.mindspore
 def test_token_batches_do_not_depend_on_where_they_start(tmp_path):
     from ms_memopt.mindspore.model import GPTConfig
     from ms_memopt.mindspore.standalone import token_batches
@@ -137,6 +142,7 @@ def test_bad_device_and_steps_are_usage_errors(tmp_path):
     assert info.value.code == 2
 
 
+@pytest.mark.mindspore
 def test_export_memory_viz_writes_the_last_scanned_layout(tmp_path):
     from ms_memopt.cli.run_cmd import _export_memory_viz
     from ms_memopt.layout import Block, Layout, Segment
