@@ -62,15 +62,20 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
 
 
 @pytest.mark.mindspore
-def test_npy_token_stream_trains(tmp_path):
-    from ms_memopt.mindspore.standalone import run_standalone
-
+def test_run_command_trains_a_token_file_and_writes_the_report(tmp_path, capsys):
     tokens = np.random.default_rng(0).integers(0, 64, 500).astype(np.int32)
     np.save(tmp_path / "tokens.npy", tokens)
-    recipe = load_recipe(_tiny(tmp_path, dataset=str(tmp_path / "tokens.npy"), steps=2,
-                               checkpoint_every_steps=None))
-    result = run_standalone(recipe, tmp_path / "out", device="cpu", progress=False)
-    assert len(result.losses) == 2 and all(np.isfinite(result.losses))
+    recipe = _tiny(tmp_path, dataset=str(tmp_path / "tokens.npy"), steps=2, checkpoint_every_steps=None)
+    out = tmp_path / "out"
+    assert main(["run", str(recipe), "--out", str(out), "--device", "cpu", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["device"] == "CPU" and len(summary["losses"]) == 2
+    assert all(np.isfinite(summary["losses"])) and summary["scans"] == 2
+    assert [Path(c).name for c in summary["checkpoints"]] == ["step_000002.ckpt"]
+    report = (out / "report.md").read_text()
+    for figure in ("loss.png", "scan_fragmentation.png", "memory_map.png"):
+        assert f"]({figure})" in report and (out / figure).stat().st_size > 5000
+    assert "trained steps 1..2 of 2 on CPU" in (out / "run.log").read_text()
 
 
 @pytest.mark.mindspore

@@ -67,6 +67,7 @@ logger = logging.getLogger("ms_memopt.standalone")
 
 TRAIN_LOG_NAME = "train.jsonl"
 RUN_META_NAME = "run.json"
+RUN_LOG_NAME = "run.log"
 SCAN_LOG_NAME = "scan.jsonl"   # under rank_N/, written by LayoutScanCallback
 _CKPT_DIR = "checkpoints"
 _CKPT_RE = re.compile(r"^step_(\d+)\.ckpt$")
@@ -351,7 +352,7 @@ def _scanned_layout(scan_callback) -> Layout | None:
 
 def _clear_outputs(out: Path) -> None:
     """A fresh run in a used directory starts its logs and checkpoints over."""
-    for name in (TRAIN_LOG_NAME, LAYOUTS_NAME, RUN_META_NAME):
+    for name in (TRAIN_LOG_NAME, LAYOUTS_NAME, RUN_META_NAME, RUN_LOG_NAME):
         (out / name).unlink(missing_ok=True)
     for old in out.glob(f"rank_*/{SCAN_LOG_NAME}"):
         old.unlink()
@@ -463,11 +464,35 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
     Raises:
         InputError: bad dataset path or contents, an unusable ``--device``.
     """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    resume_from = latest_checkpoint(out) if resume else None
+    if resume_from is None:
+        _clear_outputs(out)
+    # the package's warnings and notes (scans, compaction, this job) also go to OUT/run.log
+    handler = logging.FileHandler(out / RUN_LOG_NAME, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    package_logger = logging.getLogger("ms_memopt")
+    package_logger.addHandler(handler)
+    if package_logger.level == logging.NOTSET or package_logger.level > logging.INFO:
+        previous_level = package_logger.level
+        package_logger.setLevel(logging.INFO)
+    else:
+        previous_level = None
+    try:
+        return _train(recipe, out, device=device, steps=steps, resume_from=resume_from, progress=progress)
+    finally:
+        package_logger.removeHandler(handler)
+        handler.close()
+        if previous_level is not None:
+            package_logger.setLevel(previous_level)
+
+
+def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_from: tuple[int, Path] | None,
+           progress: bool) -> RunResult:
     from .model import GPT, GPTWithLoss
 
     started = time.perf_counter()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     tr, mem = recipe.memopt.train, recipe.memopt
     total = int(steps or tr.steps)
     target = select_device(device)
@@ -478,10 +503,7 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
     cfg, notes = gpt_config_from_recipe(recipe, target)
     not_wired: list[str] = []
     start = 0
-    resume_from = latest_checkpoint(out) if resume else None
-    if resume_from is None:
-        _clear_outputs(out)
-    else:
+    if resume_from is not None:
         start = resume_from[0]
         if start >= total:
             notes.append(f"checkpoint at step {start} already reaches --steps {total}: nothing to train")
@@ -566,6 +588,10 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
     result.scans = len(getattr(scan_cb, "records", None) or [])
     result.compactions = len(getattr(compaction_cb, "records", None) or [])
     result.seconds = time.perf_counter() - started
+    logger.info("trained steps %d..%d of %d on %s in %.1f s; %d scans, %d compactions", start + 1,
+                params.cur_step_num, total, target, result.seconds, result.scans, result.compactions)
+    for text in notes + not_wired:
+        logger.info("note: %s", text)
     meta = {"recipe": recipe.source, **result.to_dict()}
     meta.pop("losses"), meta.pop("step_seconds")
     (out / RUN_META_NAME).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
