@@ -26,6 +26,11 @@ from ms_memopt.workload import spec_from_recipe  # noqa: E402
 GiB = 2**30
 
 
+def _options(items):
+    from ms_memopt.cli.simulate_cmd import _options as parse
+    return parse(items)
+
+
 def _one(job):
     """Worker: one (label, spec, cfg, policies, seed) -> (label, seed, {policy: result dict})."""
     label, spec, cfg, policies, seed = job
@@ -50,6 +55,9 @@ def study(args) -> None:
     recipe = load_recipe(args.recipe)
     spec = spec_from_recipe(recipe)
     cfg = config_from_recipe(recipe, steps=args.steps)
+    cfg.allocator_options.update(args.options)
+    print(f"allocator {cfg.allocator} {cfg.allocator_options}, capacity {cfg.capacity / GiB:.0f} GiB, "
+          f"{args.steps} steps, seeds 0..{args.seeds - 1}")
     seeds = list(range(args.seeds))
     few = seeds[:3]
     jobs = [("main", spec, cfg, POLICIES, s) for s in seeds]
@@ -109,16 +117,20 @@ def main() -> None:
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "dense_100b_1024x910c.yaml"))
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--allocator-option", action="append", default=None, metavar="KEY=VALUE",
+                        help="allocator option (default: pregrow=true, see docs/simulation.md)")
     parser.add_argument("--study", action="store_true", help="run the docs/simulation.md study")
     parser.add_argument("--seeds", type=int, default=10, help="seeds of the study")
     parser.add_argument("--workers", type=int, default=2, help="worker processes of the study")
     args = parser.parse_args()
+    args.options = _options(args.allocator_option if args.allocator_option is not None else ["pregrow=true"])
     if args.study:
         study(args)
         return
     recipe = load_recipe(args.recipe)
     spec = spec_from_recipe(recipe)
     cfg = config_from_recipe(recipe, steps=args.steps, seed=args.seed)
+    cfg.allocator_options.update(args.options)
     started = time.perf_counter()
     results = simulate(spec, cfg, policies=POLICIES, seeds=[args.seed])
     seconds = time.perf_counter() - started

@@ -179,3 +179,22 @@ def test_cli_bad_policy_exits_2(capsys):
 
     assert main(["simulate", str(RECIPE), "--policy", "nope"]) == 2
     assert "--policy" in capsys.readouterr().err
+
+
+def test_calibrated_100b_recipe_largest_free_trends_down():
+    """Fast check of the calibration (the 10-seed study is in bench/simulate.py --study)."""
+    if not RECIPE.exists():
+        pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
+    from ms_memopt.recipe import load_recipe
+    from ms_memopt.simulate import config_from_recipe
+    from ms_memopt.workload import spec_from_recipe
+
+    recipe = load_recipe(RECIPE)
+    spec = spec_from_recipe(recipe)
+    cfg = config_from_recipe(recipe, steps=80, scan_every=40)
+    cfg.allocator_options["pregrow"] = True
+    grown = simulate_policy(spec, "baseline", cfg, seed=0)
+    steady = simulate_policy(spec.without("dynamic_seq", "shape_cache"), "baseline", cfg, seed=0)
+    assert grown.largest_free_by_window[1] < grown.largest_free_by_window[0]
+    assert steady.largest_free_by_window[0] == steady.largest_free_by_window[1]
+    assert min(grown.largest_free_by_window) < min(steady.largest_free_by_window)

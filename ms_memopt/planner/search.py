@@ -50,7 +50,7 @@ PREFERENCES: dict[str, Callable[[Buffer], tuple]] = {
     "area": lambda b: (-b.area, -b.size),
 }
 
-_FORCED_PER_NODE = 16  # forced raises applied together in one node
+_FORCED_PER_NODE = 256  # forced raises applied together in one node (bounds the work per node)
 
 
 @dataclass
