@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 from .errors import InputError
-from .layout import Layout
 from .recipe import Recipe, load_recipe
 from .report import LayoutSnapshot, build_report, write_layouts
 from .units import format_size
