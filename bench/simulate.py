@@ -1,0 +1,138 @@
+"""Benchmark: 1000 steps of the 100B recipe under all three policies, one seed.
+
+Target (issue 3): at most 60 s on the project machine (2 shared cores). Prints a table, then
+as the last line one JSON object: {"seconds", "events_per_s", ...}.
+
+Usage: python bench/simulate.py [--steps 1000] [--seed 0] [--recipe PATH]
+
+``--study`` runs the study of docs/simulation.md instead (10 seeds x 3 policies, controls,
+ablation, sensitivity; two worker processes) and prints its tables and one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ms_memopt.recipe import load_recipe  # noqa: E402
+from ms_memopt.simulate import POLICIES, config_from_recipe, simulate  # noqa: E402
+from ms_memopt.workload import spec_from_recipe  # noqa: E402
+
+GiB = 2**30
+
+
+def _one(job):
+    """Worker: one (label, spec, cfg, policies, seed) -> (label, seed, {policy: result dict})."""
+    label, spec, cfg, policies, seed = job
+    out = simulate(spec, cfg, policies=policies, seeds=[seed])
+    return label, seed, {p: s.seeds[0].to_dict() for p, s in out.items()}
+
+
+def _median(values):
+    import statistics
+    ooms = [v for v in values if v is not None]
+    if 2 * len(ooms) < len(values):
+        return None
+    padded = sorted(ooms) + [float("inf")] * (len(values) - len(ooms))
+    med = statistics.median(padded)
+    return None if med == float("inf") else med
+
+
+def study(args) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+    from dataclasses import replace
+
+    recipe = load_recipe(args.recipe)
+    spec = spec_from_recipe(recipe)
+    cfg = config_from_recipe(recipe, steps=args.steps)
+    seeds = list(range(args.seeds))
+    few = seeds[:3]
+    jobs = [("main", spec, cfg, POLICIES, s) for s in seeds]
+    jobs += [("control: all off", replace(spec, enabled=False), cfg, ("baseline",), 0)]
+    bounded = replace(spec, seq_buckets=(2048, 4096, 6144, 8192), cache_max_shapes=64)
+    jobs += [("control: bounded", bounded, cfg, ("baseline",), s) for s in seeds]
+    for mech in ("dynamic_seq", "shape_cache", "extra_allocs", "comm_jitter"):
+        jobs += [(f"ablation: no {mech}", spec.without(mech), cfg, ("baseline",), s) for s in seeds]
+    more_cap = replace(cfg, capacity=cfg.capacity + 8 * GiB)
+    jobs += [("sensitivity: capacity +8 GiB", spec, more_cap, ("baseline",), s) for s in few]
+    jobs += [("sensitivity: seq_align / 2", replace(spec, seq_align=max(1, spec.seq_align // 2)), cfg,
+              ("baseline",), s) for s in few]
+    jobs += [("sensitivity: micro_batches x 1.5", replace(spec, micro_batches=spec.micro_batches * 3 // 2),
+              cfg, ("baseline",), s) for s in few]
+    jobs += [("sensitivity: reference", spec, cfg, ("baseline",), s) for s in few]
+    started = time.perf_counter()
+    rows: dict[str, dict[str, list]] = {}
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        for label, seed, result in pool.map(_one, jobs):
+            for policy, r in result.items():
+                rows.setdefault(f"{label} [{policy}]", []).append(r)
+    table = {}
+    print(f"{'run':<48} {'seeds':>5} {'OOMs':>4} {'median':>7} {'min':>5} {'max':>5} {'kinds':<18} "
+          f"{'free@oom GiB':>12} {'peak GiB':>8} {'frag_max':>8} {'frag_after_c':>12} {'region_frag':>11}")
+    for name, runs in rows.items():
+        steps = [r["oom_step"] for r in runs]
+        ooms = [x for x in steps if x is not None]
+        kinds = sorted({r["oom_kind"] for r in runs if r["oom_kind"]})
+        free = [r["free_total_at_oom"] / GiB for r in runs if r["free_total_at_oom"] is not None]
+        fam = [r["frag_after_compaction"] for r in runs if r["frag_after_compaction"] is not None]
+        reg = [r["region_frag_max"] for r in runs if r["region_frag_max"] is not None]
+        fmax = [r["frag_ratio_max"] for r in runs if r["frag_ratio_max"] is not None]
+        entry = {"seeds": len(runs), "ooms": len(ooms), "oom_steps": steps, "median_oom_step": _median(steps),
+                 "oom_kinds": kinds, "free_total_at_oom_gib": [round(f, 1) for f in free],
+                 "peak_allocated_gib": round(max(r["peak_allocated"] for r in runs) / GiB, 1),
+                 "frag_ratio_max": round(max(fmax), 2) if fmax else None,
+                 "frag_after_compaction_max": round(max(fam), 3) if fam else None,
+                 "frag_after_compaction_segment_max": max((r["frag_after_compaction_segment_max"] or 0) for r in runs),
+                 "largest_free_after_compaction_min_gib": min(((r["largest_free_after_compaction_min"] or 0) / GiB
+                                                              for r in runs), default=None),
+                 "compactions": [r["compactions"] for r in runs],
+                 "region_frag_max": round(max(reg), 3) if reg else None,
+                 "largest_free_by_window_gib_seed0": [round(x / GiB, 2) for x in runs[0]["largest_free_by_window"]]}
+        table[name] = entry
+        print(f"{name:<48} {len(runs):>5} {len(ooms):>4} {str(entry['median_oom_step']):>7} "
+              f"{str(min(ooms, default='-')):>5} {str(max(ooms, default='-')):>5} {','.join(kinds) or '-':<18} "
+              f"{(f'{min(free):.1f}-{max(free):.1f}' if free else '-'):>12} {entry['peak_allocated_gib']:>8} "
+              f"{str(entry['frag_ratio_max']):>8} {str(entry['frag_after_compaction_max']):>12} "
+              f"{str(entry['region_frag_max']):>11}")
+    seconds = time.perf_counter() - started
+    print(f"study: {len(jobs)} jobs, {seconds:.0f} s")
+    print(json.dumps({"seconds": round(seconds, 1), "steps": args.steps, "study": table}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--recipe", default=str(ROOT / "recipes" / "dense_100b_1024x910c.yaml"))
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--study", action="store_true", help="run the docs/simulation.md study")
+    parser.add_argument("--seeds", type=int, default=10, help="seeds of the study")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes of the study")
+    args = parser.parse_args()
+    if args.study:
+        study(args)
+        return
+    recipe = load_recipe(args.recipe)
+    spec = spec_from_recipe(recipe)
+    cfg = config_from_recipe(recipe, steps=args.steps, seed=args.seed)
+    started = time.perf_counter()
+    results = simulate(spec, cfg, policies=POLICIES, seeds=[args.seed])
+    seconds = time.perf_counter() - started
+    events = sum(s.seeds[0].events for s in results.values())
+    print(f"{'policy':<9} {'oom_step':>8} {'steps run':>9} {'events':>10} {'seconds':>8}")
+    for policy, summary in results.items():
+        r = summary.seeds[0]
+        run = r.oom_step if r.oom_step is not None else args.steps
+        print(f"{policy:<9} {str(r.oom_step or '-'):>8} {run:>9} {r.events:>10} {r.seconds:>8.1f}")
+    print(f"total {seconds:.1f} s for {events} events (target: <= 60 s)")
+    print(json.dumps({"seconds": round(seconds, 2), "events_per_s": round(events / seconds),
+                      "steps": args.steps, "seed": args.seed, "events": events,
+                      "oom_step": {p: s.seeds[0].oom_step for p, s in results.items()}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""MindSpore's device pool with virtual memory management (VMM, ``enable_vmm``).
+
+Rules, as read in MindSpore's source (``abstract_dynamic_mem_pool.cc`` ``MemBufAllocator``
+with ``enable_eager_free_``; ``ascend_vmm_adapter.cc``; names below are MindSpore's):
+
+* **Virtual range per allocator**: an allocator (per stream, persistent or common) grows by
+  reserving a *virtual* range of ``max(request, device memory)`` rounded up to 2 MiB
+  (``AllocDeviceMemByEagerFree`` -> ``aclrtReserveMemAddress``); nothing is backed yet. The
+  whole range starts as one *eager-free* buffer (virtual, unmapped).
+* **Physical chunks on demand**: physical memory is mapped in 2 MiB chunks (``kVmmAlignSize``)
+  covering the bytes a request takes (``MmapDeviceMem``: every chunk overlapping
+  ``[addr, addr + size)`` not mapped yet). Mapping fails when the device has no free chunk
+  left (``capacity``).
+* **Buffer states**: used, idle (freed, still mapped) and eager-free (unmapped or being
+  unmapped). Idle buffers merge only with idle neighbours, eager-free only with eager-free
+  ones (``Free(mem_buf, target_status)``); both are kept sorted by (size, address).
+* **Malloc order** (``MemBufAllocator::Malloc``): best fit among idle buffers (split when the
+  remainder >= 512 B); else an idle buffer followed by an eager-free one whose sizes add up
+  (``SearchAvailableMemBuf``: largest idle first, map the missing part); else best fit among
+  eager-free buffers (map, split). With VMM the persistent side never borrows the common one.
+* **On failure** (``AllocMemBuf``): ``FreeIdleMemsByEagerFree`` — every idle buffer of every
+  allocator becomes eager-free and every 2 MiB chunk lying wholly inside an eager-free buffer
+  is unmapped — then retry; then reserve a new virtual range (``MallocExpandBlock``); then a
+  common request tries the persistent allocator; then OOM.
+* **Defragmentation**: ``DefragMemory`` (every ``defrag_memory_step_freq`` steps, 100 by
+  default) runs the same eager free: :meth:`defrag` here, also what :meth:`empty_cache` does.
+  The replay engine does not call it on step events; the simulator may.
+
+Metrics (how a VMM layout is exported, so that ``allocated + free_total == reserved`` holds
+with ``reserved`` = mapped physical bytes):
+
+* :meth:`layout` exports one segment per run of consecutive mapped 2 MiB chunks of a virtual
+  range; its blocks are the used buffers and the mapped free bytes between them. So
+  ``reserved`` = mapped bytes, holes = mapped-but-unused ranges, and ``measure(layout)``'s
+  ``largest_free`` = the largest request servable *without mapping anything*.
+* :meth:`largest_free` answers the question a scan asks — the largest request that would
+  succeed now: the longest run of contiguous free *virtual* addresses (idle or eager-free),
+  capped by the physical memory that could back it (``capacity`` minus the chunks that hold
+  live data; chunks shared with a live neighbour are counted as live, so it is a slight
+  underestimate). It is what OOM records report as ``largest_free``.
+
+Data structures: as :mod:`ms_memopt.allocators.mindspore` (sorted integer keys
+``size << 64 | addr`` for idle and for eager-free buffers, linked buffer lists), plus one set
+of mapped chunk indices (``addr >> 21``) per model.
+
+Example:
+    >>> pool = MindSporeVMMPool(capacity=8 * 2**30)
+    >>> a = pool.malloc(3 * 2**20)
+    >>> pool.reserved // 2**20      # two 2 MiB chunks mapped
+    4
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+
+from ..layout import Block, Layout, Segment
+from .base import AllocatorModel, OOMRecord
+from .mindspore import ALIGN, align_size
+
+__all__ = ["MindSporeVMMPool", "CHUNK"]
+
+CHUNK = 2 << 20                 # kVmmAlignSize
+_CHUNK_SHIFT = 21
+_SHIFT = 64
+_MASK = (1 << _SHIFT) - 1
+_BASE_ADDR = 1 << 40            # virtual addresses start here
+_DEFAULT_VIRTUAL = 1 << 40      # reserved virtual range when the capacity is unknown
+
+_ADDR, _SIZE, _STATE, _PREV, _NEXT, _RANGE = range(6)
+_USED, _IDLE, _EAGER = 0, 1, 2
+
+
+class _Range:
+    """One reserved virtual range (a ``MemBlock`` under VMM)."""
+
+    __slots__ = ("addr", "size", "head", "owner")
+
+    def __init__(self, addr: int, size: int, owner: "_Allocator") -> None:
+        self.addr = addr
+        self.size = size
+        self.head: list | None = None
+        self.owner = owner
+
+
+class _Allocator:
+    __slots__ = ("stream", "persistent", "ranges", "idle_keys", "eager_keys")
+
+    def __init__(self, stream: int, persistent: bool) -> None:
+        self.stream = stream
+        self.persistent = persistent
+        self.ranges: list[_Range] = []
+        self.idle_keys: list[int] = []
+        self.eager_keys: list[int] = []
+
+    def keys(self, state: int) -> list[int]:
+        return self.idle_keys if state == _IDLE else self.eager_keys
+
+
+class MindSporeVMMPool(AllocatorModel):
+    """MindSpore's VMM pool: virtual range per allocator, 2 MiB chunks mapped on demand.
+
+    Args:
+        capacity: physical device memory, bytes (``None``: unbounded).
+    """
+
+    name = "mindspore-vmm"
+    virtual = True
+
+    def __init__(self, capacity: int | None = None) -> None:
+        super().__init__(capacity)
+        self._allocators: dict[tuple[int, bool], _Allocator] = {}
+        self._bufs: dict[int, list] = {}
+        self._mapped: set[int] = set()
+        self._max_chunks = None if capacity is None else capacity // CHUNK
+        self._next_addr = _BASE_ADDR
+        self.eager_frees = 0
+
+    # --- requests -----------------------------------------------------------------------
+    def malloc(self, size: int, *, stream: int = 0, pool: str | None = None,
+               tag: str | None = None) -> int | None:
+        size = align_size(size)
+        persistent = pool == "persistent"
+        allocator = self._allocator(stream, persistent)
+        buf = self._take(allocator, size)
+        if buf is None:
+            self.defrag()
+            buf = self._take(allocator, size)
+            if buf is None:
+                buf = self._expand(allocator, size)
+            if buf is None and not persistent:
+                buf = self._take(self._allocator(stream, True), size)
+            if buf is None:
+                self._record_oom(size, stream, tag)
+                return None
+        self.allocated += buf[_SIZE]
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        return buf[_ADDR]
+
+    def free(self, addr: int) -> None:
+        buf = self._bufs.get(addr)
+        if buf is None or buf[_STATE] != _USED:
+            return
+        self.allocated -= buf[_SIZE]
+        self._release(buf, _IDLE)
+
+    def defrag(self) -> None:
+        """``FreeIdleMemsByEagerFree``: idle buffers become eager-free; wholly free chunks unmap."""
+        self.eager_frees += 1
+        for allocator in self._allocators.values():
+            idle = [self._bufs[key & _MASK] for key in allocator.idle_keys]
+            allocator.idle_keys.clear()
+            for buf in idle:
+                buf[_STATE] = _USED          # so _release sees a used buffer turning eager-free
+                self._release(buf, _EAGER)
+            for key in allocator.eager_keys:
+                self._unmap(key & _MASK, key >> _SHIFT)
+        self.reserved = len(self._mapped) * CHUNK
+
+    def empty_cache(self) -> None:
+        self.defrag()
+
+    # --- state ----------------------------------------------------------------------------
+    def layout(self) -> Layout:
+        """Mapped runs as segments; see the module docstring."""
+        segments = []
+        mapped = self._mapped
+        for key in sorted(self._allocators):
+            allocator = self._allocators[key]
+            pool = "persistent" if allocator.persistent else "common"
+            for rng in allocator.ranges:
+                pieces = []
+                buf = rng.head
+                while buf is not None:
+                    pieces.append((buf[_ADDR], buf[_SIZE], buf[_STATE] == _USED))
+                    buf = buf[_NEXT]
+                first = rng.addr >> _CHUNK_SHIFT
+                last = (rng.addr + rng.size) >> _CHUNK_SHIFT
+                chunks = sorted(c for c in mapped if first <= c < last) if len(mapped) < (last - first) \
+                    else [c for c in range(first, last) if c in mapped]
+                for start, end in _runs(chunks):
+                    seg_addr, seg_end = start << _CHUNK_SHIFT, end << _CHUNK_SHIFT
+                    blocks: list[Block] = []
+                    index = _first_piece(pieces, seg_addr)
+                    while index < len(pieces) and pieces[index][0] < seg_end:
+                        addr, size, live = pieces[index]
+                        lo, hi = max(addr, seg_addr), min(addr + size, seg_end)
+                        if blocks and not live and not blocks[-1].live:
+                            blocks[-1].size += hi - lo
+                        else:
+                            blocks.append(Block(lo, hi - lo, live))
+                        index += 1
+                    segments.append(Segment(seg_addr, seg_end - seg_addr, blocks,
+                                            stream=allocator.stream, pool=pool))
+        segments.sort(key=lambda s: s.addr)
+        return Layout(segments, capacity=self.capacity)
+
+    def largest_free(self) -> int:
+        """The largest request that would succeed now (see the module docstring), bytes."""
+        live_chunks: set[int] = set()
+        runs: list[int] = []
+        for allocator in self._allocators.values():
+            for rng in allocator.ranges:
+                run = 0
+                buf = rng.head
+                while buf is not None:
+                    if buf[_STATE] == _USED:
+                        runs.append(run)
+                        run = 0
+                        first = buf[_ADDR] >> _CHUNK_SHIFT
+                        live_chunks.update(range(first, ((buf[_ADDR] + buf[_SIZE] - 1) >> _CHUNK_SHIFT) + 1))
+                    else:
+                        run += buf[_SIZE]
+                    buf = buf[_NEXT]
+                runs.append(run)
+        longest = max(runs, default=0)
+        if self.capacity is None:
+            return longest
+        return max(0, min(longest, self.capacity - len(live_chunks) * CHUNK))
+
+    # --- internals --------------------------------------------------------------------------
+    def _record_oom(self, size: int, stream: int, tag: str | None) -> None:
+        m = self.metrics()
+        device_free = None if self.capacity is None else max(self.capacity - self.reserved, 0)
+        self.ooms.append(OOMRecord(size=size, stream=stream, free_total=m.free_total,
+                                   largest_free=self.largest_free(), reserved=m.reserved,
+                                   allocated=m.allocated, capacity=self.capacity,
+                                   device_free=device_free, tag=tag))
+
+    def _allocator(self, stream: int, persistent: bool) -> _Allocator:
+        allocator = self._allocators.get((stream, persistent))
+        if allocator is None:
+            allocator = self._allocators[(stream, persistent)] = _Allocator(stream, persistent)
+        return allocator
+
+    def _take(self, allocator: _Allocator, size: int) -> list | None:
+        """``MemBufAllocator::Malloc`` with eager free enabled."""
+        if not allocator.ranges:
+            return self._expand(allocator, size)
+        keys = allocator.idle_keys
+        index = bisect_left(keys, size << _SHIFT)
+        if index < len(keys):
+            buf = self._bufs[keys.pop(index) & _MASK]
+            return self._split(buf, size, allocator)
+        buf = self._extend_idle(allocator, size)
+        if buf is not None:
+            return buf
+        keys = allocator.eager_keys
+        index = bisect_left(keys, size << _SHIFT)
+        if index < len(keys):
+            buf = self._bufs[keys[index] & _MASK]
+            map_size = size if buf[_SIZE] - size >= ALIGN else buf[_SIZE]
+            if not self._map(buf[_ADDR], map_size):
+                return None
+            del keys[index]
+            return self._split(buf, size, allocator)
+        return None
+
+    def _extend_idle(self, allocator: _Allocator, size: int) -> list | None:
+        """``SearchAvailableMemBuf``: an idle buffer grown into the eager-free one after it."""
+        bufs = self._bufs
+        for key in reversed(allocator.idle_keys):
+            buf = bufs[key & _MASK]
+            nxt = buf[_NEXT]
+            if nxt is None or nxt[_STATE] != _EAGER or buf[_SIZE] + nxt[_SIZE] < size:
+                continue
+            need = size - buf[_SIZE]
+            if not self._map(nxt[_ADDR], need):
+                return None
+            keys = allocator.idle_keys
+            del keys[bisect_left(keys, key)]
+            eager = allocator.eager_keys
+            del eager[bisect_left(eager, (nxt[_SIZE] << _SHIFT) | nxt[_ADDR])]
+            del bufs[nxt[_ADDR]]
+            buf[_SIZE] = size
+            buf[_STATE] = _USED
+            nxt[_ADDR] += need
+            nxt[_SIZE] -= need
+            if nxt[_SIZE] == 0:
+                buf[_NEXT] = nxt[_NEXT]
+                if nxt[_NEXT] is not None:
+                    nxt[_NEXT][_PREV] = buf
+            else:
+                bufs[nxt[_ADDR]] = nxt
+                insort(eager, (nxt[_SIZE] << _SHIFT) | nxt[_ADDR])
+            return buf
+        return None
+
+    def _split(self, buf: list, size: int, allocator: _Allocator) -> list:
+        remaining = buf[_SIZE] - size
+        if remaining >= ALIGN:
+            addr = buf[_ADDR] + size
+            nxt = buf[_NEXT]
+            rest = [addr, remaining, buf[_STATE], buf, nxt, buf[_RANGE]]
+            if nxt is not None:
+                nxt[_PREV] = rest
+            buf[_NEXT] = rest
+            buf[_SIZE] = size
+            self._bufs[addr] = rest
+            insort(allocator.keys(rest[_STATE]), (remaining << _SHIFT) | addr)
+        buf[_STATE] = _USED
+        return buf
+
+    def _expand(self, allocator: _Allocator, size: int) -> list | None:
+        """``MallocExpandBlock``: reserve a new virtual range, map and split its first bytes."""
+        if self.capacity is not None and self.capacity - self.reserved < size:
+            return None     # CalMemBlockAllocSize: free device memory below the request
+        virtual = max(size, self.capacity if self.capacity is not None else _DEFAULT_VIRTUAL)
+        virtual = (virtual + CHUNK - 1) // CHUNK * CHUNK
+        addr = self._next_addr
+        self._next_addr += virtual + CHUNK          # a guard gap: ranges never touch
+        rng = _Range(addr, virtual, allocator)
+        buf = [addr, virtual, _EAGER, None, None, rng]
+        rng.head = buf
+        self._bufs[addr] = buf
+        allocator.ranges.append(rng)
+        self.segment_allocs += 1
+        map_size = size if virtual - size >= ALIGN else virtual
+        if not self._map(addr, map_size):
+            insort(allocator.eager_keys, (virtual << _SHIFT) | addr)
+            return None
+        return self._split(buf, size, allocator)
+
+    def _map(self, addr: int, size: int) -> bool:
+        first = addr >> _CHUNK_SHIFT
+        last = (addr + size - 1) >> _CHUNK_SHIFT
+        mapped = self._mapped
+        new = [c for c in range(first, last + 1) if c not in mapped]
+        if not new:
+            return True
+        if self._max_chunks is not None and len(mapped) + len(new) > self._max_chunks:
+            return False
+        mapped.update(new)
+        self.reserved = len(mapped) * CHUNK
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
+        return True
+
+    def _unmap(self, addr: int, size: int) -> None:
+        first = (addr + CHUNK - 1) >> _CHUNK_SHIFT
+        end = (addr + size) >> _CHUNK_SHIFT
+        if end > first:
+            self._mapped.difference_update(range(first, end))
+
+    def _release(self, buf: list, state: int) -> None:
+        """``MemBufAllocator::Free``: merge with neighbours of the same state, then index."""
+        keys = buf[_RANGE].owner.keys(state)
+        bufs = self._bufs
+        buf[_STATE] = state
+        prev = buf[_PREV]
+        if prev is not None and prev[_STATE] == state:
+            del keys[bisect_left(keys, (prev[_SIZE] << _SHIFT) | prev[_ADDR])]
+            prev[_SIZE] += buf[_SIZE]
+            prev[_NEXT] = buf[_NEXT]
+            if buf[_NEXT] is not None:
+                buf[_NEXT][_PREV] = prev
+            del bufs[buf[_ADDR]]
+            buf = prev
+        nxt = buf[_NEXT]
+        if nxt is not None and nxt[_STATE] == state:
+            del keys[bisect_left(keys, (nxt[_SIZE] << _SHIFT) | nxt[_ADDR])]
+            buf[_SIZE] += nxt[_SIZE]
+            buf[_NEXT] = nxt[_NEXT]
+            if nxt[_NEXT] is not None:
+                nxt[_NEXT][_PREV] = buf
+            del bufs[nxt[_ADDR]]
+        insort(keys, (buf[_SIZE] << _SHIFT) | buf[_ADDR])
+
+
+def _runs(chunks: list[int]):
+    """Consecutive runs ``(first, end)`` of sorted chunk indices."""
+    start = prev = None
+    for c in chunks:
+        if start is None:
+            start = prev = c
+        elif c == prev + 1:
+            prev = c
+        else:
+            yield start, prev + 1
+            start = prev = c
+    if start is not None:
+        yield start, prev + 1
+
+
+def _first_piece(pieces: list[tuple[int, int, bool]], addr: int) -> int:
+    """Index of the piece containing ``addr`` (pieces tile the range, sorted by address)."""
+    lo = bisect_left(pieces, (addr + 1,)) - 1
+    return max(lo, 0)

@@ -1,0 +1,302 @@
+"""Pool mode: device memory planned at start-up in fixed regions by purpose and lifetime.
+
+Each request goes to the region its ``tag`` (or ``pool``) names, never anywhere else, so
+long-lived small tensors cannot cut up the space of large short-lived ones:
+
+================  ===================================================  ======================
+region            holds (tags)                                         policy inside
+================  ===================================================  ======================
+``parameters``    BF16 weights, FP32 gradient accumulation              best fit (never freed)
+``optimizer``     FP32 master weights, Adam m and v                     best fit (never freed)
+``activations``   saved activations, checkpoint inputs, recomputes     ring (allocate at the
+                                                                       head, wrap at the end)
+``communication`` AllReduce / ReduceScatter buckets, P2P buffers        best fit (the arena)
+``workspace``     op workspaces, weight gradients, optimizer temps,    best fit
+                  evaluation, checkpoint staging, logging
+``cache``         per-shape cached tensors                             best fit; when full the
+                                                                       oldest entry is evicted
+================  ===================================================  ======================
+
+A cache can always rebuild an entry, so the ``cache`` region evicts its oldest tensors instead
+of failing (the evicted addresses are reported by :meth:`PoolModeAllocator.drain_evicted` so a
+driver can forget them). Every other region fails its request when full: a pool-mode OOM
+names a region sized too small, not fragmentation elsewhere.
+
+The layout has one segment per region (``segment.pool`` is the region name);
+:meth:`PoolModeAllocator.region_metrics` gives the frag ratio inside each region. The
+device-wide frag ratio is high by design: free space is split across regions.
+
+Example:
+    >>> pool = PoolModeAllocator(capacity=2**20, regions={"activations": 2**19, "workspace": 2**18})
+    >>> a = pool.malloc(1000, tag="activation"); b = pool.malloc(1000, tag="activation")
+    >>> b - a, pool.malloc(2**19, tag="activation")
+    (1024, None)
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections import OrderedDict
+
+from ..errors import InputError
+from ..layout import Block, Layout, Segment
+from ..metrics import frag_ratio
+from .base import AllocatorModel
+
+__all__ = ["PoolModeAllocator", "REGION_OF_TAG", "region_sizes_for_workload"]
+
+_ALIGN = 512
+_SHIFT = 64
+_MASK = (1 << _SHIFT) - 1
+_BASE_ADDR = 1 << 32
+_ADDR, _SIZE, _USED, _PREV, _NEXT = range(5)
+
+#: which region serves which request tag (anything else: ``workspace``)
+REGION_OF_TAG = {
+    "parameter": "parameters", "gradient": "parameters",
+    "optimizer": "optimizer",
+    "activation": "activations", "checkpoint_input": "activations", "recompute": "activations",
+    "allreduce": "communication", "reduce_scatter": "communication", "allgather": "communication",
+    "p2p": "communication",
+    "shape_cache": "cache",
+}
+_RING = {"activations"}
+_EVICTING = {"cache"}
+
+
+class _Region:
+    """One fixed region: buffers doubly linked by address, free ones in a sorted key list."""
+
+    def __init__(self, name: str, addr: int, size: int) -> None:
+        self.name = name
+        self.addr = addr
+        self.size = size
+        self.allocated = 0
+        head = [addr, size, False, None, None]
+        self.bufs: dict[int, list] = {addr: head}
+        self.free_keys: list[int] = [(size << _SHIFT) | addr] if size else []
+        self.head = addr                      # ring: next allocation address
+        self.order: OrderedDict[int, int] = OrderedDict()   # evicting: live addr -> size, oldest first
+        if not size:
+            self.bufs = {}
+
+    def largest_free(self) -> int:
+        return self.free_keys[-1] >> _SHIFT if self.free_keys else 0
+
+    def take(self, size: int, ring: bool) -> int | None:
+        buf = None
+        if ring:
+            buf = self._ring_buffer(size)
+        if buf is None:
+            index = bisect_left(self.free_keys, size << _SHIFT)
+            if index == len(self.free_keys):
+                return None
+            buf = self.bufs[self.free_keys[index] & _MASK]
+        del self.free_keys[bisect_left(self.free_keys, (buf[_SIZE] << _SHIFT) | buf[_ADDR])]
+        rest = buf[_SIZE] - size
+        if rest >= _ALIGN:
+            nxt = buf[_NEXT]
+            tail = [buf[_ADDR] + size, rest, False, buf, nxt]
+            if nxt is not None:
+                nxt[_PREV] = tail
+            buf[_NEXT] = tail
+            buf[_SIZE] = size
+            self.bufs[tail[_ADDR]] = tail
+            insort(self.free_keys, (rest << _SHIFT) | tail[_ADDR])
+        buf[_USED] = True
+        self.allocated += buf[_SIZE]
+        if ring:
+            self.head = buf[_ADDR] + buf[_SIZE]
+            if self.head >= self.addr + self.size:
+                self.head = self.addr
+        return buf[_ADDR]
+
+    def _ring_buffer(self, size: int) -> list | None:
+        """The free buffer starting at the head, else the one at the region start (wrap)."""
+        for addr in (self.head, self.addr):
+            buf = self.bufs.get(addr)
+            if buf is not None and not buf[_USED] and buf[_SIZE] >= size:
+                return buf
+        return None
+
+    def release(self, addr: int) -> int:
+        buf = self.bufs.get(addr)
+        if buf is None or not buf[_USED]:
+            return 0
+        freed = buf[_SIZE]
+        self.allocated -= freed
+        buf[_USED] = False
+        keys = self.free_keys
+        prev = buf[_PREV]
+        if prev is not None and not prev[_USED]:
+            del keys[bisect_left(keys, (prev[_SIZE] << _SHIFT) | prev[_ADDR])]
+            prev[_SIZE] += buf[_SIZE]
+            prev[_NEXT] = buf[_NEXT]
+            if buf[_NEXT] is not None:
+                buf[_NEXT][_PREV] = prev
+            del self.bufs[addr]
+            if self.head == addr:
+                self.head = prev[_ADDR]
+            buf = prev
+        nxt = buf[_NEXT]
+        if nxt is not None and not nxt[_USED]:
+            del keys[bisect_left(keys, (nxt[_SIZE] << _SHIFT) | nxt[_ADDR])]
+            buf[_SIZE] += nxt[_SIZE]
+            buf[_NEXT] = nxt[_NEXT]
+            if nxt[_NEXT] is not None:
+                nxt[_NEXT][_PREV] = buf
+            del self.bufs[nxt[_ADDR]]
+            if self.head == nxt[_ADDR]:
+                self.head = buf[_ADDR]
+        insort(keys, (buf[_SIZE] << _SHIFT) | buf[_ADDR])
+        return freed
+
+    def segment(self) -> Segment:
+        blocks = []
+        buf = self.bufs.get(self.addr)
+        while buf is not None:
+            blocks.append(Block(buf[_ADDR], buf[_SIZE], buf[_USED], tag=self.name))
+            buf = buf[_NEXT]
+        return Segment(self.addr, self.size, blocks, pool=self.name)
+
+
+class PoolModeAllocator(AllocatorModel):
+    """Fixed regions reserved at start-up (see the module docstring).
+
+    Args:
+        capacity: device bytes; the regions must fit in it.
+        regions: region name -> bytes (in address order), or a plan object with ``regions``
+            (items with ``name`` and ``size``), e.g. :class:`ms_memopt.poolplan.PoolPlan`.
+        route: overrides of :data:`REGION_OF_TAG`.
+
+    Raises:
+        InputError: the regions do not fit in ``capacity``.
+    """
+
+    name = "pool"
+
+    def __init__(self, capacity: int | None = None, regions=None, route: dict[str, str] | None = None) -> None:
+        super().__init__(capacity)
+        sizes = _region_sizes(regions)
+        total = sum(sizes.values())
+        if capacity is not None and total > capacity:
+            raise InputError(f"pool-mode regions need {total} bytes, more than the capacity {capacity}",
+                             key="memopt.pool_mode")
+        self.regions: dict[str, _Region] = {}
+        addr = _BASE_ADDR
+        for name, size in sizes.items():
+            size = size // _ALIGN * _ALIGN
+            self.regions[name] = _Region(name, addr, size)
+            addr += size
+        self.route = dict(REGION_OF_TAG, **(route or {}))
+        self._owner: dict[int, _Region] = {}
+        self._evicted: list[int] = []
+        self.evictions = 0
+        self.reserved = sum(r.size for r in self.regions.values())
+        self.segment_allocs = len(self.regions)
+        self._note_usage()
+
+    @classmethod
+    def for_workload(cls, spec, capacity: int | None = None) -> "PoolModeAllocator":
+        """Regions sized for a :class:`~ms_memopt.workload.WorkloadSpec` (see
+        :func:`region_sizes_for_workload`)."""
+        return cls(capacity=capacity, regions=region_sizes_for_workload(spec, capacity))
+
+    # --- requests -----------------------------------------------------------------------
+    def region_for(self, tag: str | None, pool: str | None) -> _Region | None:
+        name = self.route.get(tag or "", None) or (pool if pool in self.regions else None) or "workspace"
+        return self.regions.get(name) or self.regions.get("workspace")
+
+    def malloc(self, size: int, *, stream: int = 0, pool: str | None = None,
+               tag: str | None = None) -> int | None:
+        size = max(_ALIGN, (size + _ALIGN - 1) // _ALIGN * _ALIGN)
+        region = self.region_for(tag, pool)
+        if region is None:
+            self._record_oom(size, stream, tag)
+            return None
+        ring = region.name in _RING
+        addr = region.take(size, ring)
+        if addr is None and region.name in _EVICTING:
+            while addr is None and region.order:
+                old, _ = region.order.popitem(last=False)
+                self.allocated -= region.release(old)
+                del self._owner[old]
+                self._evicted.append(old)
+                self.evictions += 1
+                addr = region.take(size, ring)
+        if addr is None:
+            self._record_oom(size, stream, tag)
+            return None
+        if region.name in _EVICTING:
+            region.order[addr] = size
+        self._owner[addr] = region
+        self.allocated += region.bufs[addr][_SIZE]
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        return addr
+
+    def free(self, addr: int) -> None:
+        region = self._owner.pop(addr, None)
+        if region is None:
+            return
+        region.order.pop(addr, None)
+        self.allocated -= region.release(addr)
+
+    def drain_evicted(self) -> list[int]:
+        """Addresses the cache region evicted since the last call (their tensors are gone)."""
+        out, self._evicted = self._evicted, []
+        return out
+
+    # --- state ----------------------------------------------------------------------------
+    def layout(self) -> Layout:
+        return Layout([r.segment() for r in self.regions.values() if r.size], capacity=self.capacity)
+
+    def largest_free(self) -> int:
+        return max((r.largest_free() for r in self.regions.values()), default=0)
+
+    def region_metrics(self) -> dict[str, float | None]:
+        """Frag ratio inside each region (``None`` when the region has nothing free)."""
+        return {name: frag_ratio(r.size - r.allocated, r.largest_free()) for name, r in self.regions.items()}
+
+
+def _region_sizes(regions) -> dict[str, int]:
+    if regions is None:
+        raise ValueError("pool mode needs region sizes")
+    if isinstance(regions, dict):
+        return {str(k): int(v) for k, v in regions.items()}
+    items = getattr(regions, "regions", regions)
+    if isinstance(items, dict):
+        return {str(k): int(getattr(v, "size", v)) for k, v in items.items()}
+    return {str(r.name): int(r.size) for r in items}
+
+
+def region_sizes_for_workload(spec, capacity: int | None = None) -> dict[str, int]:
+    """Region sizes (bytes) for one card's workload: parameters and optimizer exactly; the
+    activation ring for ``in_flight`` micro-batches at ``seq_max`` plus one layer of slack;
+    the communication arena for the AllReduce buffer, the buckets and four P2P buffers; the
+    workspace for the largest transient set (backward workspaces + weight gradient, or the
+    optimizer's two FP32 temporaries) plus the extra allocations, with 25% slack; the cache
+    what is left of ``capacity`` up to 2 GiB (at least 64 shapes' worth).
+    """
+    scale = spec.seq_max / spec.seq_length if spec.seq_max else 1.0
+    per_layer = spec.activation_bytes * scale
+    if spec.recompute_every:
+        segments = -(-spec.layers // spec.recompute_every)
+        per_mb = segments * spec.input_bytes * scale
+        ring = spec.in_flight * per_mb + spec.recompute_every * per_layer + per_layer
+    else:
+        ring = spec.in_flight * spec.layers * per_layer + 2 * per_layer
+    workspace_set = spec.workspace_bytes * scale + spec.param_bytes / spec.layers
+    optimizer_temps = 2 * (spec.param_bytes * 2 / max(1, spec.optimizer_groups))
+    extras = spec.extra_size * (spec.extra_lifetime_steps + 1) if spec.extra_probability else 0
+    sizes = {
+        "parameters": spec.param_bytes + spec.grad_bytes + spec.layers * 2 * _ALIGN,
+        "optimizer": spec.optimizer_bytes + spec.layers * _ALIGN,
+        "activations": int(ring * 1.02),
+        "communication": int(spec.allreduce_bytes + spec.buckets * spec.bucket_bytes + 4 * spec.p2p_bytes * scale) + 2**20,
+        "workspace": int((max(workspace_set, optimizer_temps) + extras) * 1.25),
+    }
+    floor = 64 * spec.cache_bytes_per_shape
+    sizes = {k: (v + _ALIGN - 1) // _ALIGN * _ALIGN for k, v in sizes.items()}
+    room = (capacity - sum(sizes.values())) if capacity is not None else 2**31
+    sizes["cache"] = int(max(min(room, 2**31), min(floor, max(room, 0)))) // _ALIGN * _ALIGN
+    return sizes

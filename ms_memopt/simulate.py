@@ -1,0 +1,433 @@
+"""Many training steps of one card through an allocator model, under a memory policy.
+
+The workload (:mod:`ms_memopt.workload`) yields each step's events; the loop feeds them to
+the allocator model, tracks tensor id -> address, and measures the layout
+
+* at every **scan** (the end of every ``scan_every``-th step, after the optimizer), and
+* **just before every watched request** (an allocation whose tag is a key of ``watch``,
+  e.g. the AllReduce buffer), where ``largest_free`` against the request is what matters.
+
+Measurements use the model's counters (``reserved - allocated`` and ``largest_free()``),
+never a full layout, so a sample costs microseconds; layouts are built only to compact.
+
+Policies:
+
+``baseline``  the allocator alone.
+``compact``   after the optimizer step every ``compact_every`` steps, and at a scan whose
+              window saw a watched request with less than ``(1 + watch_margin)`` times its
+              size free in one piece, the layout is compacted (every live block moved to the
+              lowest addresses of its segment, :mod:`ms_memopt.compaction`), and the model
+              restarts from the compacted layout (``restore``).
+``pool``      pool mode: fixed regions by purpose (:class:`~ms_memopt.allocators.pool.PoolModeAllocator`).
+
+A job dies at its first failed request: ``oom_step`` is that step (``None`` when none).
+The timeline (one JSON object per sample) streams to a file as it is measured, so memory
+stays constant however many steps run.
+
+Example:
+    >>> from ms_memopt.workload import WorkloadSpec
+    >>> spec = WorkloadSpec(enabled=False)
+    >>> r = simulate_policy(spec, "baseline", SimConfig(steps=3, capacity=96 * 2**30))
+    >>> r.oom_step is None
+    True
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import IO, Callable
+
+from .allocators import create
+from .allocators.base import AllocatorModel
+from .layout import Layout
+from .metrics import frag_ratio, measure
+from .workload import WATCH_TAG, StepWorkload, WorkloadSpec
+
+__all__ = ["SimConfig", "PolicyResult", "PolicySummary", "POLICIES", "simulate_policy",
+           "simulate", "config_from_recipe"]
+
+POLICIES = ("baseline", "compact", "pool")
+
+
+@dataclass
+class SimConfig:
+    """How to simulate; sizes in bytes.
+
+    ``allocator`` and ``allocator_options`` create the model of ``baseline`` and ``compact``
+    (``pool`` always uses pool mode); ``watch`` maps request tags to sizes (the sizes only
+    matter for the early warning); ``watch_margin`` is the compaction trigger's margin.
+    """
+
+    steps: int = 1000
+    capacity: int | None = 96 * 2**30
+    allocator: str = "mindspore"
+    allocator_options: dict = field(default_factory=dict)
+    scan_every: int = 100
+    compact_every: int | None = 500
+    watch: dict[str, int] = field(default_factory=lambda: {WATCH_TAG: 4_200_000_000})
+    watch_margin: float = 0.5
+    seed: int = 0
+
+
+@dataclass
+class PolicyResult:
+    """One policy, one seed; sizes in bytes, ratios as defined in :mod:`ms_memopt.metrics`.
+
+    ``frag_at_oom`` is the frag ratio of the last scan before the OOM; ``oom_kind`` is
+    ``"fragmentation"`` when the failing request was smaller than ``free_total`` at that
+    moment, else ``"capacity"``. ``frag_before_compaction``/``frag_after_compaction`` are the
+    worst over all compactions; ``frag_after_compaction_segment_max`` the worst frag ratio
+    inside one segment (pool block) right after a compaction (what compaction can reach in one
+    contiguous range). ``largest_free_by_window`` is the smallest ``largest_free``
+    seen in each ``scan_every``-step window (at scans and before watched requests).
+    """
+
+    policy: str
+    seed: int
+    steps: int
+    oom_step: int | None = None
+    oom_kind: str | None = None
+    oom_tag: str | None = None
+    oom_size: int | None = None
+    free_total_at_oom: int | None = None
+    largest_free_at_oom: int | None = None
+    frag_at_oom: float | None = None
+    frag_ratio_max: float | None = None
+    largest_free_min: int | None = None
+    largest_free_by_window: list[int] = field(default_factory=list)
+    compactions: int = 0
+    frag_before_compaction: float | None = None
+    frag_after_compaction: float | None = None
+    largest_free_after_compaction_min: int | None = None
+    frag_after_compaction_segment_max: float | None = None
+    bytes_moved: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    region_frag_max: float | None = None
+    region_frag_max_by_region: dict[str, float] | None = None
+    shapes_seen: int = 0
+    events: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class PolicySummary:
+    """One policy over several seeds: each seed's result and the median OOM step
+    (``None`` when fewer than half the seeds OOM)."""
+
+    policy: str
+    seeds: list[PolicyResult]
+
+    @property
+    def median_oom_step(self) -> float | None:
+        steps = [r.oom_step for r in self.seeds if r.oom_step is not None]
+        if not steps or 2 * len(steps) < len(self.seeds):
+            return None
+        # seeds that never OOM count as later than any step
+        padded = sorted(steps) + [float("inf")] * (len(self.seeds) - len(steps))
+        med = statistics.median(padded)
+        return None if med == float("inf") else med
+
+    def to_dict(self) -> dict:
+        ooms = [r.oom_step for r in self.seeds if r.oom_step is not None]
+        return {"policy": self.policy, "median_oom_step": self.median_oom_step,
+                "oom_seeds": len(ooms), "oom_step_min": min(ooms, default=None),
+                "oom_step_max": max(ooms, default=None),
+                "seeds": [r.to_dict() for r in self.seeds]}
+
+
+def config_from_recipe(recipe, **overrides) -> SimConfig:
+    """The :class:`SimConfig` a recipe asks for (``memopt.scan_every``, ``compact_every``,
+    ``watch``, ``allocator``; capacity = ``memopt.device.hbm``)."""
+    mem = recipe.memopt
+    a = mem.allocator
+    options = {"increase_size": a.increase_size}
+    if a.pregrow:
+        options["pregrow"] = True
+    elif a.init_size:
+        options["init_size"] = a.init_size
+    cfg = SimConfig(steps=mem.workload.steps, capacity=recipe.capacity, allocator=a.name,
+                    allocator_options=options, scan_every=mem.scan_every,
+                    compact_every=mem.compact_every,
+                    watch=dict(mem.watch) or {WATCH_TAG: 4_200_000_000}, seed=mem.workload.seed)
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(cfg, key, value)
+    return cfg
+
+
+# --- one run ---------------------------------------------------------------------------------
+class _Tracker:
+    """Running figures of one run (sizes in bytes)."""
+
+    def __init__(self, result: PolicyResult, timeline: IO[str] | None) -> None:
+        self.r = result
+        self.timeline = timeline
+        self.window_min: int | None = None
+        self.watch_min: int | None = None        # smallest largest_free before a watched request
+        self.last_scan_frag: float | None = None
+
+    def sample(self, step: int, kind: str, free_total: int, largest: int, extra: dict | None = None) -> float | None:
+        r = self.r
+        ratio = frag_ratio(free_total, largest)
+        if ratio is not None and (r.frag_ratio_max is None or ratio > r.frag_ratio_max):
+            r.frag_ratio_max = ratio
+        if r.largest_free_min is None or largest < r.largest_free_min:
+            r.largest_free_min = largest
+        if self.window_min is None or largest < self.window_min:
+            self.window_min = largest
+        if self.timeline is not None:
+            row = {"policy": r.policy, "seed": r.seed, "step": step, "kind": kind,
+                   "free_total": free_total, "largest_free": largest, "frag_ratio": ratio}
+            if extra:
+                row.update(extra)
+            self.timeline.write(json.dumps(row, separators=(",", ":")) + "\n")
+        return ratio
+
+    def close_window(self) -> None:
+        if self.window_min is not None:
+            self.r.largest_free_by_window.append(self.window_min)
+        self.window_min = None
+
+
+def _free_total(model: AllocatorModel) -> int:
+    return model.reserved - model.allocated
+
+
+def _make_model(policy: str, spec: WorkloadSpec, cfg: SimConfig) -> AllocatorModel:
+    if policy == "pool":
+        from .allocators.pool import PoolModeAllocator
+        return PoolModeAllocator.for_workload(spec, capacity=cfg.capacity)
+    return create(cfg.allocator, cfg.capacity, **cfg.allocator_options)
+
+
+def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig) -> tuple[AllocatorModel, Layout, Layout, int]:
+    """Compact the model's layout with :func:`~ms_memopt.compaction.plan_compaction` (every
+    live block slid to the lowest addresses of its segment; segments stay, so in a pool grown
+    in blocks no hole can outgrow its block) and restart a fresh model from the result.
+
+    Returns the new model, the layouts before and after, and the bytes moved; ``addr_of``
+    (tensor id -> address) is updated in place.
+    """
+    from .compaction import plan_compaction
+
+    before = model.layout()
+    id_at = {addr: tid for tid, addr in addr_of.items()}
+    for block in before.live_blocks():
+        block.id = id_at.get(block.addr, block.id)
+    plan = plan_compaction(before)
+    after = plan.layout
+    fresh = create(cfg.allocator, cfg.capacity, **{k: v for k, v in cfg.allocator_options.items()
+                                                   if k not in ("pregrow", "init_size")})
+    fresh.restore(after)
+    fresh.peak_allocated = max(fresh.peak_allocated, model.peak_allocated)
+    fresh.peak_reserved = max(fresh.peak_reserved, model.peak_reserved)
+    fresh.ooms = model.ooms
+    for move in plan.moves:
+        if move.block_id is not None and move.block_id in addr_of:
+            addr_of[move.block_id] = move.dst
+    return fresh, before, after, plan.bytes_moved
+
+
+class _Run:
+    """One policy on one seed, fed one step's events at a time (so several policies can
+    share one generated stream)."""
+
+    def __init__(self, spec: WorkloadSpec, policy: str, cfg: SimConfig, seed: int,
+                 timeline: IO[str] | None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        self.cfg = cfg
+        self.result = PolicyResult(policy=policy, seed=seed, steps=cfg.steps)
+        self.track = _Tracker(self.result, timeline)
+        self.model = _make_model(policy, spec, cfg)
+        self.watch = dict(cfg.watch)
+        self.watch_need = max(self.watch.values(), default=0)
+        self.compacting = policy == "compact"
+        self.region_metrics = getattr(self.model, "region_metrics", None)
+        self.drain = getattr(self.model, "drain_evicted", None)
+        self.addr_of: dict[int, int] = {}
+        self.dead = False
+        self.seconds = 0.0
+
+    def feed(self, step: int, batch: list) -> bool:
+        """Run one step's events; ``False`` once the job has died (OOM)."""
+        if self.dead:
+            return False
+        started = time.perf_counter()
+        cfg, track, result, watch = self.cfg, self.track, self.result, self.watch
+        model, addr_of, drain, region_metrics = self.model, self.addr_of, self.drain, self.region_metrics
+        malloc, free = model.malloc, model.free
+        for event in batch:
+            action = event.action
+            if action == "alloc":
+                tag = event.tag
+                if tag in watch:
+                    extra = {"tag": tag}
+                    if region_metrics is not None:
+                        extra["region_frag"] = _note_regions(result, region_metrics())
+                    lf = model.largest_free()
+                    track.sample(step, "watch", _free_total(model), lf, extra)
+                    if track.watch_min is None or lf < track.watch_min:
+                        track.watch_min = lf
+                addr = malloc(event.size, pool=event.pool, tag=tag)
+                if addr is None:
+                    self._fail(event, step)
+                    break
+                if drain is not None:
+                    gone = drain()
+                    if gone:
+                        _forget(addr_of, gone)
+                addr_of[event.id] = addr
+            elif action == "free":
+                addr = addr_of.pop(event.id, None)
+                if addr is not None:
+                    free(addr)
+            elif action == "mark" and event.tag == "optimizer_end":
+                scan = cfg.scan_every and step % cfg.scan_every == 0
+                if scan:
+                    extra = None
+                    if region_metrics is not None:
+                        extra = {"region_frag": _note_regions(result, region_metrics())}
+                    track.last_scan_frag = track.sample(step, "scan", _free_total(model),
+                                                        model.largest_free(), extra)
+                if self.compacting:
+                    periodic = cfg.compact_every and step % cfg.compact_every == 0
+                    warned = scan and track.watch_min is not None and \
+                        track.watch_min < self.watch_need * (1.0 + cfg.watch_margin)
+                    if periodic or warned:
+                        model, before, after, moved = _compact(model, addr_of, cfg)
+                        self.model = model
+                        malloc, free = model.malloc, model.free
+                        _note_compaction(result, track, step, before, after, moved,
+                                         "periodic" if periodic else "warning")
+                if scan:
+                    track.watch_min = None
+                    track.close_window()
+        if not self.dead:
+            result.events += len(batch)
+        self.seconds += time.perf_counter() - started
+        return not self.dead
+
+    def _fail(self, event, step: int) -> None:
+        model, result = self.model, self.result
+        oom = model.ooms[-1] if model.ooms else None
+        free_total = _free_total(model)
+        result.oom_step = step
+        result.oom_tag = event.tag
+        result.oom_size = event.size
+        result.free_total_at_oom = free_total
+        result.largest_free_at_oom = oom.largest_free if oom else model.largest_free()
+        result.oom_kind = "fragmentation" if event.size < free_total else "capacity"
+        result.frag_at_oom = self.track.last_scan_frag
+        self.track.sample(step, "oom", free_total, result.largest_free_at_oom,
+                          {"tag": event.tag, "size": event.size, "oom_kind": result.oom_kind})
+        self.dead = True
+
+    def finish(self, gen: StepWorkload, generation_seconds: float) -> PolicyResult:
+        result, model = self.result, self.model
+        self.track.close_window()
+        result.peak_allocated = model.peak_allocated
+        result.peak_reserved = max(model.peak_reserved, model.reserved)
+        result.shapes_seen = len(gen.shapes_seen)
+        result.seconds = self.seconds + generation_seconds
+        return result
+
+
+def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig, seed: int,
+                  timeline: IO[str] | None, on_step: Callable[[int], None] | None) -> list[PolicyResult]:
+    """Every policy on one seed, fed the same generated steps (generated once)."""
+    runs = [_Run(spec, policy, cfg, seed, timeline) for policy in policies]
+    gen = StepWorkload(spec, seed)
+    started = time.perf_counter()
+    batch = gen.prologue()
+    generation = time.perf_counter() - started
+    alive = [run for run in runs if run.feed(0, batch)]
+    for step in range(1, cfg.steps + 1):
+        if not alive:
+            break
+        started = time.perf_counter()
+        batch = gen.step(step)
+        generation += time.perf_counter() - started
+        alive = [run for run in alive if run.feed(step, batch)]
+        if on_step is not None:
+            on_step(step)
+    share = generation / max(1, len(runs))
+    return [run.finish(gen, share) for run in runs]
+
+
+def simulate_policy(spec: WorkloadSpec, policy: str, cfg: SimConfig, *, seed: int | None = None,
+                    timeline: IO[str] | None = None,
+                    on_step: Callable[[int], None] | None = None) -> PolicyResult:
+    """Run ``cfg.steps`` steps of ``spec`` under ``policy`` with one seed.
+
+    Args:
+        spec: the workload.
+        policy: ``"baseline"``, ``"compact"`` or ``"pool"``.
+        cfg: steps, capacity, allocator, scan and compaction intervals, watched requests.
+        seed: the workload seed (default ``cfg.seed``); the same seed gives the same events
+            under every policy.
+        timeline: a text file to stream the samples to as JSON lines.
+        on_step: called after every step (progress bars).
+    """
+    seed = cfg.seed if seed is None else seed
+    return _run_lockstep(spec, (policy,), cfg, seed, timeline, on_step)[0]
+
+
+def _note_regions(result: PolicyResult, per_region: dict[str, float | None]) -> dict[str, float | None]:
+    """Keep the worst frag ratio inside each pool-mode region."""
+    worst = result.region_frag_max_by_region or {}
+    for name, ratio in per_region.items():
+        if ratio is not None:
+            worst[name] = max(worst.get(name, 0.0), ratio)
+            if result.region_frag_max is None or ratio > result.region_frag_max:
+                result.region_frag_max = ratio
+    result.region_frag_max_by_region = worst
+    return per_region
+
+
+def _forget(addr_of: dict[int, int], addrs: list[int]) -> None:
+    """Drop the tensors a pool-mode cache evicted (their later frees must not hit new blocks)."""
+    wanted = set(addrs)
+    for tid in [t for t, a in addr_of.items() if a in wanted]:
+        del addr_of[tid]
+
+
+def _note_compaction(result: PolicyResult, track: _Tracker, step: int, before: Layout, after: Layout,
+                     moved: int, why: str) -> None:
+    mb, ma = measure(before), measure(after)
+    result.compactions += 1
+    result.bytes_moved += moved
+    if mb.frag_ratio is not None and (result.frag_before_compaction is None or mb.frag_ratio > result.frag_before_compaction):
+        result.frag_before_compaction = mb.frag_ratio
+    if ma.frag_ratio is not None and (result.frag_after_compaction is None or ma.frag_ratio > result.frag_after_compaction):
+        result.frag_after_compaction = ma.frag_ratio
+    for seg in after.segments:
+        holes = [b.size for b in seg.blocks if not b.live]
+        seg_ratio = frag_ratio(sum(holes), max(holes, default=0))
+        if seg_ratio is not None and (result.frag_after_compaction_segment_max is None
+                                      or seg_ratio > result.frag_after_compaction_segment_max):
+            result.frag_after_compaction_segment_max = seg_ratio
+    if result.largest_free_after_compaction_min is None or ma.largest_free < result.largest_free_after_compaction_min:
+        result.largest_free_after_compaction_min = ma.largest_free
+    track.sample(step, "compaction", ma.free_total, ma.largest_free,
+                 {"why": why, "frag_before": mb.frag_ratio, "largest_free_before": mb.largest_free,
+                  "bytes_moved": moved})
+
+
+def simulate(spec: WorkloadSpec, cfg: SimConfig, *, policies: tuple[str, ...] = POLICIES,
+             seeds: list[int] | None = None, timeline: IO[str] | None = None,
+             on_step: Callable[[int], None] | None = None) -> dict[str, PolicySummary]:
+    """Every policy over every seed. The policies of one seed run in lock step on one generated
+    stream (the same events for every policy, generated once)."""
+    seeds = [cfg.seed] if seeds is None else list(seeds)
+    per_policy: dict[str, list[PolicyResult]] = {p: [] for p in policies}
+    for seed in seeds:
+        for result in _run_lockstep(spec, tuple(policies), cfg, seed, timeline, on_step):
+            per_policy[result.policy].append(result)
+    return {p: PolicySummary(p, runs) for p, runs in per_policy.items()}

@@ -1,0 +1,475 @@
+"""The alloc/free event stream of training steps on one card of a mixed-precision Transformer.
+
+One step of a pipeline stage under 1F1B, as :class:`~ms_memopt.events.Event` objects:
+
+* **prologue** (once): BF16 weights, FP32 gradient accumulation buffers and FP32 Adam states
+  (master copy, m, v), from the persistent pool, one tensor per layer.
+* **forward**, per micro-batch and layer: the P2P receive buffer of the stage input, a
+  transient workspace (attention scores, MLP intermediate), and the BF16 activations saved for
+  backward. With recompute segments (``recompute_every = k``) only the input of each
+  k-layer segment is kept; the backward recomputes the segment's activations first.
+* **backward**, per micro-batch and layer in reverse: a gradient workspace, the BF16 weight
+  gradient that is cast and added into the FP32 accumulation buffer, then the saved
+  activations are freed. 1F1B keeps at most ``in_flight`` micro-batches' activations alive.
+* **communication**: ReduceScatter buckets and the AllReduce buffer (the *watched* request,
+  4.2 GB in the field report) allocated contiguously after the last backward, then freed.
+* **optimizer step**: per parameter group, the FP32 cast of the gradient and the update
+  temporary (two intermediate copies of a non-fused AdamW), then a ``mark`` ``optimizer_end``.
+
+Real jobs are not identical step to step. Each mechanism below is a small seeded function,
+switchable under ``memopt.workload`` (all off → every step is the same event list):
+
+============== ===========================================================================
+``dynamic_seq``  per micro-batch token count (dynamic shapes / packing slack): activations
+                 scale with the length; lengths are quantised to ``granularity`` tokens, or
+                 drawn from a finite set of ``shapes`` (the bounded control)
+``shape_cache``  the first time a shape is seen, small tensors built for it (RoPE tables,
+                 position ids, masks, op workspaces) are allocated mid-forward and *live on*;
+                 ``limit`` bounds the cache (LRU), ``0`` = unbounded
+``extras``       occasional allocations: evaluation forward passes, checkpoint staging
+                 copies, logging reductions
+``comm_jitter``  the AllReduce buffer is requested at a varying moment inside the last
+                 micro-batch's backward instead of after it
+============== ===========================================================================
+
+Every random draw comes from one ``numpy.random.Generator`` seeded with ``seed``, in a fixed
+order, so a seed gives the same stream every time.
+
+Example:
+    >>> spec = WorkloadSpec(layers=2, micro_batches=2, in_flight=1, param_bytes=2**20,
+    ...                     grad_bytes=2**21, optimizer_bytes=3 * 2**21,
+    ...                     activation_bytes=2**20, workspace_bytes=2**19, p2p_bytes=2**16,
+    ...                     allreduce_bytes=2**21, bucket_bytes=2**20, buckets=1)
+    >>> gen = StepWorkload(spec, seed=0)
+    >>> events = gen.prologue() + gen.step(1)
+    >>> sum(e.size for e in events if e.action == "alloc" and e.pool == "persistent")
+    9437184
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, replace
+from typing import Iterator
+
+import numpy as np
+
+from .events import Event
+
+__all__ = ["WorkloadSpec", "StepWorkload",
+           "iter_events", "spec_from_recipe", "WATCH_TAG"]
+
+#: The tag of the AllReduce buffer request (the default watched request).
+WATCH_TAG = "allreduce"
+_ALIGN = 512
+
+
+def _aligned(nbytes: float) -> int:
+    """Bytes rounded up to the 512-byte granule every pool uses, at least one granule."""
+    n = int(nbytes)
+    return max(_ALIGN, (n + _ALIGN - 1) // _ALIGN * _ALIGN)
+
+
+# --- mechanism settings (the keys of ``memopt.workload``) --------------------------------------
+@dataclass
+class WorkloadSpec:
+    """One card's training step, sizes in bytes (per card, per micro-batch at ``seq_length``).
+
+    Shape of the step: ``activation_bytes`` is what one layer saves for backward for one
+    micro-batch of ``seq_length`` tokens; ``workspace_bytes`` the transient peak inside a layer;
+    ``recompute_every = k > 0`` keeps only each k-layer segment's input (``input_bytes``) and
+    recomputes the segment in backward; ``in_flight`` is how many micro-batches' activations
+    1F1B keeps alive (the pipeline depth on the first stage).
+
+    Variation (``memopt.workload``; ``enabled = False`` switches every mechanism off):
+
+    * ``dynamic_seq`` with ``seq_distribution`` (``uniform``: uniform in
+      ``[seq_min, seq_max]``; ``lognormal``: packed rows, ``seq_max`` minus a log-normal packing
+      slack of median ``seq_max / 32``; ``fixed``: always ``seq_max``), ``long_tail`` (share of
+      micro-batches drawn uniformly from ``[seq_min, seq_max]`` instead: short rows at shard
+      ends, split long documents), ``seq_align`` (lengths rounded down to a multiple: fewer
+      distinct shapes), ``seq_buckets`` (a finite set of lengths; each micro-batch pads up to
+      the smallest bucket that holds it).
+    * ``cache_bytes_per_shape`` (0 = off) and ``cache_max_shapes`` (``None`` = unbounded, else
+      LRU over that many shapes): per new shape, ``cache_tensors`` tensors live on; the share
+      ``cache_backward_share`` of them belongs to backward ops and is built in the backward.
+    * ``extra_probability`` (0 = off), ``extra_size``, ``extra_lifetime_steps``: per step, with
+      that probability, one extra tensor (evaluation, checkpoint staging, logging) at a random
+      moment of the step, freed at the start of the step ``extra_lifetime_steps`` later.
+    * ``comm_jitter`` (0 = off): the AllReduce buffer is requested before one of the last
+      ``comm_jitter`` share of the step's backward layer passes instead of after the backward.
+    """
+
+    layers: int = 15
+    micro_batches: int = 16
+    in_flight: int = 8
+    seq_length: int = 8192
+    param_bytes: int = int(3.1 * 2**30)
+    grad_bytes: int = int(6.1 * 2**30)
+    optimizer_bytes: int = int(18.4 * 2**30)
+    activation_bytes: int = int(0.415 * 2**30)
+    workspace_bytes: int = 2**30
+    input_bytes: int = 0
+    recompute_every: int = 0
+    p2p_bytes: int = 16 * 2**20
+    allreduce_bytes: int = 4_200_000_000
+    bucket_bytes: int = 0
+    buckets: int = 0
+    optimizer_groups: int = 8
+    activation_split: tuple[float, ...] = (0.35, 0.3, 0.2, 0.15)
+    workspace_split: tuple[float, ...] = (0.5, 0.3, 0.2)
+    enabled: bool = True
+    dynamic_seq: bool = True
+    seq_distribution: str = "lognormal"
+    seq_min: int = 1024
+    seq_max: int = 8192
+    seq_align: int = 16
+    seq_buckets: tuple[int, ...] = ()
+    long_tail: float = 0.05
+    cache_bytes_per_shape: int = 10 * 2**20
+    cache_max_shapes: int | None = None
+    cache_tensors: int = 4
+    cache_backward_share: float = 0.5
+    extra_probability: float = 0.02
+    extra_size: int = 256 * 2**20
+    extra_lifetime_steps: int = 1
+    comm_jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.input_bytes <= 0:
+            # the layer input is one hidden-state tensor: 2sbh of the ~34sbh a layer saves
+            self.input_bytes = max(_ALIGN, self.activation_bytes // 17)
+        self.in_flight = max(1, min(self.in_flight, self.micro_batches))
+        self.seq_buckets = tuple(sorted(self.seq_buckets))
+
+    #: the switchable mechanisms and the value that switches each off
+    OFF = {"dynamic_seq": False, "shape_cache": 0, "extra_allocs": 0.0, "comm_jitter": 0.0}
+    _FIELD = {"dynamic_seq": "dynamic_seq", "shape_cache": "cache_bytes_per_shape",
+              "extra_allocs": "extra_probability", "comm_jitter": "comm_jitter"}
+
+    def mechanisms(self) -> dict[str, bool]:
+        """Which variation mechanisms are on (all ``False`` when ``enabled`` is off)."""
+        return {name: bool(self.enabled and getattr(self, attr)) for name, attr in self._FIELD.items()}
+
+    def without(self, *names: str) -> "WorkloadSpec":
+        """A copy with the named mechanisms switched off (``spec.without("shape_cache")``)."""
+        unknown = set(names) - set(self._FIELD)
+        if unknown:
+            raise ValueError(f"unknown mechanisms {sorted(unknown)}; expected some of {sorted(self._FIELD)}")
+        return replace(self, **{self._FIELD[n]: self.OFF[n] for n in names})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- the generator ---------------------------------------------------------------------------
+_EXTRA_KINDS = ("eval", "checkpoint", "logging")
+
+
+class StepWorkload:
+    """Generates the event lists of one card's steps; ids are unique across the whole run.
+
+    Args:
+        spec: the step's shape and the variation mechanisms.
+        seed: seeds the one ``numpy.random.Generator`` all mechanisms draw from.
+    """
+
+    def __init__(self, spec: WorkloadSpec, seed: int = 0) -> None:
+        self.spec = spec
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+        self._next_id = 0
+        self._mech = spec.mechanisms()
+        self._cache: OrderedDict[int, list[int]] = OrderedDict()  # length -> live tensor ids
+        self._extras_due: dict[int, list[int]] = {}                # step -> ids to free then
+        self.shapes_seen: set[int] = set()
+        self._events: list[Event] = []
+
+    # ids and emitters --------------------------------------------------------------------
+    # positional Event(action, id, size, addr, stream, pool, time, tag, step): the hot path
+    def _alloc(self, size: int, tag: str, pool: str | None = None) -> int:
+        self._next_id += 1
+        self._events.append(Event("alloc", self._next_id, size, None, 0, pool, None, tag, None))
+        return self._next_id
+
+    def _free(self, tid: int) -> None:
+        self._events.append(Event("free", tid))
+
+    # the parts -------------------------------------------------------------------------------
+    def prologue(self) -> list[Event]:
+        """Persistent tensors allocated once before step 1: weights, FP32 gradient
+        accumulation, optimizer states (one tensor per layer each), in that order."""
+        s = self.spec
+        self._events = []
+        for total, tag in ((s.param_bytes, "parameter"), (s.grad_bytes, "gradient"),
+                           (s.optimizer_bytes, "optimizer")):
+            for _ in range(s.layers):
+                self._alloc(_aligned(total / s.layers), tag, pool="persistent")
+        out, self._events = self._events, []
+        return out
+
+    def step(self, step: int) -> list[Event]:
+        """The events of training step ``step`` (1-based): its ``step`` event, the 1F1B
+        forward/backward passes, the communication, the optimizer and a ``mark``
+        ``"optimizer_end"`` (where compaction may run)."""
+        s = self.spec
+        self._events = [Event("step", step=step)]
+        for tid in self._extras_due.pop(step, ()):
+            self._free(tid)
+        # every draw of the step happens here, in a fixed order, so that a seed fixes the stream
+        lengths = [self._sequence_length() for _ in range(s.micro_batches)]
+        passes = s.micro_batches * s.layers
+        allreduce_at = self._allreduce_moment(passes)
+        extra_at = self._extra_moment(2 * passes)
+        order: list[tuple[str, int]] = [("F", m) for m in range(s.in_flight)]
+        for m in range(s.in_flight, s.micro_batches):
+            order += [("B", m - s.in_flight), ("F", m)]
+        order += [("B", m) for m in range(s.micro_batches - s.in_flight, s.micro_batches)]
+        saved: dict[int, list[list[int]]] = {}
+        counters = {"pass": 0, "backward": 0}
+        hooks = {"allreduce_at": allreduce_at, "extra_at": extra_at, "allreduce_id": None,
+                 "step": step}
+        for phase, m in order:
+            if phase == "F":
+                saved[m] = self._forward(lengths[m], counters, hooks)
+            else:
+                self._backward(saved.pop(m), lengths[m], counters, hooks)
+        if hooks["allreduce_id"] is None:
+            hooks["allreduce_id"] = self._alloc(s.allreduce_bytes, WATCH_TAG)
+        self._communicate(hooks["allreduce_id"])
+        self._optimizer()
+        self._events.append(Event("mark", tag="optimizer_end", step=step))
+        out, self._events = self._events, []
+        return out
+
+    # mechanisms (each a small function drawing from self.rng) ---------------------------------
+    def _sequence_length(self) -> int:
+        """Tokens in one micro-batch (``dynamic_seq``); ``seq_length`` when switched off."""
+        s = self.spec
+        if not self._mech["dynamic_seq"] or s.seq_distribution == "fixed":
+            return s.seq_length
+        lo, hi = s.seq_min, s.seq_max
+        if s.seq_distribution == "uniform" or (s.long_tail and self.rng.random() < s.long_tail):
+            length = self.rng.uniform(lo, hi)
+        else:   # lognormal packing slack: rows are nearly full, now and then much shorter
+            length = hi - self.rng.lognormal(np.log(hi / 32), 1.0)
+        length = int(min(max(length, lo), hi))
+        if s.seq_buckets:
+            return next((b for b in s.seq_buckets if b >= length), s.seq_buckets[-1])
+        align = max(1, s.seq_align)
+        return max(align, length // align * align)
+
+    def _cache_shape(self, length: int, part: int) -> None:
+        """``shape_cache``: a new shape allocates its cached tensors, which stay live; they are
+        built where their ops first run, so part ``part`` (of ``cache_tensors``) comes at its
+        own layer of the forward. An LRU over ``cache_max_shapes`` shapes frees the oldest."""
+        if part == 0:
+            self.shapes_seen.add(length)
+        if not self._mech["shape_cache"]:
+            return
+        s = self.spec
+        entry = self._cache.get(length)
+        if entry is not None and len(entry) > part:
+            if part == 0:
+                self._cache.move_to_end(length)
+            return
+        if entry is None:
+            entry = self._cache[length] = []
+        n = max(1, s.cache_tensors)
+        entry.append(self._alloc(_aligned(s.cache_bytes_per_shape * length / s.seq_length / n), "shape_cache"))
+        if part == 0:
+            while s.cache_max_shapes and len(self._cache) > s.cache_max_shapes:
+                for tid in self._cache.popitem(last=False)[1]:
+                    self._free(tid)
+
+    def _allreduce_moment(self, passes: int) -> int | None:
+        """``comm_jitter``: index of the backward layer pass before which the AllReduce buffer
+        is requested, among the step's last ``comm_jitter`` share; ``None`` = after backward."""
+        if not self._mech["comm_jitter"]:
+            return None
+        window = max(1, int(np.ceil(self.spec.comm_jitter * passes)))
+        return passes - 1 - int(self.rng.integers(window))
+
+    def _extra_moment(self, passes: int) -> int | None:
+        """``extra_allocs``: the layer pass (forward or backward) before which this step's
+        extra tensor is allocated, or ``None`` when the step has none."""
+        if not self._mech["extra_allocs"]:
+            return None
+        if self.rng.random() >= self.spec.extra_probability:
+            return None
+        return int(self.rng.integers(passes))
+
+    def _maybe_extra(self, counters: dict, hooks: dict) -> None:
+        if hooks["extra_at"] is not None and counters["pass"] == hooks["extra_at"]:
+            s = self.spec
+            kind = _EXTRA_KINDS[hooks["step"] % len(_EXTRA_KINDS)]
+            tid = self._alloc(_aligned(s.extra_size), kind)
+            self._extras_due.setdefault(hooks["step"] + max(1, s.extra_lifetime_steps), []).append(tid)
+        counters["pass"] += 1
+
+    # step phases -----------------------------------------------------------------------------
+    def _cache_layers(self, phase: str) -> dict[int, list[int]]:
+        """Where the cached tensors of a new shape are built: layer -> parts. The first
+        ``cache_backward_share`` of the parts belong to forward ops, spread over the forward;
+        the rest to backward ops (their own per-shape workspaces), spread over the backward."""
+        s = self.spec
+        n = max(1, s.cache_tensors)
+        n_back = int(round(n * s.cache_backward_share))
+        parts = range(n - n_back) if phase == "forward" else range(n - n_back, n)
+        count = max(1, len(parts))
+        out: dict[int, list[int]] = {}
+        for i, part in enumerate(parts):
+            out.setdefault(i * s.layers // count, []).append(part)
+        return out
+
+    def _forward(self, length: int, counters: dict, hooks: dict) -> list[list[int]]:
+        """One micro-batch forward; returns the saved tensor ids per layer."""
+        s = self.spec
+        scale = length / s.seq_length
+        acts = [_aligned(s.activation_bytes * scale * share) for share in s.activation_split]
+        inp = _aligned(s.input_bytes * scale)
+        wss = [_aligned(s.workspace_bytes * scale * share) for share in s.workspace_split]
+        recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
+        saved: list[list[int]] = []
+        k = s.recompute_every
+        cache_at = self._cache_layers("forward")
+        for layer in range(s.layers):
+            self._maybe_extra(counters, hooks)
+            ws = [self._alloc(size, "workspace") for size in wss]
+            for part in cache_at.get(layer, ()):
+                self._cache_shape(length, part)
+            if not k:
+                saved.append([self._alloc(size, "activation") for size in acts])
+            elif layer % k == 0:
+                saved.append([self._alloc(inp, "checkpoint_input")])
+            else:
+                saved.append([])
+            for tid in reversed(ws):
+                self._free(tid)
+            if layer == 0:
+                self._free(recv)
+        self._free(self._alloc(_aligned(s.p2p_bytes * scale), "p2p"))
+        return saved
+
+    def _backward(self, saved: list[list[int]], length: int, counters: dict, hooks: dict) -> None:
+        """One micro-batch backward, last layer first; may request the AllReduce buffer."""
+        s = self.spec
+        scale = length / s.seq_length
+        act = _aligned(s.activation_bytes * scale)
+        wss = [_aligned(s.workspace_bytes * scale * share) for share in s.workspace_split]
+        grad_size = _aligned(s.param_bytes / s.layers)
+        k = s.recompute_every
+        recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
+        recomputed: list[int] = []
+        cache_at = self._cache_layers("backward")
+        for back_index, layer in enumerate(reversed(range(s.layers))):
+            if counters["backward"] == hooks["allreduce_at"]:
+                hooks["allreduce_id"] = self._alloc(s.allreduce_bytes, WATCH_TAG)
+            counters["backward"] += 1
+            self._maybe_extra(counters, hooks)
+            if k and (layer % k == k - 1 or layer == s.layers - 1):
+                # recompute the whole segment's activations before its backward
+                recomputed = [self._alloc(act, "recompute") for _ in range(layer - layer % k, layer + 1)]
+            ws = [self._alloc(size, "grad_workspace") for size in wss]
+            for part in cache_at.get(back_index, ()):
+                self._cache_shape(length, part)
+            wgrad = self._alloc(grad_size, "weight_grad")   # BF16, cast-added into the FP32 buffer
+            self._free(wgrad)
+            for tid in reversed(ws):
+                self._free(tid)
+            if k:
+                self._free(recomputed.pop())
+            for tid in reversed(saved[layer]):
+                self._free(tid)
+            if layer == 0:
+                self._free(recv)
+        self._free(self._alloc(_aligned(s.p2p_bytes * scale), "p2p"))
+
+    def _communicate(self, allreduce_id: int) -> None:
+        """ReduceScatter buckets allocated back to back, then the AllReduce completes."""
+        s = self.spec
+        buckets = [self._alloc(_aligned(s.bucket_bytes), "reduce_scatter") for _ in range(s.buckets)]
+        for tid in buckets:
+            self._free(tid)
+        self._free(allreduce_id)
+
+    def _optimizer(self) -> None:
+        """Non-fused AdamW per parameter group: the FP32 gradient cast and the update
+        temporary, two intermediate FP32 copies of the group."""
+        s = self.spec
+        groups = max(1, s.optimizer_groups)
+        temp = _aligned(s.param_bytes * 2 / groups)
+        for _ in range(groups):
+            cast = self._alloc(temp, "optimizer_temp")
+            update = self._alloc(temp, "optimizer_temp")
+            self._free(update)
+            self._free(cast)
+
+
+def iter_events(spec: WorkloadSpec, steps: int, seed: int = 0) -> Iterator[Event]:
+    """The whole run as one stream: the prologue, then steps 1..``steps`` (generated lazily,
+    so memory stays constant however many steps).
+
+    Example:
+        >>> spec = WorkloadSpec(enabled=False)
+        >>> sum(1 for e in iter_events(spec, 2) if e.action == "step")
+        2
+    """
+    gen = StepWorkload(spec, seed)
+    yield from gen.prologue()
+    for step in range(1, steps + 1):
+        yield from gen.step(step)
+
+
+def spec_from_recipe(recipe, *, stage: int = 0) -> WorkloadSpec:
+    """The :class:`WorkloadSpec` of one pipeline stage of a recipe (default: the first, which
+    holds the most micro-batches in flight), sizes from :mod:`ms_memopt.estimate`."""
+    from . import estimate as est
+
+    model, par, mem = recipe.model, recipe.parallel, recipe.memopt
+    w = mem.workload
+    stage_est = est.estimate(recipe).stages[stage]
+    regions = stage_est.regions
+    layers = stage_est.layers
+    shape = dict(seq=model.seq_length, micro_batch=recipe.train.batch_size,
+                 tensor_parallel=par.model_parallel, sequence_parallel=par.use_seq_parallel)
+    selective = bool(recipe.recompute.select_recompute)
+    factor = mem.activation_factor
+    activation = est.layer_activation_bytes(model, **shape, recompute="selective" if selective else "none",
+                                            comm_kept=not recipe.recompute.mp_comm_recompute)
+    k = mem.checkpoint_every or 0
+    if recipe.recompute.recompute is True:
+        k = layers
+    comm = stage_est.communication
+    buckets = [comm.get("reduce_scatter_bucket", 0), comm.get("allgather_bucket", 0)]
+    seq_max = w.seq_max or model.seq_length
+    return WorkloadSpec(
+        layers=layers,
+        micro_batches=par.micro_batch_num,
+        in_flight=stage_est.in_flight,
+        seq_length=model.seq_length,
+        param_bytes=regions["parameters"],
+        grad_bytes=regions["gradients"],
+        optimizer_bytes=regions["optimizer"],
+        activation_bytes=int(activation * factor),
+        workspace_bytes=regions.get("workspace", mem.workspace),
+        input_bytes=int(est.layer_input_bytes(model, **shape) * factor),
+        recompute_every=k if k and k < layers or k == layers else 0,
+        p2p_bytes=max(_ALIGN, comm.get("p2p_buffers", 0) // 2),
+        allreduce_bytes=comm.get("allreduce_bucket") or mem.watch.get(WATCH_TAG, 0) or _ALIGN,
+        bucket_bytes=max(buckets),
+        buckets=sum(1 for b in buckets if b),
+        enabled=w.enabled,
+        dynamic_seq=w.dynamic_seq,
+        seq_distribution=w.seq_distribution,
+        seq_min=min(w.seq_min or seq_max, seq_max),
+        seq_max=seq_max,
+        seq_align=w.seq_align,
+        seq_buckets=tuple(w.seq_buckets),
+        long_tail=w.long_tail,
+        cache_bytes_per_shape=w.shape_cache.bytes_per_shape,
+        cache_max_shapes=w.shape_cache.max_shapes,
+        extra_probability=w.extra_allocs.probability,
+        extra_size=w.extra_allocs.size,
+        extra_lifetime_steps=w.extra_allocs.lifetime_steps,
+        comm_jitter=w.comm_jitter,
+    )
