@@ -110,11 +110,32 @@ _FACTORIES = {
 }
 
 
+def _vmm_buffers_are_merged(model: MindSporeVMMPool) -> None:
+    """Inside the VMM model no two neighbouring buffers share a free state (idle or eager-free),
+    buffers tile each virtual range, and every used buffer lies in mapped chunks."""
+    from ms_memopt.allocators import mindspore_vmm as vmm
+    for allocator in model._allocators.values():
+        for rng in allocator.ranges:
+            buf, cursor, prev_state = rng.head, rng.addr, None
+            while buf is not None:
+                assert buf[vmm._ADDR] == cursor and buf[vmm._SIZE] > 0
+                state = buf[vmm._STATE]
+                assert not (state != vmm._USED and state == prev_state), "unmerged free neighbours"
+                if state == vmm._USED:
+                    first, last = buf[vmm._ADDR] // CHUNK, (buf[vmm._ADDR] + buf[vmm._SIZE] - 1) // CHUNK
+                    assert all(c in model._mapped for c in range(first, last + 1))
+                prev_state, cursor, buf = state, cursor + buf[vmm._SIZE], buf[vmm._NEXT]
+            assert cursor == rng.addr + rng.size
+
+
 @pytest.mark.parametrize("factory", sorted(_FACTORIES))
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops_strategy())
 def test_model_properties(factory, ops):
-    apply_ops(_FACTORIES[factory](), ops)
+    model = _FACTORIES[factory]()
+    apply_ops(model, ops)
+    if isinstance(model, MindSporeVMMPool):
+        _vmm_buffers_are_merged(model)
 
 
 @settings(max_examples=30, deadline=None)
@@ -124,6 +145,7 @@ def test_vmm_defrag_keeps_invariants_and_unmaps_idle_chunks(ops):
     live = apply_ops(model, ops)
     model.defrag()
     check_invariants(model, live)
+    _vmm_buffers_are_merged(model)
     live_chunks = {c for a, s in ((b.addr, b.size) for b in model.layout().live_blocks())
                    for c in range(a // CHUNK, (a + s - 1) // CHUNK + 1)}
     assert model.reserved == len(live_chunks) * CHUNK
@@ -303,3 +325,25 @@ def test_vmm_oom_when_physical_memory_is_exhausted():
     assert pool.malloc(8 * MiB) is None
     oom = pool.ooms[-1]
     assert oom.kind == "capacity" and oom.size == 8 * MiB
+
+
+@settings(max_examples=30, deadline=None)
+@given(ops=ops_strategy())
+def test_vmm_restore_round_trip(ops):
+    model = MindSporeVMMPool(capacity=256 * MiB)
+    live = apply_ops(model, ops)
+    before = model.layout()
+    again = MindSporeVMMPool(capacity=256 * MiB)
+    again.restore(before)
+    assert again.layout() == before
+    check_invariants(again, live)
+    _vmm_buffers_are_merged(again)
+    addr = again.malloc(MiB)
+    if addr is not None:
+        live[addr] = MiB
+    check_invariants(again, live)
+
+
+def test_vmm_restore_rejects_unaligned_segments():
+    with pytest.raises(ValueError, match="2 MiB"):
+        MindSporeVMMPool().restore(Layout([Segment(4096, CHUNK, [Block(4096, CHUNK, False)])]))
