@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 from .errors import InputError
-from .layout import Layout
 from .recipe import Recipe, load_recipe
 from .report import LayoutSnapshot, build_report, write_layouts
 from .units import format_size
@@ -85,12 +84,12 @@ def simulated_layouts(recipe: Recipe, steps: list[int], *, policies: tuple[str, 
                         out.append(snapshot(f"{policy} step {step}: OOM ({event.tag} {format_size(event.size)})"))
                         done = True
                         break
+                    if drain is not None:             # evicted cache entries: forget their ids
+                        for gone in drain():          # (before recording the new tensor, which
+                            addr_of.pop(id_at.pop(gone, None), None)   # may sit at an evicted address)
                     addr_of[event.id] = addr
                     id_at[addr] = event.id
                     tag_at[addr] = event.tag
-                    if drain is not None:
-                        for gone in drain():          # evicted cache entries: forget their ids
-                            addr_of.pop(id_at.pop(gone, None), None)
                 elif event.action == "free":
                     addr = addr_of.pop(event.id, None)
                     if addr is not None:

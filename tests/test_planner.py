@@ -304,23 +304,18 @@ def test_cli_missing_file_exits_2(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-def test_cli_reads_an_event_trace_through_load_trace(tmp_path, capsys, monkeypatch):
-    import ms_memopt.traces as traces
+def test_cli_reads_an_event_trace(tmp_path, capsys):
+    from ms_memopt.events import Event, write_jsonl
 
-    events = [SimpleNamespace(action="alloc", id="x", size=64), SimpleNamespace(action="alloc", id="y", size=32),
-              SimpleNamespace(action="free", id="x", size=64), SimpleNamespace(action="alloc", id="z", size=64)]
-    monkeypatch.setattr(traces, "load_trace", lambda path: SimpleNamespace(events=events), raising=False)
     path = tmp_path / "trace.jsonl"
-    path.write_text("{}\n")
+    write_jsonl(path, [Event("alloc", id=1, size=64), Event("alloc", id=2, size=32),
+                       Event("free", id=1), Event("alloc", id=3, size=64)])
     assert main(["pack", str(path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["buffers"] == 3 and report["lower_bound"] == 96 and report["arena"] == 96
 
 
-def test_cli_without_a_trace_reader_rejects_a_non_instance_file(tmp_path, capsys, monkeypatch):
-    import ms_memopt.traces as traces
-
-    monkeypatch.delattr(traces, "load_trace", raising=False)
+def test_cli_rejects_a_file_of_no_known_format(tmp_path, capsys):
     path = tmp_path / "trace.jsonl"
     path.write_text('{"action": "alloc"}\n')
     assert main(["pack", str(path)]) == 2

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..errors import InputError
 from ..planner import DEFAULT_TIME_LIMIT, Buffer, pack
 from ..planner.problem import buffers_from_events
+from ..traces import load_trace
 from ..traces.instances import looks_like_instance, read_instance, write_offsets
 from ..units import format_size, parse_size
 
@@ -47,20 +48,21 @@ def load_buffers(path: str | os.PathLike) -> list[Buffer]:
         raise InputError("no such file", source=name)
     if Path(name).is_dir():
         raise InputError("is a directory, expected an instance CSV or a trace file", source=name)
-    if looks_like_instance(name):
-        return read_instance(name)
-    try:
-        from ..traces import load_trace  # written alongside; optional for this command
-    except ImportError:
-        load_trace = None
-    if load_trace is None:
-        # still give the reader's precise complaint about the header
-        return read_instance(name)
+    if looks_like_instance(name) or _first_line(name).lower().startswith("id,"):
+        return read_instance(name)  # an instance, or close enough for its reader's precise complaint
     trace = load_trace(name)
     buffers = buffers_from_events(list(trace.events))
     if not buffers:
         raise InputError("the trace holds no allocation", source=name)
     return buffers
+
+
+def _first_line(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.readline().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def _parse_capacity(text: str | None) -> int | None:

@@ -68,7 +68,7 @@ def detect_format(path: str | Path) -> str:
     if b"\x00" in head or text.count("\ufffd") > max(2, len(text) // 100):
         raise InputError(f"binary data of no known format; expected {_EXPECTED}", source=source)
     first_line = text.lstrip("\ufeff").split("\n", 1)[0].strip()
-    from .instances_events import looks_like_instances
+    from .instances import is_instance_header
     from .memory_block import looks_like_memory_block
     from .ms_debug_dump import looks_like_pool_debug_dump
     from .msmemscope import looks_like_msmemscope
@@ -86,7 +86,7 @@ def detect_format(path: str | Path) -> str:
         return "mindspore-memory-block"
     if looks_like_msmemscope(first_line):
         return "msmemscope"
-    if looks_like_instances(first_line):
+    if is_instance_header(first_line):
         return "instances"
     if looks_like_pool_debug_dump(first_line):
         raise InputError("a MindSpore pool debug dump (MemoryDebugInfo*.txt) is a layout, not an event "

@@ -18,20 +18,24 @@ from typing import IO, Iterable, Mapping
 from ..errors import InputError
 from ..planner.problem import Buffer
 
-__all__ = ["COLUMNS", "read_instance", "write_instance", "write_offsets", "looks_like_instance"]
+__all__ = ["COLUMNS", "is_instance_header", "read_instance", "write_instance", "write_offsets", "looks_like_instance"]
 
 COLUMNS = ("id", "lower", "upper", "size")
 
 
+def is_instance_header(first_line: str) -> bool:
+    """True when ``first_line`` is a CSV header holding the four instance columns."""
+    names = {name.strip().lower().lstrip("\ufeff") for name in next(csv.reader([first_line]), [])}
+    return set(COLUMNS) <= names
+
+
 def looks_like_instance(path: str | os.PathLike) -> bool:
-    """True when the file's first line is a CSV header holding the four instance columns."""
+    """True when the file's first line is an instance header (:func:`is_instance_header`)."""
     try:
         with open(path, newline="", encoding="utf-8") as handle:
-            first = handle.readline()
+            return is_instance_header(handle.readline())
     except (OSError, UnicodeDecodeError):
         return False
-    names = {name.strip().lower() for name in next(csv.reader([first]), [])}
-    return set(COLUMNS) <= names
 
 
 def _parse_int(text: str, column: str, source: str, line: int) -> int:

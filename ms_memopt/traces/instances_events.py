@@ -6,7 +6,7 @@ MindSpore SOMAS tensor exports). As a trace, each buffer is an ``alloc`` at ``lo
 alloc (a buffer ending at t and one starting at t may share memory); allocs at the same time keep
 the file's order. Event ids are the buffers' positions (1-based); ``meta["buffer_ids"]`` maps
 them back to the file's ids. The file is read and validated by
-:func:`ms_memopt.traces.instances.read_instances`.
+:func:`ms_memopt.traces.instances.read_instance`.
 
 Example:
     >>> from types import SimpleNamespace as B
@@ -20,19 +20,12 @@ from pathlib import Path
 from typing import Iterable
 
 from ..events import Event, Trace
+from .instances import is_instance_header as looks_like_instances
+from .instances import read_instance
 
 __all__ = ["FORMAT", "looks_like_instances", "instances_to_trace", "read_instances_trace"]
 
 FORMAT = "instances"
-_HEADER = ["id", "lower", "upper", "size"]
-
-
-def looks_like_instances(first_line: str) -> bool:
-    """True when ``first_line`` is the ``id,lower,upper,size`` header."""
-    columns = [c.strip().lower() for c in first_line.strip().lstrip("\ufeff").split(",")]
-    while columns and columns[-1] == "":
-        columns.pop()
-    return columns[:4] == _HEADER
 
 
 def instances_to_trace(buffers: Iterable, *, source: str = "") -> Trace:
@@ -54,8 +47,4 @@ def read_instances_trace(path: str | Path) -> Trace:
     Raises:
         InputError: whatever the instances reader rejects (it names file and line).
     """
-    from . import instances  # written separately; imported when needed
-
-    # the instance reader is called read_instance on its branch; accept either spelling
-    read = getattr(instances, "read_instances", None) or getattr(instances, "read_instance")
-    return instances_to_trace(read(path), source=str(path))
+    return instances_to_trace(read_instance(path), source=str(path))
