@@ -6,6 +6,7 @@ estimator and the simulator. :mod:`ms_memopt.mindspore` is the only adapter to M
 """
 from __future__ import annotations
 
+from .arena import Arena, Handle
 from .errors import InputError
 from .layout import Block, Layout, Segment
 from .metrics import LayoutMetrics, frag_ratio, measure
@@ -13,5 +14,5 @@ from .units import format_size, parse_count, parse_size
 
 __version__ = "0.1.0"
 
-__all__ = ["InputError", "Block", "Layout", "Segment", "LayoutMetrics", "frag_ratio", "measure",
+__all__ = ["Arena", "Handle", "InputError", "Block", "Layout", "Segment", "LayoutMetrics", "frag_ratio", "measure",
            "format_size", "parse_count", "parse_size", "__version__"]

@@ -173,6 +173,7 @@ def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[Event]:
             raise InputError(f"unknown keys {sorted(unknown)}; expected some of {', '.join(_FIELDS)}",
                              source=source, line=number)
         size = _int_field(obj, "size", source, number, required=action in ("alloc", "segment_alloc")) or 0
+        addr = _int_field(obj, "addr", source, number, required=action in ("segment_alloc", "segment_free"))
         time = obj.get("time")
         if time is not None and (isinstance(time, bool) or not isinstance(time, (int, float))):
             raise InputError(f"'time' must be a number, got {time!r}", source=source, line=number)
@@ -183,7 +184,7 @@ def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[Event]:
             action=action,
             id=_int_field(obj, "id", source, number, required=action in ("alloc", "free")),
             size=size,
-            addr=_int_field(obj, "addr", source, number),
+            addr=addr,
             stream=_int_field(obj, "stream", source, number) or 0,
             pool=obj.get("pool"),
             time=time,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .allocators.base import AllocatorModel, OOMRecord
-from .events import Event, Trace
+from .events import Trace
 from .layout import Layout
 from .metrics import LayoutMetrics, measure
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.compaction import apply_plan, coalesce_runs, plan_compaction, slide_targets
+from ms_memopt.compaction import apply_plan, cheapest_window, coalesce_runs, plan_compaction, slide_targets
 from ms_memopt.layout import Block, Layout, Segment
 
 
@@ -171,3 +171,54 @@ def test_apply_plan_rejects_overlapping_moves():
     plan.moves = [Move(2, 10, 5, 10)]
     with pytest.raises(ValueError):
         apply_plan(Layout([seg]), plan)
+
+
+@st.composite
+def segment_arrays(draw):
+    """Sorted live blocks of one segment: (addrs, sizes, pinned, end)."""
+    addrs, sizes, pinned = [], [], []
+    cursor = 0
+    for _ in range(draw(st.integers(0, 10))):
+        cursor += draw(st.integers(0, 20))
+        size = draw(st.integers(1, 20))
+        addrs.append(cursor)
+        sizes.append(size)
+        pinned.append(draw(st.integers(0, 4)) == 0)
+        cursor += size
+    end = cursor + draw(st.integers(0, 20))
+    return np.array(addrs, dtype=np.int64), np.array(sizes, dtype=np.int64), np.array(pinned, dtype=bool), end
+
+
+def _brute_force_cost(addrs, sizes, pinned, end, target):
+    """Try every range of holes i..j inside a window; the cheapest cost, or None."""
+    n = len(addrs)
+    gap_start = [0] + [int(a + s) for a, s in zip(addrs, sizes)]
+    gaps = [int(e) - g for e, g in zip(list(addrs) + [end], gap_start)]
+    best = None
+    for i in range(n + 1):
+        for j in range(i, n + 1):
+            if any(pinned[i:j]):
+                break
+            if sum(gaps[i:j + 1]) >= target:
+                cost = int(sum(sizes[i:j]))
+                best = cost if best is None else min(best, cost)
+    return best
+
+
+@settings(max_examples=400, deadline=None)
+@given(segment_arrays(), st.integers(1, 80))
+def test_cheapest_window_is_optimal_and_opens_the_hole(arrays, target):
+    addrs, sizes, pinned, end = arrays
+    found = cheapest_window(addrs, sizes, pinned, 0, end, target)
+    expect = _brute_force_cost(addrs, sizes, pinned, end, target)
+    if expect is None:
+        assert found is None
+        return
+    targets, cost = found
+    assert cost == expect
+    assert cost == int(sizes[targets != addrs].sum())
+    assert np.all(targets[pinned] == addrs[pinned]) and np.all(targets <= addrs)
+    order_ok = np.all(targets[1:] >= targets[:-1] + sizes[:-1]) if len(addrs) > 1 else True
+    assert order_ok
+    holes = np.diff(np.concatenate(([0], np.stack([targets, targets + sizes], 1).ravel(), [end])))[::2]
+    assert holes.max() >= target

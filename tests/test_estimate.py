@@ -237,3 +237,25 @@ def test_plan_bad_capacity_and_missing_file_exit_2(tmp_path, capsys):
     assert main(["plan", path, "--capacity", "lots"]) == 2
     assert "--capacity" in capsys.readouterr().err
     assert main(["plan", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_sequence_parallel_gathers_are_kept_only_without_comm_recompute():
+    shape = {"hidden_size": 512, "num_heads": 8, "seq_length": 256}
+    par = {"model_parallel": 4, "use_seq_parallel": True}
+    kept = _recipe(shape, parallel_config=par, recompute_config={"mp_comm_recompute": False})
+    regathered = _recipe(shape, parallel_config=par, recompute_config={"mp_comm_recompute": False,
+                                                                       "select_comm_recompute": True})
+    default = _recipe(shape, parallel_config=par)
+    extra = stage_activation_bytes(kept, 0).bytes - stage_activation_bytes(regathered, 0).bytes
+    s, b, h, t = 256, 1, 512, 4
+    assert extra == pytest.approx(8 * 4 * s * b * h * (1 - 1 / t), rel=1e-6)     # 8 layers x 4h(1 - 1/t) per token
+    assert stage_activation_bytes(default, 0).bytes == stage_activation_bytes(regathered, 0).bytes
+
+
+def test_grouped_query_attention_and_embedding_placement():
+    mha = _recipe({"num_heads": 8}).model
+    gqa = _recipe({"num_heads": 8, "n_kv_heads": 2}).model
+    assert layer_activation_bytes(gqa, seq=128, micro_batch=1) < layer_activation_bytes(mha, seq=128, micro_batch=1)
+    r = _recipe({"num_layers": 8, "vocab_size": 50000}, parallel_config={"pipeline_stage": 4, "micro_batch_num": 4})
+    counts = [s.params for s in estimate(r).stages]
+    assert counts[0] > counts[1] == counts[2] < counts[3]

@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into `head`: not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ and by :class:`ms_memopt.arena.Arena` (on real bytes). See docs/compaction.md.
 """
 from __future__ import annotations
 
-from .planner import (CompactionPlan, Move, Run, apply_plan, coalesce_runs, plan_compaction,
-                      slide_targets)
+from .planner import (CompactionPlan, Move, Run, apply_plan, cheapest_window, coalesce_runs,
+                      plan_compaction, run_bounds, slide_targets)
 
-__all__ = ["CompactionPlan", "Move", "Run", "apply_plan", "coalesce_runs", "plan_compaction",
-           "slide_targets"]
+__all__ = ["CompactionPlan", "Move", "Run", "apply_plan", "cheapest_window", "coalesce_runs",
+           "plan_compaction", "run_bounds", "slide_targets"]

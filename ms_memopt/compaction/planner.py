@@ -21,8 +21,8 @@ slide: their destinations are holes the slides opened, in other segments than th
 
 Bounds keep the work cheap: ``max_bytes`` stops before the first move that would exceed it
 (later blocks stay where they are, which is always a valid layout); ``target_largest_free``
-stops as soon as the hole opened above the last moved block reaches the target (say the next
-AllReduce bucket).
+(say the next AllReduce bucket) moves only the cheapest range of blocks whose sliding merges
+enough holes into one of that size (:func:`cheapest_window`), instead of compacting everything.
 
 Example:
     >>> from ms_memopt.layout import Block, Layout, Segment
@@ -45,7 +45,7 @@ from ..layout import Block, Layout, Segment
 from ..metrics import LayoutMetrics, measure
 
 __all__ = ["Move", "Run", "CompactionPlan", "plan_compaction", "apply_plan", "slide_targets",
-           "coalesce_runs"]
+           "cheapest_window", "coalesce_runs", "run_bounds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,13 +122,13 @@ class CompactionPlan:
 # --- the array core (shared with the Arena executor) ----------------------------------------
 
 def slide_targets(addrs: np.ndarray, sizes: np.ndarray, pinned: np.ndarray, start: int, end: int,
-                  *, max_bytes: int | None = None,
-                  target_largest_free: int | None = None) -> tuple[np.ndarray, str | None]:
+                  *, max_bytes: int | None = None) -> tuple[np.ndarray, str | None]:
     """Slide-down targets for the live blocks of one segment ``[start, end)``.
 
     ``addrs``, ``sizes``, ``pinned`` describe the live blocks sorted by address (bytes). Returns
     ``(targets, stopped_by)``: ``targets[i] <= addrs[i]``, equal for pinned blocks and for blocks
-    past a bound. Executing ``addrs[i] -> targets[i]`` in index order is memmove-safe.
+    past the ``max_bytes`` bound (``stopped_by == "max_bytes"``). Executing
+    ``addrs[i] -> targets[i]`` in index order is memmove-safe.
 
     Example:
         >>> t, _ = slide_targets(np.array([10, 50, 70]), np.array([10, 10, 10]),
@@ -150,23 +150,74 @@ def slide_targets(addrs: np.ndarray, sizes: np.ndarray, pinned: np.ndarray, star
     below_at_window = np.maximum.accumulate(np.where(pinned, below, 0))
     targets = np.where(pinned, addrs, window_start + below - below_at_window)
     stopped_by = None
-    cut = n
-    if max_bytes is not None or target_largest_free is not None:
-        moved = targets != addrs
-        if max_bytes is not None:
-            spent = np.cumsum(np.where(moved, sizes, 0))
-            over = np.flatnonzero(spent > max_bytes)
-            if len(over):
-                cut, stopped_by = int(over[0]), "max_bytes"
-        if target_largest_free is not None:
-            next_addr = np.append(addrs[1:], end)
-            hole_above = next_addr - (targets + sizes)
-            reached = np.flatnonzero(moved & (hole_above >= target_largest_free))
-            if len(reached) and int(reached[0]) + 1 <= cut:
-                cut, stopped_by = int(reached[0]) + 1, "target_largest_free"
-        if cut < n:
+    if max_bytes is not None:
+        spent = np.cumsum(np.where(targets != addrs, sizes, 0))
+        over = np.flatnonzero(spent > max_bytes)
+        if len(over):
+            cut = int(over[0])
             targets[cut:] = addrs[cut:]
+            stopped_by = "max_bytes"
     return targets, stopped_by
+
+
+def cheapest_window(addrs: np.ndarray, sizes: np.ndarray, pinned: np.ndarray, start: int, end: int,
+                    target: int) -> tuple[np.ndarray, int] | None:
+    """The cheapest slide that opens a hole of ``target`` bytes in one segment ``[start, end)``.
+
+    Sliding the movable blocks between hole ``i`` and hole ``j`` of a window down to the start
+    of hole ``i`` merges holes ``i..j`` into one; it costs the bytes of those blocks. Among all
+    such ranges whose holes add up to ``target`` the cheapest is found with two pointers
+    (costs are positive, so for each ``j`` the best ``i`` is the largest that still reaches the
+    target, and it never moves left). Returns ``(targets, cost)`` (``targets`` as in
+    :func:`slide_targets`, moving only that range) or ``None`` when no window holds
+    ``target`` free bytes in total.
+
+    Example:
+        >>> t, cost = cheapest_window(np.array([0, 20, 100, 110]), np.array([10, 70, 10, 10]),
+        ...                           np.zeros(4, dtype=bool), 0, 130, 20)
+        >>> t.tolist(), cost   # moving the two small blocks is cheaper than the 70-byte one
+        ([0, 20, 90, 100], 20)
+    """
+    addrs = np.asarray(addrs, dtype=np.int64)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    n = len(addrs)
+    gap_start = np.concatenate(([start], addrs + sizes)).tolist()   # hole k lies before block k
+    gaps = (np.append(addrs, end) - np.asarray(gap_start, dtype=np.int64)).tolist()
+    size_list = sizes.tolist()
+    pinned_list = np.asarray(pinned, dtype=bool).tolist()
+    best: tuple[int, int, int] | None = None        # (cost, i, j)
+    i, hole, cost = 0, 0, 0
+    for j in range(n + 1):
+        if j > 0:
+            if pinned_list[j - 1]:                   # a pinned block closes the window
+                i, hole, cost = j, 0, 0
+            else:
+                cost += size_list[j - 1]
+        hole += gaps[j]
+        while i < j and hole - gaps[i] >= target:
+            hole -= gaps[i]
+            cost -= size_list[i]
+            i += 1
+        if hole >= target and (best is None or cost < best[0]):
+            best = (cost, i, j)
+    if best is None:
+        return None
+    cost, i, j = best
+    targets = addrs.copy()
+    block_sizes = sizes[i:j]
+    targets[i:j] = gap_start[i] + np.cumsum(block_sizes) - block_sizes
+    return targets, cost
+
+
+def run_bounds(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index bounds ``(starts, stops)`` of the runs in a move list (see :func:`coalesce_runs`);
+    arrays, for executors that loop over thousands of runs."""
+    n = len(src)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    joins = (src[1:] == src[:-1] + size[:-1]) & ((src[1:] - dst[1:]) == (src[:-1] - dst[:-1]))
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return starts, np.append(starts[1:], n)
 
 
 def coalesce_runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[Run]:
@@ -181,12 +232,7 @@ def coalesce_runs(src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[Ru
     src = np.asarray(src, dtype=np.int64)
     dst = np.asarray(dst, dtype=np.int64)
     size = np.asarray(size, dtype=np.int64)
-    n = len(src)
-    if n == 0:
-        return []
-    joins = (src[1:] == src[:-1] + size[:-1]) & ((src[1:] - dst[1:]) == (src[:-1] - dst[:-1]))
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    stops = np.append(starts[1:], n)
+    starts, stops = run_bounds(src, dst, size)
     ends = src + size
     return [Run(int(src[a]), int(dst[a]), int(ends[b - 1] - src[a]), int(a), int(b - a))
             for a, b in zip(starts.tolist(), stops.tolist())]
@@ -202,7 +248,8 @@ def plan_compaction(layout: Layout, *, max_bytes: int | None = None,
     Args:
         layout: segments with live blocks (``pinned`` blocks stay put). Not modified.
         max_bytes: bound on the bytes moved (``None``: no bound).
-        target_largest_free: stop once a hole of this many bytes exists (``None``: compact fully).
+        target_largest_free: only open one hole of this many bytes, as cheaply as possible
+            (``None``: compact fully). When no window can hold it, compact fully.
         evacuate: after sliding, move every block of a whole segment (no pinned block) into holes
             of other segments of the same pool and stream when they fit, smallest segments first,
             so the segment becomes empty.
@@ -223,32 +270,39 @@ def plan_compaction(layout: Layout, *, max_bytes: int | None = None,
     """
     before = measure(layout)
     segments = sorted(layout.segments, key=lambda s: s.addr)
-    slides: list[list[Move]] = []
-    post_slide: list[list[tuple[int, Block]]] = []   # (new addr, block) per segment
+    live_of = [[b for b in seg.blocks if b.live] for seg in segments]
+    arrays = [(np.fromiter((b.addr for b in live), dtype=np.int64, count=len(live)),
+               np.fromiter((b.size for b in live), dtype=np.int64, count=len(live)),
+               np.fromiter((b.pinned for b in live), dtype=bool, count=len(live))) for live in live_of]
+    new_addrs = [a.copy() for a, _, _ in arrays]
     budget = max_bytes
     stopped_by = None
     target_reached = target_largest_free is not None and before.largest_free >= target_largest_free
-    for seg in segments:
-        live = [b for b in seg.blocks if b.live]
-        if target_reached or stopped_by == "max_bytes" or not live:
-            slides.append([])
-            post_slide.append([(b.addr, b) for b in live])
-            continue
-        addrs = np.fromiter((b.addr for b in live), dtype=np.int64, count=len(live))
-        sizes = np.fromiter((b.size for b in live), dtype=np.int64, count=len(live))
-        pinned = np.fromiter((b.pinned for b in live), dtype=bool, count=len(live))
-        targets, why = slide_targets(addrs, sizes, pinned, seg.addr, seg.end, max_bytes=budget,
-                                     target_largest_free=target_largest_free)
-        moves = [Move(b.id, b.addr, int(t), b.size) for b, t in zip(live, targets.tolist())
-                 if t != b.addr]
-        slides.append(moves)
-        post_slide.append(list(zip(targets.tolist(), live)))
-        if budget is not None:
-            budget -= sum(m.size for m in moves)
-        if why is not None:
-            stopped_by = why
-        if why == "target_largest_free":
+    if target_largest_free is not None and not target_reached:
+        # the cheapest range of blocks, over all segments, whose sliding opens the target hole
+        best = None
+        for k, (seg, (addrs, sizes, pinned)) in enumerate(zip(segments, arrays)):
+            found = cheapest_window(addrs, sizes, pinned, seg.addr, seg.end, target_largest_free)
+            if found is not None and (best is None or found[1] < best[2]):
+                best = (k, found[0], found[1])
+        if best is not None and (budget is None or best[2] <= budget):
+            k, targets, cost = best
+            new_addrs[k] = targets
+            budget = None if budget is None else budget - cost
+            stopped_by = "target_largest_free"
             target_reached = True
+    if not target_reached:
+        for k, (seg, (addrs, sizes, pinned)) in enumerate(zip(segments, arrays)):
+            if stopped_by == "max_bytes" or not len(addrs):
+                continue
+            targets, why = slide_targets(addrs, sizes, pinned, seg.addr, seg.end, max_bytes=budget)
+            new_addrs[k] = targets
+            if budget is not None:
+                budget -= int(sizes[targets != addrs].sum())
+            stopped_by = why or stopped_by
+    slides = [[Move(b.id, b.addr, int(t), b.size) for b, t in zip(live, targets.tolist()) if t != b.addr]
+              for live, targets in zip(live_of, new_addrs)]
+    post_slide = [list(zip(targets.tolist(), live)) for live, targets in zip(live_of, new_addrs)]
 
     evacuations: list[Move] = []
     released: list[tuple[int, int]] = []

@@ -1,0 +1,122 @@
+"""``ms-memopt replay TRACE``: replay a recorded trace through an allocator model.
+
+Prints peaks, segments, OOMs and fragmentation in human units, or with ``--json`` one object in
+bytes (the fields of :class:`~ms_memopt.replay.ReplayResult` plus ``trace``, ``format``,
+``capacity`` and ``oom_count``). Exit codes: 0 ok, 1 OOMs happened and ``--fail-on-oom`` was
+given, 2 bad input.
+
+Example:
+    ms-memopt replay memory_block.csv --allocator mindspore --capacity 64GB --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from ..errors import InputError
+from ..units import format_size, parse_size
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``ms-memopt replay``."""
+    from ..allocators import MODELS
+    from ..traces import FORMATS
+
+    parser.add_argument("trace", help="trace file (format detected from its content)")
+    parser.add_argument("--allocator", metavar="NAME", default=None,
+                        help=f"allocator model: {', '.join(MODELS)} (default: torch for PyTorch snapshots, "
+                             "mindspore otherwise)")
+    parser.add_argument("--capacity", metavar="SIZE", default=None,
+                        help="device memory the pool may reserve, e.g. 64GB, 96GiB (default: unbounded)")
+    parser.add_argument("--format", default=None, choices=list(FORMATS), help="skip format detection")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (sizes in bytes)")
+    parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when any request ran out of memory")
+    parser.add_argument("--export-memory-viz", metavar="FILE", default=None,
+                        help="also write the trace and final layout for PyTorch's memory_viz viewer")
+
+
+def _finite(value):
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a (nothing free)" if value is None else f"{value:.2f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command; returns the exit code."""
+    from ..allocators import create
+    from ..replay import replay
+    from ..traces import load_trace
+
+    capacity = None
+    if args.capacity is not None:
+        capacity = parse_size(args.capacity, source="--capacity")
+        if capacity <= 0:
+            raise InputError(f"expected a positive size, got {args.capacity!r}", source="--capacity")
+    trace = load_trace(args.trace, format=args.format)
+    name = args.allocator or ("torch" if trace.format == "torch-snapshot" else "mindspore")
+    try:
+        model = create(name, capacity)
+    except ImportError as exc:
+        raise InputError(f"allocator model {name!r} is not available in this build ({exc})",
+                         key="--allocator") from None
+    try:
+        result = replay(trace, model)
+    except NotImplementedError as exc:  # e.g. a model that cannot start from a snapshot's state
+        raise InputError(f"{exc}; this trace starts from a recorded state, try --allocator "
+                         f"{'torch' if trace.format == 'torch-snapshot' else 'mindspore'}",
+                         key="--allocator") from None
+    if args.export_memory_viz:
+        try:
+            from ..traces.memory_viz import write_memory_viz
+        except ImportError as exc:
+            raise InputError(f"memory_viz export is not available in this build ({exc})",
+                             key="--export-memory-viz") from None
+        write_memory_viz(args.export_memory_viz, trace, result.final_layout)
+
+    out = {"trace": trace.source, "format": trace.format, "capacity": capacity}
+    out.update(result.to_dict())
+    out["oom_count"] = len(result.ooms)
+    out = {key: _finite(value) for key, value in out.items()}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(_human(out, result))
+    return 1 if (args.fail_on_oom and result.ooms) else 0
+
+
+def _human(out: dict, result) -> str:
+    kinds = {}
+    for oom in result.ooms:
+        kinds[oom.kind] = kinds.get(oom.kind, 0) + 1
+    lines = [
+        f"trace            {out['trace']} ({out['format']}, {out['events']:,} events, {out['allocs']:,} allocs)",
+        f"allocator        {out['allocator']}, capacity "
+        + (format_size(out['capacity']) if out['capacity'] is not None else "unbounded"),
+        f"peak allocated   {format_size(out['peak_allocated'])}",
+        f"peak reserved    {format_size(out['peak_reserved'])}",
+        f"final allocated  {format_size(out['final_allocated'])}",
+        f"final reserved   {format_size(out['final_reserved'])}",
+        f"segments         {out['segment_allocs']:,} allocated from the device",
+        f"OOMs             {len(result.ooms)}"
+        + (" (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")" if kinds else ""),
+    ]
+    if result.ooms:
+        first = result.ooms[0]
+        lines.append(f"  first OOM      {format_size(first.size)} at event {first.event_index}: "
+                     f"{format_size(first.free_total)} free, largest hole {format_size(first.largest_free)}")
+    lines += [
+        f"free at end      {format_size(out['free_total_end'])}, largest hole {format_size(out['largest_free_end'])}",
+        f"frag ratio       {_ratio(out['frag_ratio_end'])} at end, max {_ratio(out['frag_ratio_max'])}",
+        f"address match    {_percent(out['address_match'])}",
+        "speed            " + (f"{out['events_per_s']:,.0f} events/s" if out['events_per_s'] else "n/a"),
+    ]
+    return "\n".join(lines)

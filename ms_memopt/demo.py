@@ -1,0 +1,231 @@
+"""``make demo``: train the CPU demo, simulate the 100B / 910C job, plan it, write one report.
+
+``python -m ms_memopt.demo --out out/demo`` runs, in order:
+
+1. ``ms-memopt run recipes/demo_cpu.yaml`` on CPU (MindSpore) into ``OUT/run``;
+2. the 100B recipe's per-card plan (``ms-memopt plan``) into ``OUT/plan``;
+3. the 100B recipe's simulation (baseline, compaction and pool-mode policies; ``--sim-steps``
+   steps and ``--seeds`` seeds, modest so that the whole demo takes a few minutes on 2 cores)
+   into ``OUT/simulation``, plus the pool layout just before the watched AllReduce request at a
+   few steps (the memory map);
+4. ``OUT/report.md``: the three reports of :func:`ms_memopt.report.build_report` under one
+   heading, with every figure and the time each part took.
+
+Example:
+    python -m ms_memopt.demo --out out/demo
+    python -m ms_memopt.demo --out /tmp/demo --sim-steps 200 --seeds 1 --skip-run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from .errors import InputError
+from .recipe import Recipe, load_recipe
+from .report import LayoutSnapshot, build_report, write_layouts
+from .units import format_size
+
+__all__ = ["main", "simulated_layouts"]
+
+_REPO = Path(__file__).resolve().parents[1]
+CPU_RECIPE = _REPO / "recipes" / "demo_cpu.yaml"
+BIG_RECIPE = _REPO / "recipes" / "dense_100b_1024x910c.yaml"
+
+
+def simulated_layouts(recipe: Recipe, steps: list[int], *, policies: tuple[str, ...] = ("baseline", "pool"),
+                      seed: int = 0) -> list[LayoutSnapshot]:
+    """The simulated pool just before each watched request (the AllReduce bucket) of ``steps``,
+    per policy; a policy that runs out of memory first contributes its layout at the OOM.
+
+    Uses the same workload and allocator models as :mod:`ms_memopt.simulate` (compaction is left
+    out: the memory map shows what a request meets)."""
+    from .allocators import create
+    from .allocators.pool import PoolModeAllocator
+    from .simulate import config_from_recipe
+    from .workload import WATCH_TAG, StepWorkload, spec_from_recipe
+
+    spec = spec_from_recipe(recipe)
+    cfg = config_from_recipe(recipe)
+    # the workload tags its gradient bucket WATCH_TAG whatever the recipe calls its watched request
+    watched = set(cfg.watch) | {WATCH_TAG}
+    wanted = sorted(set(steps))
+    last = wanted[-1]
+    out: list[LayoutSnapshot] = []
+    for policy in policies:
+        if policy == "pool":
+            model = PoolModeAllocator.for_workload(spec, capacity=cfg.capacity)
+        else:
+            model = create(cfg.allocator, cfg.capacity, **cfg.allocator_options)
+        drain = getattr(model, "drain_evicted", None)
+        gen = StepWorkload(spec, seed)
+        addr_of: dict[int, int] = {}
+        id_at: dict[int, int] = {}
+        tag_at: dict[int, str | None] = {}   # allocator models keep no tags; the map needs them
+
+        def snapshot(label: str) -> LayoutSnapshot:
+            layout = model.layout()
+            for block in layout.blocks():
+                if block.live and block.tag is None:
+                    block.tag = tag_at.get(block.addr)
+            return LayoutSnapshot(step, label, layout)
+
+        batch, step, done = gen.prologue(), 0, False
+        while not done:
+            for event in batch:
+                if event.action == "alloc":
+                    if event.tag in watched and step in wanted:
+                        out.append(snapshot(f"{policy} step {step}"))
+                    addr = model.malloc(event.size, pool=event.pool, tag=event.tag)
+                    if addr is None:
+                        out.append(snapshot(f"{policy} step {step}: OOM ({event.tag} {format_size(event.size)})"))
+                        done = True
+                        break
+                    if drain is not None:             # evicted cache entries: forget their ids
+                        for gone in drain():          # (before recording the new tensor, which
+                            addr_of.pop(id_at.pop(gone, None), None)   # may sit at an evicted address)
+                    addr_of[event.id] = addr
+                    id_at[addr] = event.id
+                    tag_at[addr] = event.tag
+                elif event.action == "free":
+                    addr = addr_of.pop(event.id, None)
+                    if addr is not None:
+                        id_at.pop(addr, None)
+                        model.free(addr)
+            if done or step >= last:
+                break
+            step += 1
+            batch = gen.step(step)
+    return out
+
+
+def _section(markdown: str, folder: str) -> list[str]:
+    """A sub-report, headings one level down and figure paths relative to the demo's report."""
+    lines = []
+    for line in markdown.splitlines():
+        if line.startswith("#"):
+            line = "#" + line
+        line = re.sub(r"\]\(([^)/]+\.png)\)", rf"]({folder}/\1)", line)
+        lines.append(line)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ms_memopt.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="out/demo", help="output directory (default: out/demo)")
+    parser.add_argument("--sim-steps", type=int, default=500, help="simulated steps (default: 500)")
+    parser.add_argument("--seeds", type=int, default=1, help="simulation seeds (default: 1)")
+    parser.add_argument("--run-steps", type=int, default=None, help="training steps (default: the recipe's)")
+    parser.add_argument("--skip-run", action="store_true", help="no MindSpore training (simulation and plan only)")
+    args = parser.parse_args(argv)
+    try:
+        return _demo(args)
+    except InputError as exc:
+        print(f"demo: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _demo(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    parts: list[tuple[str, str]] = []
+    not_wired: list[str] = []
+
+    if not args.skip_run:
+        print(f"[1/3] training {CPU_RECIPE.name} on CPU (MindSpore) ...", flush=True)
+        t0 = time.perf_counter()
+        from .cli.run_cmd import host_memory_check
+
+        recipe = load_recipe(CPU_RECIPE)
+        check = host_memory_check(recipe)
+        if not check.fits:
+            raise InputError(f"needs {format_size(check.needed)}, {format_size(check.available)} available",
+                             source=str(CPU_RECIPE))
+        from .mindspore.standalone import run_standalone
+        from .estimate import estimate
+
+        run_dir = out / "run"
+        result = run_standalone(recipe, run_dir, device="cpu", steps=args.run_steps, progress=sys.stderr.isatty())
+        (run_dir / "plan.json").write_text(json.dumps(estimate(recipe).to_dict()), encoding="utf-8")
+        build_report(run_dir, title=f"Training {CPU_RECIPE.name} on CPU")
+        timings["train (MindSpore, CPU)"] = time.perf_counter() - t0
+        not_wired += result.not_wired
+        parts.append(("run", f"Training {CPU_RECIPE.name} on CPU"))
+        print(f"      loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {len(result.losses)} steps, "
+              f"{timings['train (MindSpore, CPU)']:.0f} s", flush=True)
+
+    print(f"[2/3] planning {BIG_RECIPE.name} ...", flush=True)
+    t0 = time.perf_counter()
+    from .estimate import estimate
+
+    big = load_recipe(BIG_RECIPE)
+    plan_dir = out / "plan"
+    plan_dir.mkdir(parents=True, exist_ok=True)
+    (plan_dir / "plan.json").write_text(json.dumps(estimate(big).to_dict()), encoding="utf-8")
+    build_report(plan_dir, title=f"Plan of {BIG_RECIPE.name}")
+    timings["plan"] = time.perf_counter() - t0
+    parts.append(("plan", f"Plan of {BIG_RECIPE.name}"))
+
+    print(f"[3/3] simulating {BIG_RECIPE.name}: {args.sim_steps} steps x {args.seeds} seed(s) x 3 policies ...",
+          flush=True)
+    t0 = time.perf_counter()
+    sim_dir = out / "simulation"
+    sim_dir.mkdir(parents=True, exist_ok=True)
+    summary = _simulate(big, sim_dir, args.sim_steps, args.seeds, not_wired)
+    timings["simulate"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    scans = big.memopt.scan_every
+    oom_steps = [r["oom_step"] for r in summary.get("baseline", []) if r.get("oom_step")]
+    # a few steps early on: the layout settles within a few hundred steps, and each map step
+    # replays the workload up to it once more per policy
+    chosen = [1, scans, min(args.sim_steps, 2 * scans)] if not oom_steps else [1, scans, min(oom_steps)]
+    write_layouts(sim_dir / "layouts.jsonl", simulated_layouts(big, [s for s in chosen if s <= args.sim_steps]))
+    build_report(sim_dir, title=f"Simulation of {BIG_RECIPE.name}",
+                 memory_map_title=f"{BIG_RECIPE.name}: the pool just before the watched AllReduce request")
+    timings["memory map + report"] = time.perf_counter() - t0
+    parts.append(("simulation", f"Simulation of {BIG_RECIPE.name}"))
+
+    total = time.perf_counter() - started
+    lines = ["# ms-memopt demo", "",
+             "What `make demo` did on this machine (after the install), and how long each part took:", ""]
+    lines += ["| part | seconds |", "|---|---|"]
+    lines += [f"| {name} | {sec:.1f} |" for name, sec in timings.items()]
+    lines += [f"| **total** | **{total:.1f}** |", ""]
+    if not_wired:
+        lines += ["Not wired in this installation:", ""] + [f"- {n}" for n in not_wired] + [""]
+    for folder, _ in parts:
+        lines += _section((out / folder / "report.md").read_text(encoding="utf-8"), folder)
+        lines.append("")
+    report = out / "report.md"
+    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"report: {report} ({total:.0f} s)")
+    return 0
+
+
+def _simulate(recipe: Recipe, sim_dir: Path, steps: int, seeds: int, not_wired: list[str]) -> dict:
+    """Run the simulator's policies; returns ``policy -> [per-seed result dicts]``."""
+    try:
+        from .simulate import POLICIES, config_from_recipe, simulate
+        from .workload import spec_from_recipe
+    except ImportError as exc:
+        not_wired.append(f"simulation: ms_memopt.simulate missing ({exc})")
+        return {}
+    spec = spec_from_recipe(recipe)
+    cfg = config_from_recipe(recipe, steps=steps)
+    with open(sim_dir / "timeline.jsonl", "w", encoding="utf-8") as timeline:
+        results = simulate(spec, cfg, policies=POLICIES, seeds=list(range(seeds)), timeline=timeline)
+    summary = {policy: [r.to_dict() for r in s.seeds] for policy, s in results.items()}
+    (sim_dir / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    for policy, s in results.items():
+        ooms = [r.oom_step for r in s.seeds]
+        print(f"      {policy:<9} OOM steps per seed: {ooms}", flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())

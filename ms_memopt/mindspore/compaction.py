@@ -1,0 +1,555 @@
+"""Live compaction of a MindSpore job, the ``CompactionCallback`` and a bounded barrier.
+
+**Live compaction** (:func:`live_compact`) relocates a job's long-lived tensors — parameters,
+optimizer states, anything :func:`register`-ed — through public MindSpore APIs:
+
+1. *evacuate*: a host copy of every tensor (``asnumpy``);
+2. *release*: drop each tensor's device storage (``untyped_storage().resize_(0)``) and let the
+   pool give idle memory back (``mindspore.runtime.empty_cache()``);
+3. *restore* in a planned order (largest first by default, so they land together at low
+   addresses of a best-fit pool) with ``Parameter.set_data(new_tensor)``: the Parameter
+   objects stay the same, so every reference (network, optimizer, your code) stays valid;
+4. *refresh*: graphs compiled by ``@jit`` (the optimizers' ``construct`` in PyNative) cache
+   the device addresses of their weights — after ``set_data`` they would keep updating the old
+   storage (seen on CPU: the weights froze). Their compile cache is cleared so they recompile
+   against the new storage. This uses ``mindspore.graph.api.ms_compile_cache``, an internal of
+   MindSpore 2.10 (there is no public API for it); without it, :func:`live_compact` refuses to
+   relocate in PyNative rather than silently freeze the weights.
+5. *verify* (default): every tensor reads back its host copy bit for bit.
+
+An exception while restoring puts every not-yet-restored tensor back from its host copy before
+it propagates, so no live tensor is lost.
+
+**CompactionCallback** runs it every ``every`` steps (optionally only when a fragmentation
+reading exceeds a threshold), also compacts registered :class:`~ms_memopt.arena.Arena`s, and
+under ``msrun`` puts every rank behind a :class:`StoreBarrier` first: all ranks agree to
+compact at the same step (if any rank wants to, all do), no rank moves memory while a
+collective of another rank is in flight, and a rank that does not arrive within
+``barrier_timeout`` seconds makes the others fail with :class:`BarrierTimeout` instead of
+hanging. Each compaction appends a ``"kind": "compaction"`` record to the scan log.
+
+Verified on CPU (MindSpore 2.10, PyNative and ``Model.train``; 2 workers under ``msrun``);
+untested on Ascend.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Parameter, Tensor
+from mindspore.train import Callback
+
+from ..arena import Arena
+from ..metrics import measure
+
+__all__ = ["live_compact", "LiveCompactionReport", "register", "unregister", "registered",
+           "long_lived_tensors", "CompactionCallback", "StoreBarrier", "BarrierTimeout",
+           "CompactionError", "MindSporeArenaBackend", "SCAN_LOG_NAME"]
+
+logger = logging.getLogger("ms_memopt.compaction")
+
+#: the scan log's file name inside ``log_dir`` (shared with the layout scans)
+SCAN_LOG_NAME = "scan.jsonl"
+
+
+class CompactionError(RuntimeError):
+    """A compaction could not run safely, or a tensor read back different bytes."""
+
+
+class BarrierTimeout(RuntimeError):
+    """Not every rank reached the compaction barrier in time (a rank died or hung)."""
+
+
+# --- the registry -----------------------------------------------------------------------------
+
+# weak: registering a Parameter does not keep it alive
+_REGISTRY: "weakref.WeakValueDictionary[int, Parameter]" = weakref.WeakValueDictionary()
+
+
+def register(*tensors: Parameter) -> None:
+    """Make ``tensors`` (Parameters) part of every live compaction, beside the network's.
+    The registry holds weak references: a Parameter nobody else holds drops out."""
+    for t in tensors:
+        if not isinstance(t, Parameter):
+            raise TypeError(f"only Parameters can be relocated in place, got {type(t).__name__}")
+        _REGISTRY[id(t)] = t
+
+
+def unregister(*tensors: Parameter) -> None:
+    for t in tensors:
+        _REGISTRY.pop(id(t), None)
+
+
+def registered() -> list[Parameter]:
+    return list(_REGISTRY.values())
+
+
+def long_lived_tensors(*cells: Any, extra: Iterable[Parameter] = ()) -> list[Parameter]:
+    """The Parameters of ``cells`` (a network, a train-one-step cell, an optimizer: their
+    weights and optimizer states), then ``extra`` and the registered ones, each once."""
+    seen: dict[int, Parameter] = {}
+    for cell in cells:
+        if cell is None:
+            continue
+        params = cell.get_parameters() if hasattr(cell, "get_parameters") else cell
+        for p in params:
+            seen.setdefault(id(p), p)
+    for p in list(extra) + registered():
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+# --- live compaction --------------------------------------------------------------------------
+
+@dataclass
+class LiveCompactionReport:
+    """One live compaction; sizes in bytes, times in seconds. ``device_*`` come from
+    ``mindspore.runtime.memory_reserved/allocated`` (0 on CPU)."""
+
+    tensors: int
+    bytes: int
+    seconds: float
+    evacuate_seconds: float
+    restore_seconds: float
+    verified: bool
+    recompiled: bool
+    device_reserved_before: int
+    device_reserved_after: int
+    device_allocated_before: int
+    device_allocated_after: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _device_target() -> str:
+    try:
+        return ms.get_context("device_target")
+    except Exception:  # pragma: no cover - very old contexts
+        return "CPU"
+
+
+def _memory(kind: str) -> int:
+    try:
+        return int(getattr(ms.runtime, f"memory_{kind}")())
+    except Exception:
+        return 0
+
+
+def _compile_cache() -> set | None:
+    for module in ("mindspore.graph.api", "mindspore.common.api"):
+        try:
+            mod = __import__(module, fromlist=["ms_compile_cache"])
+        except ImportError:
+            continue
+        cache = getattr(mod, "ms_compile_cache", None)
+        if isinstance(cache, set):
+            return cache
+    return None
+
+
+def _synchronize() -> None:
+    """Wait for the device's streams (there are none to wait for on CPU, where
+    ``mindspore.runtime.synchronize`` only logs "CPU device is not supported")."""
+    if _device_target() != "CPU":
+        ms.runtime.synchronize()
+
+
+def _pynative() -> bool:
+    return ms.get_context("mode") == ms.PYNATIVE_MODE
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit-for-bit equality (NaN payloads and -0.0 included), any dtype."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return np.array_equal(np.ascontiguousarray(a).reshape(-1).view(np.uint8),
+                          np.ascontiguousarray(b).reshape(-1).view(np.uint8))
+
+
+def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: bool = True,
+                 release: bool = True) -> LiveCompactionReport:
+    """Relocate ``tensors`` (Parameters) so they land together in freshly allocated memory.
+
+    Call between steps (after the optimizer, before the next forward), with no computation in
+    flight. ``order``: ``"size"`` (largest first) or ``"given"``. ``release=False`` skips
+    dropping the old storage first (the new copies are then allocated beside the old ones).
+
+    Example:
+        >>> net = mindspore.nn.Dense(4, 2)                                   # doctest: +SKIP
+        >>> live_compact(long_lived_tensors(net)).bytes                     # doctest: +SKIP
+        40
+    """
+    params = list({id(t): t for t in tensors}.values())
+    for p in params:
+        if not isinstance(p, Parameter):
+            raise TypeError(f"only Parameters can be relocated in place, got {type(p).__name__}")
+    cache = _compile_cache()
+    pynative = _pynative()
+    if pynative and cache is None:
+        raise CompactionError("this MindSpore has no jit compile cache to refresh; relocating "
+                              "parameters in PyNative would freeze them (see docs/compaction.md)")
+    t0 = time.perf_counter()
+    _synchronize()
+    reserved_before, allocated_before = _memory("reserved"), _memory("allocated")
+    hosts = [p.asnumpy().copy() for p in params]
+    t1 = time.perf_counter()
+    if order == "size":
+        sequence = sorted(range(len(params)), key=lambda i: -hosts[i].nbytes)
+    elif order == "given":
+        sequence = list(range(len(params)))
+    else:
+        raise ValueError(f"order must be 'size' or 'given', got {order!r}")
+    restored: set[int] = set()
+    try:
+        if release:
+            for p in params:
+                p.untyped_storage().resize_(0)
+            ms.runtime.empty_cache()
+        target = _device_target()
+        for i in sequence:
+            fresh = Tensor(hosts[i])
+            if target != "CPU" and hasattr(fresh, "move_to"):
+                fresh = fresh.move_to(target, blocking=True)   # allocate now, in plan order
+            params[i].set_data(fresh)
+            restored.add(i)
+    except BaseException:
+        for i in range(len(params)):
+            if i not in restored:
+                try:
+                    params[i].set_data(Tensor(hosts[i]))
+                except Exception:  # pragma: no cover - nothing more we can do
+                    logger.exception("could not restore %s from its host copy", params[i].name)
+        if cache is not None:
+            cache.clear()
+        raise
+    recompiled = False
+    if cache is not None and (pynative or release):
+        cache.clear()
+        recompiled = True
+    t2 = time.perf_counter()
+    if verify:
+        for p, h in zip(params, hosts):
+            if not _same_bits(p.asnumpy(), h):
+                raise CompactionError(f"parameter {p.name} changed during compaction")
+    return LiveCompactionReport(
+        tensors=len(params), bytes=int(sum(h.nbytes for h in hosts)),
+        seconds=time.perf_counter() - t0, evacuate_seconds=t1 - t0, restore_seconds=t2 - t1,
+        verified=verify, recompiled=recompiled,
+        device_reserved_before=reserved_before, device_reserved_after=_memory("reserved"),
+        device_allocated_before=allocated_before, device_allocated_after=_memory("allocated"))
+
+
+# --- an arena on a MindSpore tensor ------------------------------------------------------------
+
+class MindSporeArenaBackend:
+    """An :class:`~ms_memopt.arena.Arena` backend on one ``uint8`` MindSpore tensor (device
+    memory on Ascend).
+
+    ``move`` copies slice to slice with ``__setitem__``. MindSpore's slice copy refuses
+    overlapping ranges (CPU: "memcpy_s error"), so an overlapping move goes in chunks no longer
+    than the shift (no chunk overlaps its own source; ascending when moving down), or, when
+    that would take more than ``max_chunks`` copies, through a staging clone of the source.
+    ``view`` returns a tensor sharing the buffer (``__setitem__`` on it reaches the buffer; on
+    CPU other in-place ops on views do not — see ../shared/MINDSPORE_NOTES.md).
+    """
+
+    def __init__(self, capacity: int, *, max_chunks: int = 8) -> None:
+        self.capacity = int(capacity)
+        self.max_chunks = max_chunks
+        self.buffer = ms.ops.zeros((self.capacity,), ms.uint8)
+
+    def move(self, src: int, dst: int, nbytes: int) -> None:
+        if src < 0 or dst < 0 or src + nbytes > self.capacity or dst + nbytes > self.capacity:
+            raise IndexError(f"move of {nbytes} bytes {src:#x} -> {dst:#x} leaves the arena")
+        if nbytes == 0 or src == dst:
+            return
+        shift = abs(src - dst)
+        if shift >= nbytes:
+            self.buffer[dst:dst + nbytes] = self.buffer[src:src + nbytes]
+            return
+        if -(-nbytes // shift) > self.max_chunks:
+            staged = ms.mint.clone(self.buffer[src:src + nbytes])
+            self.buffer[dst:dst + nbytes] = staged
+            return
+        # overlapping: ascending chunks when moving down, descending when moving up
+        starts = range(0, nbytes, shift) if dst < src else reversed(range(0, nbytes, shift))
+        for offset in starts:
+            length = min(shift, nbytes - offset)
+            self.buffer[dst + offset:dst + offset + length] = self.buffer[src + offset:src + offset + length]
+
+    def view(self, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> Tensor:
+        return self.buffer[offset:offset + nbytes].view(_ms_dtype(dtype)).reshape(shape)
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.buffer[offset:offset + nbytes].asnumpy().copy()
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        self.buffer[offset:offset + raw.size] = Tensor(raw)
+
+
+def _ms_dtype(dtype: Any) -> Any:
+    """A numpy dtype (or name) as a MindSpore dtype; MindSpore dtypes pass through."""
+    if isinstance(dtype, ms.dtype.Type):
+        return dtype
+    return ms.dtype.pytype_to_dtype(np.dtype(dtype).type)
+
+
+# --- a barrier that cannot hang ----------------------------------------------------------------
+
+def _call_with_deadline(fn: Callable[[], Any], seconds: float, what: str) -> Any:
+    """Run ``fn`` in a daemon thread; raise :class:`BarrierTimeout` if it takes longer (a store
+    call to a dead peer may block; a daemon thread does not keep the process alive)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="ms_memopt-barrier", daemon=True)
+    thread.start()
+    thread.join(max(seconds, 0.0))
+    if thread.is_alive():
+        raise BarrierTimeout(f"{what}: no answer within {seconds:.1f} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+class StoreBarrier:
+    """A bounded barrier over MindSpore's ``mindspore.mint.distributed.TCPStore`` (rank 0 hosts
+    it). :meth:`agree` is a barrier that also ORs one boolean across ranks.
+
+    Args:
+        rank, world_size: this rank and the number of ranks.
+        host, port: where rank 0 serves the store (default: ``MS_SCHED_HOST`` and
+            ``MS_SCHED_PORT + 11``, or ``MS_MEMOPT_STORE_PORT``); rank 0 must run on ``host``.
+        timeout: seconds every rank waits for the others at each barrier (and at connection).
+    """
+
+    def __init__(self, rank: int, world_size: int, *, host: str | None = None,
+                 port: int | None = None, timeout: float = 60.0, prefix: str = "ms_memopt/compaction") -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.host = host or os.environ.get("MS_SCHED_HOST", "127.0.0.1")
+        if port is None:
+            port = int(os.environ.get("MS_MEMOPT_STORE_PORT", 0)) or int(os.environ.get("MS_SCHED_PORT", 8118)) + 11
+        self.port = port
+        self.timeout = timeout
+        self.prefix = prefix
+        self._store = None
+        self._round = 0
+
+    @classmethod
+    def from_environment(cls, **kwargs: Any) -> "StoreBarrier | None":
+        """The barrier for this ``msrun`` job, or ``None`` when there is only one rank."""
+        rank, world = _rank_and_world()
+        return cls(rank, world, **kwargs) if world > 1 else None
+
+    def _connect(self, deadline: float) -> Any:
+        if self._store is None:
+            from mindspore.mint.distributed import TCPStore
+
+            def make():
+                return TCPStore(self.host, self.port, world_size=self.world_size,
+                                is_master=self.rank == 0, timeout=timedelta(seconds=self.timeout))
+            self._store = _call_with_deadline(
+                make, deadline - time.monotonic(),
+                f"rank {self.rank}: connecting to the compaction barrier store at {self.host}:{self.port}")
+        return self._store
+
+    def agree(self, step: int, value: bool = True) -> bool:
+        """Wait until every rank called ``agree`` for this round; return True if any passed True.
+
+        Raises :class:`BarrierTimeout` naming the missing ranks when they do not all arrive
+        within ``timeout`` seconds (or the store cannot be reached).
+        """
+        deadline = time.monotonic() + self.timeout
+        self._round += 1
+        key = f"{self.prefix}/{self._round}"
+        what = f"rank {self.rank}: compaction barrier at step {step}"
+        try:
+            store = self._connect(deadline)
+            _call_with_deadline(lambda: store.set(f"{key}/vote/{self.rank}", "1" if value else "0"),
+                                deadline - time.monotonic(), what)
+            _call_with_deadline(lambda: store.add(f"{key}/count", 1), deadline - time.monotonic(), what)
+            while True:
+                arrived = _call_with_deadline(lambda: store.add(f"{key}/count", 0),
+                                              deadline - time.monotonic(), what)
+                if arrived >= self.world_size:
+                    break
+                if time.monotonic() >= deadline:
+                    raise BarrierTimeout(f"{what}: {arrived}/{self.world_size} ranks arrived")
+                time.sleep(0.02)
+            votes = [_call_with_deadline(lambda r=r: store.get(f"{key}/vote/{r}"),
+                                         deadline - time.monotonic(), what)
+                     for r in range(self.world_size)]
+        except BarrierTimeout as exc:
+            raise BarrierTimeout(f"{exc} within {self.timeout:.0f} s (barrier_timeout); a rank died "
+                                 f"or hung before compacting — giving up instead of hanging") from None
+        except Exception as exc:
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise BarrierTimeout(f"{what}: the barrier store failed ({first_line}); rank 0, which "
+                                 f"hosts it at {self.host}:{self.port}, probably died") from exc
+        return any(_as_text(v) == "1" for v in votes)
+
+
+def _as_text(value: Any) -> str:
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    try:
+        from mindspore.communication import get_group_size, get_rank
+        return int(get_rank()), int(get_group_size())
+    except Exception:
+        return int(os.environ.get("RANK_ID", 0)), int(os.environ.get("RANK_SIZE", 1))
+
+
+# --- the callback -----------------------------------------------------------------------------
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    """Append one JSON line with a single ``write`` (safe for several ranks on one file).
+    Private until the shared scan-log writer (ms_memopt.scan.ScanLog) is merged."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+class CompactionCallback(Callback):
+    """Compact every ``every`` steps, after the optimizer and before the next forward.
+
+    Args:
+        every: steps between compactions (at steps ``every``, ``2*every``, ...).
+        when_frag_above: compact only when ``frag_fn()`` (default: the worst frag ratio of the
+            registered arenas) exceeds this; under ``msrun``, all ranks compact if any rank's
+            reading exceeds it. ``None``: always.
+        frag_fn: returns the last scan's frag ratio (``None`` when unknown), e.g. from a
+            ``LayoutScanCallback``.
+        arenas: :class:`~ms_memopt.arena.Arena` objects to compact too.
+        layout_fn: returns the device pool's current :class:`~ms_memopt.layout.Layout` (e.g. a
+            scan source's); when given, the record's before/after figures are measured on it,
+            else they are the most fragmented arena's (``None`` without either: MindSpore has
+            no public API for the pool's largest free block).
+        live: relocate the network's and optimizer's Parameters (plus registered ones).
+        tensors: more Parameters to relocate.
+        log_dir: directory of the scan log (``scan.jsonl``); ``None``: no log.
+        barrier_timeout: seconds a rank waits for the others before :class:`BarrierTimeout`.
+        barrier: a barrier with ``agree(step, value) -> bool`` (default: a :class:`StoreBarrier`
+            under ``msrun`` with more than one rank, else none).
+        verify: read every relocated tensor back and compare with its host copy.
+
+    For a custom loop call :meth:`step_end` after each optimizer step.
+    """
+
+    def __init__(self, every: int = 500, when_frag_above: float | None = None, *,
+                 frag_fn: Callable[[], float | None] | None = None, arenas: Sequence[Arena] = (),
+                 layout_fn: Callable[[], Any] | None = None,
+                 live: bool = True, tensors: Sequence[Parameter] = (), log_dir: str | os.PathLike | None = None,
+                 barrier_timeout: float = 60.0, barrier: Any = "auto", verify: bool = True) -> None:
+        super().__init__()
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = every
+        self.when_frag_above = when_frag_above
+        self.frag_fn = frag_fn
+        self.arenas = list(arenas)
+        self.layout_fn = layout_fn
+        self.live = live
+        self.tensors = list(tensors)
+        self.log_path = Path(log_dir) / SCAN_LOG_NAME if log_dir is not None else None
+        self.barrier_timeout = barrier_timeout
+        self._barrier = barrier
+        self.verify = verify
+        self.records: list[dict] = []
+
+    @property
+    def barrier(self) -> Any:
+        if self._barrier == "auto":
+            self._barrier = StoreBarrier.from_environment(timeout=self.barrier_timeout)
+        return self._barrier
+
+    def on_train_step_end(self, run_context: Any) -> None:
+        cb = run_context.original_args()
+        self.step_end(int(cb.cur_step_num), network=getattr(cb, "train_network", None) or
+                      getattr(cb, "network", None), optimizer=getattr(cb, "optimizer", None))
+
+    def _frag(self) -> float | None:
+        if self.frag_fn is not None:
+            return self.frag_fn()
+        ratios = [a.frag_ratio() for a in self.arenas]
+        ratios = [r for r in ratios if r is not None]
+        return max(ratios) if ratios else None
+
+    def step_end(self, step: int, *, network: Any = None, optimizer: Any = None) -> dict | None:
+        """Compact if ``step`` is due; returns the scan-log record, or ``None``."""
+        if step % self.every:
+            return None
+        frag = self._frag()
+        want = self.when_frag_above is None or (frag is not None and frag > self.when_frag_above)
+        rank, _ = _rank_and_world()
+        barrier = self.barrier
+        if barrier is not None:
+            _synchronize()   # this rank's collectives of the step are done
+            want = barrier.agree(step, want)
+        if not want:
+            return None
+        record = self._compact(step, rank, network, optimizer)
+        if barrier is not None:
+            barrier.agree(step, True)  # nobody starts the next step while a peer still moves memory
+        return record
+
+    def _compact(self, step: int, rank: int, network: Any, optimizer: Any) -> dict:
+        pool_before = measure(self.layout_fn()) if self.layout_fn is not None else None
+        t0 = time.perf_counter()
+        arena_reports = [a.compact() for a in self.arenas]
+        live_report = None
+        if self.live:
+            tensors = long_lived_tensors(network, optimizer, extra=self.tensors)
+            if tensors:
+                live_report = live_compact(tensors, verify=self.verify)
+        seconds = time.perf_counter() - t0
+        pool_after = measure(self.layout_fn()) if self.layout_fn is not None else None
+        # the record's before/after figures are the most fragmented arena's (all are listed)
+        worst = max(arena_reports, key=lambda r: (r.frag_ratio_before is not None, r.frag_ratio_before or 0.0),
+                    default=None)
+        record = {
+            "kind": "compaction", "step": step, "rank": rank, "time": time.time(),
+            "frag_ratio_before": worst.frag_ratio_before if worst else None,
+            "frag_ratio_after": worst.frag_ratio_after if worst else None,
+            "largest_free_before": worst.largest_free_before if worst else None,
+            "largest_free_after": worst.largest_free_after if worst else None,
+            "free_total": worst.free_total if worst else None,
+            "bytes_moved": sum(r.bytes_moved for r in arena_reports) + (live_report.bytes if live_report else 0),
+            "seconds": seconds,
+            "arenas": [r.to_dict() for r in arena_reports],
+            "live": live_report.to_dict() if live_report else None,
+        }
+        if pool_before is not None:
+            record.update(frag_ratio_before=pool_before.frag_ratio, frag_ratio_after=pool_after.frag_ratio,
+                          largest_free_before=pool_before.largest_free,
+                          largest_free_after=pool_after.largest_free, free_total=pool_after.free_total)
+        self.records.append(record)
+        if self.log_path is not None:
+            _append_jsonl(self.log_path, record)
+        logger.info("compaction at step %d on rank %d: %d bytes moved in %.3f s", step, rank,
+                    record["bytes_moved"], seconds)
+        return record

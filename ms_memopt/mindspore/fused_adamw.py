@@ -1,0 +1,298 @@
+"""``FusedAdamW``: AdamW over flat, contiguous regions, one FP32-domain pass per region.
+
+A drop-in for ``nn.AdamWeightDecay``. Parameters are split into *buckets* (same dtype, same
+learning rate, same weight decay) and each bucket gets:
+
+* a **parameter region**: the bucket's parameters moved into one contiguous buffer
+  (``combine_tensor_list_contiguous``); every parameter is a view of it;
+* an **optimizer region**: flat float32 ``Parameter``s ``m`` and ``v`` (and, for fp16/bf16
+  parameters, a float32 ``master`` copy), in the same order as the parameters;
+* a **gradient region**: the step's gradients concatenated into one flat buffer.
+
+One step of one bucket is: concatenate the gradients, cast them to float32 once, run one
+``ops.AdamWeightDecay`` kernel over the whole region (m, v and the float32 weights are updated
+in place), and for low-precision parameters write the cast master into the parameter region
+with a single ``copy_``. ``nn.AdamWeightDecay`` runs one kernel per parameter instead.
+
+Bias correction is folded into the kernel's scalars (exact algebra, see ``_folded_scalars``)::
+
+    m_hat / (sqrt(v_hat) + eps) = m * (sqrt(c2) / c1) / (sqrt(v) + eps * sqrt(c2)),
+    c1 = 1 - beta1**t, c2 = 1 - beta2**t
+
+so ``lr' = lr * sqrt(c2) / c1``, ``eps' = eps * sqrt(c2)`` and ``wd' = wd * c1 / sqrt(c2)``
+(making ``lr' * wd' = lr * wd``, the decoupled decay).
+
+Why not the alternatives (measured on CPU, see docs/pool_mode.md): per-parameter kernels are
+what we replace; ``ops.FusedCastAdamWeightDecay`` keeps no float32 master and has no bias
+correction; ``mint.optim.FusedAdamW`` has no CPU kernel.
+
+Works in PyNative mode (MindSpore's default), with ``Model.train`` and with functional loops.
+The state (``m``, ``v``, ``master``, ``global_step``) is made of ``Parameter``s, so
+``ms.save_checkpoint(optimizer, path)`` / ``load_param_into_net(optimizer, ...)`` round-trip.
+Loading replaces parameter data (``set_data``), which breaks the views; the next step notices
+(data pointers no longer match) and rebuilds the region from the loaded values.
+
+Example:
+    >>> opt = FusedAdamW(net.trainable_params(), learning_rate=1e-3, weight_decay=0.01)  # doctest: +SKIP
+    >>> train_step = nn.TrainOneStepCell(net_with_loss, opt)                             # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.hal.contiguous_tensors_handle import combine_tensor_list_contiguous
+
+__all__ = ["FusedAdamW", "Bucket"]
+
+
+@dataclass
+class Bucket:
+    """Parameters updated by one kernel call: same dtype, learning rate and weight decay.
+
+    A bucket is the sub-range ``[start, end)`` (in elements) of its dtype's region.
+
+    Attributes:
+        index: position in ``FusedAdamW.buckets``; names the state Parameters.
+        dtype: parameter dtype.
+        start, end: element range inside the dtype region.
+        weight_decay: decoupled weight decay of every parameter here.
+        lr_index: which learning rate (index into the optimizer's lr tuple; 0 when not grouped).
+    """
+
+    index: int
+    dtype: object
+    start: int
+    end: int
+    weight_decay: float
+    lr_index: int
+    view: Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class DtypeRegion:
+    """All parameters of one dtype in one contiguous buffer (the pool-mode parameter region).
+
+    Attributes:
+        dtype: element type.
+        param_indices: positions in ``optimizer.parameters``, in region (address) order.
+        numel: elements in the region.
+        buckets: the kernel sub-ranges, in address order.
+    """
+
+    dtype: object
+    param_indices: list[int]
+    numel: int = 0
+    buckets: list[Bucket] = field(default_factory=list)
+    handle: object = None
+    flat: Tensor | None = None
+    data_ptrs: list[int] = field(default_factory=list)
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.dtype == ms.float32 else 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+class FusedAdamW(nn.Optimizer):
+    """AdamW with bias correction and decoupled weight decay over flat float32 regions.
+
+    Update at step t (1-based)::
+
+        m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g
+        m_hat = m / (1 - b1**t);  v_hat = v / (1 - b2**t)      (if bias_correction)
+        p = p - lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)
+
+    Args:
+        params: list of ``Parameter``s, or parameter groups (dicts with ``params`` and
+            optionally ``lr``, ``weight_decay``; plus ``order_params``) as MindSpore optimizers
+            take them.
+        learning_rate: float, Tensor, or ``LearningRateSchedule``.
+        beta1, beta2, eps: Adam constants.
+        weight_decay: decoupled weight decay (float). As in ``nn.AdamWeightDecay`` without
+            groups, parameters whose name contains ``beta`` or ``gamma`` are not decayed.
+        bias_correction: divide the moments by ``1 - beta**t``.
+
+    The update runs in float32 for float32, float16 and bfloat16 parameters; low-precision
+    parameters keep a float32 master copy in the optimizer state. Gradients must come in the
+    parameter dtype (checked once, on the first step).
+    """
+
+    def __init__(self, params, learning_rate=1e-3, beta1: float = 0.9, beta2: float = 0.999,
+                 eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True) -> None:
+        super().__init__(learning_rate, params, weight_decay)
+        if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
+            raise ValueError(f"beta1 and beta2 must be in [0, 1), got {beta1}, {beta2}")
+        if eps <= 0:
+            raise ValueError(f"eps must be positive, got {eps}")
+        if self.dynamic_weight_decay:
+            raise ValueError("FusedAdamW takes a constant weight_decay per group, not a schedule Cell")
+        self.beta1 = float(beta1)
+        self.beta2 = float(beta2)
+        self.eps = float(eps)
+        self.bias_correction = bool(bias_correction)
+        self._kernel = ops.AdamWeightDecay()
+        self.regions: list[DtypeRegion] = self._make_regions()
+        self.buckets: list[Bucket] = [b for r in self.regions for b in r.buckets]
+        for region in self.regions:
+            self._combine(region)
+        zeros = lambda n: Tensor(np.zeros(n, np.float32))
+        # ParameterTuples register the state with the Cell, so save_checkpoint(optimizer) has it.
+        self.moments1 = ms.ParameterTuple(
+            Parameter(zeros(b.numel), name=f"fused_adamw.m.{b.index}", requires_grad=False) for b in self.buckets)
+        self.moments2 = ms.ParameterTuple(
+            Parameter(zeros(b.numel), name=f"fused_adamw.v.{b.index}", requires_grad=False) for b in self.buckets)
+        self._master_of: dict[int, int] = {}
+        masters = []
+        for b in self.buckets:
+            if b.dtype != ms.float32:
+                self._master_of[b.index] = len(masters)
+                masters.append(Parameter(b.view.astype(ms.float32), name=f"fused_adamw.master.{b.index}",
+                                         requires_grad=False))
+        self.masters = ms.ParameterTuple(masters)
+        self._host_step = 0
+        self._global_step_ptr = None
+        self._grad_dtypes_checked = False
+
+    # -- construction -------------------------------------------------------------------------
+    def _make_regions(self) -> list[DtypeRegion]:
+        params = list(self._parameters)
+        wds = self._weight_decays()
+        lr_ids = [id(self.learning_rate[i]) if self.is_group_lr else 0 for i in range(len(params))]
+        by_key: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            by_key.setdefault((str(p.dtype), lr_ids[i], wds[i]), []).append(i)
+        regions: dict[str, DtypeRegion] = {}
+        for (dtype_name, _, wd), indices in by_key.items():
+            dtype = params[indices[0]].dtype
+            region = regions.setdefault(dtype_name, DtypeRegion(dtype, []))
+            numel = sum(int(np.prod(params[i].shape, dtype=np.int64)) for i in indices)
+            bucket = Bucket(0, dtype, region.numel, region.numel + numel, wd,
+                            indices[0] if self.is_group_lr else 0)
+            region.param_indices += indices
+            region.numel += numel
+            region.buckets.append(bucket)
+        out = list(regions.values())
+        for k, bucket in enumerate(b for r in out for b in r.buckets):
+            bucket.index = k
+        return out
+
+    def _weight_decays(self) -> list[float]:
+        if self.is_group:
+            return [float(wd.asnumpy()) if flag else 0.0
+                    for wd, flag in zip(self.weight_decay, self.decay_flags)]
+        wd = float(self.weight_decay.asnumpy())
+        return [wd if flag else 0.0 for flag in self.decay_flags]
+
+    def _combine(self, region: DtypeRegion) -> None:
+        """Move the region's parameters into one contiguous buffer and keep views of it."""
+        params = [self._parameters[i] for i in region.param_indices]
+        region.handle = combine_tensor_list_contiguous(params, True)
+        if int(region.handle.handle_shape) != region.numel:
+            # Alignment padding between tensors (device-dependent) would misalign the flat
+            # gradient and state buffers against the parameter region.
+            raise RuntimeError(f"padded contiguous region ({region.handle.handle_shape} elements for "
+                               f"{region.numel}); FusedAdamW needs an unpadded region on this device")
+        region.flat = region.handle[0:region.numel]
+        for bucket in region.buckets:
+            bucket.view = region.handle[bucket.start:bucket.end]
+        region.data_ptrs = [p.data_ptr() for p in params]
+
+    def _ensure_regions(self) -> None:
+        """Rebuild a region whose parameters were given new data (checkpoint load, set_data)."""
+        for region in self.regions:
+            params = [self._parameters[i] for i in region.param_indices]
+            if all(p.data_ptr() == ptr for p, ptr in zip(params, region.data_ptrs)):
+                continue
+            self._combine(region)
+            for bucket in region.buckets:
+                if bucket.dtype == ms.float32:
+                    continue
+                master = self.masters[self._master_of[bucket.index]]
+                # A loaded optimizer checkpoint brings its own master; keep it when it matches
+                # the loaded parameters, otherwise (weights loaded alone) restart from them.
+                if not np.array_equal(master.astype(bucket.dtype).asnumpy(), bucket.view.asnumpy()):
+                    master.copy_(bucket.view.astype(ms.float32))
+
+    # -- regions, for pool mode ---------------------------------------------------------------
+    def region_bytes(self) -> dict[str, int]:
+        """Bytes per region: ``parameters.<dtype>``, ``gradients``, ``optimizer`` (m, v, master)."""
+        sizes = {f"parameters.{_dtype_name(r.dtype)}": r.nbytes for r in self.regions}
+        sizes["gradients"] = sum(r.nbytes for r in self.regions)
+        sizes["optimizer"] = sum(r.numel * 4 * (2 if r.dtype == ms.float32 else 3) for r in self.regions)
+        return sizes
+
+    # -- the step -----------------------------------------------------------------------------
+    def _folded_scalars(self, step: int, lr, wd: float):
+        """(lr', eps', wd') so that the bias-free kernel computes the bias-corrected update."""
+        if not self.bias_correction:
+            return lr, self.eps, wd
+        c1 = 1.0 - self.beta1 ** step
+        c2 = 1.0 - self.beta2 ** step
+        root_c2 = math.sqrt(c2)
+        return lr * (root_c2 / c1), self.eps * root_c2, wd * c1 / root_c2
+
+    def _sync_step(self) -> None:
+        """Re-read the step count when ``global_step`` was given new data (checkpoint load)."""
+        ptr = self.global_step.data_ptr()
+        if ptr != self._global_step_ptr:
+            self._host_step = int(self.global_step.asnumpy().reshape(-1)[0])
+            self._global_step_ptr = ptr
+
+    def _check_grad_dtypes(self, gradients) -> None:
+        # Reading .dtype waits for the backward pass, so this runs on the first step only.
+        for region in self.regions:
+            for i in region.param_indices:
+                if gradients[i].dtype != region.dtype:
+                    raise TypeError(f"gradient {i} has dtype {gradients[i].dtype}, its parameter "
+                                    f"{self._parameters[i].name} has {region.dtype}; FusedAdamW "
+                                    "expects gradients in the parameter dtype")
+        self._grad_dtypes_checked = True
+
+    def construct(self, gradients):
+        if not self._grad_dtypes_checked:
+            self._check_grad_dtypes(gradients)
+        self._ensure_regions()
+        self._sync_step()
+        lrs = self.get_lr()
+        self.assignadd(self.global_step, self.global_step_increase_tensor)
+        self._host_step += 1
+        for region in self.regions:
+            # The gradient region: one C++ call moves every gradient of this dtype into one
+            # buffer, several times faster on CPU than reshape + concat (one view op per tensor).
+            # combine copies raw storage, so strided gradients (e.g. of a transposed weight)
+            # must be made contiguous first; is_contiguous reads host-side metadata only.
+            grads = combine_tensor_list_contiguous(
+                [g if g.is_contiguous() else g.contiguous()
+                 for g in (gradients[i] for i in region.param_indices)], True)
+            low_precision = region.dtype != ms.float32
+            flat_grad = grads[0:region.numel]
+            if low_precision:
+                flat_grad = flat_grad.astype(ms.float32)
+            for bucket in region.buckets:
+                lr = lrs[bucket.lr_index] if self.is_group_lr else lrs
+                lr_folded, eps, wd = self._folded_scalars(self._host_step, lr, bucket.weight_decay)
+                grad = flat_grad if len(region.buckets) == 1 else flat_grad[bucket.start:bucket.end]
+                m, v = self.moments1[bucket.index], self.moments2[bucket.index]
+                if low_precision:
+                    master = self.masters[self._master_of[bucket.index]]
+                    self._kernel(master, m, v, lr_folded, self.beta1, self.beta2, eps, wd, grad)
+                    bucket.view.copy_(master.astype(bucket.dtype))
+                else:
+                    # The region is the parameters themselves: updated in place, no write-back.
+                    self._kernel(bucket.view, m, v, lr_folded, self.beta1, self.beta2, eps, wd, grad)
+        return True
+
+
+def _dtype_name(dtype) -> str:
+    return {ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bfloat16"}.get(dtype, str(dtype))

@@ -1,0 +1,322 @@
+"""Pool mode for MindSpore Cells: recompute every k blocks, contiguous regions, one plan.
+
+``enable_pool_mode(network, optimizer=None, checkpoint_every=6)`` does three things and returns
+the :class:`~ms_memopt.poolplan.PoolPlan` it followed:
+
+1. **Recompute groups.** It finds the Transformer blocks (the longest run of consecutive
+   cells of one class inside a ``CellList``/``SequentialCell``, or the ``blocks`` given), puts
+   each run of ``k`` consecutive blocks into one :class:`RecomputeGroup` and calls
+   ``.recompute()`` on it: backward keeps only each group's input and recomputes the inside.
+   The group takes the place of its first block in the container and the other places get
+   a :class:`Passthrough`, so a parent that loops over the container or indexes it by layer
+   number still runs every block once, in order. Parameter names do not change.
+2. **Contiguous regions.** Parameters are moved, by dtype, into contiguous buffers
+   (``combine_tensor_list_contiguous``) that live for the whole job. With a
+   :class:`~ms_memopt.mindspore.fused_adamw.FusedAdamW` optimizer its regions are used
+   (parameters by dtype, a flat gradient buffer, flat fp32 m/v/master in parameter order).
+3. **The activation region** is sized for the largest recompute group (see
+   :func:`activation_bytes`) and, on Ascend, reserved up front with
+   ``ms.runtime.set_memory(init_size=...)`` (see docs/pool_mode.md for why this option).
+
+Blocks must take the hidden state as first input and return one tensor of the same shape;
+extra inputs (masks, position ids) are passed to every block of a group unchanged.
+
+Example:
+    >>> net = GPT(GPTConfig(num_layers=12))                                   # doctest: +SKIP
+    >>> plan = enable_pool_mode(net, checkpoint_every=6, batch_size=8)       # doctest: +SKIP
+    >>> plan.region("activations").size                                     # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import mindspore as ms
+from mindspore import nn
+from mindspore.hal.contiguous_tensors_handle import combine_tensor_list_contiguous
+
+from ..poolplan import PoolPlan
+
+__all__ = ["enable_pool_mode", "RecomputeGroup", "Passthrough", "find_blocks", "activation_bytes",
+           "ActivationEstimate", "reserve_pool"]
+
+_GB = 1024 ** 3
+
+
+class RecomputeGroup(nn.Cell):
+    """Runs consecutive blocks in order; recomputed as one unit in backward.
+
+    ``blocks`` are held in a plain Python tuple and registered under their original
+    container indices' names so parameter names stay what they were.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Cell], first_index: int) -> None:
+        super().__init__(auto_prefix=False)
+        self.first_index = first_index
+        self.layers = nn.CellList(list(blocks), auto_prefix=False)
+
+    def construct(self, x, *args):
+        for layer in self.layers:
+            x = layer(x, *args)
+        return x
+
+
+class Passthrough(nn.Cell):
+    """Holds a place in the block container; returns its first input (the block moved into a group)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(auto_prefix=False)
+        self.index = index
+
+    def construct(self, x, *args):
+        return x
+
+
+@dataclass
+class ActivationEstimate:
+    """Bytes of activations kept for backward (our accounting; see :func:`activation_bytes`).
+
+    Attributes:
+        per_block: bytes one block keeps for backward without recompute.
+        boundary: bytes of one block input (what a recompute group keeps).
+        num_blocks: blocks in the network.
+        group_size: blocks per recompute group (0 = no recompute).
+        without_recompute: ``num_blocks * per_block``.
+        with_recompute: ``num_groups * boundary + group_size * per_block`` (the kept group
+            inputs plus the one group being recomputed at a time).
+    """
+
+    per_block: int
+    boundary: int
+    num_blocks: int
+    group_size: int
+    without_recompute: int = 0
+    with_recompute: int = 0
+
+    def __post_init__(self) -> None:
+        self.without_recompute = self.num_blocks * self.per_block
+        if self.group_size <= 0:
+            self.with_recompute = self.without_recompute
+        else:
+            k = min(self.group_size, self.num_blocks)
+            groups = math.ceil(self.num_blocks / k)
+            self.with_recompute = groups * self.boundary + k * self.per_block
+
+    @property
+    def ratio(self) -> float:
+        """``with_recompute / without_recompute`` (about 1/k for many blocks)."""
+        return self.with_recompute / self.without_recompute if self.without_recompute else 1.0
+
+
+def activation_bytes(per_block: int, boundary: int, num_blocks: int, group_size: int) -> ActivationEstimate:
+    """Activation bytes with and without recompute groups of ``group_size`` blocks.
+
+    Example:
+        >>> e = activation_bytes(per_block=1000, boundary=50, num_blocks=12, group_size=6)
+        >>> e.without_recompute, e.with_recompute
+        (12000, 6100)
+    """
+    return ActivationEstimate(int(per_block), int(boundary), int(num_blocks), int(group_size))
+
+
+def find_blocks(network: nn.Cell, blocks: Sequence[nn.Cell] | None = None):
+    """Locate the Transformer blocks: returns ``(container, [indices])``.
+
+    Without ``blocks``: the longest run (>= 2) of consecutive cells of one class inside any
+    ``CellList``/``SequentialCell`` of ``network``. With ``blocks``: the container that
+    holds them, consecutively and in order.
+
+    Raises:
+        ValueError: no such run, or ``blocks`` are not consecutive members of one container.
+    """
+    best = None
+    for _, cell in network.cells_and_names():
+        if not isinstance(cell, (nn.CellList, nn.SequentialCell)):
+            continue
+        children = list(cell)
+        if blocks is not None:
+            ids = [id(c) for c in children]
+            try:
+                first = ids.index(id(blocks[0]))
+            except ValueError:
+                continue
+            indices = list(range(first, first + len(blocks)))
+            if indices[-1] < len(children) and all(children[i] is b for i, b in zip(indices, blocks)):
+                return cell, indices
+            raise ValueError("the given blocks are not consecutive, in order, in one CellList/SequentialCell")
+        start = 0
+        for i in range(1, len(children) + 1):
+            if i == len(children) or type(children[i]) is not type(children[start]):
+                if i - start >= 2 and (best is None or i - start > len(best[1])):
+                    best = (cell, list(range(start, i)))
+                start = i
+    if blocks is not None:
+        raise ValueError("the given blocks are not in any CellList/SequentialCell of the network")
+    if best is None:
+        raise ValueError("no run of >= 2 consecutive cells of one class in a CellList/SequentialCell; "
+                         "pass blocks= explicitly")
+    return best
+
+
+def _apply_recompute(container, indices: list[int], k: int) -> list[list[int]]:
+    """Replace runs of k blocks by recomputed groups (in place); returns the groups' indices."""
+    names = {id(p): p.name for p in container.get_parameters()}
+    groups = [indices[i:i + k] for i in range(0, len(indices), k)]
+    children = list(container)
+    for group in groups:
+        cell = RecomputeGroup([children[i] for i in group], group[0])
+        cell.recompute()
+        container[group[0]] = cell
+        for i in group[1:]:
+            container[i] = Passthrough(i)
+    # Re-registering cells may prefix parameter names; checkpoints need the old ones.
+    for p in container.get_parameters():
+        if id(p) in names:
+            p.name = names[id(p)]
+    return groups
+
+
+def _combine_parameters(network: nn.Cell) -> dict[str, int]:
+    """Move trainable parameters, grouped by dtype, into contiguous buffers; bytes per dtype."""
+    by_dtype: dict[str, list] = {}
+    for p in network.trainable_params():
+        by_dtype.setdefault(_dtype_name(p.dtype), []).append(p)
+    sizes = {}
+    handles = []
+    for name, params in by_dtype.items():
+        handle = combine_tensor_list_contiguous(params, True)
+        handles.append(handle)
+        sizes[f"parameters.{name}"] = int(handle.total_padding_size)
+    # The handles only describe the buffers (parameters keep them alive); kept for inspection.
+    network._pool_mode_handles = handles
+    return sizes
+
+
+def _dtype_name(dtype) -> str:
+    return {ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bfloat16"}.get(dtype, str(dtype))
+
+
+def reserve_pool(plan: PoolPlan, *, headroom: float = 0.0, optimize_level: str | None = None,
+                 force: bool = False) -> str:
+    """Reserve ``plan.total`` bytes up front via ``ms.runtime.set_memory(init_size=...)``.
+
+    The pool's first block then holds every region, so nothing is cut from blocks grown
+    later. Only done on Ascend (or with ``force``), only once per process (MindSpore
+    refuses a second ``set_memory``), and before the first device allocation to take effect.
+
+    Args:
+        plan: the plan to reserve for.
+        headroom: extra fraction on top of ``plan.total`` (workspace the plan does not know).
+        optimize_level: ``"O1"`` asks graph mode for static (SOMAS) activation reuse.
+
+    Returns:
+        What was done, for the plan's notes.
+    """
+    target = ms.get_context("device_target")
+    if target != "Ascend" and not force:
+        return f"not reserved: device {target} (set_memory only shapes the Ascend/GPU pools)"
+    gb = max(plan.total * (1.0 + headroom) / _GB, 1.0 / 1024)
+    init = f"{math.ceil(gb * 1000) / 1000:.3f}GB"
+    kwargs = {"init_size": init}
+    if optimize_level:
+        kwargs["optimize_level"] = optimize_level
+    try:
+        ms.runtime.set_memory(**kwargs)
+    except RuntimeError as exc:  # already configured by the user or an earlier call
+        return f"not reserved: {exc}"
+    return f"set_memory({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+
+
+@dataclass
+class _Options:
+    communication_bytes: int = 0
+    workspace_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, checkpoint_every: int = 6,
+                     blocks: Sequence[nn.Cell] | None = None, *, batch_size: int = 1,
+                     activation_estimator: Callable[[int], tuple[int, int]] | None = None,
+                     communication_bytes: int = 0, workspace_bytes: int = 0, alignment: int = 512,
+                     combine_parameters: bool = True, reserve: bool | str = "auto",
+                     optimize_level: str | None = None) -> PoolPlan:
+    """Switch ``network`` to pool mode and return the plan (see the module docstring).
+
+    Args:
+        network: the model (or the model-with-loss) holding the Transformer blocks.
+        optimizer: its optimizer; a ``FusedAdamW`` provides the parameter, gradient and
+            optimizer regions. Other optimizers: the optimizer region is estimated as AdamW
+            (fp32 m and v, plus an fp32 master for low-precision parameters).
+        checkpoint_every: blocks per recompute group ``k``; 0 or None disables recompute.
+        blocks: the blocks to group, when the automatic search would pick the wrong ones.
+        batch_size: samples per step, for the activation estimate.
+        activation_estimator: ``f(batch_size) -> (per_block_bytes, boundary_bytes)``.
+            Default: the demo GPT's accounting when ``network`` contains a ``GPT``.
+        communication_bytes, workspace_bytes: sizes of those regions.
+        alignment: region alignment in bytes.
+        combine_parameters: move parameters into per-dtype contiguous buffers (skipped when a
+            ``FusedAdamW`` already did it).
+        reserve: ``"auto"`` reserves on Ascend only, ``True`` always tries, ``False`` never.
+        optimize_level: passed to ``set_memory`` when reserving (``"O1"``: static reuse in graph mode).
+
+    Returns:
+        The :class:`PoolPlan`; ``plan.notes`` has the recompute groups, the activation
+        estimate with and without recompute, and what was reserved.
+    """
+    from .fused_adamw import FusedAdamW
+    from .model import GPT, activation_bytes_per_block, dtype_bytes
+
+    container, indices = find_blocks(network, blocks)
+    k = int(checkpoint_every or 0)
+    groups = _apply_recompute(container, indices, k) if k > 0 else []
+
+    if activation_estimator is None:
+        gpt = next((c for _, c in network.cells_and_names() if isinstance(c, GPT)), None)
+        if gpt is not None:
+            cfg = gpt.config
+
+            def activation_estimator(b):  # noqa: E306 - the GPT's own accounting
+                return (activation_bytes_per_block(cfg, b),
+                        b * cfg.seq_length * cfg.hidden_size * dtype_bytes(cfg.dtype))
+    if activation_estimator is not None:
+        per_block, boundary = activation_estimator(batch_size)
+    else:
+        per_block, boundary = 0, 0
+    estimate = activation_bytes(per_block, boundary, len(indices), k)
+
+    if isinstance(optimizer, FusedAdamW):
+        sizes = dict(optimizer.region_bytes())
+    else:
+        sizes = _combine_parameters(network) if combine_parameters else {
+            f"parameters.{_dtype_name(p.dtype)}": 0 for p in network.trainable_params()}
+        if not combine_parameters:
+            for p in network.trainable_params():
+                sizes[f"parameters.{_dtype_name(p.dtype)}"] += p.size * (4 if p.dtype == ms.float32 else 2)
+        params = list(network.trainable_params())
+        sizes["gradients"] = sum(p.size * (4 if p.dtype == ms.float32 else 2) for p in params)
+        sizes["optimizer"] = sum(p.size * (8 if p.dtype == ms.float32 else 12) for p in params)
+    sizes["activations"] = estimate.with_recompute
+    if communication_bytes:
+        sizes["communication"] = int(communication_bytes)
+    if workspace_bytes:
+        sizes["workspace"] = int(workspace_bytes)
+    notes = {
+        "checkpoint_every": k,
+        "num_blocks": len(indices),
+        "recompute_groups": groups,
+        "activation_per_block": estimate.per_block,
+        "activation_boundary": estimate.boundary,
+        "activation_without_recompute": estimate.without_recompute,
+        "activation_with_recompute": estimate.with_recompute,
+        "activation_ratio": estimate.ratio,
+        "batch_size": batch_size,
+        "device": ms.get_context("device_target"),
+    }
+    plan = PoolPlan.build(sizes, alignment, rings=("activations",), notes=notes)
+    if reserve is True or (reserve == "auto" and ms.get_context("device_target") == "Ascend"):
+        plan.notes["reservation"] = reserve_pool(plan, optimize_level=optimize_level, force=reserve is True)
+    else:
+        plan.notes["reservation"] = "not reserved (reserve=%r, device %s)" % (reserve, ms.get_context("device_target"))
+    network._pool_plan = plan
+    return plan

@@ -1,0 +1,598 @@
+"""Standalone training on one device: the job behind ``ms-memopt run RECIPE``.
+
+Trains the GPT of :mod:`ms_memopt.mindspore.model`, sized by the recipe's
+``model.model_config``, on one device (``auto``: an Ascend card when MindSpore can use one,
+else the CPU) with the recipe's memory tooling switched on:
+
+* **data**: ``memopt.train.dataset: synthetic`` (seeded token batches), or a path to a
+  ``.npy`` file of token ids: a 1-D array (a token stream cut into consecutive windows of
+  ``seq_length + 1``) or a 2-D array ``(samples, seq_length + 1)``; integer ids in
+  ``[0, vocab_size)``. Batch ``i`` always holds the same samples, so a resumed run sees the
+  data an uninterrupted one would.
+* **optimizer**: ``FusedAdamW`` when ``optimizer.type`` names it or pool mode is on, else
+  MindSpore's ``nn.AdamWeightDecay``; learning rate ``memopt.train.learning_rate``.
+* **pool mode** (``memopt.pool_mode``): ``enable_pool_mode(net, optimizer, checkpoint_every)``.
+* **callbacks**, driven by this module's loop through MindSpore's ``Callback`` protocol
+  (``on_train_begin``/``on_train_step_end``/... with a ``RunContext`` whose
+  ``original_args()`` carries ``cur_step_num`` (the global step), ``net_outputs``,
+  ``network``, ``train_network``, ``optimizer``...): ``LayoutScanCallback`` every
+  ``memopt.scan_every`` steps, ``CompactionCallback`` every ``memopt.compact_every`` steps,
+  a checkpoint writer, a JSONL step log and a tqdm progress bar (step, loss, step time, frag
+  ratio). A callback whose module is not installed is skipped and named in
+  ``RunResult.not_wired``.
+* **out directory**: ``train.jsonl`` (one line per step), ``scan.jsonl``, ``layouts.jsonl``
+  (pool layouts at a few scans, for the memory map), ``checkpoints/step_NNNNNN.ckpt``
+  (``mindspore.save_checkpoint`` of the network and the optimizer state, plus the step),
+  ``run.json`` (what ran, where, how long).
+
+Resume: ``resume=True`` loads the newest checkpoint and continues at the next step with the
+same batches, so the losses equal those of an uninterrupted run (tested on CPU).
+
+Why our own loop rather than ``Model.train``: ``Model.train`` numbers steps from 1 in every
+call, and resuming mid-epoch needs both the global step (for the ``every N`` callbacks) and
+the data position; driving the callbacks directly keeps both exact and the callbacks
+unchanged.
+
+Example:
+    >>> from ms_memopt.recipe import load_recipe                        # doctest: +SKIP
+    >>> result = run_standalone(load_recipe("recipes/demo_cpu.yaml"), "out/run")  # doctest: +SKIP
+    >>> result.losses[-1] < result.losses[0]                           # doctest: +SKIP
+    True
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn
+from mindspore.train import Callback, RunContext
+
+from ..errors import InputError
+from ..layout import Layout
+from ..recipe import Recipe
+from ..report import LAYOUTS_NAME, layout_to_dict
+
+__all__ = ["RunResult", "select_device", "gpt_config_from_recipe", "token_batches", "run_standalone",
+           "latest_checkpoint", "TRAIN_LOG_NAME", "RUN_META_NAME"]
+
+logger = logging.getLogger("ms_memopt.standalone")
+
+TRAIN_LOG_NAME = "train.jsonl"
+RUN_META_NAME = "run.json"
+RUN_LOG_NAME = "run.log"
+SCAN_LOG_NAME = "scan.jsonl"   # under rank_N/, written by LayoutScanCallback
+_CKPT_DIR = "checkpoints"
+_CKPT_RE = re.compile(r"^step_(\d+)\.ckpt$")
+_FUSED_NAMES = {"fusedadamw", "fused_adamw"}
+
+
+@dataclass
+class RunResult:
+    """What a standalone run did. Times in seconds, sizes in bytes.
+
+    ``losses[i]`` is the loss of step ``start_step + i`` (steps are 1-based); ``not_wired``
+    names the features the recipe asked for that this installation could not provide.
+    """
+    out: str
+    device: str
+    start_step: int
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    checkpoints: list[str] = field(default_factory=list)
+    scans: int = 0
+    compactions: int = 0
+    optimizer: str = ""
+    pool_mode: bool = False
+    notes: list[str] = field(default_factory=list)
+    not_wired: list[str] = field(default_factory=list)
+    model: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- device, model, data -------------------------------------------------------------------------
+
+def _ascend_visible() -> bool:
+    # Asking MindSpore about Ascend on a machine without CANN prints a loud dlopen error; the
+    # toolkit's environment (or its default install dir) is the cheap, quiet first test.
+    return bool(os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")
+                or Path("/usr/local/Ascend").exists())
+
+
+def select_device(requested: str = "auto") -> str:
+    """``"CPU"`` or ``"Ascend"``: ``auto`` takes Ascend when MindSpore can use it, else CPU.
+
+    Raises:
+        InputError: ``ascend`` asked for where no Ascend device is usable, or an unknown name.
+    """
+    name = (requested or "auto").lower()
+    if name not in ("auto", "cpu", "ascend"):
+        raise InputError(f"got {requested!r}; expected auto, cpu or ascend", key="--device")
+    if name == "cpu":
+        return "CPU"
+    usable = False
+    if _ascend_visible():
+        try:
+            usable = bool(ms.hal.is_available("Ascend"))
+        except Exception:  # a broken CANN install is the same as none for our choice
+            usable = False
+    if name == "ascend" and not usable:
+        raise InputError("no usable Ascend device here (MindSpore's Ascend backend did not load); "
+                         "use --device cpu or auto", key="--device")
+    return "Ascend" if usable else "CPU"
+
+
+def _use_device(target: str) -> None:
+    """Select the device once; a process whose runtime already runs on ``target`` keeps it."""
+    if ms.get_context("device_target") == target:
+        return
+    try:
+        ms.set_device(target)
+    except RuntimeError as exc:   # MindSpore's runtime is initialised for another device
+        raise InputError(f"this process already runs MindSpore on {ms.get_context('device_target')}; "
+                         f"cannot switch to {target} ({exc})", key="--device") from None
+
+
+def gpt_config_from_recipe(recipe: Recipe, device: str):
+    """The :class:`~ms_memopt.mindspore.model.GPTConfig` for ``recipe`` on ``device``, and notes.
+
+    The demo GPT has LayerNorm, a plain GELU MLP of width ``intermediate_size`` and full
+    multi-head attention, so ``n_kv_heads`` and the gated FFN of a LLaMA config are not
+    reproduced (noted). bfloat16 becomes float32 on CPU, whose bf16 kernels are incomplete.
+    """
+    from .model import GPTConfig
+
+    m = recipe.model
+    notes = []
+    dtype, param_dtype = m.compute_dtype, m.param_init_type
+    if device == "CPU":
+        if "bfloat16" in (dtype, param_dtype):
+            notes.append("bfloat16 replaced by float32 on CPU (MindSpore's CPU bf16 kernels are incomplete)")
+        dtype = "float32" if dtype == "bfloat16" else dtype
+        param_dtype = "float32" if param_dtype == "bfloat16" else param_dtype
+    if m.n_kv_heads != m.num_heads:
+        notes.append(f"n_kv_heads={m.n_kv_heads} not modelled: the GPT uses {m.num_heads} full heads")
+    if m.ffn_gated:
+        notes.append("gated FFN (SwiGLU) modelled as a plain GELU MLP of the same width")
+    cfg = GPTConfig(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
+                    seq_length=m.seq_length, vocab_size=m.vocab_size,
+                    intermediate_size=m.intermediate_size, dtype=dtype, param_dtype=param_dtype,
+                    seed=recipe.memopt.train.seed)
+    return cfg, notes
+
+
+def _load_token_file(path: str, seq_length: int, vocab_size: int) -> np.ndarray:
+    """``(samples, seq_length + 1)`` int32 windows from a ``.npy`` of token ids."""
+    key = "memopt.train.dataset"
+    p = Path(path)
+    if p.suffix != ".npy":
+        raise InputError(f"got {path!r}; expected 'synthetic' or a .npy file of token ids", key=key)
+    try:
+        data = np.load(p, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read token ids from {path}: {exc}", key=key) from None
+    if not np.issubdtype(data.dtype, np.integer):
+        raise InputError(f"{path}: expected integer token ids, got dtype {data.dtype}", key=key)
+    width = seq_length + 1
+    if data.ndim == 1:
+        count = data.size // width
+        if count == 0:
+            raise InputError(f"{path}: {data.size} tokens, need at least seq_length + 1 = {width}", key=key)
+        windows = data[: count * width].reshape(count, width)
+    elif data.ndim == 2:
+        if data.shape[1] != width:
+            raise InputError(f"{path}: rows of {data.shape[1]} tokens; expected seq_length + 1 = {width}", key=key)
+        windows = data
+    else:
+        raise InputError(f"{path}: a {data.ndim}-D array; expected 1-D (a token stream) or 2-D "
+                         f"(samples, seq_length + 1)", key=key)
+    if windows.size and (windows.min() < 0 or windows.max() >= vocab_size):
+        raise InputError(f"{path}: token ids in [{windows.min()}, {windows.max()}]; expected "
+                         f"[0, vocab_size={vocab_size})", key=key)
+    return windows.astype(np.int32)
+
+
+def token_batches(config, dataset: str, batch_size: int, steps: int, seed: int = 0,
+                  start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Batches ``start .. steps-1`` as ``(input_ids, labels)`` int32 arrays of shape (B, S).
+
+    ``dataset`` is ``"synthetic"`` or a ``.npy`` path (see the module docstring); a file's
+    samples are used in order and wrap around. Batch ``i`` does not depend on ``start``.
+    """
+    if dataset == "synthetic":
+        from .model import synthetic_batches
+
+        for index, batch in enumerate(synthetic_batches(config, batch_size, steps, seed)):
+            if index >= start:
+                yield batch
+        return
+    windows = _load_token_file(dataset, config.seq_length, config.vocab_size)
+    n = len(windows)
+    for index in range(start, steps):
+        rows = windows[[(index * batch_size + j) % n for j in range(batch_size)]]
+        yield rows[:, :-1], rows[:, 1:]
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+def latest_checkpoint(out: str | Path) -> tuple[int, Path] | None:
+    """``(step, path)`` of the newest ``checkpoints/step_NNNNNN.ckpt`` under ``out``, or None."""
+    found = []
+    folder = Path(out) / _CKPT_DIR
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            match = _CKPT_RE.match(entry.name)
+            if match:
+                found.append((int(match.group(1)), entry))
+    return max(found) if found else None
+
+
+# --- callbacks -----------------------------------------------------------------------------------
+
+class _CallbackParams(dict):
+    """What ``RunContext.original_args()`` returns: a dict readable by attribute, like MindSpore's."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        self[name] = value
+
+
+class _StepLog(Callback):
+    """Appends ``{"step", "loss", "step_seconds", "time"}`` to ``train.jsonl`` every step."""
+
+    def __init__(self, path: Path, start_step: int) -> None:
+        super().__init__()
+        _truncate_jsonl(path, keep_through=start_step)
+        self.file = open(path, "a", encoding="utf-8")
+
+    def on_train_step_end(self, run_context):
+        p = run_context.original_args()
+        line = {"step": p.cur_step_num, "loss": p.loss_value, "step_seconds": round(p.step_seconds, 6),
+                "time": time.time()}
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
+    def on_train_end(self, run_context):
+        self.file.close()
+
+
+class _Checkpointer(Callback):
+    """Saves network + optimizer state every ``every`` steps and at the end; keeps ``keep`` files."""
+
+    def __init__(self, folder: Path, every: int | None, total: int, keep: int = 3) -> None:
+        super().__init__()
+        self.folder, self.every, self.total, self.keep = folder, every, total, keep
+        self.saved: list[str] = []
+
+    def on_train_step_end(self, run_context):
+        p = run_context.original_args()
+        step = p.cur_step_num
+        if step == self.total or (self.every and step % self.every == 0):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            path = self.folder / f"step_{step:06d}.ckpt"
+            ms.save_checkpoint(p.train_network, str(path), append_dict={"step": step})
+            self.saved.append(str(path))
+            for old in sorted(self.folder.glob("step_*.ckpt"))[:-self.keep]:
+                old.unlink(missing_ok=True)
+
+
+class _ProgressBar(Callback):
+    """tqdm bar: step, loss, step time and the frag ratio of the latest scan."""
+
+    def __init__(self, total: int, initial: int, scan_callback, enabled: bool) -> None:
+        super().__init__()
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, disable=not enabled,
+                        desc="train")
+        self.scan_callback = scan_callback
+        self.frag: float | None = None
+
+    def on_train_step_end(self, run_context):
+        p = run_context.original_args()
+        records = getattr(self.scan_callback, "records", None) or []
+        if records:
+            self.frag = records[-1].frag_ratio
+        frag = "n/a" if self.frag is None else f"{self.frag:.2f}"
+        self.bar.set_postfix_str(f"loss={p.loss_value:.4f} step={p.step_seconds * 1000:.0f}ms frag={frag}",
+                                 refresh=False)
+        self.bar.update(1)
+
+    def on_train_end(self, run_context):
+        self.bar.close()
+
+
+class _LayoutSnapshots(Callback):
+    """Writes the scanned pool's layout at a few scan steps to ``layouts.jsonl`` (memory map)."""
+
+    def __init__(self, path: Path, scan_callback, steps: set[int]) -> None:
+        super().__init__()
+        self.path, self.scan_callback, self.steps = path, scan_callback, steps
+
+    def on_train_step_end(self, run_context):
+        step = run_context.original_args().cur_step_num
+        if step not in self.steps:
+            return
+        layout = _scanned_layout(self.scan_callback)
+        if layout is None:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(layout_to_dict(layout, step=step, label=f"run step {step}")) + "\n")
+
+
+def _scanned_layout(scan_callback) -> Layout | None:
+    """The layout of the allocator model behind the scan callback's sources, when it has one."""
+    scanner = getattr(scan_callback, "scanner", None)
+    sources = getattr(scanner, "sources", None) or getattr(scan_callback, "sources", None) or []
+    for source in sources:
+        model = getattr(source, "model", None)
+        if model is not None and callable(getattr(model, "layout", None)):
+            try:
+                return model.layout()
+            except Exception:  # a model mid-update; skip this snapshot
+                logger.debug("layout snapshot failed", exc_info=True)
+    return None
+
+
+def _clear_outputs(out: Path) -> None:
+    """A fresh run in a used directory starts its logs and checkpoints over."""
+    for name in (TRAIN_LOG_NAME, LAYOUTS_NAME, RUN_META_NAME, RUN_LOG_NAME):
+        (out / name).unlink(missing_ok=True)
+    for old in out.glob(f"rank_*/{SCAN_LOG_NAME}"):
+        old.unlink()
+    for old in (out / _CKPT_DIR).glob("step_*.ckpt"):
+        old.unlink()
+
+
+def _truncate_jsonl(path: Path, keep_through: int) -> None:
+    """Drop lines whose ``step`` is after ``keep_through`` (they are redone on resume)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        if obj.get("step", 0) <= keep_through:
+            kept.append(line)
+    path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+
+
+# --- the job -------------------------------------------------------------------------------------
+
+def _make_optimizer(recipe: Recipe, params, pool_mode: bool):
+    lr = recipe.memopt.train.learning_rate
+    wanted = (recipe.train.optimizer_type or "").replace("-", "_").lower()
+    if wanted in _FUSED_NAMES or pool_mode:
+        from .fused_adamw import FusedAdamW
+
+        return FusedAdamW(params, learning_rate=lr), "FusedAdamW"
+    return nn.AdamWeightDecay(params, learning_rate=lr), "nn.AdamWeightDecay"
+
+
+def _optional(module: str, name: str, not_wired: list[str], feature: str):
+    """A name from ``ms_memopt.mindspore.<module>``, or None (and a note) when it is absent."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"ms_memopt.mindspore.{module}"), name)
+    except (ImportError, AttributeError) as exc:
+        not_wired.append(f"{feature}: ms_memopt.mindspore.{module}.{name} not available ({exc})")
+        return None
+
+
+def _scan_callback(cls, recipe: Recipe, out: Path):
+    """Build LayoutScanCallback with the keywords it accepts (its signature is the scan branch's)."""
+    import inspect
+
+    mem = recipe.memopt
+    allocator = mem.allocator
+    options = {"increase_size": allocator.increase_size, "pregrow": allocator.pregrow}
+    if allocator.init_size:
+        options["init_size"] = allocator.init_size
+    name = allocator.name.replace("_", "-")
+    if name == "pool":  # the shadow replays tensors through a plain pool; pool mode has its own regions
+        name, options = "mindspore", {"increase_size": allocator.increase_size}
+    if name != "mindspore":
+        options.pop("pregrow", None), options.pop("init_size", None)
+    wanted = {"every": mem.scan_every, "log_dir": str(out), "watch": dict(mem.watch) or None,
+              "capacity": recipe.capacity, "source": "auto",
+              "model_options": {"allocator": name, "options": options}}
+    try:
+        accepted = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        accepted = {}
+    if not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
+        wanted = {k: v for k, v in wanted.items() if k in accepted}
+    return cls(**wanted)
+
+
+def _compaction_callback(cls, recipe: Recipe, out: Path, scan_cb):
+    """CompactionCallback every ``compact_every`` steps (``scan_every`` when only a frag threshold
+    is given), gated by the latest scan's frag ratio; its records join the rank's scan log."""
+    mem = recipe.memopt
+
+    def latest_frag():
+        records = getattr(scan_cb, "records", None) or []
+        return records[-1].frag_ratio if records else None
+
+    try:
+        from .scan_callback import detect_rank
+        rank = detect_rank()
+    except ImportError:
+        rank = 0
+    return cls(every=mem.compact_every or mem.scan_every, when_frag_above=mem.compact_when_frag_above,
+               frag_fn=latest_frag, log_dir=str(out / f"rank_{rank}"))
+
+
+def _snapshot_steps(first: int, total: int, every: int) -> set[int]:
+    """Scan steps for the memory map: the first, the middle and the last scan of the run."""
+    scans = [s for s in range(first, total + 1) if s % every == 0] or [total]
+    return {scans[0], scans[len(scans) // 2], scans[-1]}
+
+
+def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", steps: int | None = None,
+                   resume: bool = False, progress: bool = True) -> RunResult:
+    """Train ``recipe``'s model on one device; logs, checkpoints and ``run.json`` go to ``out``.
+
+    Args:
+        recipe: the validated recipe (``memopt.train`` sets steps, batch size, seed, data).
+        out: output directory (created).
+        device: ``auto``, ``cpu`` or ``ascend``.
+        steps: total steps (overrides ``memopt.train.steps``); with ``resume`` the run stops
+            at this global step.
+        resume: continue from the newest checkpoint in ``out`` (no checkpoint: start fresh).
+        progress: show the tqdm bar.
+
+    Raises:
+        InputError: bad dataset path or contents, an unusable ``--device``.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    resume_from = latest_checkpoint(out) if resume else None
+    if resume_from is None:
+        _clear_outputs(out)
+    # the package's warnings and notes (scans, compaction, this job) also go to OUT/run.log
+    handler = logging.FileHandler(out / RUN_LOG_NAME, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    package_logger = logging.getLogger("ms_memopt")
+    package_logger.addHandler(handler)
+    if package_logger.level == logging.NOTSET or package_logger.level > logging.INFO:
+        previous_level = package_logger.level
+        package_logger.setLevel(logging.INFO)
+    else:
+        previous_level = None
+    try:
+        return _train(recipe, out, device=device, steps=steps, resume_from=resume_from, progress=progress)
+    finally:
+        package_logger.removeHandler(handler)
+        handler.close()
+        if previous_level is not None:
+            package_logger.setLevel(previous_level)
+
+
+def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_from: tuple[int, Path] | None,
+           progress: bool) -> RunResult:
+    from .model import GPT, GPTWithLoss
+
+    started = time.perf_counter()
+    tr, mem = recipe.memopt.train, recipe.memopt
+    total = int(steps or tr.steps)
+    target = select_device(device)
+    _use_device(target)
+    ms.set_seed(tr.seed)
+    np.random.seed(tr.seed)
+
+    cfg, notes = gpt_config_from_recipe(recipe, target)
+    not_wired: list[str] = []
+    start = 0
+    if resume_from is not None:
+        start = resume_from[0]
+        if start >= total:
+            notes.append(f"checkpoint at step {start} already reaches --steps {total}: nothing to train")
+    # fail on a bad dataset before building the model
+    batches = token_batches(cfg, tr.dataset, tr.batch_size, total, seed=tr.seed, start=start)
+    if tr.dataset != "synthetic":
+        _load_token_file(tr.dataset, cfg.seq_length, cfg.vocab_size)
+
+    net = GPT(cfg)
+    net_with_loss = GPTWithLoss(net)
+    optimizer, opt_name = _make_optimizer(recipe, net.trainable_params(), mem.pool_mode)
+    if mem.pool_mode:
+        enable = _optional("pool_mode", "enable_pool_mode", not_wired, "pool mode")
+        if enable is not None:
+            k = mem.checkpoint_every or max(1, min(6, cfg.num_layers))
+            plan = enable(net, optimizer, checkpoint_every=k, batch_size=tr.batch_size)
+            notes.append(f"pool mode: checkpoint_every={k}; regions "
+                         + ", ".join(f"{r.name}={r.size}" for r in getattr(plan, "regions", [])))
+    train_net = nn.TrainOneStepCell(net_with_loss, optimizer)
+    train_net.set_train(True)
+    if resume_from is not None:
+        params = ms.load_checkpoint(str(resume_from[1]))
+        params.pop("step", None)
+        missing, _ = ms.load_param_into_net(train_net, params, strict_load=True)
+        if missing:
+            raise InputError(f"checkpoint does not match the recipe's model: missing {missing[:5]}",
+                             source=str(resume_from[1]))
+        notes.append(f"resumed from {resume_from[1].name} (step {start})")
+        _truncate_jsonl(out / LAYOUTS_NAME, keep_through=start)
+
+    callbacks: list[Callback] = []
+    scan_cb = None
+    scan_cls = _optional("scan_callback", "LayoutScanCallback", not_wired, "layout scans")
+    if scan_cls is not None:
+        scan_cb = _scan_callback(scan_cls, recipe, out)
+        callbacks.append(scan_cb)
+        callbacks.append(_LayoutSnapshots(out / LAYOUTS_NAME, scan_cb,
+                                          _snapshot_steps(start + 1, total, mem.scan_every)))
+    compaction_cb = None
+    if mem.compact_every or mem.compact_when_frag_above:
+        comp_cls = _optional("compaction", "CompactionCallback", not_wired, "compaction")
+        if comp_cls is not None:
+            compaction_cb = _compaction_callback(comp_cls, recipe, out, scan_cb)
+            callbacks.append(compaction_cb)
+    checkpointer = _Checkpointer(out / _CKPT_DIR, tr.checkpoint_every_steps, total)
+    callbacks += [checkpointer, _StepLog(out / TRAIN_LOG_NAME, start),
+                  _ProgressBar(total, start, scan_cb, progress)]
+
+    params = _CallbackParams(
+        network=net_with_loss, train_network=train_net, optimizer=optimizer, train_dataset=None,
+        epoch_num=1, cur_epoch_num=1, batch_num=total, cur_step_num=start, net_outputs=None,
+        loss_value=None, step_seconds=0.0, parallel_mode="stand_alone", device_number=1,
+        mode="train", dataset_sink_mode=False, device_target=target)
+    context = RunContext(params)
+    result = RunResult(out=str(out), device=target, start_step=start + 1, steps=total, optimizer=opt_name,
+                       pool_mode=mem.pool_mode, notes=notes, not_wired=not_wired, model=cfg.to_dict())
+    for cb in callbacks:
+        cb.on_train_begin(context)
+        cb.on_train_epoch_begin(context)
+    try:
+        for input_ids, labels in batches:
+            params.cur_step_num += 1
+            for cb in callbacks:
+                cb.on_train_step_begin(context)
+            t0 = time.perf_counter()
+            loss = train_net(Tensor(input_ids), Tensor(labels))
+            value = float(loss.asnumpy())
+            params.step_seconds = time.perf_counter() - t0
+            params.net_outputs, params.loss_value = loss, value
+            result.losses.append(value)
+            result.step_seconds.append(params.step_seconds)
+            for cb in callbacks:
+                cb.on_train_step_end(context)
+            if context.get_stop_requested():
+                notes.append(f"a callback stopped training at step {params.cur_step_num}")
+                break
+    finally:
+        for cb in callbacks:
+            cb.on_train_epoch_end(context)
+            cb.on_train_end(context)
+    result.checkpoints = checkpointer.saved
+    result.scans = len(getattr(scan_cb, "records", None) or [])
+    result.compactions = len(getattr(compaction_cb, "records", None) or [])
+    result.seconds = time.perf_counter() - started
+    logger.info("trained steps %d..%d of %d on %s in %.1f s; %d scans, %d compactions", start + 1,
+                params.cur_step_num, total, target, result.seconds, result.scans, result.compactions)
+    for text in notes + not_wired:
+        logger.info("note: %s", text)
+    meta = {"recipe": recipe.source, **result.to_dict()}
+    meta.pop("losses"), meta.pop("step_seconds")
+    (out / RUN_META_NAME).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    return result

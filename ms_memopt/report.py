@@ -1,0 +1,588 @@
+"""Reports: a markdown summary and PNG figures from the logs of a run or a simulation.
+
+Framework-free (matplotlib with the Agg backend, no display). :func:`build_report` looks at a
+directory and uses what it finds:
+
+==========================  ====================================================================
+``train.jsonl``, ``run.json``  a standalone run (``ms-memopt run``): losses, step times, device
+``rank_N/scan.jsonl``       layout scans of every rank (merged with :mod:`ms_memopt.report_merge`);
+                            ``kind: compaction`` lines mark compactions
+``timeline.jsonl``          a simulation (``ms-memopt simulate --out``): samples per policy
+``layouts.jsonl``           pool layouts at chosen steps (:func:`layout_to_dict`), for the memory map
+``plan.json``               an estimate (``ms-memopt plan --json``), for the region budget bars
+==========================  ====================================================================
+
+and writes ``report.md`` plus ``fragmentation.png`` (the timeline plot of
+:mod:`ms_memopt.plots`), ``memory_map.png`` (:func:`plot_memory_map`), ``region_budget.png``
+(:func:`plot_region_budget`) and ``loss.png`` (a run's loss and step time).
+
+Sizes are bytes in every file; plots pick KiB/MiB/GiB from the largest value they draw.
+
+Example:
+    >>> build_report("out/run")          # doctest: +SKIP
+    PosixPath('out/run/report.md')
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .errors import InputError
+from .layout import Block, Layout, Segment
+from .metrics import measure
+from .units import format_size
+
+__all__ = ["LayoutSnapshot", "layout_to_dict", "layout_from_dict", "read_layouts", "write_layouts",
+           "plot_memory_map", "plot_region_budget", "plot_loss", "plot_scan_timeline", "build_report",
+           "LAYOUTS_NAME", "REPORT_NAME"]
+
+LAYOUTS_NAME = "layouts.jsonl"
+REPORT_NAME = "report.md"
+
+# purpose -> color, and tag prefixes -> purpose; tags not listed are "other"
+_PURPOSE_COLORS = {"parameter": "#1f77b4", "optimizer": "#9467bd", "gradient": "#ff7f0e",
+                   "activation": "#2ca02c", "allreduce": "#d62728", "shape_cache": "#8c564b",
+                   "workspace": "#e377c2", "other": "#7f7f7f"}
+_PURPOSE_OF = {"param": "parameter", "weight": "parameter", "optim": "optimizer", "master": "optimizer",
+               "adam": "optimizer", "grad": "gradient", "activ": "activation", "act": "activation",
+               "saved": "activation", "allreduce": "allreduce", "communication": "allreduce", "comm_": "allreduce",
+               "reduce": "allreduce", "bucket": "allreduce",
+               "shape": "shape_cache", "rope": "shape_cache", "workspace": "workspace", "scratch": "workspace"}
+_FREE_COLOR = "#f2f2f2"
+
+
+@dataclass
+class LayoutSnapshot:
+    """A pool layout at one step, with a label for the memory map (``"baseline step 300"``)."""
+    step: int
+    label: str
+    layout: Layout
+
+
+# --- layouts on disk -----------------------------------------------------------------------------
+
+def layout_to_dict(layout: Layout, *, step: int, label: str) -> dict:
+    """One JSON object of ``layouts.jsonl``: blocks as ``[addr, size, live, tag]``, bytes.
+
+    Example:
+        >>> seg = Segment(0, 1024, [Block(0, 512, True, tag="activation"), Block(512, 512, False)])
+        >>> layout_to_dict(Layout([seg]), step=3, label="x")["segments"][0]["blocks"][0]
+        [0, 512, True, 'activation']
+    """
+    return {"step": int(step), "label": label, "capacity": layout.capacity,
+            "segments": [{"addr": s.addr, "size": s.size, "stream": s.stream, "pool": s.pool,
+                          "blocks": [[b.addr, b.size, bool(b.live), b.tag] for b in s.blocks]}
+                         for s in layout.segments]}
+
+
+def layout_from_dict(obj: dict, *, source: str = "<layout>", line: int | None = None) -> LayoutSnapshot:
+    """Inverse of :func:`layout_to_dict`.
+
+    Raises:
+        InputError: a field missing or of the wrong type (names the file and line).
+    """
+    try:
+        segments = []
+        for s in obj["segments"]:
+            blocks = [Block(int(a), int(n), bool(live), tag=tag) for a, n, live, tag in s["blocks"]]
+            segments.append(Segment(int(s["addr"]), int(s["size"]), blocks, stream=int(s.get("stream", 0)),
+                                    pool=str(s.get("pool", "common"))))
+        capacity = obj.get("capacity")
+        layout = Layout(segments, capacity=None if capacity is None else int(capacity))
+        step = int(obj["step"])
+        return LayoutSnapshot(step=step, label=str(obj.get("label") or f"step {step}"), layout=layout)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"not a layout record ({type(exc).__name__}: {exc}); expected step, segments "
+                         f"[{{addr, size, blocks: [[addr, size, live, tag], ...]}}]", source=source,
+                         line=line) from None
+
+
+def write_layouts(path: str | Path, snapshots: Iterable[LayoutSnapshot]) -> Path:
+    """Write snapshots as ``layouts.jsonl`` (one object per line)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for snap in snapshots:
+            f.write(json.dumps(layout_to_dict(snap.layout, step=snap.step, label=snap.label)) + "\n")
+    return path
+
+
+def read_layouts(directory_or_file: str | Path) -> list[LayoutSnapshot]:
+    """Snapshots from ``layouts.jsonl`` (a directory's, its ``rank_N/``'s, or the file given);
+    a torn last line is ignored. Empty list when there is none."""
+    path = Path(directory_or_file)
+    files = [path] if path.is_file() else sorted([path / LAYOUTS_NAME, *path.glob(f"rank_*/{LAYOUTS_NAME}")])
+    out = []
+    for file in files:
+        if not file.is_file():
+            continue
+        data = file.read_bytes()
+        text = data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace")
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise InputError(f"not JSON ({exc})", source=str(file), line=number) from None
+            out.append(layout_from_dict(obj, source=str(file), line=number))
+    return out
+
+
+# --- units and matplotlib ------------------------------------------------------------------------
+
+def _unit(largest: float) -> tuple[float, str]:
+    for div, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if largest >= div:
+            return float(div), name
+    return 1.0, "bytes"
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+# --- memory map ----------------------------------------------------------------------------------
+
+def _category(tag: str | None) -> tuple[str, str]:
+    """(purpose, color) of a block or region tag, by prefix: ``"grad_accum"`` -> gradient."""
+    name = (tag or "").lower()
+    for prefix, purpose in _PURPOSE_OF.items():
+        if name.startswith(prefix):
+            return purpose, _PURPOSE_COLORS[purpose]
+    return "other", _PURPOSE_COLORS["other"]
+
+
+def _pool_category(pool: str) -> tuple[str, str]:
+    """Untagged live blocks (allocator models keep no tags) are coloured by their pool or region."""
+    purpose, color = _category(pool)
+    if purpose != "other":
+        return purpose, color
+    if pool == "persistent":
+        return "persistent pool (parameters, optimizer states)", "#1f77b4"
+    return f"{pool} pool (untagged)", "#7f7f7f"
+
+
+def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
+                    title: str = "Memory map") -> Path:
+    """One row per snapshot: the pool's segments laid end to end in address order (gaps between
+    segments, which no request can use, are left out), live blocks coloured by purpose, free
+    blocks (holes) light grey, segment/region boundaries as black ticks with the region name.
+
+    Raises:
+        InputError: no snapshots.
+    """
+    if not snapshots:
+        raise InputError("no layouts to draw (expected layouts.jsonl)")
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    widest = max(sum(s.size for s in snap.layout.segments) for snap in snapshots) or 1
+    div, unit = _unit(widest)
+    rows = len(snapshots)
+    fig, ax = plt.subplots(figsize=(12, 1.3 + 0.9 * rows))
+    used: dict[str, str] = {}
+    for row, snap in enumerate(snapshots):
+        y = rows - 1 - row
+        offset = 0
+        previous = None
+        bars: dict[str, list[tuple[float, float]]] = {}
+        for seg in sorted(snap.layout.segments, key=lambda s: s.addr):
+            for block in seg.blocks:
+                start = (offset + block.addr - seg.addr) / div
+                width = block.size / div
+                if block.live:
+                    label, color = _category(block.tag) if block.tag else _pool_category(seg.pool)
+                    used[label] = color
+                else:
+                    label, color = "free", _FREE_COLOR
+                bars.setdefault(color, []).append((start, width))
+            ax.plot([offset / div] * 2, [y - 0.42, y + 0.42], color="black", linewidth=0.8)
+            if seg.pool != previous and seg.size / widest > 0.03:   # name each region where it starts
+                ax.text((offset + seg.size * 0.01) / div, y - 0.33, seg.pool, fontsize=6.5, va="bottom",
+                        ha="left", color="black", alpha=0.85)
+            previous = seg.pool
+            offset += seg.size
+        ax.plot([offset / div] * 2, [y - 0.42, y + 0.42], color="black", linewidth=0.8)
+        few = sum(len(v) for v in bars.values()) <= 400   # block edges only where they stay visible
+        for color, spans in bars.items():
+            ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color,
+                           edgecolor="white" if few else "none", linewidth=0.4)
+        m = measure(snap.layout)
+        ratio = "n/a" if m.frag_ratio is None else f"{m.frag_ratio:.2f}"
+        ax.text(offset / div, y + 0.45, f" free {format_size(m.free_total)}, largest hole "
+                f"{format_size(m.largest_free)}, frag {ratio}", fontsize=8, va="bottom", ha="right")
+    regions = {seg.pool for snap in snapshots for seg in snap.layout.segments}
+    ax.set_yticks(range(rows))
+    ax.set_yticklabels([snap.label for snap in reversed(snapshots)])
+    ax.set_ylim(-0.6, rows - 0.2)
+    ax.set_xlim(0, widest / div * 1.01)
+    ax.set_xlabel(f"offset in reserved memory ({unit}); segments in address order, black ticks = "
+                  f"segment boundaries")
+    order = list(_PURPOSE_COLORS)
+    handles = [Patch(facecolor=c, label=f"live: {n}")
+               for n, c in sorted(used.items(), key=lambda nc: (order.index(nc[0]) if nc[0] in order else 99, nc[0]))]
+    handles.append(Patch(facecolor=_FREE_COLOR, edgecolor="#999999", label="free (hole)"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if rows < 3 else -0.2),
+              ncol=min(len(handles), 6), fontsize=8, frameon=False)
+    pools = ", ".join(sorted(regions))
+    ax.set_title(f"{title}\n(pools/regions: {pools})", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --- region budget -------------------------------------------------------------------------------
+
+def plot_region_budget(plan: dict, path: str | Path, *, title: str = "Per-card memory by region") -> Path:
+    """Bars of the estimate's regions (``plan --json``: ``regions``, ``capacity``, ``total``), a
+    stacked total bar, and the capacity as a dashed line.
+
+    Raises:
+        InputError: ``plan`` has no ``regions`` mapping.
+    """
+    regions = plan.get("regions") if isinstance(plan, dict) else None
+    if not isinstance(regions, dict) or not regions:
+        raise InputError("expected a plan with a 'regions' mapping (ms-memopt plan --json)")
+    plt = _pyplot()
+    capacity = plan.get("capacity")
+    total = sum(regions.values())
+    div, unit = _unit(max(total, capacity or 0))
+    names = list(regions)
+    colors = [_category(n)[1] for n in names]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * (len(names) + 1)))
+    ys = list(range(len(names), 0, -1))
+    ax.barh(ys, [regions[n] / div for n in names], color=colors, height=0.6)
+    for y, n in zip(ys, names):
+        ax.text(regions[n] / div, y, f" {format_size(regions[n])}", va="center", fontsize=8)
+    left = 0.0
+    for n, c in zip(names, colors):
+        ax.barh(0, regions[n] / div, left=left, color=c, height=0.6, edgecolor="white", linewidth=0.5)
+        left += regions[n] / div
+    ax.text(left, 0, f" {format_size(total)}", va="center", fontsize=8, fontweight="bold")
+    if capacity:
+        ax.axvline(capacity / div, color="black", linestyle="--", linewidth=1.2,
+                   label=f"capacity {format_size(capacity)}")
+        verdict = "fits" if total <= capacity else "DOES NOT FIT"
+        ax.legend(loc="lower right", fontsize=8)
+    else:
+        verdict = "capacity unknown"
+    ax.set_yticks([*ys, 0])
+    ax.set_yticklabels([*names, "total"])
+    ax.set_xlabel(f"bytes per card ({unit})")
+    ax.set_xlim(0, max(total, capacity or 0) / div * 1.18)
+    ax.grid(True, axis="x", alpha=0.3)
+    extra = []
+    if plan.get("checkpoint_every") is not None:
+        extra.append(f"checkpoint_every {plan['checkpoint_every']}")
+    if plan.get("worst_stage") is not None:
+        extra.append(f"worst pipeline stage {plan['worst_stage']}")
+    ax.set_title(f"{title}: {verdict}" + (f" ({', '.join(extra)})" if extra else ""), fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --- loss ------------------------------------------------------------------------------------------
+
+def plot_loss(rows: Sequence[dict], path: str | Path, *, title: str = "Training") -> Path:
+    """Loss and step time (ms) against the step, from ``train.jsonl`` rows."""
+    plt = _pyplot()
+    steps = [r["step"] for r in rows]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True)
+    a1.plot(steps, [r["loss"] for r in rows], color="#1f77b4", label="loss")
+    a1.set_ylabel("loss (cross-entropy, nats)")
+    a2.plot(steps, [r["step_seconds"] * 1000 for r in rows], color="#ff7f0e", label="step time")
+    a2.set_ylabel("step time (ms)")
+    a2.set_xlabel("training step")
+    for ax in (a1, a2):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --- reading a directory ---------------------------------------------------------------------------
+
+def _jsonl(path: Path) -> list[dict]:
+    data = path.read_bytes()
+    rows = []
+    text = data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace")
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise InputError(f"not JSON ({exc})", source=str(path), line=number) from None
+        if not isinstance(obj, dict):
+            raise InputError("expected a JSON object per line", source=str(path), line=number)
+        rows.append(obj)
+    return rows
+
+
+def _scan_logs(directory: Path) -> dict[int, list[dict]]:
+    """rank -> every line (scans and compactions) of its scan logs, in order."""
+    from .report_merge import find_scan_logs
+
+    out: dict[int, list[dict]] = {}
+    for rank, paths in find_scan_logs(directory).items():
+        for path in paths:
+            for row in _jsonl(path):
+                r = rank if rank is not None else int(row.get("rank") or 0)
+                out.setdefault(r, []).append(row)
+    return dict(sorted(out.items()))
+
+
+def plot_scan_timeline(scans: dict[int, list[dict]], path: str | Path, *,
+                       title: str = "Layout scans") -> Path:
+    """``free_total``, ``largest_free`` and ``frag_ratio`` against the step from scan logs, one line
+    per rank, compactions (triangles) and predicted OOMs (a watched request that would not fit:
+    crosses) marked. Like :func:`ms_memopt.plots.plot_fragmentation_timeline` (for simulations),
+    but the size unit follows the data: a CPU run's pool is a few MiB."""
+    plt = _pyplot()
+    sizes = [line.get(k) or 0 for lines in scans.values() for line in lines for k in ("free_total", "largest_free")]
+    div, unit = _unit(max(sizes, default=1))
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
+    for rank, lines in scans.items():
+        pts = [l for l in lines if l.get("kind", "scan") == "scan" and l.get("free_total") is not None]
+        steps = [l["step"] for l in pts]
+        label = f"rank {rank}"
+        line, = axes[0].plot(steps, [l["free_total"] / div for l in pts], marker=".", label=label)
+        color = line.get_color()
+        axes[1].plot(steps, [(l["largest_free"] or 0) / div for l in pts], marker=".", color=color, label=label)
+        axes[2].plot(steps, [float("nan") if l.get("frag_ratio") is None else l["frag_ratio"] for l in pts],
+                     marker=".", color=color, label=label)
+        comp = [l for l in lines if l.get("kind") == "compaction"]
+        by_step = {l["step"]: l for l in pts}
+        for c in comp:
+            for ax in axes:
+                ax.axvline(c["step"], color=color, linestyle=":", linewidth=1)
+        if comp:   # the marker sits at the largest block after compaction (or the step's scan)
+            ys = [(c.get("largest_free_after") or (by_step.get(c["step"]) or {}).get("largest_free") or 0) / div
+                  for c in comp]
+            axes[1].scatter([c["step"] for c in comp], ys, marker="^", s=60, color=color, zorder=3,
+                            label=f"{label}: compaction")
+        ooms = [l for l in pts if any(not w.get("fits", True) for w in (l.get("watch") or {}).values())]
+        if ooms:
+            axes[1].scatter([l["step"] for l in ooms], [(l["largest_free"] or 0) / div for l in ooms], marker="x",
+                            s=70, color="red", zorder=3, label=f"{label}: predicted OOM (watched request)")
+    axes[0].set_ylabel(f"free_total ({unit})")
+    axes[1].set_ylabel(f"largest_free ({unit})")
+    axes[2].set_ylabel("frag_ratio\n(free_total / largest_free - 1)")
+    axes[2].set_xlabel("training step")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _timeline_plot(timeline: Path, png: Path, title: str) -> tuple[Path | None, str | None]:
+    try:
+        from .plots import plot_fragmentation_timeline
+    except ImportError as exc:
+        return None, f"fragmentation timeline not drawn: ms_memopt.plots missing ({exc})"
+    return plot_fragmentation_timeline(timeline, png, title=title), None
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _pick(items: list, n: int) -> list:
+    """Up to ``n`` items spread evenly, first and last included."""
+    if len(items) <= n:
+        return list(items)
+    idx = sorted({round(i * (len(items) - 1) / (n - 1)) for i in range(n)})
+    return [items[i] for i in idx]
+
+
+def build_report(directory: str | Path, *, title: str | None = None, plan: dict | None = None,
+                 memory_map_title: str | None = None) -> Path:
+    """Write ``report.md`` and its figures into ``directory`` from the logs found there.
+
+    Args:
+        directory: a run's ``--out``, a simulation's ``--out`` or a directory with both.
+        title: the report's heading.
+        plan: an estimate dict (``plan --json``); default: ``plan.json`` in the directory.
+
+    Raises:
+        InputError: not a directory, nothing to report on, or a malformed log (file and line).
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise InputError("not a directory", source=str(root))
+    lines = [f"# {title or 'ms-memopt report: ' + root.name}", ""]
+    found = False
+    problems: list[str] = []
+
+    # the run
+    run_meta = root / "run.json"
+    train_log = root / "train.jsonl"
+    if run_meta.is_file() or train_log.is_file():
+        found = True
+        lines += ["## Training run", ""]
+        if run_meta.is_file():
+            meta = json.loads(run_meta.read_text(encoding="utf-8"))
+            model = meta.get("model") or {}
+            lines += [f"- recipe: `{meta.get('recipe')}`; device **{meta.get('device')}**; optimizer "
+                      f"{meta.get('optimizer')}; pool mode {'on' if meta.get('pool_mode') else 'off'}",
+                      f"- model: {model.get('num_layers')} layers, hidden {model.get('hidden_size')}, "
+                      f"{model.get('num_heads')} heads, seq {model.get('seq_length')}, vocab {model.get('vocab_size')}, "
+                      f"{model.get('dtype')}",
+                      f"- steps {meta.get('start_step')}..{meta.get('steps')}; wall time {meta.get('seconds', 0):.1f} s; "
+                      f"scans {meta.get('scans')}; compactions {meta.get('compactions')}; "
+                      f"checkpoints: {', '.join(Path(c).name for c in meta.get('checkpoints') or []) or 'none'}"]
+            lines += [f"- note: {n}" for n in meta.get("notes") or []]
+            lines += [f"- **not wired**: {n}" for n in meta.get("not_wired") or []]
+        if train_log.is_file():
+            rows = _jsonl(train_log)
+            if rows:
+                times = [r["step_seconds"] for r in rows]
+                lines += [f"- loss {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f} "
+                          f"(step {rows[-1]['step']}); median step time {statistics.median(times) * 1000:.0f} ms",
+                          "", "![loss and step time](loss.png)"]
+                plot_loss(rows, root / "loss.png", title=f"{title or root.name}: loss and step time")
+        lines.append("")
+
+    # scans (any number of ranks)
+    scans = {}
+    try:
+        scans = _scan_logs(root)
+    except InputError as exc:
+        if "no scan logs" not in str(exc) and "not a directory" not in str(exc):
+            raise
+    timeline = root / "timeline.jsonl"
+    if scans:
+        found = True
+        from .report_merge import merge_ranks
+
+        merged = merge_ranks(root)
+        lines += ["## Layout scans", "",
+                  f"Ranks {merged.ranks}; {len(merged.steps)} scanned steps. Per step across ranks: the worst "
+                  f"and median frag ratio (`free_total / largest_free - 1`), the smallest largest free block, "
+                  f"failed watched requests.", ""]
+        table = [[s.step, s.ranks, _ratio(s.frag_max), _ratio(s.frag_median),
+                  "-" if s.worst_rank is None else s.worst_rank, format_size(s.largest_free_min),
+                  format_size(s.free_total_max), s.watch_failures] for s in _pick(merged.steps, 12)]
+        lines += _md_table(["step", "ranks", "frag max", "frag median", "worst rank", "min largest_free",
+                            "max free_total", "watch fails"], table)
+        sources = {line["extra"]["source_description"] for ls in scans.values() for line in ls
+                   if isinstance(line.get("extra"), dict) and line["extra"].get("source_description")}
+        lines += ["", *(f"Scan source: {text}." for text in sorted(sources))]
+        compactions = [(r, line) for r, ls in scans.items() for line in ls if line.get("kind") == "compaction"]
+        if compactions:
+            lines += ["", f"Compactions: {len(compactions)} (" + ", ".join(
+                f"rank {r} step {c['step']}: {format_size(c.get('bytes_moved'))} moved in "
+                f"{c.get('seconds', 0) * 1000:.0f} ms" for r, c in compactions[:8]) + ")"]
+        for err in merged.source_errors:
+            lines.append(f"- rank {err['rank']} step {err.get('step')}: source {err.get('source')!r} failed: "
+                         f"{err.get('error')}")
+        plot_scan_timeline(scans, root / "scan_fragmentation.png", title=f"{title or root.name}: layout scans")
+        lines += ["", "![fragmentation timeline of the scans](scan_fragmentation.png)", ""]
+
+    # a simulation
+    if timeline.is_file():
+        found = True
+        lines += _simulation_section(root, timeline, problems, title or root.name)
+
+    # layouts
+    snapshots = read_layouts(root)
+    if snapshots:
+        found = True
+        plot_memory_map(snapshots, root / "memory_map.png",
+                        title=memory_map_title or f"{root.name}: address space at chosen steps")
+        lines += ["## Memory map", "",
+                  "Each row is the pool at one step: segments end to end in address order, live blocks "
+                  "coloured by purpose, holes light grey. A request fits only inside one hole.", "",
+                  "![memory map](memory_map.png)", ""]
+
+    # the plan
+    if plan is None and (root / "plan.json").is_file():
+        plan = json.loads((root / "plan.json").read_text(encoding="utf-8"))
+    if plan:
+        found = True
+        plot_region_budget(plan, root / "region_budget.png",
+                           title=f"{Path(str(plan.get('recipe', ''))).name or 'plan'}")
+        cap = plan.get("capacity")
+        lines += ["## Memory plan (per card)", ""]
+        lines += _md_table(["region", "bytes", "share"],
+                           [[n, format_size(v), f"{100 * v / max(1, plan['total']):.1f}%"]
+                            for n, v in plan["regions"].items()])
+        lines += ["", f"Total {format_size(plan.get('total'))} of {format_size(cap) if cap else 'unknown'} "
+                  f"({'fits' if plan.get('fits') else 'does not fit' if plan.get('fits') is False else 'no capacity'}); "
+                  f"recommended checkpoint_every {plan.get('checkpoint_every')}.", "",
+                  "![region budget](region_budget.png)", ""]
+
+    if not found:
+        raise InputError("nothing to report: expected train.jsonl, rank_N/scan.jsonl, timeline.jsonl, "
+                         "layouts.jsonl or plan.json", source=str(root))
+    if problems:
+        lines += ["## Not drawn", ""] + [f"- {p}" for p in problems] + [""]
+    out = root / REPORT_NAME
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out
+
+
+def _simulation_section(root: Path, timeline: Path, problems: list[str], title: str) -> list[str]:
+    rows = _jsonl(timeline)
+    by_policy: dict[str, dict] = {}
+    for row in rows:
+        p = by_policy.setdefault(row.get("policy", "?"), {"seeds": set(), "oom": {}, "compactions": 0,
+                                                          "frag_max": None, "lf_min": None, "last": 0})
+        p["seeds"].add(row.get("seed"))
+        p["last"] = max(p["last"], row.get("step", 0))
+        kind = row.get("kind")
+        if kind == "oom":
+            p["oom"][row.get("seed")] = row
+        elif kind == "compaction":
+            p["compactions"] += 1
+        if kind in ("scan", "watch"):
+            ratio = row.get("frag_ratio")
+            if ratio is not None and (p["frag_max"] is None or ratio > p["frag_max"]):
+                p["frag_max"] = ratio
+            lf = row.get("largest_free")
+            if lf is not None and (p["lf_min"] is None or lf < p["lf_min"]):
+                p["lf_min"] = lf
+    lines = ["## Simulation", "",
+             f"{len(rows)} samples from `{timeline.name}` (at scans and just before watched requests).", ""]
+    table = []
+    for policy, p in by_policy.items():
+        ooms = sorted((seed, r) for seed, r in p["oom"].items() if seed is not None)
+        oom_text = ", ".join(f"seed {s}: step {r['step']} ({r.get('oom_kind', '?')}, {r.get('tag', '?')} "
+                             f"{format_size(r.get('size'))})" for s, r in ooms) or "none"
+        table.append([policy, len(p["seeds"]), oom_text, _ratio(p["frag_max"]), format_size(p["lf_min"]),
+                      p["compactions"]])
+    lines += _md_table(["policy", "seeds", "OOM", "frag max", "min largest_free", "compactions"], table)
+    png = root / "fragmentation.png"
+    drawn, problem = _timeline_plot(timeline, png, title)
+    if drawn is not None:
+        lines += ["", "![fragmentation timeline](fragmentation.png)"]
+    else:
+        problems.append(problem)
+    lines.append("")
+    return lines

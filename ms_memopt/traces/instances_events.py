@@ -1,0 +1,50 @@
+"""Offline placement instances (``id,lower,upper,size``) as an event stream.
+
+An instance lists buffers with known lifetimes ``[lower, upper)`` (MiniMalloc's format; also
+MindSpore SOMAS tensor exports). As a trace, each buffer is an ``alloc`` at ``lower`` and a
+``free`` at ``upper``. Lifetimes are half-open, so at equal times every free comes before every
+alloc (a buffer ending at t and one starting at t may share memory); allocs at the same time keep
+the file's order. Event ids are the buffers' positions (1-based); ``meta["buffer_ids"]`` maps
+them back to the file's ids. The file is read and validated by
+:func:`ms_memopt.traces.instances.read_instance`.
+
+Example:
+    >>> from types import SimpleNamespace as B
+    >>> t = instances_to_trace([B(id="a", lower=0, upper=2, size=8), B(id="b", lower=2, upper=3, size=4)])
+    >>> [(e.action, e.id, e.time) for e in t.events]
+    [('alloc', 1, 0), ('free', 1, 2), ('alloc', 2, 2), ('free', 2, 3)]
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from ..events import Event, Trace
+from .instances import is_instance_header as looks_like_instances
+from .instances import read_instance
+
+__all__ = ["FORMAT", "looks_like_instances", "instances_to_trace", "read_instances_trace"]
+
+FORMAT = "instances"
+
+
+def instances_to_trace(buffers: Iterable, *, source: str = "") -> Trace:
+    """Turn buffers (objects with ``id``, ``lower``, ``upper``, ``size``) into a trace."""
+    keyed: list[tuple[int, int, int, Event]] = []
+    ids: list[str] = []
+    for number, buf in enumerate(buffers, start=1):
+        ids.append(str(buf.id))
+        keyed.append((buf.lower, 1, number, Event("alloc", id=number, size=buf.size, time=buf.lower)))
+        keyed.append((buf.upper, 0, number, Event("free", id=number, time=buf.upper)))
+    keyed.sort(key=lambda item: (item[0], item[1], item[2]))
+    return Trace([item[3] for item in keyed], source=source, format=FORMAT,
+                 meta={"buffers": len(ids), "buffer_ids": ids, "time_unit": "logical"})
+
+
+def read_instances_trace(path: str | Path) -> Trace:
+    """Read an instance CSV (validated by the instances reader) as a trace.
+
+    Raises:
+        InputError: whatever the instances reader rejects (it names file and line).
+    """
+    return instances_to_trace(read_instance(path), source=str(path))
