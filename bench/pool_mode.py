@@ -35,7 +35,7 @@ from mindspore import Tensor, nn  # noqa: E402
 
 from ms_memopt.mindspore.fused_adamw import FusedAdamW  # noqa: E402
 from ms_memopt.mindspore.model import GPT, GPTConfig, GPTWithLoss, synthetic_batches  # noqa: E402
-from ms_memopt.mindspore.pool_mode import enable_pool_mode  # noqa: E402
+from ms_memopt.mindspore.pool_mode import activation_bytes, enable_pool_mode  # noqa: E402
 from ms_memopt.units import format_size  # noqa: E402
 
 # The CPU demo model: 8 blocks -> 101 parameter tensors.
@@ -72,20 +72,22 @@ def optimizer_step_times(cfg: GPTConfig, rounds: int, per_round: int) -> dict:
             **{name: float(np.median(s[3])) for name, s in setups.items()}}
 
 
-def train_step_time(cfg: GPTConfig, k: int, batch: int, steps: int) -> float:
-    """Median seconds per training step (forward + backward + FusedAdamW), recompute every k."""
-    net = GPTWithLoss(GPT(cfg))
-    opt = FusedAdamW(net.trainable_params(), 1e-3)
-    if k:
-        enable_pool_mode(net, opt, checkpoint_every=k, batch_size=batch)
-    step = nn.TrainOneStepCell(net, opt)
-    times = []
-    for i, (x, y) in enumerate(synthetic_batches(cfg, batch, steps + 2, seed=3)):
-        start = time.perf_counter()
-        float(step(Tensor(x), Tensor(y)).asnumpy())
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return float(np.median(times))
+def train_step_times(cfg: GPTConfig, k: int, batch: int, steps: int) -> tuple[float, float]:
+    """Median seconds per training step without / with recompute every k, interleaved."""
+    cells = []
+    for group in (0, k):
+        net = GPTWithLoss(GPT(cfg))
+        opt = FusedAdamW(net.trainable_params(), 1e-3)
+        if group:
+            enable_pool_mode(net, opt, checkpoint_every=group, batch_size=batch)
+        cells.append((nn.TrainOneStepCell(net, opt), []))
+    for i, (x, y) in enumerate(synthetic_batches(cfg, batch, steps + 1, seed=3)):
+        for step, times in cells:
+            start = time.perf_counter()
+            float(step(Tensor(x), Tensor(y)).asnumpy())
+            if i >= 1:  # the first step builds kernels and caches
+                times.append(time.perf_counter() - start)
+    return float(np.median(cells[0][1])), float(np.median(cells[1][1]))
 
 
 _RSS_CHILD = r"""
@@ -102,11 +104,14 @@ if k:
     enable_pool_mode(net, checkpoint_every=k, batch_size={batch})
 grad_fn = ms.value_and_grad(net, None, net.trainable_params())
 small = [Tensor(a[:1]) for a in next(synthetic_batches(cfg, 1, 1, seed=9))]
-grad_fn(*small)  # kernels, caches and parameters resident before the baseline
+for g in grad_fn(*small)[1]:  # kernels, caches and parameters resident before the baseline
+    g.asnumpy()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 x, y = next(synthetic_batches(cfg, {batch}, 1, seed=9))
 loss, grads = grad_fn(Tensor(x), Tensor(y))
 float(loss.asnumpy())
+for g in grads:  # ops run asynchronously: wait for the whole backward pass
+    g.asnumpy()
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({{"peak_growth": (after - before) * 1024}}))
 """
@@ -170,11 +175,12 @@ def main() -> int:
     print(f"  FusedAdamW          {opt_times['FusedAdamW'] * 1e3:8.2f} ms   ratio {fused_ratio:.3f}")
 
     act_batch = 16
-    act_cfg = GPTConfig(**{**DEMO.to_dict(), "seq_length": 64 if quick else 128})
+    act_cfg = GPTConfig(**{**DEMO.to_dict(), "seq_length": 128})
     probe = GPTWithLoss(GPT(act_cfg))
     plan = enable_pool_mode(probe, checkpoint_every=k, batch_size=act_batch)
     est_without = plan.notes["activation_without_recompute"]
     est_with = plan.notes["activation_with_recompute"]
+    per_block, boundary = plan.notes["activation_per_block"], plan.notes["activation_boundary"]
     measured_without = measured_step_peak(act_cfg, 0, act_batch)
     measured_with = measured_step_peak(act_cfg, k, act_batch)
     measured_ratio = (measured_with / measured_without
@@ -185,12 +191,19 @@ def main() -> int:
           f"   ratio {est_with / est_without:.3f}  (1/k = {1 / k:.3f})")
     print(f"  measured RSS   no recompute {format_size(measured_without):>12}   k={k} "
           f"{format_size(measured_with):>12}   ratio "
-          f"{'-' if measured_ratio is None else f'{measured_ratio:.3f}'}")
+          f"{'-' if measured_ratio is None else f'{measured_ratio:.3f}'}"
+          "   (peak RSS growth of one step: activations + gradients + transients)")
     print(f"  shadow source  {'not available yet' if shadow is None else format_size(shadow)}")
+    # Kept bytes = groups * boundary + k * per_block: about 1/k of no recompute when the
+    # number of blocks is about k*k (the field report: 36+ layers, k = 6).
+    table = {}
+    for blocks in (act_cfg.num_layers, 36):
+        row = {kk: activation_bytes(per_block, boundary, blocks, kk).ratio for kk in (1, 2, 4, 6, 8) if kk <= blocks}
+        table[blocks] = row
+        print(f"  estimator ratio, {blocks:2d} blocks: " + "  ".join(f"k={kk} {r:.3f}" for kk, r in row.items()))
 
     step_batch = 8
-    t_plain = train_step_time(DEMO, 0, step_batch, 4 if quick else 10)
-    t_recompute = train_step_time(DEMO, k, step_batch, 4 if quick else 10)
+    t_plain, t_recompute = train_step_times(DEMO, k, step_batch, 3 if quick else 8)
     print(f"training step (demo model, batch {step_batch}): no recompute {t_plain * 1e3:.0f} ms, "
           f"k={k} {t_recompute * 1e3:.0f} ms, ratio {t_recompute / t_plain:.3f}")
 
@@ -213,6 +226,8 @@ def main() -> int:
         "shadow_activation_ratio": None,
         "recompute_step_ratio": round(t_recompute / t_plain, 4),
         "train_step_ms": {"no_recompute": round(t_plain * 1e3, 2), "recompute": round(t_recompute * 1e3, 2)},
+        "activation_ratio_by_k": {str(b): {str(kk): round(r, 4) for kk, r in row.items()}
+                                  for b, row in table.items()},
         "training": run,
         "pool_plan_total": plan.total,
         "quick": quick,

@@ -158,6 +158,10 @@ class Source(ABC):
     def step_end(self, step: int) -> None:
         """Called after every training step (scanned or not); sources that watch steps use it."""
 
+    def arm(self, active: bool) -> None:
+        """Called after every step: ``True`` when the next step will be scanned, so a source
+        that observes steps (hooks) need only watch those and cost nothing in between."""
+
     def close(self) -> None:
         """Release hooks or files the source holds."""
 
@@ -318,10 +322,12 @@ class Scanner:
                 return None
             return self._scan(step)
         finally:
+            next_due = (step + 1) % self.every == 0
             for source in self.sources:
                 if source.name not in self.failed:
                     try:
                         source.step_end(step)
+                        source.arm(next_due)
                     except Exception as exc:  # same rule as read(): log once, skip
                         self._fail(source, step, exc)
 

@@ -110,11 +110,32 @@ _FACTORIES = {
 }
 
 
+def _vmm_buffers_are_merged(model: MindSporeVMMPool) -> None:
+    """Inside the VMM model no two neighbouring buffers share a free state (idle or eager-free),
+    buffers tile each virtual range, and every used buffer lies in mapped chunks."""
+    from ms_memopt.allocators import mindspore_vmm as vmm
+    for allocator in model._allocators.values():
+        for rng in allocator.ranges:
+            buf, cursor, prev_state = rng.head, rng.addr, None
+            while buf is not None:
+                assert buf[vmm._ADDR] == cursor and buf[vmm._SIZE] > 0
+                state = buf[vmm._STATE]
+                assert not (state != vmm._USED and state == prev_state), "unmerged free neighbours"
+                if state == vmm._USED:
+                    first, last = buf[vmm._ADDR] // CHUNK, (buf[vmm._ADDR] + buf[vmm._SIZE] - 1) // CHUNK
+                    assert all(c in model._mapped for c in range(first, last + 1))
+                prev_state, cursor, buf = state, cursor + buf[vmm._SIZE], buf[vmm._NEXT]
+            assert cursor == rng.addr + rng.size
+
+
 @pytest.mark.parametrize("factory", sorted(_FACTORIES))
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops_strategy())
 def test_model_properties(factory, ops):
-    apply_ops(_FACTORIES[factory](), ops)
+    model = _FACTORIES[factory]()
+    apply_ops(model, ops)
+    if isinstance(model, MindSporeVMMPool):
+        _vmm_buffers_are_merged(model)
 
 
 @settings(max_examples=30, deadline=None)
@@ -124,6 +145,7 @@ def test_vmm_defrag_keeps_invariants_and_unmaps_idle_chunks(ops):
     live = apply_ops(model, ops)
     model.defrag()
     check_invariants(model, live)
+    _vmm_buffers_are_merged(model)
     live_chunks = {c for a, s in ((b.addr, b.size) for b in model.layout().live_blocks())
                    for c in range(a // CHUNK, (a + s - 1) // CHUNK + 1)}
     assert model.reserved == len(live_chunks) * CHUNK

@@ -447,11 +447,16 @@ def test_custom_loop_scanner_with_value_and_grad(tmp_path):
     assert isinstance(scanner.sources[0], ShadowModelSource)
     x = ms.Tensor(np.ones((4, 16), np.float32))
     y = ms.Tensor(np.zeros((4, 4), np.float32))
+    shadow = scanner.sources[0]
+    armed = []
     for step in range(1, 7):
         _, grads = grad_fn(x, y)
         opt(grads)
         scanner.step(step)
+        armed.append(bool(shadow._handles))
     scanner.close()
+    assert armed == [False, True, False, False, True, False]     # hooks only for steps 3 and 6
+    assert not shadow._handles
     records = read_scan_log(tmp_path / "rank_5" / "scan.jsonl")
     assert [r["step"] for r in records] == [1, 3, 6] and all(r["rank"] == 5 for r in records)
     assert records[-1]["extra"]["activations_observed"] > 0

@@ -1,18 +1,19 @@
 """``FusedAdamW``: AdamW over flat, contiguous regions, one FP32-domain pass per region.
 
-A drop-in for ``nn.AdamWeightDecay``. Parameters are split into *buckets* (same dtype, same
-learning rate, same weight decay) and each bucket gets:
+A drop-in for ``nn.AdamWeightDecay``. The layout:
 
-* a **parameter region**: the bucket's parameters moved into one contiguous buffer
-  (``combine_tensor_list_contiguous``); every parameter is a view of it;
-* an **optimizer region**: flat float32 ``Parameter``s ``m`` and ``v`` (and, for fp16/bf16
-  parameters, a float32 ``master`` copy), in the same order as the parameters;
-* a **gradient region**: the step's gradients concatenated into one flat buffer.
+* **parameter regions**: all parameters of one dtype moved into one contiguous buffer
+  (``combine_tensor_list_contiguous``); every parameter is a view of it. Inside a region,
+  parameters with the same learning rate and weight decay are adjacent: a *bucket*;
+* **optimizer region**: per bucket, flat float32 ``Parameter``s ``m`` and ``v`` (and, for
+  fp16/bf16 parameters, a float32 ``master``), in the order of the parameter region;
+* **gradient region**: each step's gradients of one dtype combined into one flat buffer.
 
-One step of one bucket is: concatenate the gradients, cast them to float32 once, run one
-``ops.AdamWeightDecay`` kernel over the whole region (m, v and the float32 weights are updated
-in place), and for low-precision parameters write the cast master into the parameter region
-with a single ``copy_``. ``nn.AdamWeightDecay`` runs one kernel per parameter instead.
+One step of one dtype: combine the gradients, cast them to float32 once, run one
+``ops.AdamWeightDecay`` kernel per bucket over its whole range (m, v and the float32 weights
+are updated in place), and for low-precision parameters write the cast master into the
+parameter region with a single ``copy_``. ``nn.AdamWeightDecay`` runs one kernel per
+parameter instead.
 
 Bias correction is folded into the kernel's scalars (exact algebra, see ``_folded_scalars``)::
 
@@ -58,7 +59,8 @@ class Bucket:
     Attributes:
         index: position in ``FusedAdamW.buckets``; names the state Parameters.
         dtype: parameter dtype.
-        start, end: element range inside the dtype region.
+        start, end: element range inside the dtype region (alignment padding included).
+        first, count: which of the region's parameters (positions in ``param_indices``).
         weight_decay: decoupled weight decay of every parameter here.
         lr_index: which learning rate (index into the optimizer's lr tuple; 0 when not grouped).
     """
@@ -69,6 +71,8 @@ class Bucket:
     end: int
     weight_decay: float
     lr_index: int
+    first: int = 0
+    count: int = 0
     view: Tensor | None = None
 
     @property
@@ -178,7 +182,8 @@ class FusedAdamW(nn.Optimizer):
             region = regions.setdefault(dtype_name, DtypeRegion(dtype, []))
             numel = sum(int(np.prod(params[i].shape, dtype=np.int64)) for i in indices)
             bucket = Bucket(0, dtype, region.numel, region.numel + numel, wd,
-                            indices[0] if self.is_group_lr else 0)
+                            indices[0] if self.is_group_lr else 0,
+                            first=len(region.param_indices), count=len(indices))
             region.param_indices += indices
             region.numel += numel
             region.buckets.append(bucket)
@@ -198,11 +203,13 @@ class FusedAdamW(nn.Optimizer):
         """Move the region's parameters into one contiguous buffer and keep views of it."""
         params = [self._parameters[i] for i in region.param_indices]
         region.handle = combine_tensor_list_contiguous(params, True)
-        if int(region.handle.handle_shape) != region.numel:
-            # Alignment padding between tensors (device-dependent) would misalign the flat
-            # gradient and state buffers against the parameter region.
-            raise RuntimeError(f"padded contiguous region ({region.handle.handle_shape} elements for "
-                               f"{region.numel}); FusedAdamW needs an unpadded region on this device")
+        # Devices that align each tensor (512 B on Ascend) pad between them; the buckets then
+        # cover the padding too. Gradients of the same shapes and dtype are combined with the
+        # same padding, so flat gradient, state and region stay aligned element by element.
+        ends = np.cumsum([0] + [int(n) // region.itemsize for n in region.handle.after_padding_sizes])
+        for bucket in region.buckets:
+            bucket.start, bucket.end = int(ends[bucket.first]), int(ends[bucket.first + bucket.count])
+        region.numel = int(ends[-1])
         region.flat = region.handle[0:region.numel]
         for bucket in region.buckets:
             bucket.view = region.handle[bucket.start:bucket.end]

@@ -235,13 +235,33 @@ class DeviceSource(Source):
 
 
 # --- shadow model ------------------------------------------------------------------------------
+_ITEMSIZE: dict = {}
+
+
+def _itemsize(dtype) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        import numpy as np
+        from mindspore import dtype_to_nptype
+        try:
+            size = np.dtype(dtype_to_nptype(dtype)).itemsize
+        except Exception:  # bfloat16 and other types numpy lacks
+            size = 2 if "16" in str(dtype) else 4
+        _ITEMSIZE[dtype] = size
+    return size
+
+
 def _nbytes(obj) -> int:
-    """Bytes of a Tensor, or of the Tensors inside a tuple/list/dict."""
+    """Bytes of a Tensor (from shape and dtype: no device sync), or of the Tensors inside a
+    tuple/list/dict."""
     if obj is None:
         return 0
-    nbytes = getattr(obj, "nbytes", None)
-    if isinstance(nbytes, int):
-        return nbytes
+    shape, dtype = getattr(obj, "shape", None), getattr(obj, "dtype", None)
+    if shape is not None and dtype is not None and not isinstance(obj, (tuple, list, dict)):
+        count = 1
+        for dim in shape:
+            count *= int(dim)
+        return count * _itemsize(dtype)
     if isinstance(obj, (tuple, list)):
         return sum(_nbytes(o) for o in obj)
     if isinstance(obj, dict):
@@ -259,7 +279,9 @@ class ShadowModelSource(Source):
         allocator: the model's name (``"mindspore"``) and ``options`` for it.
         capacity: device memory for the model, bytes (``None``: unbounded, no ``device_free``).
 
-    Activations are seen only when hooks fire (PyNative). A step is replayed as: activations
+    Activations are seen only when hooks fire (PyNative); hooks are attached only for the
+    steps that will be scanned (the first step, then the step before each scan re-arms them),
+    so steps in between run without them. A step is replayed as: activations
     allocated in forward order, then freed in reverse order with the gradients allocated in
     between (backward), then the gradients freed after the optimizer; the scan measures the
     pool at the step's end, like a device scan would, and adds the step's peak in ``extra``.
@@ -286,7 +308,7 @@ class ShadowModelSource(Source):
 
     def _attach(self) -> None:
         from mindspore import nn
-        if self.network is None:
+        if self.network is None or self._handles:
             return
         for _, cell in self.network.cells_and_names():
             if isinstance(cell, nn.Optimizer) or any(True for _ in cell.cells()):
@@ -301,6 +323,21 @@ class ShadowModelSource(Source):
         if self._activations:
             self._last_step_activations = self._activations
             self._activations = []
+
+    def arm(self, active: bool) -> None:
+        """Hooks on for a step that will be scanned, off otherwise."""
+        if active:
+            self._attach()
+        else:
+            self._detach()
+
+    def _detach(self) -> None:
+        for handle in self._handles:
+            try:
+                handle.remove()
+            except Exception:  # a handle of a freed Cell
+                pass
+        self._handles.clear()
 
     def _params(self) -> tuple[list[int], list[int]]:
         """(persistent sizes: parameters + optimizer states, gradient sizes)."""
@@ -359,12 +396,7 @@ class ShadowModelSource(Source):
         return reading
 
     def close(self) -> None:
-        for handle in self._handles:
-            try:
-                handle.remove()
-            except Exception:  # a handle of a freed Cell
-                pass
-        self._handles.clear()
+        self._detach()
 
 
 # --- arenas --------------------------------------------------------------------------------------
