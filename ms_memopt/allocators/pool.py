@@ -194,6 +194,7 @@ class PoolModeAllocator(AllocatorModel):
             addr += size
         self.route = dict(REGION_OF_TAG, **(route or {}))
         self._owner: dict[int, _Region] = {}
+        self._region_cache: dict[tuple, _Region | None] = {}
         self._evicted: list[int] = []
         self.evictions = 0
         self.reserved = sum(r.size for r in self.regions.values())
@@ -211,8 +212,14 @@ class PoolModeAllocator(AllocatorModel):
 
     # --- requests -----------------------------------------------------------------------
     def region_for(self, tag: str | None, pool: str | None) -> _Region | None:
-        name = self.route.get(tag or "", None) or (pool if pool in self.regions else None) or "workspace"
-        return self.regions.get(name) or self.regions.get("workspace")
+        """The region serving a request: by ``tag``, else a region named ``pool``, else the
+        workspace."""
+        key = (tag, pool)
+        region = self._region_cache.get(key)
+        if region is None:
+            name = self.route.get(tag or "", None) or (pool if pool in self.regions else None) or "workspace"
+            region = self._region_cache[key] = self.regions.get(name) or self.regions.get("workspace")
+        return region
 
     def malloc(self, size: int, *, stream: int = 0, pool: str | None = None,
                tag: str | None = None) -> int | None:
