@@ -61,6 +61,8 @@ def study(args) -> None:
     seeds = list(range(args.seeds))
     few = seeds[:3]
     jobs = [("main", spec, cfg, POLICIES, s) for s in seeds]
+    if args.main_only:
+        return _run_jobs(jobs, args)
     jobs += [("control: all off", replace(spec, enabled=False), cfg, ("baseline",), 0)]
     bounded = replace(spec, seq_buckets=(2048, 4096, 6144, 8192), cache_max_shapes=64)
     jobs += [("control: bounded", bounded, cfg, ("baseline",), s) for s in seeds]
@@ -73,12 +75,31 @@ def study(args) -> None:
     jobs += [("sensitivity: micro_batches x 1.5", replace(spec, micro_batches=spec.micro_batches * 3 // 2),
               cfg, ("baseline",), s) for s in few]
     jobs += [("sensitivity: reference", spec, cfg, ("baseline",), s) for s in few]
+    return _run_jobs(jobs, args)
+
+
+def _run_jobs(jobs, args) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
     started = time.perf_counter()
     rows: dict[str, dict[str, list]] = {}
+    from concurrent.futures import as_completed
+
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        for label, seed, result in pool.map(_one, jobs):
+        futures = [pool.submit(_one, job) for job in jobs]
+        for future in as_completed(futures):
+            label, seed, result = future.result()
             for policy, r in result.items():
                 rows.setdefault(f"{label} [{policy}]", []).append(r)
+                # progress on stderr: one line per finished run
+                print(f"# {time.perf_counter() - started:6.0f} s  {label} [{policy}] seed {seed}: "
+                      f"oom_step {r['oom_step']} {r['oom_kind'] or ''} "
+                      f"free@oom {((r['free_total_at_oom'] or 0) / GiB):.1f} GiB, peak "
+                      f"{r['peak_allocated'] / GiB:.1f} GiB, compactions {r['compactions']}, "
+                      f"frag_after {r['frag_after_compaction']}, region_frag {r['region_frag_max']}",
+                      file=sys.stderr, flush=True)
+    for runs in rows.values():
+        runs.sort(key=lambda r: r["seed"])
     table = {}
     print(f"{'run':<48} {'seeds':>5} {'OOMs':>4} {'median':>7} {'min':>5} {'max':>5} {'kinds':<18} "
           f"{'free@oom GiB':>12} {'peak GiB':>8} {'frag_max':>8} {'frag_after_c':>12} {'region_frag':>11}")
@@ -121,6 +142,7 @@ def main() -> None:
                         help="allocator option (default: pregrow=true, see docs/simulation.md)")
     parser.add_argument("--study", action="store_true", help="run the docs/simulation.md study")
     parser.add_argument("--seeds", type=int, default=10, help="seeds of the study")
+    parser.add_argument("--main-only", action="store_true", help="study: only the 3 policies x seeds")
     parser.add_argument("--workers", type=int, default=2, help="worker processes of the study")
     args = parser.parse_args()
     args.options = _options(args.allocator_option if args.allocator_option is not None else ["pregrow=true"])

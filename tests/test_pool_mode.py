@@ -241,3 +241,11 @@ def test_pool_mode_training_matches_normal_training(use_fused):
     np.testing.assert_allclose(w_pooled, w_normal, rtol=1e-5, atol=1e-6)
     w_init = model.GPT(cfg).trainable_params()[3].asnumpy()
     assert not np.allclose(w_pooled, w_init), "the pooled parameters did not train"
+
+
+def test_package_exports_are_lazy():
+    import subprocess
+    import sys
+    code = ("import sys, ms_memopt.mindspore as m; assert 'mindspore' not in sys.modules; "
+            "assert {'FusedAdamW', 'enable_pool_mode', 'GPT', 'GPTConfig'} <= set(dir(m))")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -6,18 +6,19 @@ long-lived small tensors cannot cut up the space of large short-lived ones:
 ================  ===================================================  ======================
 region            holds (tags)                                         policy inside
 ================  ===================================================  ======================
-``parameters``    BF16 weights, FP32 gradient accumulation              best fit (never freed)
+``parameters``    BF16 weights                                          best fit (never freed)
+``gradients``     FP32 gradient accumulation                            best fit (never freed)
 ``optimizer``     FP32 master weights, Adam m and v                     best fit (never freed)
 ``activations``   saved activations, checkpoint inputs, recomputes     ring (allocate at the
                                                                        head, wrap at the end)
 ``communication`` AllReduce / ReduceScatter buckets, P2P buffers        best fit (the arena)
 ``workspace``     op workspaces, weight gradients, optimizer temps,    best fit
                   evaluation, checkpoint staging, logging
-``cache``         per-shape cached tensors                             best fit; when full the
+``workspace.cache`` per-shape cached tensors                           best fit; when full the
                                                                        oldest entry is evicted
 ================  ===================================================  ======================
 
-A cache can always rebuild an entry, so the ``cache`` region evicts its oldest tensors instead
+A cache can always rebuild an entry, so the ``workspace.cache`` region evicts its oldest tensors instead
 of failing (the evicted addresses are reported by :meth:`PoolModeAllocator.drain_evicted` so a
 driver can forget them). Every other region fails its request when full: a pool-mode OOM
 names a region sized too small, not fragmentation elsewhere.
@@ -52,15 +53,15 @@ _ADDR, _SIZE, _USED, _PREV, _NEXT = range(5)
 
 #: which region serves which request tag (anything else: ``workspace``)
 REGION_OF_TAG = {
-    "parameter": "parameters", "gradient": "parameters",
+    "parameter": "parameters", "gradient": "gradients",
     "optimizer": "optimizer",
     "activation": "activations", "checkpoint_input": "activations", "recompute": "activations",
     "allreduce": "communication", "reduce_scatter": "communication", "allgather": "communication",
     "p2p": "communication",
-    "shape_cache": "cache",
+    "shape_cache": "workspace.cache",
 }
 _RING = {"activations"}
-_EVICTING = {"cache"}
+_EVICTING = {"workspace.cache"}
 
 
 class _Region:
@@ -164,8 +165,8 @@ class PoolModeAllocator(AllocatorModel):
 
     Args:
         capacity: device bytes; the regions must fit in it.
-        regions: region name -> bytes (in address order), or a plan object with ``regions``
-            (items with ``name`` and ``size``), e.g. :class:`ms_memopt.poolplan.PoolPlan`.
+        regions: a :class:`ms_memopt.poolplan.PoolPlan` (its regions in address order; a
+            region with ``ring`` set is a ring), or region name -> bytes.
         route: overrides of :data:`REGION_OF_TAG`.
 
     Raises:
@@ -177,18 +178,23 @@ class PoolModeAllocator(AllocatorModel):
     def __init__(self, capacity: int | None = None, regions=None, route: dict[str, str] | None = None) -> None:
         super().__init__(capacity)
         sizes = _region_sizes(regions)
+        self._rings = {r.name for r in getattr(regions, "regions", ()) if getattr(r, "ring", False)} or set(_RING)
         total = sum(sizes.values())
         if capacity is not None and total > capacity:
             raise InputError(f"pool-mode regions need {total} bytes, more than the capacity {capacity}",
                              key="memopt.pool_mode")
+        offsets = {r.name: r.offset for r in getattr(regions, "regions", ()) if hasattr(r, "offset")}
         self.regions: dict[str, _Region] = {}
         addr = _BASE_ADDR
         for name, size in sizes.items():
+            if name in offsets:   # the plan's layout (regions start on its alignment)
+                addr = _BASE_ADDR + offsets[name]
             size = size // _ALIGN * _ALIGN
             self.regions[name] = _Region(name, addr, size)
             addr += size
         self.route = dict(REGION_OF_TAG, **(route or {}))
         self._owner: dict[int, _Region] = {}
+        self._region_cache: dict[tuple, _Region | None] = {}
         self._evicted: list[int] = []
         self.evictions = 0
         self.reserved = sum(r.size for r in self.regions.values())
@@ -198,13 +204,22 @@ class PoolModeAllocator(AllocatorModel):
     @classmethod
     def for_workload(cls, spec, capacity: int | None = None) -> "PoolModeAllocator":
         """Regions sized for a :class:`~ms_memopt.workload.WorkloadSpec` (see
-        :func:`region_sizes_for_workload`)."""
-        return cls(capacity=capacity, regions=region_sizes_for_workload(spec, capacity))
+        :func:`region_sizes_for_workload`), laid out by :meth:`PoolPlan.build`."""
+        from ..poolplan import PoolPlan
+
+        plan = PoolPlan.build(region_sizes_for_workload(spec, capacity), rings=("activations",))
+        return cls(capacity=capacity, regions=plan)
 
     # --- requests -----------------------------------------------------------------------
     def region_for(self, tag: str | None, pool: str | None) -> _Region | None:
-        name = self.route.get(tag or "", None) or (pool if pool in self.regions else None) or "workspace"
-        return self.regions.get(name) or self.regions.get("workspace")
+        """The region serving a request: by ``tag``, else a region named ``pool``, else the
+        workspace."""
+        key = (tag, pool)
+        region = self._region_cache.get(key)
+        if region is None:
+            name = self.route.get(tag or "", None) or (pool if pool in self.regions else None) or "workspace"
+            region = self._region_cache[key] = self.regions.get(name) or self.regions.get("workspace")
+        return region
 
     def malloc(self, size: int, *, stream: int = 0, pool: str | None = None,
                tag: str | None = None) -> int | None:
@@ -213,7 +228,7 @@ class PoolModeAllocator(AllocatorModel):
         if region is None:
             self._record_oom(size, stream, tag)
             return None
-        ring = region.name in _RING
+        ring = region.name in self._rings
         addr = region.take(size, ring)
         if addr is None and region.name in _EVICTING:
             while addr is None and region.order:
@@ -289,7 +304,8 @@ def region_sizes_for_workload(spec, capacity: int | None = None) -> dict[str, in
     optimizer_temps = 2 * (spec.param_bytes * 2 / max(1, spec.optimizer_groups))
     extras = spec.extra_size * (spec.extra_lifetime_steps + 1) if spec.extra_probability else 0
     sizes = {
-        "parameters": spec.param_bytes + spec.grad_bytes + spec.layers * 2 * _ALIGN,
+        "parameters": spec.param_bytes + spec.layers * _ALIGN,
+        "gradients": spec.grad_bytes + spec.layers * _ALIGN,
         "optimizer": spec.optimizer_bytes + spec.layers * _ALIGN,
         "activations": int(ring * 1.02),
         "communication": int(spec.allreduce_bytes + spec.buckets * spec.bucket_bytes + 4 * spec.p2p_bytes * scale) + 2**20,
@@ -298,5 +314,5 @@ def region_sizes_for_workload(spec, capacity: int | None = None) -> dict[str, in
     floor = 64 * spec.cache_bytes_per_shape
     sizes = {k: (v + _ALIGN - 1) // _ALIGN * _ALIGN for k, v in sizes.items()}
     room = (capacity - sum(sizes.values())) if capacity is not None else 2**31
-    sizes["cache"] = int(max(min(room, 2**31), min(floor, max(room, 0)))) // _ALIGN * _ALIGN
+    sizes["workspace.cache"] = int(max(min(room, 2**31), min(floor, max(room, 0)))) // _ALIGN * _ALIGN
     return sizes

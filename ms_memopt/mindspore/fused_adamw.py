@@ -1,18 +1,19 @@
 """``FusedAdamW``: AdamW over flat, contiguous regions, one FP32-domain pass per region.
 
-A drop-in for ``nn.AdamWeightDecay``. Parameters are split into *buckets* (same dtype, same
-learning rate, same weight decay) and each bucket gets:
+A drop-in for ``nn.AdamWeightDecay``. The layout:
 
-* a **parameter region**: the bucket's parameters moved into one contiguous buffer
-  (``combine_tensor_list_contiguous``); every parameter is a view of it;
-* an **optimizer region**: flat float32 ``Parameter``s ``m`` and ``v`` (and, for fp16/bf16
-  parameters, a float32 ``master`` copy), in the same order as the parameters;
-* a **gradient region**: the step's gradients concatenated into one flat buffer.
+* **parameter regions**: all parameters of one dtype moved into one contiguous buffer
+  (``combine_tensor_list_contiguous``); every parameter is a view of it. Inside a region,
+  parameters with the same learning rate and weight decay are adjacent: a *bucket*;
+* **optimizer region**: per bucket, flat float32 ``Parameter``s ``m`` and ``v`` (and, for
+  fp16/bf16 parameters, a float32 ``master``), in the order of the parameter region;
+* **gradient region**: each step's gradients of one dtype combined into one flat buffer.
 
-One step of one bucket is: concatenate the gradients, cast them to float32 once, run one
-``ops.AdamWeightDecay`` kernel over the whole region (m, v and the float32 weights are updated
-in place), and for low-precision parameters write the cast master into the parameter region
-with a single ``copy_``. ``nn.AdamWeightDecay`` runs one kernel per parameter instead.
+One step of one dtype: combine the gradients, cast them to float32 once, run one
+``ops.AdamWeightDecay`` kernel per bucket over its whole range (m, v and the float32 weights
+are updated in place), and for low-precision parameters write the cast master into the
+parameter region with a single ``copy_``. ``nn.AdamWeightDecay`` runs one kernel per
+parameter instead.
 
 Bias correction is folded into the kernel's scalars (exact algebra, see ``_folded_scalars``)::
 
