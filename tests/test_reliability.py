@@ -995,3 +995,70 @@ def test_known_bug_replay_with_the_pool_model(tmp_path):
     path = _write(tmp_path / "t.csv", _TRACE_SEEDS["mindspore-memory-block"])
     code, _, err = _outcome(lambda: _cli(["replay", str(path), "--allocator", "pool"]))
     assert code in (0, 1, 2) and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------
+# never kill training: a scan log that cannot be written is logged and skipped
+# ---------------------------------------------------------------------------------------------
+
+def test_scan_log_write_failure_is_logged_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    """The disk fills up mid-run: scans go on without their line, a warning says why, and the
+    log resumes (no torn or duplicated record) once writing works again."""
+    import errno
+    import logging
+
+    from ms_memopt.layout import Block, Layout, Segment
+    from ms_memopt.scan import LayoutSource, ScanLog, Scanner, read_scan_log
+
+    layout = Layout([Segment(0, 4096, [Block(0, 1024, True), Block(1024, 3072, False)])])
+    path = tmp_path / "scan.jsonl"
+    scanner = Scanner([LayoutSource("arena", lambda: layout)], log=ScanLog(path), every=1)
+    assert scanner.step(1) is not None
+    real_write = os.write
+
+    def disk_full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", disk_full)
+    with caplog.at_level(logging.WARNING, logger="ms_memopt.scan"):
+        records = [scanner.step(s) for s in (2, 3)]
+    monkeypatch.setattr(os, "write", real_write)
+    assert all(r is not None and r.largest_free == 3072 for r in records)
+    assert any("No space left" in r.getMessage() for r in caplog.records)
+    scanner.step(4)
+    scanner.close()
+    assert [r["step"] for r in read_scan_log(path)] == [1, 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# soak: a simulation streams its steps; memory does not grow with the step count
+# ---------------------------------------------------------------------------------------------
+
+def test_simulation_memory_does_not_grow_with_steps():
+    """10x the steps, the same peak of Python allocations: events and samples are streamed,
+    not accumulated. (Demo recipe, to stay fast; ``bench/soak.py`` runs the 100B recipe for
+    10,000 steps and prints RSS against the step count.)"""
+    import tracemalloc
+
+    pytest.importorskip("ms_memopt.simulate")
+    from ms_memopt.simulate import config_from_recipe, simulate
+    from ms_memopt.workload import spec_from_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "demo_cpu.yaml")
+    spec = spec_from_recipe(recipe)
+
+    def peak(steps: int) -> tuple[int, int]:
+        cfg = config_from_recipe(recipe, steps=steps)
+        with open(os.devnull, "w", encoding="utf-8") as timeline:
+            tracemalloc.start()
+            try:
+                results = simulate(spec, cfg, policies=("pool",), seeds=[0], timeline=timeline)
+                return tracemalloc.get_traced_memory()[1], results["pool"].seeds[0].events
+            finally:
+                tracemalloc.stop()
+
+    peak(20)   # warm module-level caches
+    small, small_events = peak(150)
+    big, big_events = peak(1500)
+    assert big_events >= 9 * small_events
+    assert big < small + (1 << 20), (small, big)
