@@ -82,7 +82,8 @@ def _bounded(seconds: float = _SECONDS, extra_memory: int = _EXTRA_MEMORY):
         raise _OverTime(f"still running after {seconds:g} s")
 
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    limit = _address_space() + extra_memory
+    size = _address_space()          # 0 without /proc: no memory bound, the time bound stays
+    limit = size + extra_memory if size else soft
     if soft != resource.RLIM_INFINITY:
         limit = min(limit, soft)
     if hard != resource.RLIM_INFINITY:
@@ -117,6 +118,9 @@ _KNOWN_BUGS = {
     "planner-int64": lambda exc: isinstance(exc, OverflowError) and "C long" in str(exc),
     # cli.replay_cmd: create("pool", capacity) raises ValueError, the pool model needs region sizes
     "replay-pool-model": lambda exc: isinstance(exc, ValueError) and "region sizes" in str(exc),
+    # report.layout_from_dict converts with int()/str() and catches Key/Type/ValueError only
+    # (Infinity -> OverflowError); a non-string block tag reaches the plot (AttributeError)
+    "layout-types": lambda exc: isinstance(exc, (OverflowError, AttributeError)),
     # report_merge.merge_ranks trusts the field types of scan records
     "scan-record-types": lambda exc: isinstance(exc, (TypeError, ValueError, AttributeError, OverflowError)),
 }
@@ -458,6 +462,46 @@ def test_fuzz_scan_log_reader(work, data):
     seed = "".join(json.dumps(r) + "\n" for r in _SCAN_RECORDS).encode()
     path.write_bytes(data.draw(_damaged(seed)))
     _outcome(lambda: read_scan_log(path, kinds=("scan", "source_error")), known=("deep-json",))
+
+
+_LAYOUT = {"step": 10, "label": "after compaction", "capacity": 8192,
+           "segments": [{"addr": 0, "size": 4096, "stream": 0, "pool": "common",
+                         "blocks": [[0, 1024, True, "activation"], [1024, 3072, False, None]]},
+                        {"addr": 4096, "size": 2048, "stream": 0, "pool": "persistent",
+                         "blocks": [[4096, 2048, True, "weight"]]}]}
+
+
+@_FUZZ_FEW
+@given(layout=_mutated(_LAYOUT, _NASTY_VALUES))
+def test_fuzz_layout_reader(work, layout):
+    """``report.read_layouts`` (the memory map's input) on records with wrong types and huge numbers."""
+    from ms_memopt.report import read_layouts
+
+    path = work / "layouts.jsonl"
+    path.write_text(json.dumps(layout) + "\n")
+    _outcome(lambda: read_layouts(path), known=("layout-types",))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=_mutated(_LAYOUT, _NASTY_VALUES))
+def test_fuzz_report_cli_with_plots(work, layout):
+    """``ms-memopt report`` drawing every figure from a damaged layout record: exit 0 or 2."""
+    run = work / "run"
+    (run / "rank_0").mkdir(parents=True, exist_ok=True)
+    (run / "rank_0" / "scan.jsonl").write_text(json.dumps(_SCAN_RECORDS[0]) + "\n")
+    (run / "rank_0" / "layouts.jsonl").write_text(json.dumps(layout) + "\n")
+    _cli_outcome(["report", str(run), "--json"], known=("layout-types",))
+
+
+@_FUZZ_FEW
+@given(data=st.data())
+def test_fuzz_pool_debug_dump_reader(work, data):
+    """``read_pool_debug_dump`` (MemoryDebugInfo*.txt, a layout, not a trace) on damaged dumps."""
+    from ms_memopt.traces.ms_debug_dump import read_pool_debug_dump
+
+    path = work / "MemoryDebugInfo0.txt"
+    path.write_bytes(data.draw(_damaged((DATA / "MemoryDebugInfo0.txt").read_bytes())))
+    _outcome(lambda: read_pool_debug_dump(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1062,3 +1106,63 @@ def test_simulation_memory_does_not_grow_with_steps():
     big, big_events = peak(1500)
     assert big_events >= 9 * small_events
     assert big < small + (1 << 20), (small, big)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="report.layout_from_dict: capacity Infinity raises OverflowError (only "
+                          "Key/Type/ValueError are turned into InputError)")
+def test_known_bug_layout_record_with_infinite_capacity(tmp_path):
+    from ms_memopt.report import read_layouts
+
+    path = _write(tmp_path / "layouts.jsonl", json.dumps(dict(_LAYOUT, capacity=float("inf"))).encode() + b"\n")
+    _strict_input_error(lambda: read_layouts(path))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="report: a block tag that is not a string passes layout_from_dict and "
+                          "_category calls tag.lower(): AttributeError while drawing the memory map")
+def test_known_bug_report_layout_tag_not_a_string(tmp_path):
+    layout = copy.deepcopy(_LAYOUT)
+    layout["segments"][0]["blocks"][0][3] = {"a": 1}
+    (tmp_path / "rank_0").mkdir()
+    (tmp_path / "rank_0" / "scan.jsonl").write_text(json.dumps(_SCAN_RECORDS[0]) + "\n")
+    (tmp_path / "rank_0" / "layouts.jsonl").write_text(json.dumps(layout) + "\n")
+    code, _, err = _outcome(lambda: _cli(["report", str(tmp_path), "--json"]))
+    assert code in (0, 2) and "Traceback" not in err
+
+
+@pytest.mark.mindspore
+@pytest.mark.xfail(strict=True, raises=OSError,
+                   reason="mindspore.standalone: _LayoutSnapshots and _StepLog write layouts.jsonl / "
+                          "train.jsonl from on_train_step_end without catching OSError, so a full disk "
+                          "or an unwritable path stops training")
+@pytest.mark.parametrize("callback", ["layout-snapshots", "step-log"])
+def test_known_bug_report_log_write_failure_in_a_callback_stops_training(tmp_path, callback):
+    import errno
+    import types
+
+    pytest.importorskip("mindspore")
+    from ms_memopt.layout import Block, Layout, Segment
+    from ms_memopt.mindspore.standalone import _CallbackParams, _LayoutSnapshots, _StepLog
+
+    layout = Layout([Segment(0, 4096, [Block(0, 1024, True), Block(1024, 3072, False)])])
+    source = types.SimpleNamespace(model=types.SimpleNamespace(layout=lambda: layout))
+    scan_callback = types.SimpleNamespace(scanner=types.SimpleNamespace(sources=[source]))
+    context = types.SimpleNamespace(
+        original_args=lambda: _CallbackParams(cur_step_num=1, loss_value=1.0, step_seconds=0.1))
+    if callback == "layout-snapshots":
+        (tmp_path / "layouts.jsonl").mkdir()          # not writable as a file, even by root
+        cb = _LayoutSnapshots(tmp_path / "layouts.jsonl", scan_callback, {1})
+    else:
+        cb = _StepLog(tmp_path / "train.jsonl", start_step=0)
+        cb.file.close()
+
+        class _Full:
+            def write(self, text):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            def flush(self):
+                pass
+
+        cb.file = _Full()
+    cb.on_train_step_end(context)      # must log and skip, never raise into Model.train
