@@ -482,6 +482,7 @@ def test_fuzz_layout_reader(work, layout):
     _outcome(lambda: read_layouts(path), known=("layout-types",))
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning")   # odd figures are fine
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layout=_mutated(_LAYOUT, _NASTY_VALUES))
 def test_fuzz_report_cli_with_plots(work, layout):
