@@ -325,3 +325,25 @@ def test_vmm_oom_when_physical_memory_is_exhausted():
     assert pool.malloc(8 * MiB) is None
     oom = pool.ooms[-1]
     assert oom.kind == "capacity" and oom.size == 8 * MiB
+
+
+@settings(max_examples=30, deadline=None)
+@given(ops=ops_strategy())
+def test_vmm_restore_round_trip(ops):
+    model = MindSporeVMMPool(capacity=256 * MiB)
+    live = apply_ops(model, ops)
+    before = model.layout()
+    again = MindSporeVMMPool(capacity=256 * MiB)
+    again.restore(before)
+    assert again.layout() == before
+    check_invariants(again, live)
+    _vmm_buffers_are_merged(again)
+    addr = again.malloc(MiB)
+    if addr is not None:
+        live[addr] = MiB
+    check_invariants(again, live)
+
+
+def test_vmm_restore_rejects_unaligned_segments():
+    with pytest.raises(ValueError, match="2 MiB"):
+        MindSporeVMMPool().restore(Layout([Segment(4096, CHUNK, [Block(4096, CHUNK, False)])]))

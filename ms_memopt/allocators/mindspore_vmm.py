@@ -160,6 +160,58 @@ class MindSporeVMMPool(AllocatorModel):
     def empty_cache(self) -> None:
         self.defrag()
 
+    def restore(self, layout: Layout) -> None:
+        """Start from ``layout``: each segment becomes a virtual range of the allocator named
+        by ``segment.pool``/``segment.stream``, rounded up to 2 MiB, with every chunk holding
+        part of the segment mapped; live blocks keep their addresses, the rest is idle (the
+        rounding tail eager-free).
+
+        Raises:
+            ValueError: a segment that does not start on a 2 MiB boundary.
+        """
+        for segment in sorted(layout.segments, key=lambda s: s.addr):
+            if segment.addr % CHUNK:
+                raise ValueError(f"VMM segments start on 2 MiB boundaries; {segment.addr:#x} does not")
+            allocator = self._allocator(segment.stream, segment.pool == "persistent")
+            size = (segment.size + CHUNK - 1) // CHUNK * CHUNK
+            rng = _Range(segment.addr, size, allocator)
+            allocator.ranges.append(rng)
+            self.segment_allocs += 1
+            pieces: list[list] = []
+            cursor = segment.addr
+            for block in sorted(segment.blocks, key=lambda b: b.addr):
+                if block.addr > cursor:
+                    pieces.append([cursor, block.addr - cursor, _IDLE])
+                pieces.append([block.addr, block.size, _USED if block.live else _IDLE])
+                cursor = block.end
+            if cursor < segment.end:
+                pieces.append([cursor, segment.end - cursor, _IDLE])
+            if segment.addr + size > segment.end:
+                pieces.append([segment.end, segment.addr + size - segment.end, _EAGER])
+            prev = None
+            for addr, nbytes, state in pieces:
+                if prev is not None and state != _USED and prev[_STATE] == state:
+                    prev[_SIZE] += nbytes
+                    continue
+                buf = [addr, nbytes, state, prev, None, rng]
+                if prev is None:
+                    rng.head = buf
+                else:
+                    prev[_NEXT] = buf
+                self._bufs[addr] = buf
+                prev = buf
+            buf = rng.head
+            while buf is not None:
+                if buf[_STATE] == _USED:
+                    self.allocated += buf[_SIZE]
+                else:
+                    insort(allocator.keys(buf[_STATE]), (buf[_SIZE] << _SHIFT) | buf[_ADDR])
+                buf = buf[_NEXT]
+            self._mapped.update(range(segment.addr >> _CHUNK_SHIFT, (segment.end - 1 >> _CHUNK_SHIFT) + 1))
+            self._next_addr = max(self._next_addr, segment.addr + size + CHUNK)
+        self.reserved = len(self._mapped) * CHUNK
+        self._note_usage()
+
     # --- state ----------------------------------------------------------------------------
     def layout(self) -> Layout:
         """Mapped runs as segments; see the module docstring."""

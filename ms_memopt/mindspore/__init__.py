@@ -24,9 +24,15 @@ _EXPORTS: dict[str, str] = {
     "GPTWithLoss": "model",
     "synthetic_dataset": "model",
     "synthetic_batches": "model",
-    # Added by other modules as they land, one line each, e.g.:
-    # "LayoutScanCallback": "scan",
-    # "CompactionCallback": "compaction",
+    "LayoutScanCallback": "scan_callback",
+    "Scanner": "scan_callback",
+    "CompactionCallback": "compaction",
+    "live_compact": "compaction",
+    "register": "compaction",
+    "StoreBarrier": "compaction",
+    "BarrierTimeout": "compaction",
+    "MindSporeArenaBackend": "compaction",
+    "run_standalone": "standalone",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -33,7 +33,6 @@ untested on Ascend.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -52,15 +51,13 @@ from mindspore.train import Callback
 
 from ..arena import Arena
 from ..metrics import measure
+from ..scan import SCAN_LOG_NAME, ScanLog
 
 __all__ = ["live_compact", "LiveCompactionReport", "register", "unregister", "registered",
            "long_lived_tensors", "CompactionCallback", "StoreBarrier", "BarrierTimeout",
-           "CompactionError", "MindSporeArenaBackend", "SCAN_LOG_NAME"]
+           "CompactionError", "MindSporeArenaBackend"]
 
 logger = logging.getLogger("ms_memopt.compaction")
-
-#: the scan log's file name inside ``log_dir`` (shared with the layout scans)
-SCAN_LOG_NAME = "scan.jsonl"
 
 
 class CompactionError(RuntimeError):
@@ -422,18 +419,6 @@ def _rank_and_world() -> tuple[int, int]:
 
 # --- the callback -----------------------------------------------------------------------------
 
-def _append_jsonl(path: Path, record: dict) -> None:
-    """Append one JSON line with a single ``write`` (safe for several ranks on one file).
-    Private until the shared scan-log writer (ms_memopt.scan.ScanLog) is merged."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
-
-
 class CompactionCallback(Callback):
     """Compact every ``every`` steps, after the optimizer and before the next forward.
 
@@ -549,7 +534,8 @@ class CompactionCallback(Callback):
                           largest_free_after=pool_after.largest_free, free_total=pool_after.free_total)
         self.records.append(record)
         if self.log_path is not None:
-            _append_jsonl(self.log_path, record)
+            with ScanLog(self.log_path) as log:  # shared with the scans: one append per record
+                log.write(record)
         logger.info("compaction at step %d on rank %d: %d bytes moved in %.3f s", step, rank,
                     record["bytes_moved"], seconds)
         return record
