@@ -7,7 +7,10 @@ and dropped, samples go to the file, nothing accumulates per step.
 
 Last line: one JSON object {"steps", "rss_mib": {step: MiB}, "rss_growth_mib", "seconds"}.
 
-Usage: python bench/soak.py [--steps 10000] [--every 1000]
+The allocator is pre-grown as in bench/simulate.py (``--allocator-option``, default
+``pregrow=true``; see docs/simulation.md).
+
+Usage: python bench/soak.py [--steps 10000] [--every 1000] [--allocator-option KEY=VALUE]
 """
 from __future__ import annotations
 
@@ -39,10 +42,14 @@ def main() -> None:
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "dense_100b_1024x910c.yaml"))
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--every", type=int, default=1000)
+    parser.add_argument("--allocator-option", action="append", default=None, metavar="KEY=VALUE")
     args = parser.parse_args()
+    from ms_memopt.cli.simulate_cmd import _options
     recipe = load_recipe(args.recipe)
     spec = spec_from_recipe(recipe)
     cfg = config_from_recipe(recipe, steps=args.steps)
+    cfg.allocator_options.update(_options(args.allocator_option if args.allocator_option is not None
+                                          else ["pregrow=true"]))
     rss: dict[int, float] = {0: _rss_mib()}
 
     def on_step(step: int) -> None:

@@ -5,32 +5,36 @@ One step of a pipeline stage under 1F1B, as :class:`~ms_memopt.events.Event` obj
 * **prologue** (once): BF16 weights, FP32 gradient accumulation buffers and FP32 Adam states
   (master copy, m, v), from the persistent pool, one tensor per layer.
 * **forward**, per micro-batch and layer: the P2P receive buffer of the stage input, a
-  transient workspace (attention scores, MLP intermediate), and the BF16 activations saved for
-  backward. With recompute segments (``recompute_every = k``) only the input of each
-  k-layer segment is kept; the backward recomputes the segment's activations first.
+  transient workspace (several tensors: attention, MLP intermediates), and the BF16
+  activations saved for backward (several tensors per layer). With recompute segments
+  (``recompute_every = k``) only the input of each k-layer segment is kept; the backward
+  recomputes the segment's activations first.
 * **backward**, per micro-batch and layer in reverse: a gradient workspace, the BF16 weight
   gradient that is cast and added into the FP32 accumulation buffer, then the saved
   activations are freed. 1F1B keeps at most ``in_flight`` micro-batches' activations alive.
-* **communication**: ReduceScatter buckets and the AllReduce buffer (the *watched* request,
-  4.2 GB in the field report) allocated contiguously after the last backward, then freed.
+* **communication**: ReduceScatter/AllGather buckets (when configured) and the AllReduce
+  buffer (the *watched* request, 4.2 GB in the field report), then freed.
 * **optimizer step**: per parameter group, the FP32 cast of the gradient and the update
   temporary (two intermediate copies of a non-fused AdamW), then a ``mark`` ``optimizer_end``.
 
-Real jobs are not identical step to step. Each mechanism below is a small seeded function,
-switchable under ``memopt.workload`` (all off → every step is the same event list):
+Real jobs are not identical step to step. Each mechanism is a small seeded method, switchable
+under ``memopt.workload`` (``enabled: false`` → every step is the same event list):
 
-============== ===========================================================================
-``dynamic_seq``  per micro-batch token count (dynamic shapes / packing slack): activations
-                 scale with the length; lengths are quantised to ``granularity`` tokens, or
-                 drawn from a finite set of ``shapes`` (the bounded control)
-``shape_cache``  the first time a shape is seen, small tensors built for it (RoPE tables,
-                 position ids, masks, op workspaces) are allocated mid-forward and *live on*;
-                 ``limit`` bounds the cache (LRU), ``0`` = unbounded
-``extras``       occasional allocations: evaluation forward passes, checkpoint staging
-                 copies, logging reductions
-``comm_jitter``  the AllReduce buffer is requested at a varying moment inside the last
-                 micro-batch's backward instead of after it
-============== ===========================================================================
+================== =========================================================================
+dynamic lengths    ``dynamic_seq``, ``seq_distribution``, ``seq_min/max``, ``seq_align``,
+                   ``seq_buckets``, ``long_tail``: per micro-batch token count; activations,
+                   workspaces and P2P buffers scale with it (:meth:`_sequence_length`)
+per-shape caches   ``shape_cache.bytes_per_shape`` (0 = off), ``max_shapes`` (LRU bound): the
+                   first time a length is seen, tensors built for it (RoPE tables, position
+                   ids, masks, op workspaces of forward and backward ops) *live on*
+                   (:meth:`_cache_shape`)
+extra allocations  ``extra_allocs.probability`` (0 = off), ``size``, ``lifetime_steps``:
+                   evaluation / checkpoint staging / logging tensors at a random moment
+                   (:meth:`_extra_moment`)
+comm jitter        ``comm_jitter`` (0 = off): the AllReduce buffer is requested before one of
+                   the last ``comm_jitter`` share of the backward layer passes
+                   (:meth:`_allreduce_moment`)
+================== =========================================================================
 
 Every random draw comes from one ``numpy.random.Generator`` seeded with ``seed``, in a fixed
 order, so a seed gives the same stream every time.
