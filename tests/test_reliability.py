@@ -559,6 +559,21 @@ def test_fuzz_plan_cli(work, recipe):
     _cli_outcome(["plan", str(path), "--json"], known=_RECIPE_KNOWN)
 
 
+@_FUZZ_FEW
+@given(recipe=_mutated(_RECIPE, _YAML_VALUES))
+def test_fuzz_simulate_cli(work, recipe):
+    """``ms-memopt simulate`` (2 steps, every policy) on a mutated recipe: exit 0, 1 or 2."""
+    pytest.importorskip("ms_memopt.simulate")
+    parsed = _outcome(lambda: recipe_from_dict(copy.deepcopy(recipe)), known=_RECIPE_KNOWN)
+    # pinned: test_known_bug_plan_time_quadratic_in_layers, test_known_bug_simulate_many_micro_batches
+    assume(not (isinstance(parsed, Recipe) and (parsed.model.num_layers > 1000
+                                                 or parsed.parallel.micro_batch_num > 1000)))
+    path = work / "simulate.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    _cli_outcome(["simulate", str(path), "--steps", "2", "--policy", "baseline,compact,pool", "--json"],
+                 known=_RECIPE_KNOWN)
+
+
 # ---------------------------------------------------------------------------------------------
 # the CLI on damaged input
 # ---------------------------------------------------------------------------------------------
@@ -1245,4 +1260,22 @@ def test_known_bug_models_on_requests_beyond_any_device(tmp_path, allocator, eve
             code, _, err = _cli(["replay", str(path), "--allocator", allocator, "--json"])
         except Exception as exc:
             raise AssertionError(f"{type(exc).__name__}: {exc}") from exc
+    assert code in (0, 1, 2), err
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="simulate: the workload builds per-step lists over parallel_config.micro_batch_num; "
+                          "2**31 micro-batches (a valid recipe) end in MemoryError, 100000 take over a "
+                          "minute and 1.2 GB for 2 steps")
+def test_known_bug_simulate_many_micro_batches(tmp_path):
+    pytest.importorskip("ms_memopt.simulate")
+    recipe = copy.deepcopy(_RECIPE)
+    recipe["parallel_config"]["micro_batch_num"] = 2**31
+    path = tmp_path / "mb.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    try:
+        with _bounded(seconds=10, extra_memory=1 << 30):
+            code, _, err = _cli(["simulate", str(path), "--steps", "1", "--policy", "baseline", "--json"])
+    except (MemoryError, _OverTime) as exc:
+        raise AssertionError(f"{type(exc).__name__} on 2**31 micro-batches") from exc
     assert code in (0, 1, 2), err
