@@ -60,7 +60,8 @@ def study(args) -> None:
           f"{args.steps} steps, seeds 0..{args.seeds - 1}")
     seeds = list(range(args.seeds))
     few = seeds[:3]
-    jobs = [("main", spec, cfg, POLICIES, s) for s in seeds]
+    policies = tuple(args.policy.split(","))
+    jobs = [("main", spec, cfg, policies, s) for s in seeds]
     if args.main_only:
         return _run_jobs(jobs, args)
     jobs += [("control: all off", replace(spec, enabled=False), cfg, ("baseline",), 0)]
@@ -142,6 +143,7 @@ def main() -> None:
                         help="allocator option (default: pregrow=true, see docs/simulation.md)")
     parser.add_argument("--study", action="store_true", help="run the docs/simulation.md study")
     parser.add_argument("--seeds", type=int, default=10, help="seeds of the study")
+    parser.add_argument("--policy", default=",".join(POLICIES), help="study: policies of the main runs")
     parser.add_argument("--main-only", action="store_true", help="study: only the 3 policies x seeds")
     parser.add_argument("--workers", type=int, default=2, help="worker processes of the study")
     args = parser.parse_args()

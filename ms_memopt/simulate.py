@@ -262,6 +262,7 @@ class _Run:
         started = time.perf_counter()
         cfg, track, result, watch = self.cfg, self.track, self.result, self.watch
         model, addr_of, drain, region_metrics = self.model, self.addr_of, self.drain, self.region_metrics
+        note_mark = getattr(model, "note_mark", None)
         malloc, free = model.malloc, model.free
         for event in batch:
             action = event.action
@@ -288,7 +289,10 @@ class _Run:
                 addr = addr_of.pop(event.id, None)
                 if addr is not None:
                     free(addr)
-            elif action == "mark" and event.tag == "optimizer_end":
+            elif action == "mark" and event.tag != "optimizer_end":
+                if note_mark is not None:
+                    note_mark(event.tag)
+            elif action == "mark":
                 scan = cfg.scan_every and step % cfg.scan_every == 0
                 if scan:
                     extra = None

@@ -213,7 +213,8 @@ class StepWorkload:
 
     def step(self, step: int) -> list[Event]:
         """The events of training step ``step`` (1-based): its ``step`` event, the 1F1B
-        forward/backward passes, the communication, the optimizer and a ``mark``
+        forward/backward passes (each opened by a ``mark`` ``"forward:M"`` / ``"backward:M"``,
+        M the micro-batch), the communication, the optimizer and a ``mark``
         ``"optimizer_end"`` (where compaction may run)."""
         s = self.spec
         self._events = [Event("step", step=step)]
@@ -233,9 +234,12 @@ class StepWorkload:
         hooks = {"allreduce_at": allreduce_at, "extra_at": extra_at, "allreduce_id": None,
                  "step": step}
         for phase, m in order:
+            # a named moment per pass: pool mode places a micro-batch's activations by it
             if phase == "F":
+                self._events.append(Event("mark", tag=f"forward:{m}", step=step))
                 saved[m] = self._forward(lengths[m], counters, hooks)
             else:
+                self._events.append(Event("mark", tag=f"backward:{m}", step=step))
                 self._backward(saved.pop(m), lengths[m], counters, hooks)
         if hooks["allreduce_id"] is None:
             hooks["allreduce_id"] = self._alloc(s.allreduce_bytes, WATCH_TAG)
