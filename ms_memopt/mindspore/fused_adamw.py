@@ -1,20 +1,21 @@
 """``FusedAdamW``: AdamW over flat, contiguous regions, one FP32-domain pass per region.
 
-A drop-in for ``nn.AdamWeightDecay``. Parameters are split into *buckets* (same dtype, same
-learning rate, same weight decay) and each bucket gets:
+A drop-in for ``nn.AdamWeightDecay``. The layout:
 
-* a **parameter region**: the bucket's parameters moved into one contiguous buffer
-  (``combine_tensor_list_contiguous``); every parameter is a view of it;
-* an **optimizer region**: flat float32 ``Parameter``s ``m`` and ``v`` (and, for fp16/bf16
-  parameters, a float32 ``master`` copy), in the same order as the parameters;
-* a **gradient region**: the step's gradients concatenated into one flat buffer.
+* **parameter regions**: all parameters of one dtype moved into one contiguous buffer
+  (``combine_tensor_list_contiguous``); every parameter is a view of it. Inside a region,
+  parameters with the same learning rate and weight decay are adjacent: a *bucket*;
+* **optimizer region**: per bucket, flat float32 ``Parameter``s ``m`` and ``v`` (and, for
+  fp16/bf16 parameters, a float32 ``master``), in the order of the parameter region;
+* **gradient region**: each step's gradients of one dtype combined into one flat buffer.
 
-One step of one bucket is: concatenate the gradients, cast them to float32 once, run one
-``ops.AdamWeightDecay`` kernel over the whole region (m, v and the float32 weights are updated
-in place), and for low-precision parameters write the cast master into the parameter region
-with a single ``copy_``. ``nn.AdamWeightDecay`` runs one kernel per parameter instead.
+One step of one dtype: combine the gradients, cast them to float32 once, run one
+``ops.AdamWeightDecay`` kernel per bucket over its whole range (m, v and the float32 weights
+are updated in place), and for low-precision parameters write the cast master into the
+parameter region with a single ``copy_``. ``nn.AdamWeightDecay`` runs one kernel per
+parameter instead.
 
-Bias correction is folded into the kernel's scalars (exact algebra, see ``_folded_scalars``)::
+Bias correction is folded into the kernel's scalars (exact algebra, see ``_bias_factors``)::
 
     m_hat / (sqrt(v_hat) + eps) = m * (sqrt(c2) / c1) / (sqrt(v) + eps * sqrt(c2)),
     c1 = 1 - beta1**t, c2 = 1 - beta2**t
@@ -58,7 +59,8 @@ class Bucket:
     Attributes:
         index: position in ``FusedAdamW.buckets``; names the state Parameters.
         dtype: parameter dtype.
-        start, end: element range inside the dtype region.
+        start, end: element range inside the dtype region (alignment padding included).
+        first, count: which of the region's parameters (positions in ``param_indices``).
         weight_decay: decoupled weight decay of every parameter here.
         lr_index: which learning rate (index into the optimizer's lr tuple; 0 when not grouped).
     """
@@ -69,6 +71,8 @@ class Bucket:
     end: int
     weight_decay: float
     lr_index: int
+    first: int = 0
+    count: int = 0
     view: Tensor | None = None
 
     @property
@@ -178,7 +182,8 @@ class FusedAdamW(nn.Optimizer):
             region = regions.setdefault(dtype_name, DtypeRegion(dtype, []))
             numel = sum(int(np.prod(params[i].shape, dtype=np.int64)) for i in indices)
             bucket = Bucket(0, dtype, region.numel, region.numel + numel, wd,
-                            indices[0] if self.is_group_lr else 0)
+                            indices[0] if self.is_group_lr else 0,
+                            first=len(region.param_indices), count=len(indices))
             region.param_indices += indices
             region.numel += numel
             region.buckets.append(bucket)
@@ -198,11 +203,13 @@ class FusedAdamW(nn.Optimizer):
         """Move the region's parameters into one contiguous buffer and keep views of it."""
         params = [self._parameters[i] for i in region.param_indices]
         region.handle = combine_tensor_list_contiguous(params, True)
-        if int(region.handle.handle_shape) != region.numel:
-            # Alignment padding between tensors (device-dependent) would misalign the flat
-            # gradient and state buffers against the parameter region.
-            raise RuntimeError(f"padded contiguous region ({region.handle.handle_shape} elements for "
-                               f"{region.numel}); FusedAdamW needs an unpadded region on this device")
+        # Devices that align each tensor (512 B on Ascend) pad between them; the buckets then
+        # cover the padding too. Gradients of the same shapes and dtype are combined with the
+        # same padding, so flat gradient, state and region stay aligned element by element.
+        ends = np.cumsum([0] + [int(n) // region.itemsize for n in region.handle.after_padding_sizes])
+        for bucket in region.buckets:
+            bucket.start, bucket.end = int(ends[bucket.first]), int(ends[bucket.first + bucket.count])
+        region.numel = int(ends[-1])
         region.flat = region.handle[0:region.numel]
         for bucket in region.buckets:
             bucket.view = region.handle[bucket.start:bucket.end]
@@ -233,14 +240,14 @@ class FusedAdamW(nn.Optimizer):
         return sizes
 
     # -- the step -----------------------------------------------------------------------------
-    def _folded_scalars(self, step: int, lr, wd: float):
-        """(lr', eps', wd') so that the bias-free kernel computes the bias-corrected update."""
+    def _bias_factors(self, step: int) -> tuple[float, float, float]:
+        """Factors (on lr, eps, wd) that make the bias-free kernel compute the corrected update."""
         if not self.bias_correction:
-            return lr, self.eps, wd
+            return 1.0, 1.0, 1.0
         c1 = 1.0 - self.beta1 ** step
         c2 = 1.0 - self.beta2 ** step
         root_c2 = math.sqrt(c2)
-        return lr * (root_c2 / c1), self.eps * root_c2, wd * c1 / root_c2
+        return root_c2 / c1, root_c2, c1 / root_c2
 
     def _sync_step(self) -> None:
         """Re-read the step count when ``global_step`` was given new data (checkpoint load)."""
@@ -262,36 +269,49 @@ class FusedAdamW(nn.Optimizer):
     def construct(self, gradients):
         if not self._grad_dtypes_checked:
             self._check_grad_dtypes(gradients)
+        # The gradient regions first: combining waits for the backward pass anyway, and once
+        # it is done the data-pointer checks below no longer wait on pending kernels.
+        grad_regions = [self._combine_gradients(region, gradients) for region in self.regions]
         self._ensure_regions()
         self._sync_step()
         lrs = self.get_lr()
         self.assignadd(self.global_step, self.global_step_increase_tensor)
         self._host_step += 1
-        for region in self.regions:
-            # The gradient region: one C++ call moves every gradient of this dtype into one
-            # buffer, several times faster on CPU than reshape + concat (one view op per tensor).
-            # combine copies raw storage, so strided gradients (e.g. of a transposed weight)
-            # must be made contiguous first; is_contiguous reads host-side metadata only.
-            grads = combine_tensor_list_contiguous(
-                [g if g.is_contiguous() else g.contiguous()
-                 for g in (gradients[i] for i in region.param_indices)], True)
+        lr_factor, eps_factor, wd_factor = self._bias_factors(self._host_step)
+        eps = self.eps * eps_factor
+        folded_lrs = {}  # one scalar op per distinct learning rate, not per bucket
+        for region, grads in zip(self.regions, grad_regions):
             low_precision = region.dtype != ms.float32
-            flat_grad = grads[0:region.numel]
-            if low_precision:
-                flat_grad = flat_grad.astype(ms.float32)
             for bucket in region.buckets:
-                lr = lrs[bucket.lr_index] if self.is_group_lr else lrs
-                lr_folded, eps, wd = self._folded_scalars(self._host_step, lr, bucket.weight_decay)
-                grad = flat_grad if len(region.buckets) == 1 else flat_grad[bucket.start:bucket.end]
+                if bucket.lr_index not in folded_lrs:
+                    lr = lrs[bucket.lr_index] if self.is_group_lr else lrs
+                    folded_lrs[bucket.lr_index] = lr if lr_factor == 1.0 else lr * lr_factor
+                lr_folded = folded_lrs[bucket.lr_index]
+                wd = bucket.weight_decay * wd_factor
+                # Slicing the handle is a C++ view; Tensor.__getitem__ is a slow Python path.
+                grad = grads[bucket.start:bucket.end]
                 m, v = self.moments1[bucket.index], self.moments2[bucket.index]
                 if low_precision:
                     master = self.masters[self._master_of[bucket.index]]
-                    self._kernel(master, m, v, lr_folded, self.beta1, self.beta2, eps, wd, grad)
+                    self._kernel(master, m, v, lr_folded, self.beta1, self.beta2, eps, wd,
+                                 grad.astype(ms.float32))
                     bucket.view.copy_(master.astype(bucket.dtype))
                 else:
                     # The region is the parameters themselves: updated in place, no write-back.
                     self._kernel(bucket.view, m, v, lr_folded, self.beta1, self.beta2, eps, wd, grad)
         return True
+
+    @staticmethod
+    def _combine_gradients(region: DtypeRegion, gradients):
+        """The gradient region of one dtype: one C++ call copies every gradient into one buffer.
+
+        Several times faster on CPU than reshape + concat (one view op per tensor). combine
+        copies raw storage, so strided gradients (e.g. of a transposed weight) are made
+        contiguous first; ``is_contiguous`` reads host-side metadata only.
+        """
+        return combine_tensor_list_contiguous(
+            [g if g.is_contiguous() else g.contiguous() for g in (gradients[i] for i in region.param_indices)],
+            True)
 
 
 def _dtype_name(dtype) -> str:

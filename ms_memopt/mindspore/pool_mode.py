@@ -29,7 +29,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import mindspore as ms
@@ -47,8 +47,8 @@ _GB = 1024 ** 3
 class RecomputeGroup(nn.Cell):
     """Runs consecutive blocks in order; recomputed as one unit in backward.
 
-    ``blocks`` are held in a plain Python tuple and registered under their original
-    container indices' names so parameter names stay what they were.
+    ``first_index`` is the container slot of the first block. Parameter names are restored by
+    :func:`enable_pool_mode` after the blocks are re-registered here.
     """
 
     def __init__(self, blocks: Sequence[nn.Cell], first_index: int) -> None:
@@ -193,6 +193,10 @@ def _combine_parameters(network: nn.Cell) -> dict[str, int]:
     return sizes
 
 
+def _itemsize(dtype) -> int:
+    return 4 if dtype == ms.float32 else 2
+
+
 def _dtype_name(dtype) -> str:
     return {ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bfloat16"}.get(dtype, str(dtype))
 
@@ -228,13 +232,6 @@ def reserve_pool(plan: PoolPlan, *, headroom: float = 0.0, optimize_level: str |
     return f"set_memory({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
 
 
-@dataclass
-class _Options:
-    communication_bytes: int = 0
-    workspace_bytes: int = 0
-    extra: dict = field(default_factory=dict)
-
-
 def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, checkpoint_every: int = 6,
                      blocks: Sequence[nn.Cell] | None = None, *, batch_size: int = 1,
                      activation_estimator: Callable[[int], tuple[int, int]] | None = None,
@@ -267,6 +264,8 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
     from .fused_adamw import FusedAdamW
     from .model import GPT, activation_bytes_per_block, dtype_bytes
 
+    if getattr(network, "_pool_plan", None) is not None:
+        raise ValueError("pool mode is already enabled on this network")
     container, indices = find_blocks(network, blocks)
     k = int(checkpoint_every or 0)
     groups = _apply_recompute(container, indices, k) if k > 0 else []
@@ -288,13 +287,16 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
     if isinstance(optimizer, FusedAdamW):
         sizes = dict(optimizer.region_bytes())
     else:
-        sizes = _combine_parameters(network) if combine_parameters else {
-            f"parameters.{_dtype_name(p.dtype)}": 0 for p in network.trainable_params()}
-        if not combine_parameters:
-            for p in network.trainable_params():
-                sizes[f"parameters.{_dtype_name(p.dtype)}"] += p.size * (4 if p.dtype == ms.float32 else 2)
         params = list(network.trainable_params())
-        sizes["gradients"] = sum(p.size * (4 if p.dtype == ms.float32 else 2) for p in params)
+        if combine_parameters:
+            sizes = _combine_parameters(network)
+        else:
+            sizes = {}
+            for p in params:
+                key = f"parameters.{_dtype_name(p.dtype)}"
+                sizes[key] = sizes.get(key, 0) + p.size * _itemsize(p.dtype)
+        sizes["gradients"] = sum(p.size * _itemsize(p.dtype) for p in params)
+        # AdamW-like state: fp32 m and v, plus an fp32 master for low-precision parameters.
         sizes["optimizer"] = sum(p.size * (8 if p.dtype == ms.float32 else 12) for p in params)
     sizes["activations"] = estimate.with_recompute
     if communication_bytes:
