@@ -4,7 +4,9 @@ Measures, in one run (ratios against baselines measured in the same run, interle
 the machine is shared and noisy):
 
 1. ``fused_step_ratio``: optimizer step time of ``FusedAdamW`` / ``nn.AdamWeightDecay`` on the
-   same model (>= 100 parameter tensors), same gradients, median of interleaved rounds.
+   same model (the demo model, 101 parameter tensors), same gradients, median of interleaved
+   rounds; ``fused_step_ratio_min`` compares the fastest rounds (least disturbed by other
+   processes), and ``fused_step_ratio_by_model`` adds a model with 293 smaller tensors.
 2. ``activation_ratio``: activation bytes with ``checkpoint_every=k`` / without recompute, by
    our estimator (``ms_memopt.mindspore.pool_mode.activation_bytes``) and measured as the
    peak-RSS growth of one training step in a fresh subprocess (CPU has no device memory
@@ -40,6 +42,8 @@ from ms_memopt.units import format_size  # noqa: E402
 
 # The CPU demo model: 8 blocks -> 101 parameter tensors.
 DEMO = GPTConfig(num_layers=8, hidden_size=64, num_heads=4, seq_length=32, vocab_size=128, seed=0)
+# More, smaller tensors (293): where per-parameter kernel launches dominate the step.
+MANY_SMALL = GPTConfig(num_layers=24, hidden_size=32, num_heads=4, seq_length=32, vocab_size=128, seed=0)
 
 
 def _sync(params) -> None:
@@ -69,34 +73,49 @@ def optimizer_step_times(cfg: GPTConfig, rounds: int, per_round: int) -> dict:
             times.append((time.perf_counter() - start) / per_round)
     n_tensors = len(setups["FusedAdamW"][2])
     return {"n_tensors": n_tensors, "n_elements": int(sum(p.size for p in setups["FusedAdamW"][2])),
-            **{name: float(np.median(s[3])) for name, s in setups.items()}}
+            **{name: float(np.median(s[3])) for name, s in setups.items()},
+            **{f"{name}_min": float(np.min(s[3])) for name, s in setups.items()}}
 
 
-def train_step_times(cfg: GPTConfig, k: int, batch: int, steps: int) -> tuple[float, float]:
-    """Median seconds per training step without / with recompute every k, interleaved."""
-    cells = []
-    for group in (0, k):
+def train_step_times(cfg: GPTConfig, k: int, batch: int, steps: int) -> dict[str, float]:
+    """Median seconds per full training step (forward + backward + optimizer), interleaved.
+
+    Keys: ``adamw`` (nn.AdamWeightDecay, no recompute), ``fused`` (FusedAdamW, no recompute),
+    ``fused_recompute`` (FusedAdamW, pool mode with recompute every k).
+    """
+    cells = {}
+    for label, group in (("adamw", 0), ("fused", 0), ("fused_recompute", k)):
         net = GPTWithLoss(GPT(cfg))
-        opt = FusedAdamW(net.trainable_params(), 1e-3)
+        params = net.trainable_params()
+        opt = nn.AdamWeightDecay(params, 1e-3) if label == "adamw" else FusedAdamW(params, 1e-3)
         if group:
             enable_pool_mode(net, opt, checkpoint_every=group, batch_size=batch)
-        cells.append((nn.TrainOneStepCell(net, opt), []))
+        cells[label] = (nn.TrainOneStepCell(net, opt), [])
     for i, (x, y) in enumerate(synthetic_batches(cfg, batch, steps + 1, seed=3)):
-        for step, times in cells:
+        for step, times in cells.values():
             start = time.perf_counter()
             float(step(Tensor(x), Tensor(y)).asnumpy())
             if i >= 1:  # the first step builds kernels and caches
                 times.append(time.perf_counter() - start)
-    return float(np.median(cells[0][1])), float(np.median(cells[1][1]))
+    return {label: float(np.median(times)) for label, (_, times) in cells.items()}
 
 
 _RSS_CHILD = r"""
-import json, resource, sys
+import json, sys
 sys.path.insert(0, {root!r})
 import mindspore as ms
 from mindspore import Tensor, nn
 from ms_memopt.mindspore.model import GPT, GPTConfig, GPTWithLoss, synthetic_batches
 from ms_memopt.mindspore.pool_mode import enable_pool_mode
+
+
+def status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+
 cfg = GPTConfig(**{cfg!r})
 net = GPTWithLoss(GPT(cfg))
 k = {k}
@@ -106,14 +125,17 @@ grad_fn = ms.value_and_grad(net, None, net.trainable_params())
 small = [Tensor(a[:1]) for a in next(synthetic_batches(cfg, 1, 1, seed=9))]
 for g in grad_fn(*small)[1]:  # kernels, caches and parameters resident before the baseline
     g.asnumpy()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# Reset the peak (VmHWM) to the current RSS. ru_maxrss would not do: it carries over from
+# the parent through fork + exec.
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status("VmRSS")
 x, y = next(synthetic_batches(cfg, {batch}, 1, seed=9))
 loss, grads = grad_fn(Tensor(x), Tensor(y))
 float(loss.asnumpy())
 for g in grads:  # ops run asynchronously: wait for the whole backward pass
     g.asnumpy()
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({{"peak_growth": (after - before) * 1024}}))
+print(json.dumps({{"peak_growth": status("VmHWM") - before}}))
 """
 
 
@@ -168,11 +190,20 @@ def main() -> int:
     quick = args.quick
     k = args.k
 
-    opt_times = optimizer_step_times(DEMO, rounds=6 if quick else 25, per_round=3 if quick else 5)
-    fused_ratio = opt_times["FusedAdamW"] / opt_times["AdamWeightDecay"]
-    print(f"optimizer step, {opt_times['n_tensors']} tensors, {opt_times['n_elements']} elements")
-    print(f"  nn.AdamWeightDecay  {opt_times['AdamWeightDecay'] * 1e3:8.2f} ms")
-    print(f"  FusedAdamW          {opt_times['FusedAdamW'] * 1e3:8.2f} ms   ratio {fused_ratio:.3f}")
+    rounds, per_round = (6, 3) if quick else (30, 5)
+    opt_by_model = {}
+    for label, cfg in (("demo", DEMO), ("many_small", MANY_SMALL)):
+        times = optimizer_step_times(cfg, rounds=rounds, per_round=per_round)
+        times["ratio_median"] = times["FusedAdamW"] / times["AdamWeightDecay"]
+        times["ratio_min"] = times["FusedAdamW_min"] / times["AdamWeightDecay_min"]
+        opt_by_model[label] = times
+        print(f"optimizer step, {label} model: {times['n_tensors']} tensors, {times['n_elements']} elements "
+              f"(median / min of {rounds} interleaved rounds)")
+        print(f"  nn.AdamWeightDecay  {times['AdamWeightDecay'] * 1e3:8.2f} / {times['AdamWeightDecay_min'] * 1e3:6.2f} ms")
+        print(f"  FusedAdamW          {times['FusedAdamW'] * 1e3:8.2f} / {times['FusedAdamW_min'] * 1e3:6.2f} ms"
+              f"   ratio {times['ratio_median']:.3f} / {times['ratio_min']:.3f}")
+    opt_times = opt_by_model["demo"]
+    fused_ratio = opt_times["ratio_median"]
 
     act_batch = 16
     act_cfg = GPTConfig(**{**DEMO.to_dict(), "seq_length": 128})
@@ -185,6 +216,8 @@ def main() -> int:
     measured_with = measured_step_peak(act_cfg, k, act_batch)
     measured_ratio = (measured_with / measured_without
                       if measured_without and measured_with is not None else None)
+    other_k = 2 if k != 2 else 4
+    measured_other = measured_step_peak(act_cfg, other_k, act_batch)
     shadow = shadow_source_activation_bytes(act_cfg, k, act_batch)
     print(f"activations, {act_cfg.num_layers} blocks, batch {act_batch} x {act_cfg.seq_length} tokens, k={k}")
     print(f"  estimator      no recompute {format_size(est_without):>12}   k={k} {format_size(est_with):>12}"
@@ -193,6 +226,9 @@ def main() -> int:
           f"{format_size(measured_with):>12}   ratio "
           f"{'-' if measured_ratio is None else f'{measured_ratio:.3f}'}"
           "   (peak RSS growth of one step: activations + gradients + transients)")
+    if measured_other is not None and measured_without:
+        print(f"  measured RSS   k={other_k} {format_size(measured_other):>12}   ratio "
+              f"{measured_other / measured_without:.3f}")
     print(f"  shadow source  {'not available yet' if shadow is None else format_size(shadow)}")
     # Kept bytes = groups * boundary + k * per_block: about 1/k of no recompute when the
     # number of blocks is about k*k (the field report: 36+ layers, k = 6).
@@ -203,9 +239,12 @@ def main() -> int:
         print(f"  estimator ratio, {blocks:2d} blocks: " + "  ".join(f"k={kk} {r:.3f}" for kk, r in row.items()))
 
     step_batch = 8
-    t_plain, t_recompute = train_step_times(DEMO, k, step_batch, 3 if quick else 8)
-    print(f"training step (demo model, batch {step_batch}): no recompute {t_plain * 1e3:.0f} ms, "
+    step_times = train_step_times(DEMO, k, step_batch, 3 if quick else 8)
+    t_plain, t_recompute = step_times["fused"], step_times["fused_recompute"]
+    print(f"training step (demo model, batch {step_batch}, FusedAdamW): no recompute {t_plain * 1e3:.0f} ms, "
           f"k={k} {t_recompute * 1e3:.0f} ms, ratio {t_recompute / t_plain:.3f}")
+    print(f"training step with nn.AdamWeightDecay {step_times['adamw'] * 1e3:.0f} ms: whole-step ratio "
+          f"FusedAdamW / AdamWeightDecay {t_plain / step_times['adamw']:.3f}")
 
     run_cfg = GPTConfig(num_layers=4, hidden_size=32, num_heads=4, seq_length=32, vocab_size=128, seed=0)
     run = training_run(run_cfg, 10 if quick else args.steps, 8, k=2)
@@ -218,14 +257,22 @@ def main() -> int:
         "fused_step_ms": round(opt_times["FusedAdamW"] * 1e3, 3),
         "adamweightdecay_step_ms": round(opt_times["AdamWeightDecay"] * 1e3, 3),
         "n_param_tensors": opt_times["n_tensors"],
+        "fused_step_ratio_min": round(opt_times["ratio_min"], 4),
+        "fused_step_ratio_by_model": {label: {"n_tensors": t["n_tensors"], "n_elements": t["n_elements"],
+                                              "ratio_median": round(t["ratio_median"], 4),
+                                              "ratio_min": round(t["ratio_min"], 4)}
+                                      for label, t in opt_by_model.items()},
         "checkpoint_every": k,
         "activation_ratio": round(est_with / est_without, 4),
         "activation_bytes_estimated": {"without_recompute": est_without, "with_recompute": est_with},
         "activation_ratio_measured_rss": None if measured_ratio is None else round(measured_ratio, 4),
-        "activation_bytes_measured_rss": {"without_recompute": measured_without, "with_recompute": measured_with},
+        "activation_bytes_measured_rss": {"without_recompute": measured_without, "with_recompute": measured_with,
+                                          f"k={other_k}": measured_other},
         "shadow_activation_ratio": None,
         "recompute_step_ratio": round(t_recompute / t_plain, 4),
-        "train_step_ms": {"no_recompute": round(t_plain * 1e3, 2), "recompute": round(t_recompute * 1e3, 2)},
+        "train_step_ms": {"no_recompute": round(t_plain * 1e3, 2), "recompute": round(t_recompute * 1e3, 2),
+                          "adamweightdecay": round(step_times["adamw"] * 1e3, 2)},
+        "fused_train_step_ratio": round(t_plain / step_times["adamw"], 4),
         "activation_ratio_by_k": {str(b): {str(kk): round(r, 4) for kk, r in row.items()}
                                   for b, row in table.items()},
         "training": run,

@@ -15,7 +15,7 @@ are updated in place), and for low-precision parameters write the cast master in
 parameter region with a single ``copy_``. ``nn.AdamWeightDecay`` runs one kernel per
 parameter instead.
 
-Bias correction is folded into the kernel's scalars (exact algebra, see ``_folded_scalars``)::
+Bias correction is folded into the kernel's scalars (exact algebra, see ``_bias_factors``)::
 
     m_hat / (sqrt(v_hat) + eps) = m * (sqrt(c2) / c1) / (sqrt(v) + eps * sqrt(c2)),
     c1 = 1 - beta1**t, c2 = 1 - beta2**t
@@ -240,14 +240,14 @@ class FusedAdamW(nn.Optimizer):
         return sizes
 
     # -- the step -----------------------------------------------------------------------------
-    def _folded_scalars(self, step: int, lr, wd: float):
-        """(lr', eps', wd') so that the bias-free kernel computes the bias-corrected update."""
+    def _bias_factors(self, step: int) -> tuple[float, float, float]:
+        """Factors (on lr, eps, wd) that make the bias-free kernel compute the corrected update."""
         if not self.bias_correction:
-            return lr, self.eps, wd
+            return 1.0, 1.0, 1.0
         c1 = 1.0 - self.beta1 ** step
         c2 = 1.0 - self.beta2 ** step
         root_c2 = math.sqrt(c2)
-        return lr * (root_c2 / c1), self.eps * root_c2, wd * c1 / root_c2
+        return root_c2 / c1, root_c2, c1 / root_c2
 
     def _sync_step(self) -> None:
         """Re-read the step count when ``global_step`` was given new data (checkpoint load)."""
@@ -269,36 +269,49 @@ class FusedAdamW(nn.Optimizer):
     def construct(self, gradients):
         if not self._grad_dtypes_checked:
             self._check_grad_dtypes(gradients)
+        # The gradient regions first: combining waits for the backward pass anyway, and once
+        # it is done the data-pointer checks below no longer wait on pending kernels.
+        grad_regions = [self._combine_gradients(region, gradients) for region in self.regions]
         self._ensure_regions()
         self._sync_step()
         lrs = self.get_lr()
         self.assignadd(self.global_step, self.global_step_increase_tensor)
         self._host_step += 1
-        for region in self.regions:
-            # The gradient region: one C++ call moves every gradient of this dtype into one
-            # buffer, several times faster on CPU than reshape + concat (one view op per tensor).
-            # combine copies raw storage, so strided gradients (e.g. of a transposed weight)
-            # must be made contiguous first; is_contiguous reads host-side metadata only.
-            grads = combine_tensor_list_contiguous(
-                [g if g.is_contiguous() else g.contiguous()
-                 for g in (gradients[i] for i in region.param_indices)], True)
+        lr_factor, eps_factor, wd_factor = self._bias_factors(self._host_step)
+        eps = self.eps * eps_factor
+        folded_lrs = {}  # one scalar op per distinct learning rate, not per bucket
+        for region, grads in zip(self.regions, grad_regions):
             low_precision = region.dtype != ms.float32
-            flat_grad = grads[0:region.numel]
-            if low_precision:
-                flat_grad = flat_grad.astype(ms.float32)
             for bucket in region.buckets:
-                lr = lrs[bucket.lr_index] if self.is_group_lr else lrs
-                lr_folded, eps, wd = self._folded_scalars(self._host_step, lr, bucket.weight_decay)
-                grad = flat_grad if len(region.buckets) == 1 else flat_grad[bucket.start:bucket.end]
+                if bucket.lr_index not in folded_lrs:
+                    lr = lrs[bucket.lr_index] if self.is_group_lr else lrs
+                    folded_lrs[bucket.lr_index] = lr if lr_factor == 1.0 else lr * lr_factor
+                lr_folded = folded_lrs[bucket.lr_index]
+                wd = bucket.weight_decay * wd_factor
+                # Slicing the handle is a C++ view; Tensor.__getitem__ is a slow Python path.
+                grad = grads[bucket.start:bucket.end]
                 m, v = self.moments1[bucket.index], self.moments2[bucket.index]
                 if low_precision:
                     master = self.masters[self._master_of[bucket.index]]
-                    self._kernel(master, m, v, lr_folded, self.beta1, self.beta2, eps, wd, grad)
+                    self._kernel(master, m, v, lr_folded, self.beta1, self.beta2, eps, wd,
+                                 grad.astype(ms.float32))
                     bucket.view.copy_(master.astype(bucket.dtype))
                 else:
                     # The region is the parameters themselves: updated in place, no write-back.
                     self._kernel(bucket.view, m, v, lr_folded, self.beta1, self.beta2, eps, wd, grad)
         return True
+
+    @staticmethod
+    def _combine_gradients(region: DtypeRegion, gradients):
+        """The gradient region of one dtype: one C++ call copies every gradient into one buffer.
+
+        Several times faster on CPU than reshape + concat (one view op per tensor). combine
+        copies raw storage, so strided gradients (e.g. of a transposed weight) are made
+        contiguous first; ``is_contiguous`` reads host-side metadata only.
+        """
+        return combine_tensor_list_contiguous(
+            [g if g.is_contiguous() else g.contiguous() for g in (gradients[i] for i in region.param_indices)],
+            True)
 
 
 def _dtype_name(dtype) -> str:

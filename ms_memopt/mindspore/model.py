@@ -39,6 +39,14 @@ def _ms_dtype(name: str):
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
+def _cast(x, dtype, current):
+    """``x.astype(dtype)`` unless ``current`` (known when the model is built) is already it.
+
+    Every cast is a kernel launch in PyNative, so the ones known to be no-ops are skipped.
+    """
+    return x if current == dtype else x.astype(dtype)
+
+
 def dtype_bytes(name: str) -> int:
     """Bytes per element of a dtype name (``"float16"`` -> 2)."""
     return 4 if _ms_dtype(name) == ms.float32 else 2
@@ -118,11 +126,13 @@ class _Linear(nn.Cell):
         self.weight = init.normal((n_out, n_in), std, "weight")
         self.bias = init.const((n_out,), 0.0, "bias")
         self.compute_dtype = compute_dtype
+        self.param_dtype = init.dtype
 
     def construct(self, x):
         # dense() takes W as (out, in) directly: no transposed view, so the gradient of W
         # comes out contiguous.
-        return ops.dense(x, self.weight.astype(self.compute_dtype), self.bias.astype(self.compute_dtype))
+        cdt, pdt = self.compute_dtype, self.param_dtype
+        return ops.dense(x, _cast(self.weight, cdt, pdt), _cast(self.bias, cdt, pdt))
 
 
 class _LayerNorm(nn.Cell):
@@ -132,16 +142,15 @@ class _LayerNorm(nn.Cell):
         super().__init__()
         self.gamma = init.const((n,), 1.0, "gamma")
         self.beta = init.const((n,), 0.0, "beta")
-        self.eps = eps
         self.compute_dtype = compute_dtype
+        self.param_dtype = init.dtype
+        # One fused kernel (CPU has it for float32) instead of ~10 elementwise ops.
+        self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=eps)
 
     def construct(self, x):
-        x32 = x.astype(ms.float32)
-        mean = x32.mean(-1, keep_dims=True)
-        var = ((x32 - mean) ** 2).mean(-1, keep_dims=True)
-        y = (x32 - mean) / ops.sqrt(var + self.eps)
-        y = y * self.gamma.astype(ms.float32) + self.beta.astype(ms.float32)
-        return y.astype(self.compute_dtype)
+        f32, cdt, pdt = ms.float32, self.compute_dtype, self.param_dtype
+        y, _, _ = self.norm(_cast(x, f32, cdt), _cast(self.gamma, f32, pdt), _cast(self.beta, f32, pdt))
+        return _cast(y, cdt, f32)
 
 
 class GPTBlock(nn.Cell):
@@ -170,9 +179,9 @@ class GPTBlock(nn.Cell):
         b, s, h = x.shape
         qkv = self.qkv(x).reshape(b, s, 3, self.num_heads, self.head_dim).transpose(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
-        scores = ops.matmul(q, k.swapaxes(-1, -2)).astype(ms.float32) * self.scale
+        scores = _cast(ops.matmul(q, k.swapaxes(-1, -2)), ms.float32, self.compute_dtype) * self.scale
         scores = scores + self.causal_mask[:s, :s]
-        probs = ops.softmax(scores, -1).astype(self.compute_dtype)
+        probs = _cast(ops.softmax(scores, -1), self.compute_dtype, ms.float32)
         out = ops.matmul(probs, v).transpose(0, 2, 1, 3).reshape(b, s, h)
         return self.proj(out)
 
@@ -194,6 +203,7 @@ class GPT(nn.Cell):
         init = _Init(config.seed, _ms_dtype(config.storage_dtype))
         cdt = _ms_dtype(config.dtype)
         self.compute_dtype = cdt
+        self.param_dtype = init.dtype
         self.tok_embedding = init.normal((config.vocab_size, config.hidden_size), 0.02, "tok_embedding")
         self.pos_embedding = init.normal((config.seq_length, config.hidden_size), 0.01, "pos_embedding")
         self.blocks = nn.CellList([GPTBlock(config, init) for _ in range(config.num_layers)])
@@ -204,12 +214,12 @@ class GPT(nn.Cell):
     def construct(self, input_ids):
         s = input_ids.shape[1]
         x = ops.gather(self.tok_embedding, input_ids, 0) + ops.gather(self.pos_embedding, self.positions[:s], 0)
-        x = x.astype(self.compute_dtype)
+        x = _cast(x, self.compute_dtype, self.param_dtype)
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
-        logits = ops.dense(x, self.head.astype(self.compute_dtype))
-        return logits.astype(ms.float32)
+        logits = ops.dense(x, _cast(self.head, self.compute_dtype, self.param_dtype))
+        return _cast(logits, ms.float32, self.compute_dtype)
 
 
 class GPTWithLoss(nn.Cell):
