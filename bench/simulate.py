@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ms_memopt.recipe import load_recipe  # noqa: E402
-from ms_memopt.simulate import POLICIES, config_from_recipe, simulate  # noqa: E402
-from ms_memopt.workload import spec_from_recipe  # noqa: E402
+from ms_memopt.recipe import load_recipe
+from ms_memopt.simulate import POLICIES, config_from_recipe, simulate
+from ms_memopt.workload import spec_from_recipe
 
 GiB = 2**30
 
@@ -49,7 +49,6 @@ def _median(values):
 
 
 def study(args) -> None:
-    from concurrent.futures import ProcessPoolExecutor
     from dataclasses import replace
 
     recipe = load_recipe(args.recipe)
@@ -124,11 +123,11 @@ def _run_jobs(jobs, args) -> None:
                  "region_frag_max": round(max(reg), 3) if reg else None,
                  "largest_free_by_window_gib_seed0": [round(x / GiB, 2) for x in runs[0]["largest_free_by_window"]]}
         table[name] = entry
-        print(f"{name:<48} {len(runs):>5} {len(ooms):>4} {str(entry['median_oom_step']):>7} "
-              f"{str(min(ooms, default='-')):>5} {str(max(ooms, default='-')):>5} {','.join(kinds) or '-':<18} "
+        print(f"{name:<48} {len(runs):>5} {len(ooms):>4} {entry['median_oom_step']!s:>7} "
+              f"{min(ooms, default='-')!s:>5} {max(ooms, default='-')!s:>5} {','.join(kinds) or '-':<18} "
               f"{(f'{min(free):.1f}-{max(free):.1f}' if free else '-'):>12} {entry['peak_allocated_gib']:>8} "
-              f"{str(entry['frag_ratio_max']):>8} {str(entry['frag_after_compaction_max']):>12} "
-              f"{str(entry['region_frag_max']):>11}")
+              f"{entry['frag_ratio_max']!s:>8} {entry['frag_after_compaction_max']!s:>12} "
+              f"{entry['region_frag_max']!s:>11}")
     seconds = time.perf_counter() - started
     print(f"study: {len(jobs)} jobs, {seconds:.0f} s")
     print(json.dumps({"seconds": round(seconds, 1), "steps": args.steps, "study": table}))
@@ -163,7 +162,7 @@ def main() -> None:
     for policy, summary in results.items():
         r = summary.seeds[0]
         run = r.oom_step if r.oom_step is not None else args.steps
-        print(f"{policy:<9} {str(r.oom_step or '-'):>8} {run:>9} {r.events:>10} {r.seconds:>8.1f}")
+        print(f"{policy:<9} {r.oom_step or '-'!s:>8} {run:>9} {r.events:>10} {r.seconds:>8.1f}")
     print(f"total {seconds:.1f} s for {events} events (target: <= 60 s)")
     print(json.dumps({"seconds": round(seconds, 2), "events_per_s": round(events / seconds),
                       "steps": args.steps, "seed": args.seed, "events": events,

@@ -24,9 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ms_memopt.recipe import load_recipe  # noqa: E402
-from ms_memopt.simulate import config_from_recipe, simulate  # noqa: E402
-from ms_memopt.workload import spec_from_recipe  # noqa: E402
+from ms_memopt.recipe import load_recipe
+from ms_memopt.simulate import config_from_recipe, simulate
+from ms_memopt.workload import spec_from_recipe
 
 
 def _rss_mib() -> float:

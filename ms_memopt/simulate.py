@@ -36,8 +36,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import IO, Callable
+from typing import IO
 
 from .allocators import create
 from .allocators.base import AllocatorModel
@@ -45,8 +46,15 @@ from .layout import Layout
 from .metrics import frag_ratio, measure
 from .workload import WATCH_TAG, StepWorkload, WorkloadSpec
 
-__all__ = ["SimConfig", "PolicyResult", "PolicySummary", "POLICIES", "simulate_policy",
-           "simulate", "config_from_recipe"]
+__all__ = [
+    "POLICIES",
+    "PolicyResult",
+    "PolicySummary",
+    "SimConfig",
+    "config_from_recipe",
+    "simulate",
+    "simulate_policy",
+]
 
 POLICIES = ("baseline", "compact", "pool")
 

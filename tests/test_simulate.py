@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from ms_memopt.allocators import create
-from ms_memopt.simulate import POLICIES, PolicySummary, SimConfig, simulate, simulate_policy
+from ms_memopt.simulate import (
+    POLICIES,
+    PolicySummary,
+    SimConfig,
+    simulate,
+    simulate_policy,
+)
 from ms_memopt.workload import StepWorkload, WorkloadSpec
 
 MiB = 2**20
@@ -40,7 +46,7 @@ def _drive(spec: WorkloadSpec, steps: int, model, seed: int = 0):
     """Feed a workload to a model; yield the layout signature after every step."""
     gen = StepWorkload(spec, seed)
     addr_of = {}
-    for step in range(0, steps + 1):
+    for step in range(steps + 1):
         for e in (gen.prologue() if step == 0 else gen.step(step)):
             if e.action == "alloc":
                 addr = model.malloc(e.size, pool=e.pool, tag=e.tag)

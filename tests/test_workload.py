@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.workload import WATCH_TAG, StepWorkload, WorkloadSpec, iter_events, spec_from_recipe
+from ms_memopt.workload import (
+    WATCH_TAG,
+    StepWorkload,
+    WorkloadSpec,
+    iter_events,
+    spec_from_recipe,
+)
 
 MiB = 2**20
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dense_100b_1024x910c.yaml"

@@ -44,7 +44,7 @@ from ..layout import Block, Layout, Segment
 from ..metrics import frag_ratio
 from .base import AllocatorModel
 
-__all__ = ["PoolModeAllocator", "REGION_OF_TAG", "region_sizes_for_workload"]
+__all__ = ["REGION_OF_TAG", "PoolModeAllocator", "region_sizes_for_workload"]
 
 _ALIGN = 512
 _SHIFT = 64
@@ -250,7 +250,7 @@ class PoolModeAllocator(AllocatorModel):
         self._note_usage()
 
     @classmethod
-    def for_workload(cls, spec, capacity: int | None = None) -> "PoolModeAllocator":
+    def for_workload(cls, spec, capacity: int | None = None) -> PoolModeAllocator:
         """Regions sized for a :class:`~ms_memopt.workload.WorkloadSpec` (see
         :func:`region_sizes_for_workload`), laid out by :meth:`PoolPlan.build`."""
         from ..poolplan import PoolPlan
@@ -298,8 +298,7 @@ class PoolModeAllocator(AllocatorModel):
             region.order[addr] = size
         self._owner[addr] = region
         self.allocated += region.bufs[addr][_SIZE]
-        if self.allocated > self.peak_allocated:
-            self.peak_allocated = self.allocated
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
         return addr
 
     def free(self, addr: int) -> None:
