@@ -139,14 +139,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--allocator-option", action="append", default=None, metavar="KEY=VALUE",
-                        help="allocator option (default: pregrow=true, see docs/simulation.md)")
+                        help="allocator option overriding the recipe's memopt.allocator (see docs/simulation.md)")
     parser.add_argument("--study", action="store_true", help="run the docs/simulation.md study")
     parser.add_argument("--seeds", type=int, default=10, help="seeds of the study")
     parser.add_argument("--policy", default=",".join(POLICIES), help="study: policies of the main runs")
     parser.add_argument("--main-only", action="store_true", help="study: only the 3 policies x seeds")
     parser.add_argument("--workers", type=int, default=2, help="worker processes of the study")
     args = parser.parse_args()
-    args.options = _options(args.allocator_option if args.allocator_option is not None else ["pregrow=true"])
+    args.options = _options(args.allocator_option or [])
     if args.study:
         study(args)
         return

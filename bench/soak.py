@@ -8,8 +8,8 @@ and dropped, samples go to the file, nothing accumulates per step.
 Last line: one JSON object {"steps", "rss_mib": {step: MiB}, "peak_rss_mib": {step: MiB},
 "rss_growth_mib", "seconds"}.
 
-The allocator is pre-grown as in bench/simulate.py (``--allocator-option``, default
-``pregrow=true``; see docs/simulation.md).
+The allocator is set up as the recipe's ``memopt.allocator`` says (``--allocator-option``
+overrides it; see docs/simulation.md).
 
 Usage: python bench/soak.py [--steps 10000] [--every 1000] [--allocator-option KEY=VALUE]
 """
@@ -50,8 +50,7 @@ def main() -> None:
     recipe = load_recipe(args.recipe)
     spec = spec_from_recipe(recipe)
     cfg = config_from_recipe(recipe, steps=args.steps)
-    cfg.allocator_options.update(_options(args.allocator_option if args.allocator_option is not None
-                                          else ["pregrow=true"]))
+    cfg.allocator_options.update(_options(args.allocator_option or []))
     rss: dict[int, float] = {0: _rss_mib()}
     peak: dict[int, float] = {0: _rss_mib("VmHWM")}
 

@@ -270,7 +270,7 @@ class _Run:
         started = time.perf_counter()
         cfg, track, result, watch = self.cfg, self.track, self.result, self.watch
         model, addr_of, drain, region_metrics = self.model, self.addr_of, self.drain, self.region_metrics
-        note_mark = getattr(model, "note_mark", None)
+        note_mark = model.note_mark
         malloc, free = model.malloc, model.free
         for event in batch:
             action = event.action
@@ -298,8 +298,7 @@ class _Run:
                 if addr is not None:
                     free(addr)
             elif action == "mark" and event.tag != "optimizer_end":
-                if note_mark is not None:
-                    note_mark(event.tag)
+                note_mark(event.tag)
             elif action == "mark":
                 scan = cfg.scan_every and step % cfg.scan_every == 0
                 if scan:
