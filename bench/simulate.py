@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ms_memopt.recipe import load_recipe  # noqa: E402
-from ms_memopt.simulate import POLICIES, config_from_recipe, simulate  # noqa: E402
-from ms_memopt.workload import spec_from_recipe  # noqa: E402
+from ms_memopt.recipe import load_recipe
+from ms_memopt.simulate import POLICIES, config_from_recipe, simulate
+from ms_memopt.workload import spec_from_recipe
 
 GiB = 2**30
 
@@ -49,7 +49,6 @@ def _median(values):
 
 
 def study(args) -> None:
-    from concurrent.futures import ProcessPoolExecutor
     from dataclasses import replace
 
     recipe = load_recipe(args.recipe)
@@ -60,7 +59,8 @@ def study(args) -> None:
           f"{args.steps} steps, seeds 0..{args.seeds - 1}")
     seeds = list(range(args.seeds))
     few = seeds[:3]
-    jobs = [("main", spec, cfg, POLICIES, s) for s in seeds]
+    policies = tuple(args.policy.split(","))
+    jobs = [("main", spec, cfg, policies, s) for s in seeds]
     if args.main_only:
         return _run_jobs(jobs, args)
     jobs += [("control: all off", replace(spec, enabled=False), cfg, ("baseline",), 0)]
@@ -123,11 +123,11 @@ def _run_jobs(jobs, args) -> None:
                  "region_frag_max": round(max(reg), 3) if reg else None,
                  "largest_free_by_window_gib_seed0": [round(x / GiB, 2) for x in runs[0]["largest_free_by_window"]]}
         table[name] = entry
-        print(f"{name:<48} {len(runs):>5} {len(ooms):>4} {str(entry['median_oom_step']):>7} "
-              f"{str(min(ooms, default='-')):>5} {str(max(ooms, default='-')):>5} {','.join(kinds) or '-':<18} "
+        print(f"{name:<48} {len(runs):>5} {len(ooms):>4} {entry['median_oom_step']!s:>7} "
+              f"{min(ooms, default='-')!s:>5} {max(ooms, default='-')!s:>5} {','.join(kinds) or '-':<18} "
               f"{(f'{min(free):.1f}-{max(free):.1f}' if free else '-'):>12} {entry['peak_allocated_gib']:>8} "
-              f"{str(entry['frag_ratio_max']):>8} {str(entry['frag_after_compaction_max']):>12} "
-              f"{str(entry['region_frag_max']):>11}")
+              f"{entry['frag_ratio_max']!s:>8} {entry['frag_after_compaction_max']!s:>12} "
+              f"{entry['region_frag_max']!s:>11}")
     seconds = time.perf_counter() - started
     print(f"study: {len(jobs)} jobs, {seconds:.0f} s")
     print(json.dumps({"seconds": round(seconds, 1), "steps": args.steps, "study": table}))
@@ -139,13 +139,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--allocator-option", action="append", default=None, metavar="KEY=VALUE",
-                        help="allocator option (default: pregrow=true, see docs/simulation.md)")
+                        help="allocator option overriding the recipe's memopt.allocator (see docs/simulation.md)")
     parser.add_argument("--study", action="store_true", help="run the docs/simulation.md study")
     parser.add_argument("--seeds", type=int, default=10, help="seeds of the study")
+    parser.add_argument("--policy", default=",".join(POLICIES), help="study: policies of the main runs")
     parser.add_argument("--main-only", action="store_true", help="study: only the 3 policies x seeds")
     parser.add_argument("--workers", type=int, default=2, help="worker processes of the study")
     args = parser.parse_args()
-    args.options = _options(args.allocator_option if args.allocator_option is not None else ["pregrow=true"])
+    args.options = _options(args.allocator_option or [])
     if args.study:
         study(args)
         return
@@ -161,7 +162,7 @@ def main() -> None:
     for policy, summary in results.items():
         r = summary.seeds[0]
         run = r.oom_step if r.oom_step is not None else args.steps
-        print(f"{policy:<9} {str(r.oom_step or '-'):>8} {run:>9} {r.events:>10} {r.seconds:>8.1f}")
+        print(f"{policy:<9} {r.oom_step or '-'!s:>8} {run:>9} {r.events:>10} {r.seconds:>8.1f}")
     print(f"total {seconds:.1f} s for {events} events (target: <= 60 s)")
     print(json.dumps({"seconds": round(seconds, 2), "events_per_s": round(events / seconds),
                       "steps": args.steps, "seed": args.seed, "events": events,

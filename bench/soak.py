@@ -5,10 +5,11 @@ until its OOM, streaming the timeline to a temporary file, and prints the proces
 memory (RSS) against the step count. Memory must stay flat: events are generated per step
 and dropped, samples go to the file, nothing accumulates per step.
 
-Last line: one JSON object {"steps", "rss_mib": {step: MiB}, "rss_growth_mib", "seconds"}.
+Last line: one JSON object {"steps", "rss_mib": {step: MiB}, "peak_rss_mib": {step: MiB},
+"rss_growth_mib", "seconds"}.
 
-The allocator is pre-grown as in bench/simulate.py (``--allocator-option``, default
-``pregrow=true``; see docs/simulation.md).
+The allocator is set up as the recipe's ``memopt.allocator`` says (``--allocator-option``
+overrides it; see docs/simulation.md).
 
 Usage: python bench/soak.py [--steps 10000] [--every 1000] [--allocator-option KEY=VALUE]
 """
@@ -24,15 +25,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ms_memopt.recipe import load_recipe  # noqa: E402
-from ms_memopt.simulate import config_from_recipe, simulate  # noqa: E402
-from ms_memopt.workload import spec_from_recipe  # noqa: E402
+from ms_memopt.recipe import load_recipe
+from ms_memopt.simulate import config_from_recipe, simulate
+from ms_memopt.workload import spec_from_recipe
 
 
-def _rss_mib() -> float:
+def _rss_mib(field: str = "VmRSS") -> float:
+    """Resident memory of this process (``VmRSS``) or its peak so far (``VmHWM``), MiB."""
     with open("/proc/self/status", encoding="ascii") as handle:
         for line in handle:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -48,13 +50,14 @@ def main() -> None:
     recipe = load_recipe(args.recipe)
     spec = spec_from_recipe(recipe)
     cfg = config_from_recipe(recipe, steps=args.steps)
-    cfg.allocator_options.update(_options(args.allocator_option if args.allocator_option is not None
-                                          else ["pregrow=true"]))
+    cfg.allocator_options.update(_options(args.allocator_option or []))
     rss: dict[int, float] = {0: _rss_mib()}
+    peak: dict[int, float] = {0: _rss_mib("VmHWM")}
 
     def on_step(step: int) -> None:
         if step % args.every == 0:
             rss[step] = _rss_mib()
+            peak[step] = _rss_mib("VmHWM")
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,9 +66,9 @@ def main() -> None:
                                timeline=timeline, on_step=on_step)
         timeline_bytes = (Path(tmp) / "timeline.jsonl").stat().st_size
     seconds = time.perf_counter() - started
-    print(f"{'step':>6} {'RSS (MiB)':>10}")
+    print(f"{'step':>6} {'RSS (MiB)':>10} {'peak RSS (MiB)':>15}")
     for step, mib in rss.items():
-        print(f"{step:>6} {mib:>10.1f}")
+        print(f"{step:>6} {mib:>10.1f} {peak[step]:>15.1f}")
     for policy, summary in results.items():
         r = summary.seeds[0]
         print(f"{policy}: oom_step {r.oom_step}, events {r.events}")
@@ -74,6 +77,7 @@ def main() -> None:
     print(f"RSS growth after step {args.every}: {growth:.1f} MiB; timeline {timeline_bytes / 2**20:.1f} MiB on disk; "
           f"{seconds:.0f} s")
     print(json.dumps({"steps": args.steps, "rss_mib": {str(k): round(v, 1) for k, v in rss.items()},
+                      "peak_rss_mib": {str(k): round(v, 1) for k, v in peak.items()},
                       "rss_growth_mib": round(growth, 1), "seconds": round(seconds, 1),
                       "events": sum(s.seeds[0].events for s in results.values())}))
 

@@ -95,6 +95,8 @@ def simulated_layouts(recipe: Recipe, steps: list[int], *, policies: tuple[str, 
                     if addr is not None:
                         id_at.pop(addr, None)
                         model.free(addr)
+                elif event.action == "mark":
+                    model.note_mark(event.tag)
             if done or step >= last:
                 break
             step += 1

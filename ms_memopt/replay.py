@@ -119,6 +119,8 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
             model.release_segment(event.addr, event.size, event.stream)
         elif action == "empty_cache":
             model.empty_cache()
+        elif action == "mark":
+            model.note_mark(event.tag)
         if sample_every and (index % sample_every == sample_every - 1 or action == "step"):
             model_seconds += time.perf_counter() - chunk_start
             sample(index)

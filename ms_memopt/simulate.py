@@ -36,8 +36,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import IO, Callable
+from typing import IO
 
 from .allocators import create
 from .allocators.base import AllocatorModel
@@ -45,8 +46,15 @@ from .layout import Layout
 from .metrics import frag_ratio, measure
 from .workload import WATCH_TAG, StepWorkload, WorkloadSpec
 
-__all__ = ["SimConfig", "PolicyResult", "PolicySummary", "POLICIES", "simulate_policy",
-           "simulate", "config_from_recipe"]
+__all__ = [
+    "POLICIES",
+    "PolicyResult",
+    "PolicySummary",
+    "SimConfig",
+    "config_from_recipe",
+    "simulate",
+    "simulate_policy",
+]
 
 POLICIES = ("baseline", "compact", "pool")
 
@@ -262,6 +270,7 @@ class _Run:
         started = time.perf_counter()
         cfg, track, result, watch = self.cfg, self.track, self.result, self.watch
         model, addr_of, drain, region_metrics = self.model, self.addr_of, self.drain, self.region_metrics
+        note_mark = model.note_mark
         malloc, free = model.malloc, model.free
         for event in batch:
             action = event.action
@@ -288,7 +297,9 @@ class _Run:
                 addr = addr_of.pop(event.id, None)
                 if addr is not None:
                     free(addr)
-            elif action == "mark" and event.tag == "optimizer_end":
+            elif action == "mark" and event.tag != "optimizer_end":
+                note_mark(event.tag)
+            elif action == "mark":
                 scan = cfg.scan_every and step % cfg.scan_every == 0
                 if scan:
                     extra = None

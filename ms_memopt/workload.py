@@ -52,15 +52,21 @@ Example:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import Iterator
+from typing import ClassVar
 
 import numpy as np
 
 from .events import Event
 
-__all__ = ["WorkloadSpec", "StepWorkload",
-           "iter_events", "spec_from_recipe", "WATCH_TAG"]
+__all__ = [
+    "WATCH_TAG",
+    "StepWorkload",
+    "WorkloadSpec",
+    "iter_events",
+    "spec_from_recipe",
+]
 
 #: The tag of the AllReduce buffer request (the default watched request).
 WATCH_TAG = "allreduce"
@@ -146,15 +152,15 @@ class WorkloadSpec:
         self.seq_buckets = tuple(sorted(self.seq_buckets))
 
     #: the switchable mechanisms and the value that switches each off
-    OFF = {"dynamic_seq": False, "shape_cache": 0, "extra_allocs": 0.0, "comm_jitter": 0.0}
-    _FIELD = {"dynamic_seq": "dynamic_seq", "shape_cache": "cache_bytes_per_shape",
+    OFF: ClassVar[dict] = {"dynamic_seq": False, "shape_cache": 0, "extra_allocs": 0.0, "comm_jitter": 0.0}
+    _FIELD: ClassVar[dict] = {"dynamic_seq": "dynamic_seq", "shape_cache": "cache_bytes_per_shape",
               "extra_allocs": "extra_probability", "comm_jitter": "comm_jitter"}
 
     def mechanisms(self) -> dict[str, bool]:
         """Which variation mechanisms are on (all ``False`` when ``enabled`` is off)."""
         return {name: bool(self.enabled and getattr(self, attr)) for name, attr in self._FIELD.items()}
 
-    def without(self, *names: str) -> "WorkloadSpec":
+    def without(self, *names: str) -> WorkloadSpec:
         """A copy with the named mechanisms switched off (``spec.without("shape_cache")``)."""
         unknown = set(names) - set(self._FIELD)
         if unknown:
@@ -213,7 +219,8 @@ class StepWorkload:
 
     def step(self, step: int) -> list[Event]:
         """The events of training step ``step`` (1-based): its ``step`` event, the 1F1B
-        forward/backward passes, the communication, the optimizer and a ``mark``
+        forward/backward passes (each opened by a ``mark`` ``"forward:M"`` / ``"backward:M"``,
+        M the micro-batch), the communication, the optimizer and a ``mark``
         ``"optimizer_end"`` (where compaction may run)."""
         s = self.spec
         self._events = [Event("step", step=step)]
@@ -233,9 +240,12 @@ class StepWorkload:
         hooks = {"allreduce_at": allreduce_at, "extra_at": extra_at, "allreduce_id": None,
                  "step": step}
         for phase, m in order:
+            # a named moment per pass: pool mode places a micro-batch's activations by it
             if phase == "F":
+                self._events.append(Event("mark", tag=f"forward:{m}", step=step))
                 saved[m] = self._forward(lengths[m], counters, hooks)
             else:
+                self._events.append(Event("mark", tag=f"backward:{m}", step=step))
                 self._backward(saved.pop(m), lengths[m], counters, hooks)
         if hooks["allreduce_id"] is None:
             hooks["allreduce_id"] = self._alloc(s.allreduce_bytes, WATCH_TAG)

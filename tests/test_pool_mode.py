@@ -249,3 +249,29 @@ def test_package_exports_are_lazy():
     code = ("import sys, ms_memopt.mindspore as m; assert 'mindspore' not in sys.modules; "
             "assert {'FusedAdamW', 'enable_pool_mode', 'GPT', 'GPTConfig'} <= set(dir(m))")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.mindspore
+@pytest.mark.skipif(not HAS_MINDSPORE, reason="MindSpore is not installed")
+def test_sequentialcell_blocks_and_double_enable():
+    ms, Tensor, nn, model, pool_mode = _ms()
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.SequentialCell([nn.Dense(4, 4) for _ in range(4)])
+            self.head = nn.Dense(4, 1)
+
+        def construct(self, x):
+            return self.head(self.body(x))
+
+    net = Net()
+    x = Tensor(np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4))
+    grads_before = [g.asnumpy() for g in ms.value_and_grad(net, None, net.trainable_params())(x)[1]]
+    plan = pool_mode.enable_pool_mode(net, checkpoint_every=2, activation_estimator=lambda b: (64, 32))
+    assert plan.notes["recompute_groups"] == [[0, 1], [2, 3]]
+    grads_after = [g.asnumpy() for g in ms.value_and_grad(net, None, net.trainable_params())(x)[1]]
+    for a, b in zip(grads_before, grads_after):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError):
+        pool_mode.enable_pool_mode(net, checkpoint_every=2)

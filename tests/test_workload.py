@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.workload import WATCH_TAG, StepWorkload, WorkloadSpec, iter_events, spec_from_recipe
+from ms_memopt.workload import (
+    WATCH_TAG,
+    StepWorkload,
+    WorkloadSpec,
+    iter_events,
+    spec_from_recipe,
+)
 
 MiB = 2**20
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dense_100b_1024x910c.yaml"
@@ -73,8 +79,12 @@ def test_one_watched_request_per_step_and_optimizer_mark():
     for step in range(1, 8):
         events = gen.step(step)
         assert sum(1 for e in events if e.action == "alloc" and e.tag == WATCH_TAG) == 1
-        marks = [e for e in events if e.action == "mark"]
-        assert [m.tag for m in marks] == ["optimizer_end"]
+        marks = [e.tag for e in events if e.action == "mark"]
+        assert marks[-1] == "optimizer_end" and marks.count("optimizer_end") == 1
+        spec = gen.spec
+        assert sorted(m for m in marks if m.startswith("forward:")) == \
+            sorted(f"forward:{i}" for i in range(spec.micro_batches))
+        assert len([m for m in marks if m.startswith("backward:")]) == spec.micro_batches
 
 
 def test_buckets_bound_the_shapes_and_the_lru_bounds_the_cache():

@@ -90,6 +90,10 @@ class AllocatorModel(ABC):
     def release_segment(self, addr: int, size: int, stream: int = 0) -> None:
         """The recording released the segment at ``addr``; models release it if it is idle."""
 
+    def note_mark(self, tag: str | None) -> None:
+        """A named moment inside a step (``forward:3``, ``optimizer_end``); models that place by
+        phase (pool mode's activation slots) use it; default: nothing."""
+
     def restore(self, layout: Layout) -> None:
         """Start from a recorded state (segments and live blocks at their addresses)."""
         raise NotImplementedError(f"the {self.name} model cannot start from a recorded state")

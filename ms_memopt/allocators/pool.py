@@ -9,12 +9,13 @@ region            holds (tags)                                         policy in
 ``parameters``    BF16 weights                                          best fit (never freed)
 ``gradients``     FP32 gradient accumulation                            best fit (never freed)
 ``optimizer``     FP32 master weights, Adam m and v                     best fit (never freed)
-``activations``   saved activations, checkpoint inputs, recomputes     ring (allocate at the
-                                                                       head, wrap at the end)
+``activations``   saved activations, checkpoint inputs, recomputes     ring of slots, one per
+                                                                       micro-batch in flight,
+                                                                       each a stack
 ``communication`` AllReduce / ReduceScatter buckets, P2P buffers        best fit (the arena)
 ``workspace``     op workspaces, weight gradients, optimizer temps,    best fit
                   evaluation, checkpoint staging, logging
-``workspace.cache`` per-shape cached tensors                           best fit; when full the
+``workspace.cache`` per-shape cached tensors                           FIFO ring; when full the
                                                                        oldest entry is evicted
 ================  ===================================================  ======================
 
@@ -43,7 +44,7 @@ from ..layout import Block, Layout, Segment
 from ..metrics import frag_ratio
 from .base import AllocatorModel
 
-__all__ = ["PoolModeAllocator", "REGION_OF_TAG", "region_sizes_for_workload"]
+__all__ = ["REGION_OF_TAG", "PoolModeAllocator", "region_sizes_for_workload"]
 
 _ALIGN = 512
 _SHIFT = 64
@@ -67,15 +68,20 @@ _EVICTING = {"workspace.cache"}
 class _Region:
     """One fixed region: buffers doubly linked by address, free ones in a sorted key list."""
 
-    def __init__(self, name: str, addr: int, size: int) -> None:
+    def __init__(self, name: str, addr: int, size: int, slots: int = 0) -> None:
         self.name = name
         self.addr = addr
         self.size = size
+        # slots > 0: a ring of slots, one per micro-batch in flight, each used as a stack
+        self.slots = slots
+        self.slot_size = size // slots // _ALIGN * _ALIGN if slots else 0
+        self.tops: dict[int, int] = {}
         self.allocated = 0
         head = [addr, size, False, None, None]
         self.bufs: dict[int, list] = {addr: head}
         self.free_keys: list[int] = [(size << _SHIFT) | addr] if size else []
         self.head = addr                      # ring: next allocation address
+        self.slot = 0
         self.order: OrderedDict[int, int] = OrderedDict()   # evicting: live addr -> size, oldest first
         if not size:
             self.bufs = {}
@@ -83,10 +89,14 @@ class _Region:
     def largest_free(self) -> int:
         return self.free_keys[-1] >> _SHIFT if self.free_keys else 0
 
-    def take(self, size: int, ring: bool) -> int | None:
+    def take(self, size: int, ring: bool, fallback: bool = True) -> int | None:
+        """Allocate ``size`` bytes: at the ring head when ``ring``, else (or when the head has
+        no room and ``fallback``) best fit; the address, or ``None``."""
         buf = None
         if ring:
             buf = self._ring_buffer(size)
+            if buf is None and not fallback:
+                return None
         if buf is None:
             index = bisect_left(self.free_keys, size << _SHIFT)
             if index == len(self.free_keys):
@@ -109,14 +119,51 @@ class _Region:
             self.head = buf[_ADDR] + buf[_SIZE]
             if self.head >= self.addr + self.size:
                 self.head = self.addr
+            if self.slots:
+                self.tops[self.slot] = self.head
         return buf[_ADDR]
 
+    def enter_slot(self, slot: int, fresh: bool) -> None:
+        """Point the head at slot ``slot``: its start when a new micro-batch enters it
+        (``fresh``), else the slot's last top (recompute in the backward)."""
+        start = self.addr + (slot % self.slots) * self.slot_size
+        self.head = start if fresh else self.tops.get(slot % self.slots, start)
+        self.slot = slot % self.slots
+
     def _ring_buffer(self, size: int) -> list | None:
-        """The free buffer starting at the head, else the one at the region start (wrap)."""
+        """The free buffer starting at the head, else the one at the region start (wrap);
+        in slot mode only the head (a full slot falls back to best fit)."""
+        if self.slots:
+            buf = self.bufs.get(self.head)
+            if buf is not None:
+                return buf if not buf[_USED] and buf[_SIZE] >= size else None
+            return self._carve(self.head, size)
         for addr in (self.head, self.addr):
             buf = self.bufs.get(addr)
             if buf is not None and not buf[_USED] and buf[_SIZE] >= size:
                 return buf
+        return None
+
+    def _carve(self, addr: int, size: int) -> list | None:
+        """Split the free buffer that contains ``addr`` there (its low part stays free) when
+        ``size`` bytes fit from ``addr`` on; the caller takes the returned high part at once,
+        so two free buffers are never left side by side."""
+        for key in self.free_keys:
+            buf = self.bufs[key & _MASK]
+            start, length = buf[_ADDR], buf[_SIZE]
+            if start < addr < start + length:
+                if start + length - addr < size:
+                    return None
+                del self.free_keys[bisect_left(self.free_keys, key)]
+                high = [addr, start + length - addr, False, buf, buf[_NEXT]]
+                if buf[_NEXT] is not None:
+                    buf[_NEXT][_PREV] = high
+                buf[_NEXT] = high
+                buf[_SIZE] = addr - start
+                self.bufs[addr] = high
+                insort(self.free_keys, (buf[_SIZE] << _SHIFT) | start)
+                insort(self.free_keys, (high[_SIZE] << _SHIFT) | addr)
+                return high
         return None
 
     def release(self, addr: int) -> int:
@@ -175,7 +222,8 @@ class PoolModeAllocator(AllocatorModel):
 
     name = "pool"
 
-    def __init__(self, capacity: int | None = None, regions=None, route: dict[str, str] | None = None) -> None:
+    def __init__(self, capacity: int | None = None, regions=None, route: dict[str, str] | None = None,
+                 ring_slots: int = 0) -> None:
         super().__init__(capacity)
         sizes = _region_sizes(regions)
         self._rings = {r.name for r in getattr(regions, "regions", ()) if getattr(r, "ring", False)} or set(_RING)
@@ -190,7 +238,7 @@ class PoolModeAllocator(AllocatorModel):
             if name in offsets:   # the plan's layout (regions start on its alignment)
                 addr = _BASE_ADDR + offsets[name]
             size = size // _ALIGN * _ALIGN
-            self.regions[name] = _Region(name, addr, size)
+            self.regions[name] = _Region(name, addr, size, ring_slots if name in self._rings else 0)
             addr += size
         self.route = dict(REGION_OF_TAG, **(route or {}))
         self._owner: dict[int, _Region] = {}
@@ -202,13 +250,13 @@ class PoolModeAllocator(AllocatorModel):
         self._note_usage()
 
     @classmethod
-    def for_workload(cls, spec, capacity: int | None = None) -> "PoolModeAllocator":
+    def for_workload(cls, spec, capacity: int | None = None) -> PoolModeAllocator:
         """Regions sized for a :class:`~ms_memopt.workload.WorkloadSpec` (see
         :func:`region_sizes_for_workload`), laid out by :meth:`PoolPlan.build`."""
         from ..poolplan import PoolPlan
 
         plan = PoolPlan.build(region_sizes_for_workload(spec, capacity), rings=("activations",))
-        return cls(capacity=capacity, regions=plan)
+        return cls(capacity=capacity, regions=plan, ring_slots=spec.in_flight)
 
     # --- requests -----------------------------------------------------------------------
     def region_for(self, tag: str | None, pool: str | None) -> _Region | None:
@@ -228,16 +276,21 @@ class PoolModeAllocator(AllocatorModel):
         if region is None:
             self._record_oom(size, stream, tag)
             return None
-        ring = region.name in self._rings
-        addr = region.take(size, ring)
-        if addr is None and region.name in _EVICTING:
+        evicting = region.name in _EVICTING
+        # the cache is a strict FIFO ring: new entries at the head, the oldest (just ahead of
+        # the head) evicted to make room, so its free space stays in at most two pieces
+        ring = evicting or region.name in self._rings
+        addr = region.take(size, ring, fallback=not evicting)
+        if addr is None and evicting:
             while addr is None and region.order:
                 old, _ = region.order.popitem(last=False)
                 self.allocated -= region.release(old)
                 del self._owner[old]
                 self._evicted.append(old)
                 self.evictions += 1
-                addr = region.take(size, ring)
+                addr = region.take(size, ring, fallback=False)
+            if addr is None:   # larger than the whole region's free space in ring order
+                addr = region.take(size, False)
         if addr is None:
             self._record_oom(size, stream, tag)
             return None
@@ -245,8 +298,7 @@ class PoolModeAllocator(AllocatorModel):
             region.order[addr] = size
         self._owner[addr] = region
         self.allocated += region.bufs[addr][_SIZE]
-        if self.allocated > self.peak_allocated:
-            self.peak_allocated = self.allocated
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
         return addr
 
     def free(self, addr: int) -> None:
@@ -255,6 +307,19 @@ class PoolModeAllocator(AllocatorModel):
             return
         region.order.pop(addr, None)
         self.allocated -= region.release(addr)
+
+    def note_mark(self, tag: str | None) -> None:
+        """A ``mark`` of the stream: ``"forward:M"`` / ``"backward:M"`` select micro-batch M's
+        slot of a slotted ring (activations of M go there)."""
+        if not tag or ":" not in tag:
+            return
+        phase, _, index = tag.partition(":")
+        if phase not in ("forward", "backward") or not index.isdigit():
+            return
+        for name in self._rings:
+            region = self.regions.get(name)
+            if region is not None and region.slots:
+                region.enter_slot(int(index), fresh=phase == "forward")
 
     def drain_evicted(self) -> list[int]:
         """Addresses the cache region evicted since the last call (their tensors are gone)."""

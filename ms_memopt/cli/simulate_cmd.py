@@ -64,19 +64,12 @@ def run(args) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         timeline = open(out_dir / "timeline.jsonl", "w", encoding="utf-8")
     bar = None
-    on_step = None
     if sys.stderr.isatty():
         from tqdm import tqdm
         bar = tqdm(total=cfg.steps * len(seeds) * len(policies), unit="step", desc="simulate", leave=False)
-        last = {"step": 0}
-
-        def on_step(step: int) -> None:
-            if step < last["step"]:
-                last["step"] = 0
-            bar.update(step - last["step"])
-            last["step"] = step
     try:
-        results = simulate(spec, cfg, policies=policies, seeds=seeds, timeline=timeline, on_step=on_step)
+        results = simulate(spec, cfg, policies=policies, seeds=seeds, timeline=timeline,
+                           on_step=_progress(bar, len(policies)) if bar is not None else None)
     finally:
         if timeline is not None:
             timeline.close()
@@ -101,6 +94,20 @@ def run(args) -> int:
         _print_table(results, cfg, bool(args.seeds))
     any_oom = any(r.oom_step is not None for s in results.values() for r in s.seeds)
     return 1 if (args.fail_on_oom and any_oom) else 0
+
+
+def _progress(bar, per_step: int):
+    """``on_step`` for :func:`~ms_memopt.simulate.simulate`: the policies of a seed run in lock
+    step, so one step advances the bar by the number of policies."""
+    last = {"step": 0}
+
+    def on_step(step: int) -> None:
+        if step < last["step"]:      # a new seed started
+            last["step"] = 0
+        bar.update((step - last["step"]) * per_step)
+        last["step"] = step
+
+    return on_step
 
 
 def _options(items: list[str]) -> dict:
@@ -130,7 +137,7 @@ def _print_table(results, cfg, many: bool) -> None:
         for r in summary.seeds:
             frag_after = "-" if r.frag_after_compaction is None else f"{r.frag_after_compaction:.2f}"
             frag_max = "-" if r.frag_ratio_max is None else f"{r.frag_ratio_max:.2f}"
-            print(f"{policy:<9} {r.seed:>4} {str(r.oom_step or '-'):>8} {(r.oom_kind or '-'):<13} "
+            print(f"{policy:<9} {r.seed:>4} {r.oom_step or '-'!s:>8} {(r.oom_kind or '-'):<13} "
                   f"{format_size(r.free_total_at_oom):>10} {format_size(r.largest_free_min):>10} "
                   f"{frag_max:>8} {r.compactions:>11} {frag_after:>10} {format_size(r.peak_allocated):>10}")
         if many:
