@@ -151,34 +151,6 @@ def test_strided_gradients_are_read_in_logical_order():
     np.testing.assert_allclose(p.asnumpy(), ref, rtol=2e-6, atol=2e-6)
 
 
-class _PaddedPathFusedAdamW(FusedAdamW):
-    """Takes the padded-region gradient path (combine + C++ slices) that Ascend uses."""
-
-    def _combine(self, region):
-        super()._combine(region)
-        region.padded = True
-
-
-@pytest.mark.parametrize("np_dtype", [np.float32, np.float16])
-def test_gradient_concat_and_padded_combine_paths_agree_exactly(np_dtype):
-    """CPU concatenates gradients in a compiled graph; devices with padding combine them.
-    Both must give bit-identical updates, strided gradients and two buckets included."""
-    results = []
-    for cls in (FusedAdamW, _PaddedPathFusedAdamW):
-        _, params = _params(np_dtype, names=["w0", "b.gamma", "w2", "w3"])
-        opt = cls(params, learning_rate=1e-2, weight_decay=0.1)
-        assert len(opt.buckets) == 2
-        assert all(r.padded is (cls is _PaddedPathFusedAdamW) for r in opt.regions)
-        for g in _grads(np_dtype, 3):
-            grads = [Tensor(x) for x in g]
-            grads[3] = Tensor(np.ascontiguousarray(g[3].T)).T  # a strided view, same values
-            assert not grads[3].is_contiguous()
-            opt(tuple(grads))
-        results.append([p.asnumpy() for p in params])
-    for a, b in zip(*results):
-        np.testing.assert_array_equal(a, b)
-
-
 TINY = GPTConfig(num_layers=2, hidden_size=16, num_heads=2, seq_length=8, vocab_size=32, seed=3)
 
 

@@ -7,12 +7,9 @@ A drop-in for ``nn.AdamWeightDecay``. The layout:
   parameters with the same learning rate and weight decay are adjacent: a *bucket*;
 * **optimizer region**: per bucket, flat float32 ``Parameter``s ``m`` and ``v`` (and, for
   fp16/bf16 parameters, a float32 ``master``), in the order of the parameter region;
-* **gradient region**: each step's gradients of one dtype as one flat range per bucket:
-  concatenated by one compiled graph (``ms.jit``; no host copy, no wait for the backward
-  pass) where the region has no alignment padding (CPU), combined into one padded buffer
-  like the parameters where it has (Ascend's 512 B alignment).
+* **gradient region**: each step's gradients of one dtype combined into one flat buffer.
 
-One step of one dtype: flatten the gradients, cast them to float32 once, run one
+One step of one dtype: combine the gradients, cast them to float32 once, run one
 ``ops.AdamWeightDecay`` kernel per bucket over its whole range (m, v and the float32 weights
 are updated in place), and for low-precision parameters write the cast master into the
 parameter region with a single ``copy_``. ``nn.AdamWeightDecay`` runs one kernel per
@@ -101,7 +98,6 @@ class DtypeRegion:
     handle: object = None
     flat: Tensor | None = None
     data_ptrs: list[int] = field(default_factory=list)
-    padded: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -214,7 +210,6 @@ class FusedAdamW(nn.Optimizer):
         for bucket in region.buckets:
             bucket.start, bucket.end = int(ends[bucket.first]), int(ends[bucket.first + bucket.count])
         region.numel = int(ends[-1])
-        region.padded = region.numel != sum(int(p.size) for p in params)
         region.flat = region.handle[0:region.numel]
         for bucket in region.buckets:
             bucket.view = region.handle[bucket.start:bucket.end]
@@ -274,10 +269,9 @@ class FusedAdamW(nn.Optimizer):
     def construct(self, gradients):
         if not self._grad_dtypes_checked:
             self._check_grad_dtypes(gradients)
-        # The gradients first, one flat range per bucket. Without alignment padding (CPU) they
-        # are concatenated by one compiled graph, launched without waiting for the backward
-        # pass; with padding (Ascend), combined like the parameters, which waits for it.
-        grad_buckets = [self._bucket_gradients(region, gradients) for region in self.regions]
+        # The gradient regions first: combining waits for the backward pass anyway, and once
+        # it is done the data-pointer checks below no longer wait on pending kernels.
+        grad_regions = [self._combine_gradients(region, gradients) for region in self.regions]
         self._ensure_regions()
         self._sync_step()
         lrs = self.get_lr()
@@ -286,14 +280,16 @@ class FusedAdamW(nn.Optimizer):
         lr_factor, eps_factor, wd_factor = self._bias_factors(self._host_step)
         eps = self.eps * eps_factor
         folded_lrs = {}  # one scalar op per distinct learning rate, not per bucket
-        for region, bucket_grads in zip(self.regions, grad_buckets):
+        for region, grads in zip(self.regions, grad_regions):
             low_precision = region.dtype != ms.float32
-            for bucket, grad in zip(region.buckets, bucket_grads):
+            for bucket in region.buckets:
                 if bucket.lr_index not in folded_lrs:
                     lr = lrs[bucket.lr_index] if self.is_group_lr else lrs
                     folded_lrs[bucket.lr_index] = lr if lr_factor == 1.0 else lr * lr_factor
                 lr_folded = folded_lrs[bucket.lr_index]
                 wd = bucket.weight_decay * wd_factor
+                # Slicing the handle is a C++ view; Tensor.__getitem__ is a slow Python path.
+                grad = grads[bucket.start:bucket.end]
                 m, v = self.moments1[bucket.index], self.moments2[bucket.index]
                 if low_precision:
                     master = self.masters[self._master_of[bucket.index]]
@@ -306,29 +302,16 @@ class FusedAdamW(nn.Optimizer):
         return True
 
     @staticmethod
-    def _bucket_gradients(region: DtypeRegion, gradients) -> list:
-        """The gradient region of one dtype, as one flat float range per bucket.
+    def _combine_gradients(region: DtypeRegion, gradients):
+        """The gradient region of one dtype: one C++ call copies every gradient into one buffer.
 
-        No padding: :func:`_concat_flat` (one compiled graph: no host copy, no wait). With
-        padding: one C++ call copies every gradient into one padded buffer, whose bucket
-        slices are C++ views (``Tensor.__getitem__`` is a slow Python path). combine copies
-        raw storage, so strided gradients (e.g. of a transposed weight) are made contiguous
-        first; ``is_contiguous`` reads host-side metadata only.
+        Several times faster on CPU than reshape + concat (one view op per tensor). combine
+        copies raw storage, so strided gradients (e.g. of a transposed weight) are made
+        contiguous first; ``is_contiguous`` reads host-side metadata only.
         """
-        if not region.padded:
-            return list(_concat_flat(tuple(
-                tuple(gradients[region.param_indices[i]] for i in range(b.first, b.first + b.count))
-                for b in region.buckets)))
-        handle = combine_tensor_list_contiguous(
+        return combine_tensor_list_contiguous(
             [g if g.is_contiguous() else g.contiguous() for g in (gradients[i] for i in region.param_indices)],
             True)
-        return [handle[b.start:b.end] for b in region.buckets]
-
-
-@ms.jit
-def _concat_flat(groups):
-    """Each group of tensors flattened (logical order) and concatenated: one tensor per group."""
-    return tuple(ops.concat([g.reshape(-1) for g in group]) for group in groups)
 
 
 def _dtype_name(dtype) -> str:
