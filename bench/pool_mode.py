@@ -8,7 +8,8 @@ the machine is shared and noisy):
    rounds; ``fused_step_ratio_min`` compares the fastest rounds (least disturbed by other
    processes), and ``fused_step_ratio_by_model`` adds a model with 293 smaller tensors.
 2. ``activation_ratio``: activation bytes with ``checkpoint_every=k`` / without recompute, by
-   our estimator (``ms_memopt.mindspore.pool_mode.activation_bytes``) and measured as the
+   the estimator (per-layer ``ms_memopt.estimate`` formulas composed for the largest recompute
+   group by ``ms_memopt.mindspore.pool_mode``) and measured as the
    peak-RSS growth of one training step in a fresh subprocess (CPU has no device memory
    statistics), and as seen by the layout-scan shadow source
    (``ms_memopt.mindspore.sources.ShadowModelSource``): ``shadow_activation_ratio``. That
