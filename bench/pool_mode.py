@@ -8,9 +8,13 @@ the machine is shared and noisy):
    rounds; ``fused_step_ratio_min`` compares the fastest rounds (least disturbed by other
    processes), and ``fused_step_ratio_by_model`` adds a model with 293 smaller tensors.
 2. ``activation_ratio``: activation bytes with ``checkpoint_every=k`` / without recompute, by
-   our estimator (``ms_memopt.mindspore.pool_mode.activation_bytes``) and measured as the
+   the estimator (per-layer ``ms_memopt.estimate`` formulas composed for the largest recompute
+   group by ``ms_memopt.mindspore.pool_mode``) and measured as the
    peak-RSS growth of one training step in a fresh subprocess (CPU has no device memory
-   statistics). ``shadow_activation_ratio`` is left ``null`` for the layout-scan shadow source.
+   statistics), and as seen by the layout-scan shadow source
+   (``ms_memopt.mindspore.sources.ShadowModelSource``): ``shadow_activation_ratio``. That
+   source counts every leaf-Cell output (forward hooks), so it does not see what recompute
+   frees and counts the recomputed forward again: its ratio is above 1, not about 1/k.
 3. ``recompute_step_ratio``: training-step time with recompute / without.
 4. A pool-mode training run against a normal run over ``--steps`` steps: final losses and the
    largest per-step difference.
@@ -151,9 +155,31 @@ def measured_step_peak(cfg: GPTConfig, k: int, batch: int) -> int | None:
     return None
 
 
-def shadow_source_activation_bytes(cfg: GPTConfig, k: int, batch: int) -> int | None:
-    """Activation bytes seen by the layout-scan shadow source (another module; not there yet)."""
-    return None
+def shadow_source_activations(cfg: GPTConfig, k: int, batch: int) -> dict:
+    """What ``ShadowModelSource`` sees of one forward+backward (k=0: no recompute).
+
+    The source puts forward hooks on the leaf Cells and counts every output they make
+    (``activation_bytes``); its allocator-model replay keeps them all alive until backward
+    (``step_peak_allocated``, parameters included). Hooks also fire when a recompute group
+    re-runs its forward inside backward, so with recompute the source sees *more* bytes.
+    """
+    from ms_memopt.mindspore.sources import ShadowModelSource
+
+    net = GPTWithLoss(GPT(cfg))
+    if k:
+        enable_pool_mode(net, checkpoint_every=k, batch_size=batch)
+    source = ShadowModelSource(net)
+    try:
+        grad_fn = ms.value_and_grad(net, None, net.trainable_params())
+        x, y = next(synthetic_batches(cfg, batch, 1, seed=9))
+        loss, grads = grad_fn(Tensor(x), Tensor(y))
+        float(loss.asnumpy())
+        extra = source.read().extra
+    finally:
+        source.close()
+    return {"activation_bytes": int(extra["activation_bytes"]),
+            "activations_observed": int(extra["activations_observed"]),
+            "step_peak_allocated": int(extra["step_peak_allocated"])}
 
 
 def training_run(cfg: GPTConfig, steps: int, batch: int, k: int) -> dict:
@@ -218,7 +244,9 @@ def main() -> int:
                       if measured_without and measured_with is not None else None)
     other_k = 2 if k != 2 else 4
     measured_other = measured_step_peak(act_cfg, other_k, act_batch)
-    shadow = shadow_source_activation_bytes(act_cfg, k, act_batch)
+    shadow_without = shadow_source_activations(act_cfg, 0, act_batch)
+    shadow_with = shadow_source_activations(act_cfg, k, act_batch)
+    shadow_ratio = shadow_with["activation_bytes"] / shadow_without["activation_bytes"]
     print(f"activations, {act_cfg.num_layers} blocks, batch {act_batch} x {act_cfg.seq_length} tokens, k={k}")
     print(f"  estimator      no recompute {format_size(est_without):>12}   k={k} {format_size(est_with):>12}"
           f"   ratio {est_with / est_without:.3f}  (1/k = {1 / k:.3f})")
@@ -229,7 +257,10 @@ def main() -> int:
     if measured_other is not None and measured_without:
         print(f"  measured RSS   k={other_k} {format_size(measured_other):>12}   ratio "
               f"{measured_other / measured_without:.3f}")
-    print(f"  shadow source  {'not available yet' if shadow is None else format_size(shadow)}")
+    print(f"  shadow source  no recompute {format_size(shadow_without['activation_bytes']):>12}   k={k} "
+          f"{format_size(shadow_with['activation_bytes']):>12}   ratio {shadow_ratio:.3f}"
+          f"   ({shadow_without['activations_observed']} vs {shadow_with['activations_observed']} leaf-Cell "
+          "outputs: the hooks also fire when recompute re-runs forward)")
     # Kept bytes = groups * boundary + k * per_block: about 1/k of no recompute when the
     # number of blocks is about k*k (the field report: 36+ layers, k = 6).
     table = {}
@@ -268,7 +299,8 @@ def main() -> int:
         "activation_ratio_measured_rss": None if measured_ratio is None else round(measured_ratio, 4),
         "activation_bytes_measured_rss": {"without_recompute": measured_without, "with_recompute": measured_with,
                                           f"k={other_k}": measured_other},
-        "shadow_activation_ratio": None,
+        "shadow_activation_ratio": round(shadow_ratio, 4),
+        "shadow_source": {"without_recompute": shadow_without, "with_recompute": shadow_with},
         "recompute_step_ratio": round(t_recompute / t_plain, 4),
         "train_step_ms": {"no_recompute": round(t_plain * 1e3, 2), "recompute": round(t_recompute * 1e3, 2),
                           "adamweightdecay": round(step_times["adamw"] * 1e3, 2)},

@@ -197,8 +197,14 @@ def test_parameters_are_contiguous_by_dtype_and_plan_sizes_add_up():
     assert plan.region("parameters.float32").size == n_bytes
     assert plan.region("gradients").size == n_bytes
     assert plan.region("optimizer").size == 2 * n_bytes
-    per_block = model.activation_bytes_per_block(cfg, 4)
-    boundary = 4 * cfg.seq_length * cfg.hidden_size * 4
+    # The per-layer figures are the recipe estimator's (one formula for plan and pool mode).
+    from ms_memopt.estimate import layer_activation_bytes, layer_input_bytes
+    layer = pool_mode.layer_model_config(cfg)
+    per_block = layer_activation_bytes(layer, seq=cfg.seq_length, micro_batch=4)
+    boundary = layer_input_bytes(layer, seq=cfg.seq_length, micro_batch=4)
+    assert boundary == 4 * cfg.seq_length * cfg.hidden_size * 4
+    # Korthikanti's count for a float32 GPT block without dropout: 64h + 4as bytes per token.
+    assert per_block == 4 * cfg.seq_length * (64 * cfg.hidden_size + 4 * cfg.num_heads * cfg.seq_length)
     assert plan.notes["activation_without_recompute"] == 4 * per_block
     assert plan.region("activations").size == 2 * boundary + 2 * per_block
     assert plan.notes["reservation"].startswith("not reserved")

@@ -36,10 +36,12 @@ import mindspore as ms
 from mindspore import nn
 from mindspore.hal.contiguous_tensors_handle import combine_tensor_list_contiguous
 
+from ..estimate import layer_activation_bytes, layer_input_bytes
 from ..poolplan import PoolPlan
+from ..recipe import ModelConfig
 
 __all__ = ["enable_pool_mode", "RecomputeGroup", "Passthrough", "find_blocks", "activation_bytes",
-           "ActivationEstimate", "reserve_pool"]
+           "ActivationEstimate", "reserve_pool", "gpt_activation_estimator", "layer_model_config"]
 
 _GB = 1024 ** 3
 
@@ -75,7 +77,11 @@ class Passthrough(nn.Cell):
 
 @dataclass
 class ActivationEstimate:
-    """Bytes of activations kept for backward (our accounting; see :func:`activation_bytes`).
+    """Bytes of activations kept for backward with recompute groups of ``group_size`` blocks.
+
+    The per-block numbers come from the caller (for the demo GPT: the per-layer formulas of
+    :mod:`ms_memopt.estimate`, see :func:`gpt_activation_estimator`); this only composes them
+    for the largest recompute group.
 
     Attributes:
         per_block: bytes one block keeps for backward without recompute.
@@ -201,6 +207,45 @@ def _dtype_name(dtype) -> str:
     return {ms.float32: "float32", ms.float16: "float16", ms.bfloat16: "bfloat16"}.get(dtype, str(dtype))
 
 
+def layer_model_config(config) -> ModelConfig:
+    """The estimator's view (:class:`ms_memopt.recipe.ModelConfig`) of a demo ``GPTConfig``.
+
+    The demo block is a plain GPT block: multi-head attention (no GQA, no flash attention),
+    an un-gated GeLU MLP of ``ffn_size``, no dropout; LayerNorm and softmax run in float32.
+
+    Example:
+        >>> layer_model_config(GPTConfig(hidden_size=64)).intermediate_size    # doctest: +SKIP
+        256
+    """
+    return ModelConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                       num_heads=config.num_heads, n_kv_heads=config.num_heads,
+                       seq_length=config.seq_length, vocab_size=config.vocab_size,
+                       intermediate_size=config.ffn_size, ffn_gated=False, compute_dtype=config.dtype,
+                       param_init_type=config.param_dtype or config.dtype,
+                       layernorm_compute_type="float32", use_flash_attention=False,
+                       hidden_dropout=False, attention_dropout=False)
+
+
+def gpt_activation_estimator(config) -> Callable[[int], tuple[int, int]]:
+    """``f(batch_size) -> (per_block_bytes, boundary_bytes)`` for a demo ``GPTConfig``.
+
+    Both numbers come from the recipe estimator (:mod:`ms_memopt.estimate`), so pool mode and
+    ``ms-memopt plan`` use one per-layer formula: ``layer_activation_bytes`` (what a block
+    keeps for backward without recompute) and ``layer_input_bytes`` (the block input a
+    recompute group keeps).
+
+    Example:
+        >>> per_block, boundary = gpt_activation_estimator(GPTConfig())(8)    # doctest: +SKIP
+    """
+    model = layer_model_config(config)
+
+    def estimator(batch_size: int) -> tuple[int, int]:
+        shape = dict(seq=config.seq_length, micro_batch=int(batch_size))
+        return layer_activation_bytes(model, **shape), layer_input_bytes(model, **shape)
+
+    return estimator
+
+
 def reserve_pool(plan: PoolPlan, *, headroom: float = 0.0, optimize_level: str | None = None,
                  force: bool = False) -> str:
     """Reserve ``plan.total`` bytes up front via ``ms.runtime.set_memory(init_size=...)``.
@@ -249,7 +294,8 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
         blocks: the blocks to group, when the automatic search would pick the wrong ones.
         batch_size: samples per step, for the activation estimate.
         activation_estimator: ``f(batch_size) -> (per_block_bytes, boundary_bytes)``.
-            Default: the demo GPT's accounting when ``network`` contains a ``GPT``.
+            Default, when ``network`` contains a demo ``GPT``: :func:`gpt_activation_estimator`
+            (the per-layer formulas of :mod:`ms_memopt.estimate`).
         communication_bytes, workspace_bytes: sizes of those regions.
         alignment: region alignment in bytes.
         combine_parameters: move parameters into per-dtype contiguous buffers (skipped when a
@@ -262,7 +308,7 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
         estimate with and without recompute, and what was reserved.
     """
     from .fused_adamw import FusedAdamW
-    from .model import GPT, activation_bytes_per_block, dtype_bytes
+    from .model import GPT
 
     if getattr(network, "_pool_plan", None) is not None:
         raise ValueError("pool mode is already enabled on this network")
@@ -273,11 +319,7 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
     if activation_estimator is None:
         gpt = next((c for _, c in network.cells_and_names() if isinstance(c, GPT)), None)
         if gpt is not None:
-            cfg = gpt.config
-
-            def activation_estimator(b):  # noqa: E306 - the GPT's own accounting
-                return (activation_bytes_per_block(cfg, b),
-                        b * cfg.seq_length * cfg.hidden_size * dtype_bytes(cfg.dtype))
+            activation_estimator = gpt_activation_estimator(gpt.config)
     if activation_estimator is not None:
         per_block, boundary = activation_estimator(batch_size)
     else:
