@@ -124,8 +124,6 @@ _KNOWN_BUGS = {
     "instance-csv-error": lambda exc: type(exc).__name__ == "Error" and type(exc).__module__ == "_csv",
     # traces.instances.read_instance accepts any integer; planner.greedy packs into np.int64
     "planner-int64": lambda exc: isinstance(exc, OverflowError) and "C long" in str(exc),
-    # cli.replay_cmd: create("pool", capacity) raises ValueError, the pool model needs region sizes
-    "replay-pool-model": lambda exc: isinstance(exc, ValueError) and "region sizes" in str(exc),
     # report.layout_from_dict converts with int()/str() and catches Key/Type/ValueError only
     # (Infinity -> OverflowError); a non-string block tag reaches the plot (AttributeError)
     "layout-types": lambda exc: isinstance(exc, (OverflowError, AttributeError)),
@@ -425,7 +423,7 @@ def _replay_if_parsed(path: Path, trace, allocator: str | None, known: tuple[str
     if isinstance(trace, BaseException) or _beyond_any_device(trace):
         return
     argv = ["replay", str(path), "--json", "--capacity", "64MiB"] + (["--allocator", allocator] if allocator else [])
-    _cli_outcome(argv, known=known + ("replay-pool-model",))
+    _cli_outcome(argv, known=known)
 
 
 @_FUZZ
@@ -587,7 +585,7 @@ def test_fuzz_replay_cli(work, seed, capacity, allocator, data):
     path.write_bytes(data.draw(_damaged(_TRACE_SEEDS[seed])))
     argv = (["replay", str(path), "--json"] + (["--capacity", capacity] if capacity else [])
             + (["--allocator", allocator] if allocator else []))
-    result = _cli_outcome(argv, known=_TRACE_KNOWN + ("replay-pool-model",))
+    result = _cli_outcome(argv, known=_TRACE_KNOWN)
     if result is not None and result[0] == 2:
         assert str(path) in result[2] or "--" in result[2], result[2]
 
@@ -1065,9 +1063,6 @@ def test_known_bug_pack_integers_beyond_int64(tmp_path, row):
     assert code == 2 and str(path) in err, err
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="ms-memopt replay --allocator pool: allocators.pool raises ValueError('pool mode "
-                          "needs region sizes') through replay_cmd; a traceback instead of exit 2")
 def test_known_bug_replay_with_the_pool_model(tmp_path):
     path = _write(tmp_path / "t.csv", _TRACE_SEEDS["mindspore-memory-block"])
     code, _, err = _outcome(lambda: _cli(["replay", str(path), "--allocator", "pool"]))
