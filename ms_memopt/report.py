@@ -336,13 +336,13 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _scan_logs(directory: Path) -> dict[int, list[dict]]:
     """rank -> every line (scans and compactions) of its scan logs, in order."""
-    from .report_merge import find_scan_logs
+    from .report_merge import find_scan_logs, read_scan_records
 
     out: dict[int, list[dict]] = {}
     for rank, paths in find_scan_logs(directory).items():
         for path in paths:
-            for row in _jsonl(path):
-                r = rank if rank is not None else int(row.get("rank") or 0)
+            for _, row in read_scan_records(path):
+                r = rank if rank is not None else (row.get("rank") or 0)
                 out.setdefault(r, []).append(row)
     return dict(sorted(out.items()))
 

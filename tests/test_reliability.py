@@ -127,8 +127,6 @@ _KNOWN_BUGS = {
     # report.layout_from_dict converts with int()/str() and catches Key/Type/ValueError only
     # (Infinity -> OverflowError); a non-string block tag reaches the plot (AttributeError)
     "layout-types": lambda exc: isinstance(exc, (OverflowError, AttributeError)),
-    # report_merge.merge_ranks trusts the field types of scan records
-    "scan-record-types": lambda exc: isinstance(exc, (TypeError, ValueError, AttributeError, OverflowError)),
 }
 
 
@@ -607,7 +605,7 @@ def test_fuzz_report_cli_scan_record_types(work, records):
         (work / "report" / rank).mkdir(parents=True, exist_ok=True)
         (work / "report" / rank / "scan.jsonl").write_text("".join(json.dumps(r) + "\n" for r in content))
     _cli_outcome(["report", str(work / "report"), "--no-plots", "--json"],
-                 known=("scan-record-types", "scan-kind-unhashable"))
+                 known=("scan-kind-unhashable",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -983,10 +981,6 @@ def test_known_bug_snapshot_shared_references_blow_up(tmp_path):
             raise AssertionError(f"{len(data)} bytes of pickle: {type(exc).__name__}") from exc
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="report_merge.merge_ranks: a scan record with a non-integer rank, a non-numeric "
-                          "frag_ratio/largest_free or a watch entry that is not a mapping raises "
-                          "ValueError/TypeError/AttributeError instead of InputError")
 @pytest.mark.parametrize("layout, record", [
     ("top", {"kind": "scan", "step": 10, "rank": "zero", "frag_ratio": 0.5}),
     ("rank_1", {"kind": "scan", "step": 10, "frag_ratio": "high"}),
