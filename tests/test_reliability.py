@@ -1145,10 +1145,6 @@ def test_known_bug_report_layout_tag_not_a_string(tmp_path):
 
 
 @pytest.mark.mindspore
-@pytest.mark.xfail(strict=True, raises=OSError,
-                   reason="mindspore.standalone: _LayoutSnapshots and _StepLog write layouts.jsonl / "
-                          "train.jsonl from on_train_step_end without catching OSError, so a full disk "
-                          "or an unwritable path stops training")
 @pytest.mark.parametrize("callback", ["layout-snapshots", "step-log"])
 def test_known_bug_report_log_write_failure_in_a_callback_stops_training(tmp_path, callback):
     import errno
