@@ -6,6 +6,13 @@ diverges from the recording still frees the right blocks. When the trace recorde
 making every choice itself; only new segments' addresses are taken from the recording
 (``segment_alloc`` events, passed to :meth:`AllocatorModel.note_segment_alloc`).
 
+Sizes and addresses are checked once, before the models see them: every event and every
+segment of the recorded initial state must end below :data:`DEVICE_ADDRESS_LIMIT` (2**48
+bytes, 256 TiB: the virtual address width of x86-64, AArch64 and the accelerators' MMUs; no
+device has a PiB). Readers accept any integer, and a model asked for 2**64 bytes or a segment
+past 2**64 breaks (its free lists pack ``size << 64 | addr``), so such a trace is an
+:class:`~ms_memopt.errors.InputError` naming the event.
+
 Example:
     >>> from ms_memopt.events import Event, Trace
     >>> from ms_memopt.allocators import create
@@ -20,11 +27,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .allocators.base import AllocatorModel, OOMRecord
+from .errors import InputError
 from .events import Trace
 from .layout import Layout
 from .metrics import LayoutMetrics, measure
 
-__all__ = ["ReplayResult", "replay"]
+__all__ = ["ReplayResult", "replay", "check_bounds", "DEVICE_ADDRESS_LIMIT"]
+
+#: every size and address of a replayed trace ends below this (bytes)
+DEVICE_ADDRESS_LIMIT = 1 << 48
 
 
 @dataclass
@@ -55,6 +66,34 @@ class ReplayResult:
         return out
 
 
+def check_bounds(trace: Trace) -> None:
+    """Refuse sizes and addresses no device has (see :data:`DEVICE_ADDRESS_LIMIT`).
+
+    Raises:
+        InputError: names the event (0-based index, action, id) or the initial segment.
+
+    Example:
+        >>> from ms_memopt.events import Event
+        >>> check_bounds(Trace([Event("alloc", id=1, size=2**50)], source="t.jsonl"))
+        Traceback (most recent call last):
+        ...
+        ms_memopt.errors.InputError: t.jsonl: event 0 (alloc, id 1): size 1125899906842624 ...
+    """
+    limit = DEVICE_ADDRESS_LIMIT
+    bound = "is beyond any device (sizes and addresses end below 2**48 bytes, 256 TiB)"
+    if trace.initial is not None:
+        for number, seg in enumerate(trace.initial.segments):
+            if seg.addr + seg.size > limit:
+                raise InputError(f"recorded initial state, segment {number}: address {seg.addr:#x} + size "
+                                 f"{seg.size} {bound}", source=trace.source)
+    for index, event in enumerate(trace.events):
+        size, addr = event.size or 0, event.addr or 0
+        if size >= limit or addr + size > limit:
+            what = f"size {size}" if size >= limit else f"address {addr:#x} + size {size}"
+            ident = "" if event.id is None else f", id {event.id}"
+            raise InputError(f"event {index} ({event.action}{ident}): {what} {bound}", source=trace.source)
+
+
 def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = None,
            on_sample: Callable[[int, LayoutMetrics], None] | None = None) -> ReplayResult:
     """Replay ``trace`` through ``model``.
@@ -69,7 +108,11 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
 
     Returns:
         A :class:`ReplayResult`. ``events_per_s`` counts only the time spent in the model.
+
+    Raises:
+        InputError: a size or address beyond any device (:func:`check_bounds`).
     """
+    check_bounds(trace)
     events = trace.events
     if sample_every is None:
         sample_every = max(1, len(events) // 200)

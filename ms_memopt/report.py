@@ -78,6 +78,12 @@ def layout_to_dict(layout: Layout, *, step: int, label: str) -> dict:
                          for s in layout.segments]}
 
 
+def _tag(tag: object) -> str | None:
+    if tag is not None and not isinstance(tag, str):
+        raise TypeError(f"a block tag must be a string or null, got {tag!r:.40}")
+    return tag
+
+
 def layout_from_dict(obj: dict, *, source: str = "<layout>", line: int | None = None) -> LayoutSnapshot:
     """Inverse of :func:`layout_to_dict`.
 
@@ -87,14 +93,14 @@ def layout_from_dict(obj: dict, *, source: str = "<layout>", line: int | None = 
     try:
         segments = []
         for s in obj["segments"]:
-            blocks = [Block(int(a), int(n), bool(live), tag=tag) for a, n, live, tag in s["blocks"]]
+            blocks = [Block(int(a), int(n), bool(live), tag=_tag(tag)) for a, n, live, tag in s["blocks"]]
             segments.append(Segment(int(s["addr"]), int(s["size"]), blocks, stream=int(s.get("stream", 0)),
                                     pool=str(s.get("pool", "common"))))
         capacity = obj.get("capacity")
         layout = Layout(segments, capacity=None if capacity is None else int(capacity))
         step = int(obj["step"])
         return LayoutSnapshot(step=step, label=str(obj.get("label") or f"step {step}"), layout=layout)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:    # OverflowError: int(inf)
         raise InputError(f"not a layout record ({type(exc).__name__}: {exc}); expected step, segments "
                          f"[{{addr, size, blocks: [[addr, size, live, tag], ...]}}]", source=source,
                          line=line) from None
@@ -336,13 +342,13 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _scan_logs(directory: Path) -> dict[int, list[dict]]:
     """rank -> every line (scans and compactions) of its scan logs, in order."""
-    from .report_merge import find_scan_logs
+    from .report_merge import find_scan_logs, read_scan_records
 
     out: dict[int, list[dict]] = {}
     for rank, paths in find_scan_logs(directory).items():
         for path in paths:
-            for row in _jsonl(path):
-                r = rank if rank is not None else int(row.get("rank") or 0)
+            for _, row in read_scan_records(path):
+                r = rank if rank is not None else (row.get("rank") or 0)
                 out.setdefault(r, []).append(row)
     return dict(sorted(out.items()))
 

@@ -4,6 +4,12 @@ A run's log directory holds ``rank_N/scan*.jsonl`` (one per rank, written by
 :class:`ms_memopt.scan.ScanLog`); a lone ``scan*.jsonl`` at the top counts as the rank its
 records name. Framework-free.
 
+Every record is checked once, when read (:func:`read_scan_records`): a field of the wrong type
+(a ``rank`` that is not a non-negative integer, a ``frag_ratio`` or size that is not a finite
+number >= 0, a ``watch`` that is not a mapping of name to ``{"fits": bool, ...}``) is an
+:class:`~ms_memopt.errors.InputError` naming the file and line, like a line that is not JSON.
+Such a record was not written by :class:`ms_memopt.scan.ScanLog`, so the log is not trusted.
+
 Example:
     >>> import tempfile, json, os
     >>> d = tempfile.mkdtemp()
@@ -18,15 +24,21 @@ Example:
 """
 from __future__ import annotations
 
+import json
+import math
 import re
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import InputError
-from .scan import read_scan_log
 
-__all__ = ["StepSummary", "MergedRun", "find_scan_logs", "merge_ranks"]
+__all__ = ["StepSummary", "MergedRun", "find_scan_logs", "read_scan_records", "check_scan_record",
+           "merge_ranks"]
+
+#: numeric fields of scan and compaction records: ``None`` or a finite number >= 0
+_NUMBERS = ("free_total", "largest_free", "frag_ratio", "reserved", "allocated", "largest_free_after",
+            "largest_free_before", "bytes_moved", "seconds")
 
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
 
@@ -80,11 +92,88 @@ def find_scan_logs(directory: str | Path) -> dict[int | None, list[Path]]:
     return found
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_scan_record(record: dict, *, source: str, line: int | None = None) -> dict:
+    """Check the field types of one scan-log record; returns it unchanged.
+
+    Raises:
+        InputError: a field the report reads has the wrong type (names ``source`` and ``line``).
+
+    Example:
+        >>> check_scan_record({"kind": "scan", "step": 3, "frag_ratio": 0.5}, source="s.jsonl")["step"]
+        3
+    """
+    def bad(key: str, expected: str) -> InputError:
+        return InputError(f"{key!r} must be {expected}, got {record[key]!r:.60}", source=source, line=line)
+
+    kind = record.get("kind", "scan")
+    if not isinstance(kind, str):
+        raise bad("kind", "a string")
+    if record.get("rank") is not None and not (_is_int(record["rank"]) and record["rank"] >= 0):
+        raise bad("rank", "an integer >= 0")
+    step = record.get("step")
+    if kind in ("scan", "compaction") and not _is_int(step):
+        if "step" not in record:
+            raise InputError(f"a {kind} record without an integer 'step'", source=source, line=line)
+        raise bad("step", "an integer")
+    if step is not None and not _is_int(step):
+        raise bad("step", "an integer")
+    for key in _NUMBERS:
+        value = record.get(key)
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      and math.isfinite(value) and value >= 0):
+            raise bad(key, "a finite number >= 0")
+    watch = record.get("watch")
+    if watch is not None:
+        if not isinstance(watch, dict) or not all(
+                isinstance(w, dict) and isinstance(w.get("fits", True), bool) for w in watch.values()):
+            raise bad("watch", 'a mapping of name to {"fits": true|false, ...}')
+    if record.get("warnings") is not None and not isinstance(record["warnings"], list):
+        raise bad("warnings", "a list")
+    extra = record.get("extra")
+    if extra is not None and (not isinstance(extra, dict)
+                              or not isinstance(extra.get("source_description") or "", str)):
+        raise bad("extra", 'a mapping whose "source_description" is a string')
+    return record
+
+
+def read_scan_records(path: str | Path) -> list[tuple[int, dict]]:
+    """``(line number, record)`` for every record of a scan log, each checked by
+    :func:`check_scan_record`; a torn last line (no newline: a writer killed mid-line) is ignored.
+
+    Raises:
+        InputError: unreadable file, a line that is not a JSON object, or a record with a field
+        of the wrong type (names file and line).
+    """
+    source = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror}", source=source) from None
+    out = []
+    text = data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace")
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise InputError(f"not a JSON object ({reason})", source=source, line=number) from None
+        if not isinstance(record, dict):
+            raise InputError("expected a JSON object per line", source=source, line=number)
+        out.append((number, check_scan_record(record, source=source, line=number)))
+    return out
+
+
 def merge_ranks(directory: str | Path) -> MergedRun:
     """Read every rank's scan log under ``directory`` and summarise each step across ranks.
 
     Raises:
-        InputError: no scan logs, or a malformed line (names file and line).
+        InputError: no scan logs, or a malformed line or record (names file and line).
     """
     logs = find_scan_logs(directory)
     if not logs:
@@ -94,15 +183,15 @@ def merge_ranks(directory: str | Path) -> MergedRun:
     errors: list[dict] = []
     for dir_rank, paths in logs.items():
         for path in paths:
-            for rec in read_scan_log(path, kinds=("scan", "source_error")):
-                rank = rec.get("rank", dir_rank) if dir_rank is None else dir_rank
-                rank = int(rank or 0)
-                if rec.get("kind") == "source_error":
+            for _, rec in read_scan_records(path):
+                kind = rec.get("kind", "scan")
+                if kind not in ("scan", "source_error"):
+                    continue
+                rank = (rec.get("rank") or 0) if dir_rank is None else dir_rank
+                if kind == "source_error":
                     errors.append(dict(rec, rank=rank))
                     continue
-                step = rec.get("step")
-                if not isinstance(step, int):
-                    raise InputError("a scan record without an integer 'step'", source=str(path))
+                step = rec["step"]     # checked: an integer
                 by_step.setdefault(step, {})[rank] = rec     # a later record of the same step wins
                 counts[rank] = counts.get(rank, 0) + 1
     steps = []

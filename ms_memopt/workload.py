@@ -58,10 +58,11 @@ from typing import ClassVar
 
 import numpy as np
 
+from .errors import InputError
 from .events import Event
 
 __all__ = [
-    "WATCH_TAG",
+    "WATCH_TAG", "MAX_STEP_EVENTS", "events_per_step", "check_step_size",
     "StepWorkload",
     "WorkloadSpec",
     "iter_events",
@@ -70,6 +71,10 @@ __all__ = [
 
 #: The tag of the AllReduce buffer request (the default watched request).
 WATCH_TAG = "allreduce"
+
+#: a step is generated as one list of events; more than this many (estimated by
+#: :func:`events_per_step`) would take gigabytes and minutes per step, so it is refused
+MAX_STEP_EVENTS = 1_000_000
 _ALIGN = 512
 
 
@@ -184,6 +189,7 @@ class StepWorkload:
     """
 
     def __init__(self, spec: WorkloadSpec, seed: int = 0) -> None:
+        check_step_size(spec)
         self.spec = spec
         self.seed = seed
         self.rng = np.random.default_rng(seed)
@@ -231,15 +237,11 @@ class StepWorkload:
         passes = s.micro_batches * s.layers
         allreduce_at = self._allreduce_moment(passes)
         extra_at = self._extra_moment(2 * passes)
-        order: list[tuple[str, int]] = [("F", m) for m in range(s.in_flight)]
-        for m in range(s.in_flight, s.micro_batches):
-            order += [("B", m - s.in_flight), ("F", m)]
-        order += [("B", m) for m in range(s.micro_batches - s.in_flight, s.micro_batches)]
         saved: dict[int, list[list[int]]] = {}
         counters = {"pass": 0, "backward": 0}
         hooks = {"allreduce_at": allreduce_at, "extra_at": extra_at, "allreduce_id": None,
                  "step": step}
-        for phase, m in order:
+        for phase, m in _one_f_one_b(s.micro_batches, s.in_flight):
             # a named moment per pass: pool mode places a micro-batch's activations by it
             if phase == "F":
                 self._events.append(Event("mark", tag=f"forward:{m}", step=step))
@@ -417,6 +419,45 @@ class StepWorkload:
             update = self._alloc(temp, "optimizer_temp")
             self._free(update)
             self._free(cast)
+
+
+def _one_f_one_b(micro_batches: int, in_flight: int) -> Iterator[tuple[str, int]]:
+    """The 1F1B pass order, ``("F"|"B", micro-batch)``, generated (not a list per step)."""
+    for m in range(in_flight):
+        yield "F", m
+    for m in range(in_flight, micro_batches):
+        yield "B", m - in_flight
+        yield "F", m
+    for m in range(micro_batches - in_flight, micro_batches):
+        yield "B", m
+
+
+def events_per_step(spec: WorkloadSpec) -> int:
+    """An upper estimate of the events of one step (allocations, frees, marks); the 100B
+    recipe's first stage (15 layers, 16 micro-batches) makes about 5,500, estimated 7,000.
+
+    Example:
+        >>> events_per_step(WorkloadSpec(layers=2, micro_batches=1)) < 200
+        True
+    """
+    per_layer = 4 * len(spec.workspace_split) + 2 * len(spec.activation_split) + 8
+    return (spec.micro_batches * (spec.layers * per_layer + 12) + 4 * spec.optimizer_groups
+            + 2 * spec.buckets + 20)
+
+
+def check_step_size(spec: WorkloadSpec) -> None:
+    """Refuse a workload whose steps are too big to generate (:data:`MAX_STEP_EVENTS`).
+
+    Raises:
+        InputError: names ``parallel_config.micro_batch_num`` (and the layers per stage).
+    """
+    estimate = events_per_step(spec)
+    if estimate > MAX_STEP_EVENTS:
+        raise InputError(
+            f"{spec.micro_batches} micro-batches x {spec.layers} layers per stage make about {estimate:,} "
+            f"memory events per step, more than the simulator generates per step ({MAX_STEP_EVENTS:,}); "
+            f"simulate fewer micro-batches (the fragmentation pattern repeats per micro-batch) or fewer "
+            f"layers per stage", key="parallel_config.micro_batch_num")
 
 
 def iter_events(spec: WorkloadSpec, steps: int, seed: int = 0) -> Iterator[Event]:

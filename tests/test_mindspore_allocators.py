@@ -347,3 +347,35 @@ def test_vmm_restore_round_trip(ops):
 def test_vmm_restore_rejects_unaligned_segments():
     with pytest.raises(ValueError, match="2 MiB"):
         MindSporeVMMPool().restore(Layout([Segment(4096, CHUNK, [Block(4096, CHUNK, False)])]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 40), st.integers(0, 8)), max_size=30),
+       probe=st.tuples(st.integers(0, 50), st.integers(0, 10)))
+def test_vmm_chunk_set_behaves_like_a_set(ops, probe):
+    """The VMM model's mapped chunks are runs, not one entry per chunk; they must act as a set."""
+    from ms_memopt.allocators.mindspore_vmm import _ChunkSet
+
+    chunks, ref = _ChunkSet(), set()
+    for add, first, length in ops:
+        if add:
+            chunks.add(first, first + length)
+            ref.update(range(first, first + length))
+        else:
+            chunks.remove(first, first + length)
+            ref.difference_update(range(first, first + length))
+        assert len(chunks) == len(ref)
+        assert all(e < s for e, s in zip(chunks.ends, chunks.starts[1:]))      # disjoint, not touching
+    assert [c for c in range(-2, 52) if c in chunks] == sorted(ref)
+    first, length = probe
+    assert chunks.covered(first, first + length) == len(ref & set(range(first, first + length)))
+
+
+def test_vmm_huge_request_is_one_run():
+    """A 1 PiB request on an unbounded VMM pool maps one run: fast, and small in memory."""
+    model = MindSporeVMMPool()
+    addr = model.malloc(1 << 50)
+    assert addr is not None and model.reserved >= 1 << 50 and len(model._mapped.starts) == 1
+    model.free(addr)
+    model.empty_cache()
+    assert model.reserved == 0

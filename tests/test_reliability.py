@@ -124,13 +124,6 @@ _KNOWN_BUGS = {
     "instance-csv-error": lambda exc: type(exc).__name__ == "Error" and type(exc).__module__ == "_csv",
     # traces.instances.read_instance accepts any integer; planner.greedy packs into np.int64
     "planner-int64": lambda exc: isinstance(exc, OverflowError) and "C long" in str(exc),
-    # cli.replay_cmd: create("pool", capacity) raises ValueError, the pool model needs region sizes
-    "replay-pool-model": lambda exc: isinstance(exc, ValueError) and "region sizes" in str(exc),
-    # report.layout_from_dict converts with int()/str() and catches Key/Type/ValueError only
-    # (Infinity -> OverflowError); a non-string block tag reaches the plot (AttributeError)
-    "layout-types": lambda exc: isinstance(exc, (OverflowError, AttributeError)),
-    # report_merge.merge_ranks trusts the field types of scan records
-    "scan-record-types": lambda exc: isinstance(exc, (TypeError, ValueError, AttributeError, OverflowError)),
 }
 
 
@@ -411,21 +404,12 @@ def test_fuzz_load_trace_forced_format(work, seed, fmt, data):
 _ALLOCATORS = st.sampled_from([None, "mindspore", "mindspore-vmm", "torch", "torch-expandable", "pool"])
 
 
-#: requests or segments at least this big (16 TiB) are not replayed by the fuzz properties:
-#: models misbehave on them (pinned: test_known_bug_models_on_requests_beyond_any_device)
-_HUGE = 1 << 44
-
-
-def _beyond_any_device(trace) -> bool:
-    return any(e.size >= _HUGE or (e.addr or 0) + e.size >= 1 << 64 for e in trace.events)
-
-
 def _replay_if_parsed(path: Path, trace, allocator: str | None, known: tuple[str, ...]) -> None:
     """A trace that parsed must also replay (or be refused with exit 2) through any model."""
-    if isinstance(trace, BaseException) or _beyond_any_device(trace):
+    if isinstance(trace, BaseException):
         return
     argv = ["replay", str(path), "--json", "--capacity", "64MiB"] + (["--allocator", allocator] if allocator else [])
-    _cli_outcome(argv, known=known + ("replay-pool-model",))
+    _cli_outcome(argv, known=known)
 
 
 @_FUZZ
@@ -496,7 +480,7 @@ def test_fuzz_layout_reader(work, layout):
 
     path = work / "layouts.jsonl"
     path.write_text(json.dumps(layout) + "\n")
-    _outcome(lambda: read_layouts(path), known=("layout-types",))
+    _outcome(lambda: read_layouts(path))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::RuntimeWarning")   # odd figures are fine
@@ -508,7 +492,7 @@ def test_fuzz_report_cli_with_plots(work, layout):
     (run / "rank_0").mkdir(parents=True, exist_ok=True)
     (run / "rank_0" / "scan.jsonl").write_text(json.dumps(_SCAN_RECORDS[0]) + "\n")
     (run / "rank_0" / "layouts.jsonl").write_text(json.dumps(layout) + "\n")
-    _cli_outcome(["report", str(run), "--json"], known=("layout-types",))
+    _cli_outcome(["report", str(run), "--json"])
 
 
 @_FUZZ_FEW
@@ -587,7 +571,7 @@ def test_fuzz_replay_cli(work, seed, capacity, allocator, data):
     path.write_bytes(data.draw(_damaged(_TRACE_SEEDS[seed])))
     argv = (["replay", str(path), "--json"] + (["--capacity", capacity] if capacity else [])
             + (["--allocator", allocator] if allocator else []))
-    result = _cli_outcome(argv, known=_TRACE_KNOWN + ("replay-pool-model",))
+    result = _cli_outcome(argv, known=_TRACE_KNOWN)
     if result is not None and result[0] == 2:
         assert str(path) in result[2] or "--" in result[2], result[2]
 
@@ -609,7 +593,7 @@ def test_fuzz_report_cli_scan_record_types(work, records):
         (work / "report" / rank).mkdir(parents=True, exist_ok=True)
         (work / "report" / rank / "scan.jsonl").write_text("".join(json.dumps(r) + "\n" for r in content))
     _cli_outcome(["report", str(work / "report"), "--no-plots", "--json"],
-                 known=("scan-record-types", "scan-kind-unhashable"))
+                 known=("scan-kind-unhashable",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -985,10 +969,6 @@ def test_known_bug_snapshot_shared_references_blow_up(tmp_path):
             raise AssertionError(f"{len(data)} bytes of pickle: {type(exc).__name__}") from exc
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="report_merge.merge_ranks: a scan record with a non-integer rank, a non-numeric "
-                          "frag_ratio/largest_free or a watch entry that is not a mapping raises "
-                          "ValueError/TypeError/AttributeError instead of InputError")
 @pytest.mark.parametrize("layout, record", [
     ("top", {"kind": "scan", "step": 10, "rank": "zero", "frag_ratio": 0.5}),
     ("rank_1", {"kind": "scan", "step": 10, "frag_ratio": "high"}),
@@ -1065,9 +1045,6 @@ def test_known_bug_pack_integers_beyond_int64(tmp_path, row):
     assert code == 2 and str(path) in err, err
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="ms-memopt replay --allocator pool: allocators.pool raises ValueError('pool mode "
-                          "needs region sizes') through replay_cmd; a traceback instead of exit 2")
 def test_known_bug_replay_with_the_pool_model(tmp_path):
     path = _write(tmp_path / "t.csv", _TRACE_SEEDS["mindspore-memory-block"])
     code, _, err = _outcome(lambda: _cli(["replay", str(path), "--allocator", "pool"]))
@@ -1141,9 +1118,6 @@ def test_simulation_memory_does_not_grow_with_steps():
     assert big < small + (1 << 20), (small, big)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="report.layout_from_dict: capacity Infinity raises OverflowError (only "
-                          "Key/Type/ValueError are turned into InputError)")
 def test_known_bug_layout_record_with_infinite_capacity(tmp_path):
     from ms_memopt.report import read_layouts
 
@@ -1151,9 +1125,6 @@ def test_known_bug_layout_record_with_infinite_capacity(tmp_path):
     _strict_input_error(lambda: read_layouts(path))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="report: a block tag that is not a string passes layout_from_dict and "
-                          "_category calls tag.lower(): AttributeError while drawing the memory map")
 def test_known_bug_report_layout_tag_not_a_string(tmp_path):
     layout = copy.deepcopy(_LAYOUT)
     layout["segments"][0]["blocks"][0][3] = {"a": 1}
@@ -1165,10 +1136,6 @@ def test_known_bug_report_layout_tag_not_a_string(tmp_path):
 
 
 @pytest.mark.mindspore
-@pytest.mark.xfail(strict=True, raises=OSError,
-                   reason="mindspore.standalone: _LayoutSnapshots and _StepLog write layouts.jsonl / "
-                          "train.jsonl from on_train_step_end without catching OSError, so a full disk "
-                          "or an unwritable path stops training")
 @pytest.mark.parametrize("callback", ["layout-snapshots", "step-log"])
 def test_known_bug_report_log_write_failure_in_a_callback_stops_training(tmp_path, callback):
     import errno
@@ -1235,11 +1202,6 @@ def test_known_bug_scan_log_kind_unhashable(tmp_path):
 _U64 = 1 << 64
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="allocator models on requests no device has: mindspore-vmm builds per-page state "
-                          "for a 1 PiB request (12 GB RSS, >30 s); torch and torch-expandable raise KeyError "
-                          "on a 2**64-byte request; mindspore raises KeyError when a segment reaches past "
-                          "2**64 (its free keys pack size << 64 | addr). Readers accept all of these")
 @pytest.mark.parametrize("allocator, events", [
     ("mindspore-vmm", [{"action": "alloc", "id": 1, "size": 1 << 50}, {"action": "free", "id": 1}]),
     ("torch", [{"action": "alloc", "id": 1, "size": _U64}, {"action": "alloc", "id": 2, "size": 4096},
@@ -1263,10 +1225,6 @@ def test_known_bug_models_on_requests_beyond_any_device(tmp_path, allocator, eve
     assert code in (0, 1, 2), err
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="simulate: the workload builds per-step lists over parallel_config.micro_batch_num; "
-                          "2**31 micro-batches (a valid recipe) end in MemoryError, 100000 take over a "
-                          "minute and 1.2 GB for 2 steps")
 def test_known_bug_simulate_many_micro_batches(tmp_path):
     pytest.importorskip("ms_memopt.simulate")
     recipe = copy.deepcopy(_RECIPE)

@@ -155,6 +155,23 @@ def test_report_command_draws_a_plan_from_a_recipe(tmp_path, capsys):
     assert "## Memory plan (per card)" in (tmp_path / "report.md").read_text()
 
 
+def test_report_rejects_a_plan_without_plots(tmp_path, capsys):
+    """``--plan`` only feeds a figure: with ``--no-plots`` it is refused, not silently dropped."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "demo_cpu.yaml"
+    (tmp_path / "train.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "step_seconds": 0.1}) + "\n")
+    assert main(["report", str(tmp_path), "--no-plots", "--plan", str(recipe)]) == 2
+    assert "--plan" in capsys.readouterr().err and not (tmp_path / "region_budget.png").exists()
+
+
+def test_scan_record_of_the_wrong_type_names_file_and_line(tmp_path, capsys):
+    (tmp_path / "rank_0").mkdir()
+    log = tmp_path / "rank_0" / "scan.jsonl"
+    log.write_text(json.dumps({"kind": "scan", "step": 1, "frag_ratio": 0.5}) + "\n"
+                   + json.dumps({"kind": "scan", "step": 2, "frag_ratio": "high"}) + "\n")
+    assert main(["report", str(tmp_path), "--no-plots"]) == 2
+    assert f"{log}:2:" in capsys.readouterr().err
+
+
 def test_report_bad_input_exits_2(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "not a directory" in capsys.readouterr().err

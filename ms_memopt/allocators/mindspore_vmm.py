@@ -40,8 +40,9 @@ with ``reserved`` = mapped physical bytes):
   underestimate). It is what OOM records report as ``largest_free``.
 
 Data structures: as :mod:`ms_memopt.allocators.mindspore` (sorted integer keys
-``size << 64 | addr`` for idle and for eager-free buffers, linked buffer lists), plus one set
-of mapped chunk indices (``addr >> 21``) per model.
+``size << 64 | addr`` for idle and for eager-free buffers, linked buffer lists), plus the
+mapped chunk indices (``addr >> 21``) per model as sorted runs (:class:`_ChunkSet`), so a
+mapping costs the same whatever its size (a 1 PiB request is one run, not 2**29 entries).
 
 Example:
     >>> pool = MindSporeVMMPool(capacity=8 * 2**30)
@@ -51,7 +52,7 @@ Example:
 """
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 
 from ..layout import Block, Layout, Segment
 from .base import AllocatorModel, OOMRecord
@@ -68,6 +69,82 @@ _DEFAULT_VIRTUAL = 1 << 40      # reserved virtual range when the capacity is un
 
 _ADDR, _SIZE, _STATE, _PREV, _NEXT, _RANGE = range(6)
 _USED, _IDLE, _EAGER = 0, 1, 2
+
+
+class _ChunkSet:
+    """A set of chunk indices kept as sorted, disjoint, non-touching runs ``[start, end)``.
+
+    Example:
+        >>> chunks = _ChunkSet()
+        >>> chunks.add(0, 4); chunks.add(4, 6); chunks.remove(1, 2)
+        >>> len(chunks), list(chunks.runs(0, 10)), 1 in chunks
+        (5, [(0, 1), (2, 6)], False)
+    """
+
+    __slots__ = ("starts", "ends", "count")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __contains__(self, chunk: int) -> bool:
+        i = bisect_right(self.starts, chunk) - 1
+        return i >= 0 and chunk < self.ends[i]
+
+    def covered(self, first: int, end: int) -> int:
+        """How many of the chunks ``[first, end)`` are in the set."""
+        i = bisect_right(self.starts, first) - 1
+        if i >= 0 and self.ends[i] >= end:     # the common case: already mapped, one run
+            return end - first
+        return sum(hi - lo for lo, hi in self.runs(first, end))
+
+    def runs(self, first: int, end: int):
+        """The set's runs clipped to ``[first, end)``, in order."""
+        starts, ends = self.starts, self.ends
+        for k in range(bisect_right(ends, first), len(starts)):
+            if starts[k] >= end:
+                break
+            yield max(starts[k], first), min(ends[k], end)
+
+    def add(self, first: int, end: int) -> None:
+        if end <= first:
+            return
+        starts, ends = self.starts, self.ends
+        i = bisect_left(ends, first)        # runs ending at or after ``first`` (touching merges)
+        j = bisect_right(starts, end)       # runs starting at or before ``end``
+        added = end - first
+        if i < j:
+            added -= sum(min(ends[k], end) - max(starts[k], first) for k in range(i, j))
+            first, end = min(first, starts[i]), max(end, ends[j - 1])
+        starts[i:j] = [first]
+        ends[i:j] = [end]
+        self.count += added
+
+    def remove(self, first: int, end: int) -> None:
+        if end <= first:
+            return
+        starts, ends = self.starts, self.ends
+        i = bisect_right(ends, first)       # runs ending after ``first``
+        j = bisect_left(starts, end)        # runs starting before ``end``
+        if i >= j:
+            return
+        keep_starts, keep_ends, removed = [], [], 0
+        for k in range(i, j):
+            lo, hi = starts[k], ends[k]
+            removed += min(hi, end) - max(lo, first)
+            if lo < first:
+                keep_starts.append(lo)
+                keep_ends.append(first)
+            if hi > end:
+                keep_starts.append(end)
+                keep_ends.append(hi)
+        starts[i:j] = keep_starts
+        ends[i:j] = keep_ends
+        self.count -= removed
 
 
 class _Range:
@@ -110,7 +187,7 @@ class MindSporeVMMPool(AllocatorModel):
         super().__init__(capacity)
         self._allocators: dict[tuple[int, bool], _Allocator] = {}
         self._bufs: dict[int, list] = {}
-        self._mapped: set[int] = set()
+        self._mapped = _ChunkSet()
         self._max_chunks = None if capacity is None else capacity // CHUNK
         self._next_addr = _BASE_ADDR
         self.eager_frees = 0
@@ -207,7 +284,7 @@ class MindSporeVMMPool(AllocatorModel):
                 else:
                     insort(allocator.keys(buf[_STATE]), (buf[_SIZE] << _SHIFT) | buf[_ADDR])
                 buf = buf[_NEXT]
-            self._mapped.update(range(segment.addr >> _CHUNK_SHIFT, (segment.end - 1 >> _CHUNK_SHIFT) + 1))
+            self._mapped.add(segment.addr >> _CHUNK_SHIFT, (segment.end - 1 >> _CHUNK_SHIFT) + 1)
             self._next_addr = max(self._next_addr, segment.addr + size + CHUNK)
         self.reserved = len(self._mapped) * CHUNK
         self._note_usage()
@@ -228,9 +305,7 @@ class MindSporeVMMPool(AllocatorModel):
                     buf = buf[_NEXT]
                 first = rng.addr >> _CHUNK_SHIFT
                 last = (rng.addr + rng.size) >> _CHUNK_SHIFT
-                chunks = sorted(c for c in mapped if first <= c < last) if len(mapped) < (last - first) \
-                    else [c for c in range(first, last) if c in mapped]
-                for start, end in _runs(chunks):
+                for start, end in list(mapped.runs(first, last)):
                     seg_addr, seg_end = start << _CHUNK_SHIFT, end << _CHUNK_SHIFT
                     blocks: list[Block] = []
                     index = _first_piece(pieces, seg_addr)
@@ -249,7 +324,7 @@ class MindSporeVMMPool(AllocatorModel):
 
     def largest_free(self) -> int:
         """The largest request that would succeed now (see the module docstring), bytes."""
-        live_chunks: set[int] = set()
+        live_chunks = _ChunkSet()
         runs: list[int] = []
         for allocator in self._allocators.values():
             for rng in allocator.ranges:
@@ -260,7 +335,7 @@ class MindSporeVMMPool(AllocatorModel):
                         runs.append(run)
                         run = 0
                         first = buf[_ADDR] >> _CHUNK_SHIFT
-                        live_chunks.update(range(first, ((buf[_ADDR] + buf[_SIZE] - 1) >> _CHUNK_SHIFT) + 1))
+                        live_chunks.add(first, ((buf[_ADDR] + buf[_SIZE] - 1) >> _CHUNK_SHIFT) + 1)
                     else:
                         run += buf[_SIZE]
                     buf = buf[_NEXT]
@@ -377,12 +452,12 @@ class MindSporeVMMPool(AllocatorModel):
         first = addr >> _CHUNK_SHIFT
         last = (addr + size - 1) >> _CHUNK_SHIFT
         mapped = self._mapped
-        new = [c for c in range(first, last + 1) if c not in mapped]
+        new = last + 1 - first - mapped.covered(first, last + 1)
         if not new:
             return True
-        if self._max_chunks is not None and len(mapped) + len(new) > self._max_chunks:
+        if self._max_chunks is not None and len(mapped) + new > self._max_chunks:
             return False
-        mapped.update(new)
+        mapped.add(first, last + 1)
         self.reserved = len(mapped) * CHUNK
         if self.reserved > self.peak_reserved:
             self.peak_reserved = self.reserved
@@ -392,7 +467,7 @@ class MindSporeVMMPool(AllocatorModel):
         first = (addr + CHUNK - 1) >> _CHUNK_SHIFT
         end = (addr + size) >> _CHUNK_SHIFT
         if end > first:
-            self._mapped.difference_update(range(first, end))
+            self._mapped.remove(first, end)
 
     def _release(self, buf: list, state: int) -> None:
         """``MemBufAllocator::Free``: merge with neighbours of the same state, then index."""
@@ -417,21 +492,6 @@ class MindSporeVMMPool(AllocatorModel):
                 nxt[_NEXT][_PREV] = buf
             del bufs[nxt[_ADDR]]
         insort(keys, (buf[_SIZE] << _SHIFT) | buf[_ADDR])
-
-
-def _runs(chunks: list[int]):
-    """Consecutive runs ``(first, end)`` of sorted chunk indices."""
-    start = prev = None
-    for c in chunks:
-        if start is None:
-            start = prev = c
-        elif c == prev + 1:
-            prev = c
-        else:
-            yield start, prev + 1
-            start = prev = c
-    if start is not None:
-        yield start, prev + 1
 
 
 def _first_piece(pieces: list[tuple[int, int, bool]], addr: int) -> int:

@@ -63,6 +63,13 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"expected a positive size, got {args.capacity!r}", source="--capacity")
     trace = load_trace(args.trace, format=args.format)
     name = args.allocator or ("torch" if trace.format == "torch-snapshot" else "mindspore")
+    if name == "pool":
+        # the pool model splits memory into regions sized from a recipe's memopt.pool section;
+        # a trace alone does not say how big each region is
+        raise InputError("the pool model needs region sizes from a recipe, which replay does not "
+                         "take; use `ms-memopt simulate RECIPE --policy pool`, or replay with "
+                         "--allocator mindspore, mindspore-vmm, torch or torch-expandable",
+                         key="--allocator")
     try:
         model = create(name, capacity)
     except ImportError as exc:

@@ -30,7 +30,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                                           "timeline.jsonl, train.jsonl, layouts.jsonl, plan.json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plan", metavar="RECIPE", help="draw the region budget of this recipe's plan")
-    parser.add_argument("--no-plots", action="store_true", help="only merge the ranks' scan logs")
+    parser.add_argument("--no-plots", action="store_true", help="only merge the ranks' scan logs (not with --plan)")
     parser.add_argument("--title", help="the report's heading")
 
 
@@ -41,6 +41,10 @@ def _fmt(value, kind: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.no_plots and args.plan:
+        # the plan only feeds the region budget figure; silently dropping it would hide a mistake
+        raise InputError("draws the region budget figure, which --no-plots turns off; "
+                         "drop one of them", key="--plan")
     merged = None
     try:
         merged = merge_ranks(args.directory)

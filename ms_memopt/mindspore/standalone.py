@@ -253,6 +253,31 @@ class _CallbackParams(dict):
         self[name] = value
 
 
+class _LogWriteGuard:
+    """Keeps a log that cannot be written (full disk, a directory in the way) from stopping
+    training, like the scan callback (``Scanner._safe_write``): the line is skipped, the first
+    failure of a streak is a warning, the next ones only debug messages (one warning per step
+    would flood the console), and a write that works again says so."""
+
+    def __init__(self, what: str, path: Path) -> None:
+        self.what, self.path, self.failing = what, path, False
+
+    def write(self, write) -> None:
+        try:
+            write()
+        except OSError as exc:
+            if not self.failing:
+                logger.warning("cannot write the %s %s (%s); skipping its lines until it works again, "
+                               "training goes on", self.what, self.path, exc)
+            else:
+                logger.debug("still cannot write the %s %s: %s", self.what, self.path, exc)
+            self.failing = True
+        else:
+            if self.failing:
+                logger.warning("writing the %s %s works again", self.what, self.path)
+            self.failing = False
+
+
 class _StepLog(Callback):
     """Appends ``{"step", "loss", "step_seconds", "time"}`` to ``train.jsonl`` every step."""
 
@@ -260,16 +285,20 @@ class _StepLog(Callback):
         super().__init__()
         _truncate_jsonl(path, keep_through=start_step)
         self.file = open(path, "a", encoding="utf-8")
+        self.guard = _LogWriteGuard("step log", path)
 
     def on_train_step_end(self, run_context):
         p = run_context.original_args()
         line = {"step": p.cur_step_num, "loss": p.loss_value, "step_seconds": round(p.step_seconds, 6),
                 "time": time.time()}
-        self.file.write(json.dumps(line) + "\n")
+        self.guard.write(lambda: self._append(json.dumps(line) + "\n"))
+
+    def _append(self, text: str) -> None:
+        self.file.write(text)
         self.file.flush()
 
     def on_train_end(self, run_context):
-        self.file.close()
+        self.guard.write(self.file.close)
 
 
 class _Checkpointer(Callback):
@@ -324,6 +353,7 @@ class _LayoutSnapshots(Callback):
     def __init__(self, path: Path, scan_callback, steps: set[int]) -> None:
         super().__init__()
         self.path, self.scan_callback, self.steps = path, scan_callback, steps
+        self.guard = _LogWriteGuard("layout log", path)
 
     def on_train_step_end(self, run_context):
         step = run_context.original_args().cur_step_num
@@ -332,8 +362,12 @@ class _LayoutSnapshots(Callback):
         layout = _scanned_layout(self.scan_callback)
         if layout is None:
             return
+        line = json.dumps(layout_to_dict(layout, step=step, label=f"run step {step}")) + "\n"
+        self.guard.write(lambda: self._append(line))
+
+    def _append(self, line: str) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(layout_to_dict(layout, step=step, label=f"run step {step}")) + "\n")
+            f.write(line)
 
 
 def _scanned_layout(scan_callback) -> Layout | None:
