@@ -20,7 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["Block", "Segment", "Layout"]
+__all__ = ["Block", "Segment", "Layout", "DEVICE_ADDRESS_LIMIT"]
+
+#: Sizes and addresses of any real device end below this (2**48 bytes, 256 TiB); readers and
+#: the replay engine refuse larger values as bad input.
+DEVICE_ADDRESS_LIMIT = 1 << 48
 
 
 @dataclass(slots=True)

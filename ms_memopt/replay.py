@@ -29,13 +29,12 @@ from typing import Callable
 from .allocators.base import AllocatorModel, OOMRecord
 from .errors import InputError
 from .events import Trace
-from .layout import Layout
+from .layout import DEVICE_ADDRESS_LIMIT, Layout
 from .metrics import LayoutMetrics, measure
 
 __all__ = ["ReplayResult", "replay", "check_bounds", "DEVICE_ADDRESS_LIMIT"]
 
 #: every size and address of a replayed trace ends below this (bytes)
-DEVICE_ADDRESS_LIMIT = 1 << 48
 
 
 @dataclass

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .errors import InputError
-from .layout import Block, Layout, Segment
+from .layout import DEVICE_ADDRESS_LIMIT, Block, Layout, Segment
 from .metrics import measure
 from .units import format_size
 
@@ -84,6 +84,14 @@ def _tag(tag: object) -> str | None:
     return tag
 
 
+def _bytes(value) -> int:
+    """An address or size of a layout record: an integer in [0, DEVICE_ADDRESS_LIMIT)."""
+    number = int(value)
+    if not 0 <= number < DEVICE_ADDRESS_LIMIT:
+        raise ValueError(f"{value!r} is outside [0, 2**48)")
+    return number
+
+
 def layout_from_dict(obj: dict, *, source: str = "<layout>", line: int | None = None) -> LayoutSnapshot:
     """Inverse of :func:`layout_to_dict`.
 
@@ -93,8 +101,8 @@ def layout_from_dict(obj: dict, *, source: str = "<layout>", line: int | None = 
     try:
         segments = []
         for s in obj["segments"]:
-            blocks = [Block(int(a), int(n), bool(live), tag=_tag(tag)) for a, n, live, tag in s["blocks"]]
-            segments.append(Segment(int(s["addr"]), int(s["size"]), blocks, stream=int(s.get("stream", 0)),
+            blocks = [Block(_bytes(a), _bytes(n), bool(live), tag=_tag(tag)) for a, n, live, tag in s["blocks"]]
+            segments.append(Segment(_bytes(s["addr"]), _bytes(s["size"]), blocks, stream=int(s.get("stream", 0)),
                                     pool=str(s.get("pool", "common"))))
         capacity = obj.get("capacity")
         layout = Layout(segments, capacity=None if capacity is None else int(capacity))
