@@ -42,8 +42,12 @@ class LayoutCollector:
     ``policies`` and seed ``seed``, and the layout at an OOM whenever it happens.
 
     Example:
-        >>> collector = LayoutCollector([1, 100])
-        >>> # simulate(spec, cfg, on_watch=collector); collector.snapshots()  # doctest: +SKIP
+        >>> from ms_memopt.simulate import SimConfig, simulate
+        >>> from ms_memopt.workload import WorkloadSpec
+        >>> collector = LayoutCollector([1, 2], policies=("baseline",))
+        >>> _ = simulate(WorkloadSpec(enabled=False), SimConfig(steps=2), policies=("baseline",), on_watch=collector)
+        >>> [snap.label for snap in collector.snapshots()]
+        ['baseline step 1', 'baseline step 2']
     """
 
     def __init__(self, steps: list[int], *, policies: tuple[str, ...] = ("baseline", "pool"),
