@@ -208,7 +208,7 @@ class WatchPoint:
     kind: str
     event: Event
     model: AllocatorModel
-    _run: "_Run"
+    _run: "_Run" = field(repr=False)
 
     def layout(self) -> Layout:
         """The model's layout now, each live block without a tag tagged with the tag of the
