@@ -7,7 +7,7 @@
 3. the 100B recipe's simulation (baseline, compaction and pool-mode policies; ``--sim-steps``
    steps and ``--seeds`` seeds, modest so that the whole demo takes a few minutes on 2 cores)
    into ``OUT/simulation``, plus the pool layout just before the watched AllReduce request at a
-   few steps (the memory map);
+   few steps and at an OOM (the memory map), collected from that same run by a hook;
 4. ``OUT/report.md``: the three reports of :func:`ms_memopt.report.build_report` under one
    heading, with every figure and the time each part took.
 
@@ -29,79 +29,74 @@ from .recipe import Recipe, load_recipe
 from .report import LayoutSnapshot, build_report, write_layouts
 from .units import format_size
 
-__all__ = ["main", "simulated_layouts"]
+__all__ = ["LayoutCollector", "main", "simulated_layouts"]
 
 _REPO = Path(__file__).resolve().parents[1]
 CPU_RECIPE = _REPO / "recipes" / "demo_cpu.yaml"
 BIG_RECIPE = _REPO / "recipes" / "dense_100b_1024x910c.yaml"
 
 
+class LayoutCollector:
+    """An ``on_watch`` hook of :func:`ms_memopt.simulate.simulate`: keeps the layout just before
+    the first watched request (the AllReduce bucket) of each of ``steps``, per policy of
+    ``policies`` and seed ``seed``, and the layout at an OOM whenever it happens.
+
+    Example:
+        >>> from ms_memopt.simulate import SimConfig, simulate
+        >>> from ms_memopt.workload import WorkloadSpec
+        >>> collector = LayoutCollector([1, 2], policies=("baseline",))
+        >>> _ = simulate(WorkloadSpec(enabled=False), SimConfig(steps=2), policies=("baseline",), on_watch=collector)
+        >>> [snap.label for snap in collector.snapshots()]
+        ['baseline step 1', 'baseline step 2']
+    """
+
+    def __init__(self, steps: list[int], *, policies: tuple[str, ...] = ("baseline", "pool"),
+                 seed: int = 0) -> None:
+        self.steps = set(steps)
+        self.policies = tuple(policies)
+        self.seed = seed
+        self._taken: dict[tuple[str, int], LayoutSnapshot] = {}
+        self._oom: dict[str, LayoutSnapshot] = {}
+
+    def __call__(self, point) -> None:
+        if point.policy not in self.policies or point.seed != self.seed:
+            return
+        if point.kind == "oom":
+            event = point.event
+            self._oom[point.policy] = LayoutSnapshot(
+                point.step, f"{point.policy} step {point.step}: OOM ({event.tag} {format_size(event.size)})",
+                point.layout())
+        elif point.step in self.steps and (point.policy, point.step) not in self._taken:
+            self._taken[point.policy, point.step] = LayoutSnapshot(
+                point.step, f"{point.policy} step {point.step}", point.layout())
+
+    def snapshots(self) -> list[LayoutSnapshot]:
+        """Per policy (in the order given) by step, each policy's OOM last."""
+        out = []
+        for policy in self.policies:
+            out += [snap for (p, _), snap in sorted(self._taken.items(), key=lambda kv: kv[0][1]) if p == policy]
+            if policy in self._oom:
+                out.append(self._oom[policy])
+        return out
+
+
 def simulated_layouts(recipe: Recipe, steps: list[int], *, policies: tuple[str, ...] = ("baseline", "pool"),
                       seed: int = 0) -> list[LayoutSnapshot]:
-    """The simulated pool just before each watched request (the AllReduce bucket) of ``steps``,
-    per policy; a policy that runs out of memory first contributes its layout at the OOM.
-
-    Uses the same workload and allocator models as :mod:`ms_memopt.simulate` (compaction is left
-    out: the memory map shows what a request meets)."""
-    from .allocators import create
-    from .allocators.pool import PoolModeAllocator
-    from .simulate import config_from_recipe
-    from .workload import WATCH_TAG, StepWorkload, spec_from_recipe
+    """The simulated pool just before the watched request (the AllReduce bucket) of each of
+    ``steps``, per policy; a policy that runs out of memory first contributes its layout at the
+    OOM. One run of :func:`ms_memopt.simulate.simulate` up to the last step, collected by a
+    :class:`LayoutCollector` (``make demo`` hooks the collector into its main simulation instead).
+    """
+    from .simulate import config_from_recipe, simulate
+    from .workload import WATCH_TAG, spec_from_recipe
 
     spec = spec_from_recipe(recipe)
-    cfg = config_from_recipe(recipe)
+    cfg = config_from_recipe(recipe, steps=max(steps))
     # the workload tags its gradient bucket WATCH_TAG whatever the recipe calls its watched request
-    watched = set(cfg.watch) | {WATCH_TAG}
-    wanted = sorted(set(steps))
-    last = wanted[-1]
-    out: list[LayoutSnapshot] = []
-    for policy in policies:
-        if policy == "pool":
-            model = PoolModeAllocator.for_workload(spec, capacity=cfg.capacity)
-        else:
-            model = create(cfg.allocator, cfg.capacity, **cfg.allocator_options)
-        drain = getattr(model, "drain_evicted", None)
-        gen = StepWorkload(spec, seed)
-        addr_of: dict[int, int] = {}
-        id_at: dict[int, int] = {}
-        tag_at: dict[int, str | None] = {}   # allocator models keep no tags; the map needs them
-
-        def snapshot(label: str) -> LayoutSnapshot:
-            layout = model.layout()
-            for block in layout.blocks():
-                if block.live and block.tag is None:
-                    block.tag = tag_at.get(block.addr)
-            return LayoutSnapshot(step, label, layout)
-
-        batch, step, done = gen.prologue(), 0, False
-        while not done:
-            for event in batch:
-                if event.action == "alloc":
-                    if event.tag in watched and step in wanted:
-                        out.append(snapshot(f"{policy} step {step}"))
-                    addr = model.malloc(event.size, pool=event.pool, tag=event.tag)
-                    if addr is None:
-                        out.append(snapshot(f"{policy} step {step}: OOM ({event.tag} {format_size(event.size)})"))
-                        done = True
-                        break
-                    if drain is not None:             # evicted cache entries: forget their ids
-                        for gone in drain():          # (before recording the new tensor, which
-                            addr_of.pop(id_at.pop(gone, None), None)   # may sit at an evicted address)
-                    addr_of[event.id] = addr
-                    id_at[addr] = event.id
-                    tag_at[addr] = event.tag
-                elif event.action == "free":
-                    addr = addr_of.pop(event.id, None)
-                    if addr is not None:
-                        id_at.pop(addr, None)
-                        model.free(addr)
-                elif event.action == "mark":
-                    model.note_mark(event.tag)
-            if done or step >= last:
-                break
-            step += 1
-            batch = gen.step(step)
-    return out
+    cfg.watch.setdefault(WATCH_TAG, spec.allreduce_bytes)
+    collector = LayoutCollector(steps, policies=policies, seed=seed)
+    simulate(spec, cfg, policies=tuple(policies), seeds=[seed], on_watch=collector)
+    return collector.snapshots()
 
 
 def _section(markdown: str, folder: str) -> list[str]:
@@ -178,15 +173,14 @@ def _demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     sim_dir = out / "simulation"
     sim_dir.mkdir(parents=True, exist_ok=True)
-    summary = _simulate(big, sim_dir, args.sim_steps, args.seeds, not_wired)
+    scans = big.memopt.scan_every
+    # the memory map: a few steps early on (the layout settles within a few hundred steps) and
+    # any OOM, taken by the same simulation run
+    collector = LayoutCollector([s for s in (1, scans, 2 * scans) if s <= args.sim_steps])
+    _simulate(big, sim_dir, args.sim_steps, args.seeds, not_wired, collector)
     timings["simulate"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    scans = big.memopt.scan_every
-    oom_steps = [r["oom_step"] for r in summary.get("baseline", []) if r.get("oom_step")]
-    # a few steps early on: the layout settles within a few hundred steps, and each map step
-    # replays the workload up to it once more per policy
-    chosen = [1, scans, min(args.sim_steps, 2 * scans)] if not oom_steps else [1, scans, min(oom_steps)]
-    write_layouts(sim_dir / "layouts.jsonl", simulated_layouts(big, [s for s in chosen if s <= args.sim_steps]))
+    write_layouts(sim_dir / "layouts.jsonl", collector.snapshots())
     build_report(sim_dir, title=f"Simulation of {BIG_RECIPE.name}",
                  memory_map_title=f"{BIG_RECIPE.name}: the pool just before the watched AllReduce request")
     timings["memory map + report"] = time.perf_counter() - t0
@@ -209,7 +203,8 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate(recipe: Recipe, sim_dir: Path, steps: int, seeds: int, not_wired: list[str]) -> dict:
+def _simulate(recipe: Recipe, sim_dir: Path, steps: int, seeds: int, not_wired: list[str],
+              on_watch=None) -> dict:
     """Run the simulator's policies; returns ``policy -> [per-seed result dicts]``."""
     try:
         from .simulate import POLICIES, config_from_recipe, simulate
@@ -220,7 +215,8 @@ def _simulate(recipe: Recipe, sim_dir: Path, steps: int, seeds: int, not_wired: 
     spec = spec_from_recipe(recipe)
     cfg = config_from_recipe(recipe, steps=steps)
     with open(sim_dir / "timeline.jsonl", "w", encoding="utf-8") as timeline:
-        results = simulate(spec, cfg, policies=POLICIES, seeds=list(range(seeds)), timeline=timeline)
+        results = simulate(spec, cfg, policies=POLICIES, seeds=list(range(seeds)), timeline=timeline,
+                           on_watch=on_watch)
     summary = {policy: [r.to_dict() for r in s.seeds] for policy, s in results.items()}
     (sim_dir / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
     for policy, s in results.items():

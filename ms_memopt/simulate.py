@@ -21,6 +21,15 @@ Policies:
 ``pool``      pool mode: fixed regions by purpose (:class:`~ms_memopt.allocators.pool.PoolModeAllocator`).
 
 A job dies at its first failed request: ``oom_step`` is that step (``None`` when none).
+
+Two ways to look inside a run without a second event loop:
+
+* ``on_watch``: called with a :class:`WatchPoint` just before every watched request (where the
+  ``watch`` sample is taken) and at the failing request of an OOM; ``point.layout()`` is the
+  model's layout at that moment, live blocks tagged with their request's tag (the memory map of
+  ``make demo`` is collected this way).
+* ``placed``: ``{policy: PlacedRun()}``; the first seed's run of each such policy records its
+  events with the model's addresses and its final layout (for ``--export-memory-viz``).
 The timeline (one JSON object per sample) streams to a file as it is measured, so memory
 stays constant however many steps run.
 
@@ -42,15 +51,18 @@ from typing import IO
 
 from .allocators import create
 from .allocators.base import AllocatorModel
+from .events import Event
 from .layout import Layout
 from .metrics import frag_ratio, measure
 from .workload import WATCH_TAG, StepWorkload, WorkloadSpec
 
 __all__ = [
     "POLICIES",
+    "PlacedRun",
     "PolicyResult",
     "PolicySummary",
     "SimConfig",
+    "WatchPoint",
     "config_from_recipe",
     "simulate",
     "simulate_policy",
@@ -169,6 +181,47 @@ def config_from_recipe(recipe, **overrides) -> SimConfig:
     return cfg
 
 
+@dataclass
+class PlacedRun:
+    """The events of one run with the model's addresses, and its layout at the end.
+
+    Frees of tensors a pool-mode cache evicted appear as frees at the eviction; a compaction
+    appears as a free and an alloc (at the new address) per moved block. Every event is kept
+    in memory: a few hundred steps of the 100B recipe are millions of events.
+    """
+
+    events: list[Event] = field(default_factory=list)
+    final: Layout | None = None
+
+
+@dataclass
+class WatchPoint:
+    """What ``on_watch`` receives: a run just before its watched request ``event`` (``kind``
+    ``"watch"``) or at the request that failed (``kind`` ``"oom"``).
+
+    ``model`` is the live allocator model (do not feed it); :meth:`layout` builds its layout.
+    """
+
+    policy: str
+    seed: int
+    step: int
+    kind: str
+    event: Event
+    model: AllocatorModel
+    _run: "_Run" = field(repr=False)
+
+    def layout(self) -> Layout:
+        """The model's layout now, each live block without a tag tagged with the tag of the
+        request it serves (pool-mode blocks already carry their region's name)."""
+        layout = self.model.layout()
+        run = self._run
+        tag_at = {run.addr_of[tid]: tag for tid, tag in run.tag_of.items() if tid in run.addr_of}
+        for block in layout.blocks():
+            if block.live and block.tag is None:
+                block.tag = tag_at.get(block.addr)
+        return layout
+
+
 # --- one run ---------------------------------------------------------------------------------
 class _Tracker:
     """Running figures of one run (sizes in bytes)."""
@@ -214,12 +267,12 @@ def _make_model(policy: str, spec: WorkloadSpec, cfg: SimConfig) -> AllocatorMod
     return create(cfg.allocator, cfg.capacity, **cfg.allocator_options)
 
 
-def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig) -> tuple[AllocatorModel, Layout, Layout, int]:
+def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig) -> tuple[AllocatorModel, Layout, Layout, list]:
     """Compact the model's layout with :func:`~ms_memopt.compaction.plan_compaction` (every
     live block slid to the lowest addresses of its segment; segments stay, so in a pool grown
     in blocks no hole can outgrow its block) and restart a fresh model from the result.
 
-    Returns the new model, the layouts before and after, and the bytes moved; ``addr_of``
+    Returns the new model, the layouts before and after, and the moves; ``addr_of``
     (tensor id -> address) is updated in place.
     """
     from .compaction import plan_compaction
@@ -239,7 +292,7 @@ def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig) -> 
     for move in plan.moves:
         if move.block_id is not None and move.block_id in addr_of:
             addr_of[move.block_id] = move.dst
-    return fresh, before, after, plan.bytes_moved
+    return fresh, before, after, plan.moves
 
 
 class _Run:
@@ -247,7 +300,8 @@ class _Run:
     share one generated stream)."""
 
     def __init__(self, spec: WorkloadSpec, policy: str, cfg: SimConfig, seed: int,
-                 timeline: IO[str] | None) -> None:
+                 timeline: IO[str] | None, on_watch: Callable[[WatchPoint], None] | None = None,
+                 placed: PlacedRun | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.cfg = cfg
@@ -260,6 +314,11 @@ class _Run:
         self.region_metrics = getattr(self.model, "region_metrics", None)
         self.drain = getattr(self.model, "drain_evicted", None)
         self.addr_of: dict[int, int] = {}
+        self.on_watch = on_watch
+        self.placed = placed
+        # tensor id -> tag, kept only for on_watch's tagged layouts (allocator models keep no tags)
+        self.tag_of: dict[int, str | None] = {}
+        self.size_of: dict[int, int] = {}   # tensor id -> bytes, kept only when recording (evictions)
         self.dead = False
         self.seconds = 0.0
 
@@ -270,6 +329,8 @@ class _Run:
         started = time.perf_counter()
         cfg, track, result, watch = self.cfg, self.track, self.result, self.watch
         model, addr_of, drain, region_metrics = self.model, self.addr_of, self.drain, self.region_metrics
+        on_watch, record = self.on_watch, self.placed.events if self.placed is not None else None
+        tag_of = self.tag_of if on_watch is not None else None
         note_mark = model.note_mark
         malloc, free = model.malloc, model.free
         for event in batch:
@@ -284,6 +345,8 @@ class _Run:
                     track.sample(step, "watch", _free_total(model), lf, extra)
                     if track.watch_min is None or lf < track.watch_min:
                         track.watch_min = lf
+                    if on_watch is not None:
+                        on_watch(WatchPoint(result.policy, result.seed, step, "watch", event, model, self))
                 addr = malloc(event.size, pool=event.pool, tag=tag)
                 if addr is None:
                     self._fail(event, step)
@@ -291,12 +354,23 @@ class _Run:
                 if drain is not None:
                     gone = drain()
                     if gone:
-                        _forget(addr_of, gone)
+                        self._forget(gone, step)
                 addr_of[event.id] = addr
+                if tag_of is not None:
+                    tag_of[event.id] = tag
+                if record is not None:
+                    self.size_of[event.id] = event.size
+                    record.append(Event("alloc", id=event.id, size=event.size, addr=addr, pool=event.pool,
+                                        tag=tag, step=step))
             elif action == "free":
                 addr = addr_of.pop(event.id, None)
                 if addr is not None:
                     free(addr)
+                    if tag_of is not None:
+                        tag_of.pop(event.id, None)
+                    if record is not None:
+                        record.append(Event("free", id=event.id, size=self.size_of.pop(event.id, event.size),
+                                            addr=addr, step=step))
             elif action == "mark" and event.tag != "optimizer_end":
                 note_mark(event.tag)
             elif action == "mark":
@@ -312,10 +386,12 @@ class _Run:
                     warned = scan and track.watch_min is not None and \
                         track.watch_min < self.watch_need * (1.0 + cfg.watch_margin)
                     if periodic or warned:
-                        model, before, after, moved = _compact(model, addr_of, cfg)
+                        model, before, after, moves = _compact(model, addr_of, cfg)
                         self.model = model
                         malloc, free = model.malloc, model.free
-                        _note_compaction(result, track, step, before, after, moved,
+                        if record is not None:
+                            _record_moves(record, moves, step)
+                        _note_compaction(result, track, step, before, after, sum(m.size for m in moves),
                                          "periodic" if periodic else "warning")
                 if scan:
                     track.watch_min = None
@@ -324,6 +400,16 @@ class _Run:
             result.events += len(batch)
         self.seconds += time.perf_counter() - started
         return not self.dead
+
+    def _forget(self, addrs: list[int], step: int) -> None:
+        """Drop the tensors a pool-mode cache evicted (their later frees must not hit new blocks)."""
+        wanted = set(addrs)
+        for tid in [t for t, a in self.addr_of.items() if a in wanted]:
+            addr = self.addr_of.pop(tid)
+            self.tag_of.pop(tid, None)
+            if self.placed is not None:
+                self.placed.events.append(Event("free", id=tid, size=self.size_of.pop(tid, 0), addr=addr,
+                                                step=step))
 
     def _fail(self, event, step: int) -> None:
         model, result = self.model, self.result
@@ -339,6 +425,8 @@ class _Run:
         self.track.sample(step, "oom", free_total, result.largest_free_at_oom,
                           {"tag": event.tag, "size": event.size, "oom_kind": result.oom_kind})
         self.dead = True
+        if self.on_watch is not None:
+            self.on_watch(WatchPoint(result.policy, result.seed, step, "oom", event, model, self))
 
     def finish(self, gen: StepWorkload, generation_seconds: float) -> PolicyResult:
         result, model = self.result, self.model
@@ -347,13 +435,18 @@ class _Run:
         result.peak_reserved = max(model.peak_reserved, model.reserved)
         result.shapes_seen = len(gen.shapes_seen)
         result.seconds = self.seconds + generation_seconds
+        if self.placed is not None:
+            self.placed.final = model.layout()
         return result
 
 
 def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig, seed: int,
-                  timeline: IO[str] | None, on_step: Callable[[int], None] | None) -> list[PolicyResult]:
+                  timeline: IO[str] | None, on_step: Callable[[int], None] | None,
+                  on_watch: Callable[[WatchPoint], None] | None = None,
+                  placed: dict[str, PlacedRun] | None = None) -> list[PolicyResult]:
     """Every policy on one seed, fed the same generated steps (generated once)."""
-    runs = [_Run(spec, policy, cfg, seed, timeline) for policy in policies]
+    placed = placed or {}
+    runs = [_Run(spec, policy, cfg, seed, timeline, on_watch, placed.get(policy)) for policy in policies]
     gen = StepWorkload(spec, seed)
     started = time.perf_counter()
     batch = gen.prologue()
@@ -374,7 +467,9 @@ def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig,
 
 def simulate_policy(spec: WorkloadSpec, policy: str, cfg: SimConfig, *, seed: int | None = None,
                     timeline: IO[str] | None = None,
-                    on_step: Callable[[int], None] | None = None) -> PolicyResult:
+                    on_step: Callable[[int], None] | None = None,
+                    on_watch: Callable[[WatchPoint], None] | None = None,
+                    placed: PlacedRun | None = None) -> PolicyResult:
     """Run ``cfg.steps`` steps of ``spec`` under ``policy`` with one seed.
 
     Args:
@@ -385,9 +480,12 @@ def simulate_policy(spec: WorkloadSpec, policy: str, cfg: SimConfig, *, seed: in
             under every policy.
         timeline: a text file to stream the samples to as JSON lines.
         on_step: called after every step (progress bars).
+        on_watch: called with a :class:`WatchPoint` before every watched request and at an OOM.
+        placed: receives the events with the model's addresses and the final layout.
     """
     seed = cfg.seed if seed is None else seed
-    return _run_lockstep(spec, (policy,), cfg, seed, timeline, on_step)[0]
+    return _run_lockstep(spec, (policy,), cfg, seed, timeline, on_step, on_watch,
+                         {policy: placed} if placed is not None else None)[0]
 
 
 def _note_regions(result: PolicyResult, per_region: dict[str, float | None]) -> dict[str, float | None]:
@@ -402,11 +500,12 @@ def _note_regions(result: PolicyResult, per_region: dict[str, float | None]) -> 
     return per_region
 
 
-def _forget(addr_of: dict[int, int], addrs: list[int]) -> None:
-    """Drop the tensors a pool-mode cache evicted (their later frees must not hit new blocks)."""
-    wanted = set(addrs)
-    for tid in [t for t, a in addr_of.items() if a in wanted]:
-        del addr_of[tid]
+def _record_moves(record: list[Event], moves: list, step: int) -> None:
+    """A compaction as events: each moved block freed at its old address, allocated at the new."""
+    for move in moves:
+        record.append(Event("free", id=move.block_id, size=move.size, addr=move.src, step=step, tag="compaction"))
+    for move in moves:
+        record.append(Event("alloc", id=move.block_id, size=move.size, addr=move.dst, step=step, tag="compaction"))
 
 
 def _note_compaction(result: PolicyResult, track: _Tracker, step: int, before: Layout, after: Layout,
@@ -433,12 +532,18 @@ def _note_compaction(result: PolicyResult, track: _Tracker, step: int, before: L
 
 def simulate(spec: WorkloadSpec, cfg: SimConfig, *, policies: tuple[str, ...] = POLICIES,
              seeds: list[int] | None = None, timeline: IO[str] | None = None,
-             on_step: Callable[[int], None] | None = None) -> dict[str, PolicySummary]:
+             on_step: Callable[[int], None] | None = None,
+             on_watch: Callable[[WatchPoint], None] | None = None,
+             placed: dict[str, PlacedRun] | None = None) -> dict[str, PolicySummary]:
     """Every policy over every seed. The policies of one seed run in lock step on one generated
-    stream (the same events for every policy, generated once)."""
+    stream (the same events for every policy, generated once).
+
+    ``on_watch`` sees every run (check ``point.policy`` / ``point.seed``); ``placed`` records the
+    first seed's run of each policy it names (see :class:`PlacedRun`)."""
     seeds = [cfg.seed] if seeds is None else list(seeds)
     per_policy: dict[str, list[PolicyResult]] = {p: [] for p in policies}
-    for seed in seeds:
-        for result in _run_lockstep(spec, tuple(policies), cfg, seed, timeline, on_step):
+    for index, seed in enumerate(seeds):
+        for result in _run_lockstep(spec, tuple(policies), cfg, seed, timeline, on_step, on_watch,
+                                    placed if index == 0 else None):
             per_policy[result.policy].append(result)
     return {p: PolicySummary(p, runs) for p, runs in per_policy.items()}

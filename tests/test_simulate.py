@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from ms_memopt.allocators import create
 from ms_memopt.simulate import (
     POLICIES,
+    PlacedRun,
     PolicySummary,
     SimConfig,
+    WatchPoint,
     simulate,
     simulate_policy,
 )
-from ms_memopt.workload import StepWorkload, WorkloadSpec
+from ms_memopt.workload import WorkloadSpec
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,28 +43,50 @@ def small_cfg(**kw) -> SimConfig:
     return SimConfig(**base)
 
 
-def _drive(spec: WorkloadSpec, steps: int, model, seed: int = 0):
-    """Feed a workload to a model; yield the layout signature after every step."""
-    gen = StepWorkload(spec, seed)
-    addr_of = {}
-    for step in range(steps + 1):
-        for e in (gen.prologue() if step == 0 else gen.step(step)):
-            if e.action == "alloc":
-                addr = model.malloc(e.size, pool=e.pool, tag=e.tag)
-                assert addr is not None, f"OOM at step {step}"
-                addr_of[e.id] = addr
-            elif e.action == "free":
-                model.free(addr_of.pop(e.id))
-        layout = model.layout()
-        layout.check()
-        yield step, [(b.addr, b.size, b.live) for b in layout.blocks()]
+def _layouts_at_watch(spec: WorkloadSpec, cfg: SimConfig, policy: str = "baseline", seed: int = 0):
+    """Run the simulator; the layout signature just before the first watched request of each step."""
+    sigs: dict[int, list] = {}
+
+    def on_watch(point: WatchPoint) -> None:
+        assert point.kind == "watch", f"{point.kind} at step {point.step}"
+        if point.step not in sigs:
+            layout = point.layout()
+            layout.check()
+            sigs[point.step] = [(b.addr, b.size, b.live, b.tag) for b in layout.blocks()]
+
+    result = simulate_policy(spec, policy, cfg, seed=seed, on_watch=on_watch)
+    return result, sigs
 
 
 def test_all_mechanisms_off_the_layout_repeats_exactly():
-    spec = small_spec(enabled=False)
-    model = create("mindspore", 128 * MiB, pregrow=True)
-    sigs = [sig for step, sig in _drive(spec, 8, model) if step >= 2]
-    assert all(sig == sigs[0] for sig in sigs)
+    # through the real simulator (marks, pool-mode phases and all), step after step
+    for policy in ("baseline", "pool"):
+        result, sigs = _layouts_at_watch(small_spec(enabled=False), small_cfg(steps=8, compact_every=None), policy)
+        assert result.oom_step is None
+        assert sorted(sigs) == list(range(1, 9))
+        assert all(sigs[step] == sigs[2] for step in range(2, 9)), policy
+
+
+def test_with_variation_the_layout_changes():
+    _, sigs = _layouts_at_watch(small_spec(), small_cfg(steps=8, compact_every=None))
+    assert len({repr(sig) for step, sig in sigs.items() if step >= 2}) > 1
+
+
+def test_on_watch_layouts_tag_every_live_block_and_see_the_oom():
+    points: list[tuple[str, int, set]] = []
+
+    def on_watch(point: WatchPoint) -> None:
+        points.append((point.kind, point.step, {b.tag for b in point.layout().live_blocks()}))
+
+    spec = small_spec(enabled=False, activation_bytes=40 * MiB)
+    r = simulate_policy(spec, "baseline", small_cfg(steps=5), seed=0, on_watch=on_watch)
+    assert r.oom_step == 1
+    assert points[-1][:2] == ("oom", 1)
+    assert all(None not in tags for _, _, tags in points)
+    ok = []
+    simulate_policy(small_spec(), "compact", small_cfg(steps=25), seed=0,
+                    on_watch=lambda p: ok.append(None not in {b.tag for b in p.layout().live_blocks()}))
+    assert ok and all(ok)          # tags survive a compaction (it moves blocks, ids follow)
 
 
 def test_control_no_oom_without_variation():
@@ -220,3 +243,103 @@ def test_calibrated_100b_recipe_largest_free_trends_down():
     assert grown.largest_free_by_window[1] < grown.largest_free_by_window[0]
     assert steady.largest_free_by_window[0] == steady.largest_free_by_window[1]
     assert min(grown.largest_free_by_window) < min(steady.largest_free_by_window)
+
+
+# --- --export-memory-viz ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["baseline", "compact", "pool"])
+def test_placed_events_round_trip_through_the_torch_snapshot_reader(tmp_path, policy):
+    from ms_memopt.metrics import measure
+    from ms_memopt.traces.memory_viz import write_memory_viz
+    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+
+    placed = PlacedRun()
+    r = simulate_policy(small_spec(), policy, small_cfg(steps=25, capacity=160 * MiB), seed=0, placed=placed)
+    assert r.oom_step is None and placed.final is not None
+    if policy == "compact":
+        assert r.compactions >= 1 and any(e.tag == "compaction" for e in placed.events)
+    path = tmp_path / "viz.pickle"
+    write_memory_viz(path, placed.events, placed.final)
+    back = read_torch_snapshot(path)
+    allocs = [(e.addr, e.size) for e in placed.events if e.action == "alloc"]
+    assert [(e.addr, e.size) for e in back.events if e.action == "alloc"] == allocs
+    assert sum(e.action == "free" for e in back.events) == sum(e.action == "free" for e in placed.events)
+    # the final layout's live bytes are exactly what the recorded events leave allocated
+    live: dict[int, int] = {}
+    for e in placed.events:
+        if e.action == "alloc":
+            live[e.addr] = e.size
+        else:
+            assert live.pop(e.addr, None) is not None, f"free of {e.addr:#x} never allocated"
+    assert measure(back.final).allocated == measure(placed.final).allocated >= sum(live.values()) > 0
+
+
+def test_cli_export_memory_viz_one_file_per_policy(tmp_path, capsys):
+    from ms_memopt.cli import main
+    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+
+    recipe = ROOT / "recipes" / "demo_cpu.yaml"
+    if not recipe.exists():
+        pytest.skip("recipes/demo_cpu.yaml not in this tree")
+    assert main(["simulate", str(recipe), "--steps", "3", "--policy", "baseline,pool",
+                 "--export-memory-viz", str(tmp_path / "sim.pickle"), "--json"]) == 0
+    capsys.readouterr()
+    for policy in ("baseline", "pool"):
+        trace = read_torch_snapshot(tmp_path / f"sim.{policy}.pickle")
+        assert any(e.action == "alloc" for e in trace.events) and trace.final.segments
+    assert not (tmp_path / "sim.pickle").exists()
+    assert main(["simulate", str(recipe), "--steps", "2", "--policy", "pool",
+                 "--export-memory-viz", str(tmp_path / "one.pickle")]) == 0
+    assert read_torch_snapshot(tmp_path / "one.pickle").events
+
+
+# --- plots ----------------------------------------------------------------------------------------
+
+def test_size_unit_follows_the_data():
+    from ms_memopt.plots import size_unit
+
+    assert size_unit(96 * 2**30) == (2**30, "GiB")
+    assert size_unit(5 * MiB) == (MiB, "MiB")
+    assert size_unit(300 * 1024) == (1024, "KiB")
+    assert size_unit(100) == (1, "bytes")
+
+
+def test_plot_timeline_labels_in_the_unit_of_the_data(tmp_path, monkeypatch):
+    import ms_memopt.plots as plots
+
+    seen = {}
+    real_save = plots.save_figure
+
+    def capture(fig, path, **kw):
+        seen["labels"] = [ax.get_ylabel() for ax in fig.axes]
+        seen["legend"] = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        return real_save(fig, path, **kw)
+
+    monkeypatch.setattr(plots, "save_figure", capture)
+    out = plots.plot_timeline({"rank 0": [(1, 3 * MiB, MiB, 2.0), (5, 3 * MiB, 3 * MiB, 0.0)]},
+                              tmp_path / "t.png",
+                              markers=[plots.Marker("rank 0", 5, "compaction"),
+                                       plots.Marker("rank 0", 1, "predicted_oom")])
+    assert out.stat().st_size > 0
+    assert seen["labels"][:2] == ["free_total (MiB)", "largest_free (MiB)"]
+    assert "rank 0: compaction" in seen["legend"]
+    assert any("predicted OOM" in t for t in seen["legend"])
+    with pytest.raises(ValueError):
+        plots.plot_timeline({}, tmp_path / "u.png", markers=[plots.Marker("x", 1, "boom")])
+
+
+def test_timeline_reader_drops_a_torn_line_and_names_a_bad_one(tmp_path):
+    from ms_memopt.errors import InputError
+    from ms_memopt.plots import _rows, plot_fragmentation_timeline
+
+    good = '{"policy":"baseline","seed":0,"step":1,"kind":"scan","free_total":2048,"largest_free":1024,"frag_ratio":1.0}\n'
+    path = tmp_path / "timeline.jsonl"
+    path.write_text(good + good.replace('"step":1', '"step":2') + '{"policy":"base')
+    assert [r["step"] for r in _rows(path)] == [1, 2]
+    assert plot_fragmentation_timeline(path, tmp_path / "f.png").stat().st_size > 0
+    path.write_text(good + "not json\n")
+    with pytest.raises(InputError, match="timeline.jsonl:2"):
+        _rows(path)
+    path.write_text(good + '{"policy":"baseline","step":3,"kind":"scan"}\n')
+    with pytest.raises(InputError, match="timeline.jsonl:2.*free_total"):
+        _rows(path)

@@ -3,7 +3,10 @@
 Prints one line per policy (or, with ``--json``, one JSON object: per policy the figures of
 :class:`ms_memopt.simulate.PolicyResult`; with ``--seeds N``, each policy holds ``seeds`` and
 ``median_oom_step``). ``--out DIR`` receives ``timeline.jsonl`` (streamed while running) and
-``fragmentation.png``. Exit code 0, or 1 with ``--fail-on-oom`` when a policy OOMs.
+``fragmentation.png``. ``--export-memory-viz FILE.pickle`` writes the first seed's simulated
+events with the model's addresses and its final layout in PyTorch's memory snapshot format
+(pytorch.org/memory_viz): with one policy to ``FILE.pickle``, with several one file per policy,
+``FILE.<policy>.pickle``. Exit code 0, or 1 with ``--fail-on-oom`` when a policy OOMs.
 """
 from __future__ import annotations
 
@@ -29,12 +32,15 @@ def add_parser(parser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="the one seed (default: memopt.workload.seed)")
     parser.add_argument("--out", default=None, help="directory for timeline.jsonl and plots")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--export-memory-viz", default=None, metavar="FILE.pickle",
+                        help="write the first seed's events (model addresses) and final layout as a PyTorch "
+                             "memory snapshot for pytorch.org/memory_viz; several policies: FILE.<policy>.pickle")
     parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when a policy OOMs")
 
 
 def run(args) -> int:
     from ..recipe import load_recipe
-    from ..simulate import POLICIES, config_from_recipe, simulate
+    from ..simulate import POLICIES, PlacedRun, config_from_recipe, simulate
     from ..workload import spec_from_recipe
 
     policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
@@ -57,6 +63,8 @@ def run(args) -> int:
         cfg.allocator_options = {}
     cfg.allocator_options.update(_options(args.allocator_option))
     seeds = list(range(args.seeds)) if args.seeds else [cfg.seed]
+    viz_paths = _viz_paths(args.export_memory_viz, policies) if args.export_memory_viz else {}
+    placed = {policy: PlacedRun() for policy in viz_paths}
 
     out_dir = Path(args.out) if args.out else None
     timeline = None
@@ -69,7 +77,8 @@ def run(args) -> int:
         bar = tqdm(total=cfg.steps * len(seeds) * len(policies), unit="step", desc="simulate", leave=False)
     try:
         results = simulate(spec, cfg, policies=policies, seeds=seeds, timeline=timeline,
-                           on_step=_progress(bar, len(policies)) if bar is not None else None)
+                           on_step=_progress(bar, len(policies)) if bar is not None else None,
+                           placed=placed or None)
     finally:
         if timeline is not None:
             timeline.close()
@@ -79,6 +88,12 @@ def run(args) -> int:
         from ..plots import plot_fragmentation_timeline
         plot_fragmentation_timeline(out_dir / "timeline.jsonl", out_dir / "fragmentation.png",
                                     seed=seeds[0], title=f"{Path(args.recipe).name}")
+
+    if viz_paths:
+        from ..traces.memory_viz import write_memory_viz
+        for policy, path in viz_paths.items():
+            write_memory_viz(path, placed[policy].events, placed[policy].final)
+            print(f"memory viz ({policy}, seed {seeds[0]}): {path}", file=sys.stderr)
 
     if args.json:
         out = {"recipe": str(args.recipe), "steps": cfg.steps, "allocator": cfg.allocator,
@@ -94,6 +109,16 @@ def run(args) -> int:
         _print_table(results, cfg, bool(args.seeds))
     any_oom = any(r.oom_step is not None for s in results.values() for r in s.seeds)
     return 1 if (args.fail_on_oom and any_oom) else 0
+
+
+def _viz_paths(path: str, policies: tuple[str, ...]) -> dict[str, Path]:
+    """Policy -> snapshot file: ``path`` itself for one policy, ``stem.<policy>.suffix`` for several."""
+    path = Path(path)
+    if len(policies) == 1:
+        return {policies[0]: path}
+    suffix = path.suffix or ".pickle"
+    return {policy: path.with_name(f"{path.stem if path.suffix else path.name}.{policy}{suffix}")
+            for policy in policies}
 
 
 def _progress(bar, per_step: int):
