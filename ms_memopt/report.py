@@ -33,6 +33,7 @@ from typing import Iterable, Sequence
 from .errors import InputError
 from .layout import DEVICE_ADDRESS_LIMIT, Block, Layout, Segment
 from .metrics import measure
+from .plots import Marker, plot_fragmentation_timeline, plot_timeline, pyplot, save_figure, size_unit
 from .units import format_size
 
 __all__ = ["LayoutSnapshot", "layout_to_dict", "layout_from_dict", "read_layouts", "write_layouts",
@@ -146,30 +147,6 @@ def read_layouts(directory_or_file: str | Path) -> list[LayoutSnapshot]:
     return out
 
 
-# --- units and matplotlib ------------------------------------------------------------------------
-
-def _unit(largest: float) -> tuple[float, str]:
-    for div, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if largest >= div:
-            return float(div), name
-    return 1.0, "bytes"
-
-
-def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
-    return path
-
-
 # --- memory map ----------------------------------------------------------------------------------
 
 def _category(tag: str | None) -> tuple[str, str]:
@@ -202,11 +179,11 @@ def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
     """
     if not snapshots:
         raise InputError("no layouts to draw (expected layouts.jsonl)")
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     widest = max(sum(s.size for s in snap.layout.segments) for snap in snapshots) or 1
-    div, unit = _unit(widest)
+    div, unit = size_unit(widest)
     rows = len(snapshots)
     fig, ax = plt.subplots(figsize=(12, 1.3 + 0.9 * rows))
     used: dict[str, str] = {}
@@ -256,7 +233,7 @@ def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
     pools = ", ".join(sorted(regions))
     ax.set_title(f"{title}\n(pools/regions: {pools})", fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # --- region budget -------------------------------------------------------------------------------
@@ -271,10 +248,10 @@ def plot_region_budget(plan: dict, path: str | Path, *, title: str = "Per-card m
     regions = plan.get("regions") if isinstance(plan, dict) else None
     if not isinstance(regions, dict) or not regions:
         raise InputError("expected a plan with a 'regions' mapping (ms-memopt plan --json)")
-    plt = _pyplot()
+    plt = pyplot()
     capacity = plan.get("capacity")
     total = sum(regions.values())
-    div, unit = _unit(max(total, capacity or 0))
+    div, unit = size_unit(max(total, capacity or 0))
     names = list(regions)
     colors = [_category(n)[1] for n in names]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * (len(names) + 1)))
@@ -306,14 +283,14 @@ def plot_region_budget(plan: dict, path: str | Path, *, title: str = "Per-card m
         extra.append(f"worst pipeline stage {plan['worst_stage']}")
     ax.set_title(f"{title}: {verdict}" + (f" ({', '.join(extra)})" if extra else ""), fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # --- loss ------------------------------------------------------------------------------------------
 
 def plot_loss(rows: Sequence[dict], path: str | Path, *, title: str = "Training") -> Path:
     """Loss and step time (ms) against the step, from ``train.jsonl`` rows."""
-    plt = _pyplot()
+    plt = pyplot()
     steps = [r["step"] for r in rows]
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True)
     a1.plot(steps, [r["loss"] for r in rows], color="#1f77b4", label="loss")
@@ -326,7 +303,7 @@ def plot_loss(rows: Sequence[dict], path: str | Path, *, title: str = "Training"
         ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # --- reading a directory ---------------------------------------------------------------------------
@@ -364,55 +341,20 @@ def _scan_logs(directory: Path) -> dict[int, list[dict]]:
 def plot_scan_timeline(scans: dict[int, list[dict]], path: str | Path, *,
                        title: str = "Layout scans") -> Path:
     """``free_total``, ``largest_free`` and ``frag_ratio`` against the step from scan logs, one line
-    per rank, compactions (triangles) and predicted OOMs (a watched request that would not fit:
-    crosses) marked. Like :func:`ms_memopt.plots.plot_fragmentation_timeline` (for simulations),
-    but the size unit follows the data: a CPU run's pool is a few MiB."""
-    plt = _pyplot()
-    sizes = [line.get(k) or 0 for lines in scans.values() for line in lines for k in ("free_total", "largest_free")]
-    div, unit = _unit(max(sizes, default=1))
-    fig, axes = plt.subplots(3, 1, figsize=(10, 8.5), sharex=True)
+    per rank, compactions and predicted OOMs (a watched request that would not fit) marked; drawn
+    by :func:`ms_memopt.plots.plot_timeline`, the figure simulations use too."""
+    series: dict[str, list] = {}
+    markers: list[Marker] = []
     for rank, lines in scans.items():
-        pts = [l for l in lines if l.get("kind", "scan") == "scan" and l.get("free_total") is not None]
-        steps = [l["step"] for l in pts]
         label = f"rank {rank}"
-        line, = axes[0].plot(steps, [l["free_total"] / div for l in pts], marker=".", label=label)
-        color = line.get_color()
-        axes[1].plot(steps, [(l["largest_free"] or 0) / div for l in pts], marker=".", color=color, label=label)
-        axes[2].plot(steps, [float("nan") if l.get("frag_ratio") is None else l["frag_ratio"] for l in pts],
-                     marker=".", color=color, label=label)
-        comp = [l for l in lines if l.get("kind") == "compaction"]
-        by_step = {l["step"]: l for l in pts}
-        for c in comp:
-            for ax in axes:
-                ax.axvline(c["step"], color=color, linestyle=":", linewidth=1)
-        if comp:   # the marker sits at the largest block after compaction (or the step's scan)
-            ys = [(c.get("largest_free_after") or (by_step.get(c["step"]) or {}).get("largest_free") or 0) / div
-                  for c in comp]
-            axes[1].scatter([c["step"] for c in comp], ys, marker="^", s=60, color=color, zorder=3,
-                            label=f"{label}: compaction")
-        ooms = [l for l in pts if any(not w.get("fits", True) for w in (l.get("watch") or {}).values())]
-        if ooms:
-            axes[1].scatter([l["step"] for l in ooms], [(l["largest_free"] or 0) / div for l in ooms], marker="x",
-                            s=70, color="red", zorder=3, label=f"{label}: predicted OOM (watched request)")
-    axes[0].set_ylabel(f"free_total ({unit})")
-    axes[1].set_ylabel(f"largest_free ({unit})")
-    axes[2].set_ylabel("frag_ratio\n(free_total / largest_free - 1)")
-    axes[2].set_xlabel("training step")
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
-    fig.suptitle(title)
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def _timeline_plot(timeline: Path, png: Path, title: str) -> tuple[Path | None, str | None]:
-    try:
-        from .plots import plot_fragmentation_timeline
-    except ImportError as exc:
-        return None, f"fragmentation timeline not drawn: ms_memopt.plots missing ({exc})"
-    return plot_fragmentation_timeline(timeline, png, title=title), None
+        scanned = [l for l in lines if l.get("kind", "scan") == "scan" and l.get("free_total") is not None]
+        series[label] = [(l["step"], l["free_total"], l.get("largest_free") or 0, l.get("frag_ratio"))
+                         for l in scanned]
+        markers += [Marker(label, l["step"], "compaction", l.get("largest_free_after"))
+                    for l in lines if l.get("kind") == "compaction"]
+        markers += [Marker(label, l["step"], "predicted_oom", l.get("largest_free") or 0) for l in scanned
+                    if any(not w.get("fits", True) for w in (l.get("watch") or {}).values())]
+    return plot_timeline(series, path, markers=markers, title=title)
 
 
 # --- the report ------------------------------------------------------------------------------------
@@ -592,11 +534,6 @@ def _simulation_section(root: Path, timeline: Path, problems: list[str], title: 
         table.append([policy, len(p["seeds"]), oom_text, _ratio(p["frag_max"]), format_size(p["lf_min"]),
                       p["compactions"]])
     lines += _md_table(["policy", "seeds", "OOM", "frag max", "min largest_free", "compactions"], table)
-    png = root / "fragmentation.png"
-    drawn, problem = _timeline_plot(timeline, png, title)
-    if drawn is not None:
-        lines += ["", "![fragmentation timeline](fragmentation.png)"]
-    else:
-        problems.append(problem)
-    lines.append("")
+    plot_fragmentation_timeline(timeline, root / "fragmentation.png", title=title)
+    lines += ["", "![fragmentation timeline](fragmentation.png)", ""]
     return lines
