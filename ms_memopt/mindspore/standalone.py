@@ -59,6 +59,11 @@ from ..errors import InputError
 from ..layout import Layout
 from ..recipe import Recipe
 from ..report import LAYOUTS_NAME, layout_to_dict
+from .compaction import CompactionCallback
+from .fused_adamw import FusedAdamW
+from .model import GPT, GPTConfig, GPTWithLoss, synthetic_batches
+from .pool_mode import enable_pool_mode
+from .scan_callback import LayoutScanCallback, detect_rank
 
 __all__ = ["RunResult", "select_device", "gpt_config_from_recipe", "token_batches", "run_standalone",
            "latest_checkpoint", "TRAIN_LOG_NAME", "RUN_META_NAME"]
@@ -151,7 +156,6 @@ def gpt_config_from_recipe(recipe: Recipe, device: str):
     multi-head attention, so ``n_kv_heads`` and the gated FFN of a LLaMA config are not
     reproduced (noted). bfloat16 becomes float32 on CPU, whose bf16 kernels are incomplete.
     """
-    from .model import GPTConfig
 
     m = recipe.model
     notes = []
@@ -211,7 +215,6 @@ def token_batches(config, dataset: str, batch_size: int, steps: int, seed: int =
     samples are used in order and wrap around. Batch ``i`` does not depend on ``start``.
     """
     if dataset == "synthetic":
-        from .model import synthetic_batches
 
         for index, batch in enumerate(synthetic_batches(config, batch_size, steps, seed)):
             if index >= start:
@@ -324,7 +327,7 @@ class _Checkpointer(Callback):
 class _ProgressBar(Callback):
     """tqdm bar: step, loss, step time and the frag ratio of the latest scan."""
 
-    def __init__(self, total: int, initial: int, scan_callback, enabled: bool) -> None:
+    def __init__(self, total: int, initial: int, scan_callback: LayoutScanCallback, enabled: bool) -> None:
         super().__init__()
         from tqdm import tqdm
 
@@ -335,7 +338,7 @@ class _ProgressBar(Callback):
 
     def on_train_step_end(self, run_context):
         p = run_context.original_args()
-        records = getattr(self.scan_callback, "records", None) or []
+        records = self.scan_callback.records
         if records:
             self.frag = records[-1].frag_ratio
         frag = "n/a" if self.frag is None else f"{self.frag:.2f}"
@@ -415,27 +418,13 @@ def _make_optimizer(recipe: Recipe, params, pool_mode: bool):
     lr = recipe.memopt.train.learning_rate
     wanted = (recipe.train.optimizer_type or "").replace("-", "_").lower()
     if wanted in _FUSED_NAMES or pool_mode:
-        from .fused_adamw import FusedAdamW
 
         return FusedAdamW(params, learning_rate=lr), "FusedAdamW"
     return nn.AdamWeightDecay(params, learning_rate=lr), "nn.AdamWeightDecay"
 
 
-def _optional(module: str, name: str, not_wired: list[str], feature: str):
-    """A name from ``ms_memopt.mindspore.<module>``, or None (and a note) when it is absent."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(f"ms_memopt.mindspore.{module}"), name)
-    except (ImportError, AttributeError) as exc:
-        not_wired.append(f"{feature}: ms_memopt.mindspore.{module}.{name} not available ({exc})")
-        return None
-
-
-def _scan_callback(cls, recipe: Recipe, out: Path):
-    """Build LayoutScanCallback with the keywords it accepts (its signature is the scan branch's)."""
-    import inspect
-
+def _scan_callback(recipe: Recipe, out: Path) -> LayoutScanCallback:
+    """The layout scans the recipe asks for; on CPU their source is the shadow allocator model."""
     mem = recipe.memopt
     allocator = mem.allocator
     options = {"increase_size": allocator.increase_size, "pregrow": allocator.pregrow}
@@ -446,33 +435,22 @@ def _scan_callback(cls, recipe: Recipe, out: Path):
         name, options = "mindspore", {"increase_size": allocator.increase_size}
     if name != "mindspore":
         options.pop("pregrow", None), options.pop("init_size", None)
-    wanted = {"every": mem.scan_every, "log_dir": str(out), "watch": dict(mem.watch) or None,
-              "capacity": recipe.capacity, "source": "auto",
-              "model_options": {"allocator": name, "options": options}}
-    try:
-        accepted = inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        accepted = {}
-    if not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
-        wanted = {k: v for k, v in wanted.items() if k in accepted}
-    return cls(**wanted)
+    return LayoutScanCallback(every=mem.scan_every, log_dir=str(out), watch=dict(mem.watch) or None,
+                              capacity=recipe.capacity, source="auto",
+                              model_options={"allocator": name, "options": options})
 
 
-def _compaction_callback(cls, recipe: Recipe, out: Path, scan_cb):
+def _compaction_callback(recipe: Recipe, out: Path, scan_cb: LayoutScanCallback) -> CompactionCallback:
     """CompactionCallback every ``compact_every`` steps (``scan_every`` when only a frag threshold
     is given), gated by the latest scan's frag ratio; its records join the rank's scan log."""
     mem = recipe.memopt
 
     def latest_frag():
-        records = getattr(scan_cb, "records", None) or []
+        records = scan_cb.records
         return records[-1].frag_ratio if records else None
 
-    try:
-        from .scan_callback import detect_rank
-        rank = detect_rank()
-    except ImportError:
-        rank = 0
-    return cls(every=mem.compact_every or mem.scan_every, when_frag_above=mem.compact_when_frag_above,
+    rank = detect_rank()
+    return CompactionCallback(every=mem.compact_every or mem.scan_every, when_frag_above=mem.compact_when_frag_above,
                frag_fn=latest_frag, log_dir=str(out / f"rank_{rank}"))
 
 
@@ -524,7 +502,6 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
 
 def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_from: tuple[int, Path] | None,
            progress: bool) -> RunResult:
-    from .model import GPT, GPTWithLoss
 
     started = time.perf_counter()
     tr, mem = recipe.memopt.train, recipe.memopt
@@ -550,12 +527,10 @@ def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_
     net_with_loss = GPTWithLoss(net)
     optimizer, opt_name = _make_optimizer(recipe, net.trainable_params(), mem.pool_mode)
     if mem.pool_mode:
-        enable = _optional("pool_mode", "enable_pool_mode", not_wired, "pool mode")
-        if enable is not None:
-            k = mem.checkpoint_every or max(1, min(6, cfg.num_layers))
-            plan = enable(net, optimizer, checkpoint_every=k, batch_size=tr.batch_size)
-            notes.append(f"pool mode: checkpoint_every={k}; regions "
-                         + ", ".join(f"{r.name}={r.size}" for r in getattr(plan, "regions", [])))
+        k = mem.checkpoint_every or max(1, min(6, cfg.num_layers))
+        plan = enable_pool_mode(net, optimizer, checkpoint_every=k, batch_size=tr.batch_size)
+        notes.append(f"pool mode: checkpoint_every={k}; regions "
+                     + ", ".join(f"{r.name}={r.size}" for r in plan.regions))
     train_net = nn.TrainOneStepCell(net_with_loss, optimizer)
     train_net.set_train(True)
     if resume_from is not None:
@@ -569,19 +544,14 @@ def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_
         _truncate_jsonl(out / LAYOUTS_NAME, keep_through=start)
 
     callbacks: list[Callback] = []
-    scan_cb = None
-    scan_cls = _optional("scan_callback", "LayoutScanCallback", not_wired, "layout scans")
-    if scan_cls is not None:
-        scan_cb = _scan_callback(scan_cls, recipe, out)
-        callbacks.append(scan_cb)
-        callbacks.append(_LayoutSnapshots(out / LAYOUTS_NAME, scan_cb,
-                                          _snapshot_steps(start + 1, total, mem.scan_every)))
+    scan_cb = _scan_callback(recipe, out)
+    callbacks.append(scan_cb)
+    callbacks.append(_LayoutSnapshots(out / LAYOUTS_NAME, scan_cb,
+                                      _snapshot_steps(start + 1, total, mem.scan_every)))
     compaction_cb = None
     if mem.compact_every or mem.compact_when_frag_above:
-        comp_cls = _optional("compaction", "CompactionCallback", not_wired, "compaction")
-        if comp_cls is not None:
-            compaction_cb = _compaction_callback(comp_cls, recipe, out, scan_cb)
-            callbacks.append(compaction_cb)
+        compaction_cb = _compaction_callback(recipe, out, scan_cb)
+        callbacks.append(compaction_cb)
     checkpointer = _Checkpointer(out / _CKPT_DIR, tr.checkpoint_every_steps, total)
     callbacks += [checkpointer, _StepLog(out / TRAIN_LOG_NAME, start),
                   _ProgressBar(total, start, scan_cb, progress)]
@@ -619,8 +589,8 @@ def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_
             cb.on_train_epoch_end(context)
             cb.on_train_end(context)
     result.checkpoints = checkpointer.saved
-    result.scans = len(getattr(scan_cb, "records", None) or [])
-    result.compactions = len(getattr(compaction_cb, "records", None) or [])
+    result.scans = len(scan_cb.records)
+    result.compactions = len(compaction_cb.records) if compaction_cb is not None else 0
     result.seconds = time.perf_counter() - started
     logger.info("trained steps %d..%d of %d on %s in %.1f s; %d scans, %d compactions", start + 1,
                 params.cur_step_num, total, target, result.seconds, result.scans, result.compactions)
