@@ -325,6 +325,18 @@ def test_block_bases_from_memory_stats():
     assert block_bases(stats) == [(1 << 32, 64 * MiB, 0, "common")]
 
 
+def test_block_bases_read_pycapsule_addresses():
+    """On a device ``blocks_info`` is keyed by PyCapsules; an unreadable key leaves the base unknown."""
+    import ctypes
+
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(0x12C080000000, None, None)
+    stats = {"common_mem_pool_stats": {"blocks_info": {capsule: {"block_memory_size": 1 << 30},
+                                                        object(): {"block_memory_size": 1 << 30}}}}
+    assert block_bases(stats) == [(0x12C080000000, 1 << 30, 0, "common"), (None, 1 << 30, 0, "common")]
+
+
 def test_auto_picks_the_device_on_ascend_and_says_why():
     sources, reason = make_sources("auto", device_api=FakeDevice(_fragmented_pool()))
     assert [s.name for s in sources] == ["device"] and "Ascend" in reason
