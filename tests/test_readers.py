@@ -183,7 +183,6 @@ def test_instances_frees_before_allocs_at_equal_times():
 
 
 def test_instances_files():
-    pytest.importorskip("ms_memopt.traces.instances")
     trace = load_trace(DATA / "instances_small.csv")
     assert trace.format == "instances" and len(trace.events) == 8
     _paired(trace)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from ms_memopt.scan import (LayoutSource, Reading, ScanLog, Scanner, Source, che
                             read_scan_log)
 
 REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
 MiB = 1 << 20
 RECORD_FIELDS = {"step", "rank", "time", "source", "reserved", "allocated", "free_total", "largest_free",
                  "frag_ratio", "device_free", "hole_histogram", "watch", "warnings"}
@@ -277,7 +279,6 @@ def test_device_source_probe_finds_largest_hole_with_bounded_allocations():
 
 
 def test_device_source_reads_a_fresh_pool_debug_dump(tmp_path):
-    pytest.importorskip("ms_memopt.traces.ms_debug_dump", reason="the pool debug dump reader is on another branch")
     dump = tmp_path / "MemoryDebugInfo0.txt"
     dump.write_text(
         'The dynamic memory pool stat info : {"in used mem":2.00MB,"peak used mem":2.00MB,"alloc mem":8.00MB,'
@@ -303,15 +304,18 @@ def test_device_source_reads_a_fresh_pool_debug_dump(tmp_path):
     assert source.read().largest_free is None          # the same dump is not fresh any more
 
 
-def test_device_source_uses_the_dump_reader_it_is_given(tmp_path, monkeypatch):
-    module = types.ModuleType("ms_memopt.traces.ms_debug_dump")
-    module.read_pool_debug_dump = lambda path: _layout((MiB, 3 * MiB))
-    monkeypatch.setitem(sys.modules, "ms_memopt.traces.ms_debug_dump", module)
+def test_device_source_reads_the_sample_pool_debug_dump(tmp_path):
+    """The recorded-format sample in tests/data through the real reader: holes from the dump, totals from the stats."""
     dump = tmp_path / "MemoryDebugInfo3.txt"
-    dump.write_text("x")
+    shutil.copyfile(DATA / "MemoryDebugInfo0.txt", dump)
     pool = _fragmented_pool()
     reading = DeviceSource(FakeDevice(pool, dumps=[dump])).read()
-    assert reading.largest_free == 3 * MiB and reading.reserved == pool.reserved
+    # the sample's largest idle buffer: the tail of the 2 GiB block after the FlashAttention workspace
+    assert reading.largest_free == 1935671296
+    assert reading.hole_histogram == {str(MiB): 1, str(64 * MiB): 1, str(512 * MiB): 3, str(1 << 30): 1}
+    assert reading.extra["largest_from"] == "dump:MemoryDebugInfo3.txt"
+    assert reading.extra["dump_reserved"] == 5 << 30                  # 5120.00MB "alloc mem" in the sample
+    assert reading.reserved == pool.reserved and reading.allocated == pool.allocated  # current stats win
     again = DeviceSource(FakeDevice(pool, dumps=[]))
     assert again.read().extra["largest_from"] == "probe"   # no dump: falls back to the probe
 
@@ -319,6 +323,18 @@ def test_device_source_uses_the_dump_reader_it_is_given(tmp_path, monkeypatch):
 def test_block_bases_from_memory_stats():
     stats = FakeDevice(_fragmented_pool()).memory_stats()
     assert block_bases(stats) == [(1 << 32, 64 * MiB, 0, "common")]
+
+
+def test_block_bases_read_pycapsule_addresses():
+    """On a device ``blocks_info`` is keyed by PyCapsules; an unreadable key leaves the base unknown."""
+    import ctypes
+
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(0x12C080000000, None, None)
+    stats = {"common_mem_pool_stats": {"blocks_info": {capsule: {"block_memory_size": 1 << 30},
+                                                        object(): {"block_memory_size": 1 << 30}}}}
+    assert block_bases(stats) == [(0x12C080000000, 1 << 30, 0, "common"), (None, 1 << 30, 0, "common")]
 
 
 def test_auto_picks_the_device_on_ascend_and_says_why():
@@ -462,15 +478,9 @@ def test_custom_loop_scanner_with_value_and_grad(tmp_path):
     assert records[-1]["extra"]["activations_observed"] > 0
 
 
-def test_device_source_falls_back_to_probe_on_an_unreadable_dump(tmp_path, monkeypatch):
-    module = types.ModuleType("ms_memopt.traces.ms_debug_dump")
-
-    def broken(path):
-        raise InputError("not a pool dump", source=str(path), line=1)
-    module.read_pool_debug_dump = broken
-    monkeypatch.setitem(sys.modules, "ms_memopt.traces.ms_debug_dump", module)
+def test_device_source_falls_back_to_probe_on_an_unreadable_dump(tmp_path):
     dump = tmp_path / "MemoryDebugInfo0.txt"
-    dump.write_text("garbage")
+    dump.write_text("garbage")                          # the real reader rejects it with an InputError
     pool = _fragmented_pool()
     reading = DeviceSource(FakeDevice(pool, dumps=[dump]), probe_granularity=MiB).read()
     assert reading.extra["largest_from"] == "probe" and reading.largest_free == pool.largest_free()

@@ -70,11 +70,7 @@ def run(args: argparse.Namespace) -> int:
                          "take; use `ms-memopt simulate RECIPE --policy pool`, or replay with "
                          "--allocator mindspore, mindspore-vmm, torch or torch-expandable",
                          key="--allocator")
-    try:
-        model = create(name, capacity)
-    except ImportError as exc:
-        raise InputError(f"allocator model {name!r} is not available in this build ({exc})",
-                         key="--allocator") from None
+    model = create(name, capacity)
     try:
         result = replay(trace, model)
     except NotImplementedError as exc:  # e.g. a model that cannot start from a snapshot's state
@@ -82,11 +78,8 @@ def run(args: argparse.Namespace) -> int:
                          f"{'torch' if trace.format == 'torch-snapshot' else 'mindspore'}",
                          key="--allocator") from None
     if args.export_memory_viz:
-        try:
-            from ..traces.memory_viz import write_memory_viz
-        except ImportError as exc:
-            raise InputError(f"memory_viz export is not available in this build ({exc})",
-                             key="--export-memory-viz") from None
+        from ..traces.memory_viz import write_memory_viz
+
         write_memory_viz(args.export_memory_viz, trace, result.final_layout)
 
     out = {"trace": trace.source, "format": trace.format, "capacity": capacity}

@@ -181,12 +181,8 @@ def _export_memory_viz(out: Path, path: str, result) -> str:
     if not layouts:
         result.not_wired.append("--export-memory-viz: no layout was scanned (no scan source with a layout)")
         return "not written: no layout"
-    try:
-        from ..traces.memory_viz import write_memory_viz
-    except ImportError as exc:
-        result.not_wired.append(f"--export-memory-viz: ms_memopt.traces.memory_viz missing ({exc})")
-        return "not written: ms_memopt.traces.memory_viz missing"
     from ..events import Event
+    from ..traces.memory_viz import write_memory_viz
 
     step, layout = layouts[-1].step, layouts[-1].layout
     events = [Event("alloc", id=i, size=b.size, addr=b.addr, step=step, tag=b.tag)

@@ -23,7 +23,6 @@
 """
 from __future__ import annotations
 
-import ctypes
 import glob
 import logging
 import os
@@ -34,6 +33,7 @@ from ..allocators import create
 from ..errors import InputError
 from ..layout import Layout
 from ..scan import Reading, Source
+from ..traces.ms_debug_dump import address_of, read_pool_debug_dump
 
 __all__ = ["DeviceMemoryAPI", "MindSporeDeviceAPI", "DeviceSource", "ShadowModelSource", "ArenaSource",
            "make_sources", "SOURCES"]
@@ -118,18 +118,11 @@ def _tracker_path_from_env() -> Path | None:
     return None
 
 
-def _capsule_address(obj) -> int | None:
-    """A block base from ``blocks_info``: a PyCapsule on a device, an int in tests."""
-    if isinstance(obj, int):
-        return obj
+def _block_address(obj) -> int | None:
+    """A block base from ``blocks_info`` (a PyCapsule on a device, an int in tests); ``None`` when unreadable."""
     try:
-        api = ctypes.pythonapi
-        api.PyCapsule_GetName.restype = ctypes.c_char_p
-        api.PyCapsule_GetName.argtypes = [ctypes.py_object]
-        api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-        api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-        return int(api.PyCapsule_GetPointer(obj, api.PyCapsule_GetName(obj)) or 0) or None
-    except Exception:  # an unnamed capsule or another object: the base stays unknown
+        return address_of(obj)
+    except InputError:  # an unnamed or null capsule, or another object: the base stays unknown
         return None
 
 
@@ -139,7 +132,7 @@ def block_bases(stats: dict) -> list[tuple[int | None, int, int, str]]:
     for pool, key in (("common", "common_mem_pool_stats"), ("persistent", "persistent_mem_pool_stats")):
         info = (stats.get(key) or {}).get("blocks_info") or {}
         for base, block in info.items():
-            out.append((_capsule_address(base), int(block.get("block_memory_size", 0)),
+            out.append((_block_address(base), int(block.get("block_memory_size", 0)),
                         int(block.get("block_stream_id", 0)), pool))
     return out
 
@@ -213,7 +206,6 @@ class DeviceSource(Source):
             return None, None
         self._last_dump_mtime = mtime
         try:
-            from ..traces.ms_debug_dump import read_pool_debug_dump  # imported only when a dump exists
             return read_pool_debug_dump(path), path
         except Exception as exc:  # an unreadable dump: this scan falls back to the probe
             logger.warning("cannot use the pool debug dump %s: %s: %s", path, type(exc).__name__, exc)

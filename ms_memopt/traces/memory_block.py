@@ -42,7 +42,7 @@ from ..errors import InputError
 from ..events import Event, Trace
 
 __all__ = ["FORMAT", "NEVER_FREED", "REQUIRED_COLUMNS", "looks_like_memory_block", "read_memory_block",
-           "parse_address"]
+           "parse_address", "parse_int"]
 
 FORMAT = "mindspore-memory-block"
 NEVER_FREED = 9223372036854775807
@@ -68,6 +68,26 @@ def looks_like_memory_block(first_line: str) -> bool:
     return all(name in columns for name in REQUIRED_COLUMNS)
 
 
+def parse_int(text: str, what: str, *, source: str | None = None, line: int | None = None,
+              allow_hex: bool = False, non_negative: bool = False) -> int:
+    """Parse a decimal integer field (with ``allow_hex`` also ``0x``-prefixed hex, as C++ prints pointers).
+
+    The readers' one integer parser: the :class:`InputError` names ``what``, the file and the line.
+
+    Example:
+        >>> parse_int("512", "size"), parse_int("0x200", "addr", allow_hex=True)
+        (512, 512)
+    """
+    text = text.strip()
+    try:
+        value = int(text, 16) if allow_hex and text[:2].lower() == "0x" else int(text, 10)
+    except ValueError:
+        raise InputError(f"{what}: expected an integer, got {text[:40]!r}", source=source, line=line) from None
+    if non_negative and value < 0:
+        raise InputError(f"{what}: expected a non-negative integer, got {text[:40]!r}", source=source, line=line)
+    return value
+
+
 def parse_address(text: str, *, source: str | None = None, line: int | None = None,
                   what: str = "device_addr") -> int | None:
     """Parse an address as C++ prints a pointer (``0x12c0``) or as a decimal integer.
@@ -78,24 +98,9 @@ def parse_address(text: str, *, source: str | None = None, line: int | None = No
         >>> parse_address("0x12c041400000"), parse_address("4096"), parse_address("(nil)")
         (20616937734144, 4096, None)
     """
-    text = text.strip()
-    if text.lower() in _NULL_ADDRESSES:
+    if text.strip().lower() in _NULL_ADDRESSES:
         return None
-    try:
-        value = int(text, 16) if text.lower().startswith("0x") else int(text, 10)
-    except ValueError:
-        raise InputError(f"{what}: expected an address such as 0x12c041400000, got {text[:40]!r}",
-                         source=source, line=line) from None
-    if value < 0:
-        raise InputError(f"{what}: expected a non-negative address, got {text[:40]!r}", source=source, line=line)
-    return value
-
-
-def _int(text: str, name: str, source: str, line: int) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise InputError(f"{name}: expected an integer, got {text.strip()[:40]!r}", source=source, line=line) from None
+    return parse_int(text, what, source=source, line=line, allow_hex=True, non_negative=True)
 
 
 def _records(handle, source: str, width: int):
@@ -186,13 +191,12 @@ def _read_rows(handle, columns: list[str], trailing: bool, source: str) -> Trace
 def _row_values(fields: list[str], cols: tuple, source: str, line: int) -> tuple[int, int, int, int | None, int]:
     """(start, end, size, addr, stream) of a row, with messages naming the bad field."""
     i_start, i_end, i_size, i_addr, i_stream = cols
-    start = _int(fields[i_start], "start_time_stamp", source, line)
-    end = _int(fields[i_end], "end_time_stamp", source, line)
-    size = _int(fields[i_size], "size", source, line)
-    if size < 0:
-        raise InputError(f"size: expected a non-negative integer, got {size}", source=source, line=line)
+    start = parse_int(fields[i_start], "start_time_stamp", source=source, line=line)
+    end = parse_int(fields[i_end], "end_time_stamp", source=source, line=line)
+    size = parse_int(fields[i_size], "size", source=source, line=line, non_negative=True)
     addr = parse_address(fields[i_addr], source=source, line=line)
-    stream = _int(fields[i_stream], "stream_id", source, line) if i_stream is not None and fields[i_stream].strip() else 0
+    stream = (parse_int(fields[i_stream], "stream_id", source=source, line=line)
+              if i_stream is not None and fields[i_stream].strip() else 0)
     return start, end, size, addr, stream
 
 

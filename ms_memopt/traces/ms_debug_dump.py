@@ -262,7 +262,13 @@ def address_of(key: Any) -> int:
         api.PyCapsule_GetName.argtypes = [ctypes.py_object]
         api.PyCapsule_GetPointer.restype = ctypes.c_void_p
         api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-        return int(api.PyCapsule_GetPointer(key, api.PyCapsule_GetName(key)) or 0)
+        try:
+            pointer = api.PyCapsule_GetPointer(key, api.PyCapsule_GetName(key))
+        except (ValueError, TypeError) as exc:  # a capsule whose name does not match its pointer
+            raise InputError(f"cannot read the block address from a PyCapsule: {exc}", key="block_bases") from None
+        if not pointer:
+            raise InputError("expected a non-null block address, got a null PyCapsule", key="block_bases")
+        return int(pointer)
     raise InputError(f"expected a block address (int, '0x...' or PyCapsule), got {type(key).__name__}",
                      key="block_bases")
 

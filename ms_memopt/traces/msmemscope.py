@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..events import Event, Trace
-from .memory_block import parse_address
+from .memory_block import parse_address, parse_int
 
 __all__ = ["FORMAT", "REQUIRED_COLUMNS", "looks_like_msmemscope", "read_msmemscope", "parse_attr"]
 
@@ -89,13 +89,7 @@ def _attr_int(attr: dict[str, str], key: str, source: str, line: int, *, require
             raise InputError(f"Attr: missing {key!r}; expected {{allocation_id:..,addr:..,size:..}}",
                              source=source, line=line)
         return None
-    try:
-        number = int(value, 0) if value.lower().startswith("0x") else int(value)
-    except ValueError:
-        raise InputError(f"Attr {key}: expected an integer, got {value[:40]!r}", source=source, line=line) from None
-    if number < 0:
-        raise InputError(f"Attr {key}: expected a non-negative integer, got {number}", source=source, line=line)
-    return number
+    return parse_int(value, f"Attr {key}", source=source, line=line, allow_hex=True, non_negative=True)
 
 
 class _Row:
@@ -155,11 +149,8 @@ def _read(handle, source: str) -> Trace:
             kind = fields[col["Event Type"]].strip()
             if event not in ("MALLOC", "FREE", "MSTX"):
                 continue
-            try:
-                time = int(fields[col[time_column]])
-                order = int(fields[col["ID"]])
-            except ValueError:
-                raise InputError(f"{time_column} and ID: expected integers", source=source, line=line) from None
+            time = parse_int(fields[col[time_column]], time_column, source=source, line=line)
+            order = parse_int(fields[col["ID"]], "ID", source=source, line=line)
             if event == "MSTX":
                 name = fields[i_name].strip() if i_name is not None else ""
                 rows.append(_Row(time, order, line, event, kind, None, None, 0, None, name or kind))
