@@ -25,9 +25,12 @@ import time
 from pathlib import Path
 
 from .errors import InputError
+from .estimate import estimate
 from .recipe import Recipe, load_recipe
 from .report import LayoutSnapshot, build_report, write_layouts
+from .simulate import POLICIES, config_from_recipe, simulate
 from .units import format_size
+from .workload import WATCH_TAG, spec_from_recipe
 
 __all__ = ["LayoutCollector", "main", "simulated_layouts"]
 
@@ -87,8 +90,6 @@ def simulated_layouts(recipe: Recipe, steps: list[int], *, policies: tuple[str, 
     OOM. One run of :func:`ms_memopt.simulate.simulate` up to the last step, collected by a
     :class:`LayoutCollector` (``make demo`` hooks the collector into its main simulation instead).
     """
-    from .simulate import config_from_recipe, simulate
-    from .workload import WATCH_TAG, spec_from_recipe
 
     spec = spec_from_recipe(recipe)
     cfg = config_from_recipe(recipe, steps=max(steps))
@@ -131,7 +132,6 @@ def _demo(args: argparse.Namespace) -> int:
     timings: dict[str, float] = {}
     started = time.perf_counter()
     parts: list[tuple[str, str]] = []
-    not_wired: list[str] = []
 
     if not args.skip_run:
         print(f"[1/3] training {CPU_RECIPE.name} on CPU (MindSpore) ...", flush=True)
@@ -143,23 +143,21 @@ def _demo(args: argparse.Namespace) -> int:
         if not check.fits:
             raise InputError(f"needs {format_size(check.needed)}, {format_size(check.available)} available",
                              source=str(CPU_RECIPE))
-        from .mindspore.standalone import run_standalone
-        from .estimate import estimate
+        from .mindspore.standalone import (
+            run_standalone,  # MindSpore is imported only here
+        )
 
         run_dir = out / "run"
         result = run_standalone(recipe, run_dir, device="cpu", steps=args.run_steps, progress=sys.stderr.isatty())
         (run_dir / "plan.json").write_text(json.dumps(estimate(recipe).to_dict()), encoding="utf-8")
         build_report(run_dir, title=f"Training {CPU_RECIPE.name} on CPU")
         timings["train (MindSpore, CPU)"] = time.perf_counter() - t0
-        not_wired += result.not_wired
         parts.append(("run", f"Training {CPU_RECIPE.name} on CPU"))
         print(f"      loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {len(result.losses)} steps, "
               f"{timings['train (MindSpore, CPU)']:.0f} s", flush=True)
 
     print(f"[2/3] planning {BIG_RECIPE.name} ...", flush=True)
     t0 = time.perf_counter()
-    from .estimate import estimate
-
     big = load_recipe(BIG_RECIPE)
     plan_dir = out / "plan"
     plan_dir.mkdir(parents=True, exist_ok=True)
@@ -177,7 +175,7 @@ def _demo(args: argparse.Namespace) -> int:
     # the memory map: a few steps early on (the layout settles within a few hundred steps) and
     # any OOM, taken by the same simulation run
     collector = LayoutCollector([s for s in (1, scans, 2 * scans) if s <= args.sim_steps])
-    _simulate(big, sim_dir, args.sim_steps, args.seeds, not_wired, collector)
+    _simulate(big, sim_dir, args.sim_steps, args.seeds, collector)
     timings["simulate"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     write_layouts(sim_dir / "layouts.jsonl", collector.snapshots())
@@ -192,8 +190,6 @@ def _demo(args: argparse.Namespace) -> int:
     lines += ["| part | seconds |", "|---|---|"]
     lines += [f"| {name} | {sec:.1f} |" for name, sec in timings.items()]
     lines += [f"| **total** | **{total:.1f}** |", ""]
-    if not_wired:
-        lines += ["Not wired in this installation:", ""] + [f"- {n}" for n in not_wired] + [""]
     for folder, _ in parts:
         lines += _section((out / folder / "report.md").read_text(encoding="utf-8"), folder)
         lines.append("")
@@ -203,15 +199,8 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate(recipe: Recipe, sim_dir: Path, steps: int, seeds: int, not_wired: list[str],
-              on_watch=None) -> dict:
+def _simulate(recipe: Recipe, sim_dir: Path, steps: int, seeds: int, on_watch=None) -> dict:
     """Run the simulator's policies; returns ``policy -> [per-seed result dicts]``."""
-    try:
-        from .simulate import POLICIES, config_from_recipe, simulate
-        from .workload import spec_from_recipe
-    except ImportError as exc:
-        not_wired.append(f"simulation: ms_memopt.simulate missing ({exc})")
-        return {}
     spec = spec_from_recipe(recipe)
     cfg = config_from_recipe(recipe, steps=steps)
     with open(sim_dir / "timeline.jsonl", "w", encoding="utf-8") as timeline:

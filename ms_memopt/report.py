@@ -414,7 +414,6 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
                       f"scans {meta.get('scans')}; compactions {meta.get('compactions')}; "
                       f"checkpoints: {', '.join(Path(c).name for c in meta.get('checkpoints') or []) or 'none'}"]
             lines += [f"- note: {n}" for n in meta.get("notes") or []]
-            lines += [f"- **not wired**: {n}" for n in meta.get("not_wired") or []]
         if train_log.is_file():
             rows = _jsonl(train_log)
             if rows:

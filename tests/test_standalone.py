@@ -54,7 +54,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     assert second.start_step == 3
     assert second.losses == full.losses[2:]                     # bit for bit
     assert _losses(part) == _losses(tmp_path / "full")          # the log holds every step once
-    assert full.compactions == 1 and not full.not_wired       # step 3: live parameters moved
+    assert full.compactions == 1                              # step 3: live parameters moved
     kinds = [json.loads(line)["kind"] for line in (part / "rank_0" / "scan.jsonl").read_text().splitlines()]
     assert kinds.count("compaction") == 1 and kinds.count("scan") >= 2
     meta = json.loads((part / "run.json").read_text())
@@ -161,8 +161,8 @@ def test_export_memory_viz_writes_the_last_scanned_layout(tmp_path):
     path = _export_memory_viz(tmp_path, str(tmp_path / "viz.pickle"), result)
     trace = read_torch_snapshot(path)
     assert [(e.action, e.addr, e.size) for e in trace.events] == [("alloc", 1 << 21, 1024)]
-    assert not result.not_wired
+    assert not result.notes
     empty = tmp_path / "empty"
     empty.mkdir()
     assert _export_memory_viz(empty, str(empty / "v.pickle"), result).startswith("not written")
-    assert "no layout" in result.not_wired[0]
+    assert "no layout" in result.notes[0]

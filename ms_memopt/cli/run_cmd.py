@@ -179,7 +179,7 @@ def _export_memory_viz(out: Path, path: str, result) -> str:
 
     layouts = read_layouts(out)
     if not layouts:
-        result.not_wired.append("--export-memory-viz: no layout was scanned (no scan source with a layout)")
+        result.notes.append("--export-memory-viz: not written, no layout was scanned")
         return "not written: no layout"
     from ..events import Event
     from ..traces.memory_viz import write_memory_viz
@@ -202,8 +202,6 @@ def _print_summary(result, summary: dict) -> None:
     print(f"scans {result.scans}; compactions {result.compactions}; checkpoints {len(result.checkpoints)}")
     for note in result.notes:
         print(f"note: {note}")
-    for missing in result.not_wired:
-        print(f"not wired: {missing}")
     for key in ("memory_viz", "report"):
         if key in summary:
             print(f"{key}: {summary[key]}")

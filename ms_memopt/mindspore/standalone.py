@@ -18,8 +18,7 @@ else the CPU) with the recipe's memory tooling switched on:
   ``network``, ``train_network``, ``optimizer``...): ``LayoutScanCallback`` every
   ``memopt.scan_every`` steps, ``CompactionCallback`` every ``memopt.compact_every`` steps,
   a checkpoint writer, a JSONL step log and a tqdm progress bar (step, loss, step time, frag
-  ratio). A callback whose module is not installed is skipped and named in
-  ``RunResult.not_wired``.
+  ratio).
 * **out directory**: ``train.jsonl`` (one line per step), ``scan.jsonl``, ``layouts.jsonl``
   (pool layouts at a few scans, for the memory map), ``checkpoints/step_NNNNNN.ckpt``
   (``mindspore.save_checkpoint`` of the network and the optimizer state, plus the step),
@@ -83,8 +82,8 @@ _FUSED_NAMES = {"fusedadamw", "fused_adamw"}
 class RunResult:
     """What a standalone run did. Times in seconds, sizes in bytes.
 
-    ``losses[i]`` is the loss of step ``start_step + i`` (steps are 1-based); ``not_wired``
-    names the features the recipe asked for that this installation could not provide.
+    ``losses[i]`` is the loss of step ``start_step + i`` (steps are 1-based); ``notes`` says
+    what the run did differently from what the recipe describes (e.g. a LLaMA FFN as a GELU MLP).
     """
     out: str
     device: str
@@ -99,7 +98,6 @@ class RunResult:
     optimizer: str = ""
     pool_mode: bool = False
     notes: list[str] = field(default_factory=list)
-    not_wired: list[str] = field(default_factory=list)
     model: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -512,7 +510,6 @@ def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_
     np.random.seed(tr.seed)
 
     cfg, notes = gpt_config_from_recipe(recipe, target)
-    not_wired: list[str] = []
     start = 0
     if resume_from is not None:
         start = resume_from[0]
@@ -563,7 +560,7 @@ def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_
         mode="train", dataset_sink_mode=False, device_target=target)
     context = RunContext(params)
     result = RunResult(out=str(out), device=target, start_step=start + 1, steps=total, optimizer=opt_name,
-                       pool_mode=mem.pool_mode, notes=notes, not_wired=not_wired, model=cfg.to_dict())
+                       pool_mode=mem.pool_mode, notes=notes, model=cfg.to_dict())
     for cb in callbacks:
         cb.on_train_begin(context)
         cb.on_train_epoch_begin(context)
@@ -594,7 +591,7 @@ def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_
     result.seconds = time.perf_counter() - started
     logger.info("trained steps %d..%d of %d on %s in %.1f s; %d scans, %d compactions", start + 1,
                 params.cur_step_num, total, target, result.seconds, result.scans, result.compactions)
-    for text in notes + not_wired:
+    for text in notes:
         logger.info("note: %s", text)
     meta = {"recipe": recipe.source, **result.to_dict()}
     meta.pop("losses"), meta.pop("step_seconds")
