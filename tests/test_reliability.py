@@ -104,9 +104,6 @@ def _bounded(seconds: float = _SECONDS, extra_memory: int = _EXTRA_MEMORY):
 
 # Failure signatures of bugs pinned by the xfail(strict=True) tests below (file not ours).
 _KNOWN_BUGS = {
-    # events.iter_jsonl / detect_format / read_jsonl catch JSONDecodeError only
-    "deep-json": lambda exc: isinstance(exc, RecursionError),
-    "json-long-int": lambda exc: isinstance(exc, ValueError) and "integer string conversion" in str(exc),
     # recipe._Reader.number / llama_ffn_size / units.parse_size|parse_count: float(int) overflows
     "huge-number": lambda exc: isinstance(exc, OverflowError),
     # load_recipe: PyYAML's composer recurses per nesting level
@@ -117,8 +114,6 @@ _KNOWN_BUGS = {
     "snapshot-huge-time": lambda exc: isinstance(exc, OverflowError),
     # load_recipe: PyYAML's int constructor raises ValueError (not YAMLError) past 4300 digits
     "yaml-long-int": lambda exc: isinstance(exc, ValueError) and "integer string conversion" in str(exc),
-    # scan.read_scan_log tests `kind in set(kinds)`: a list or dict "kind" is unhashable
-    "scan-kind-unhashable": lambda exc: isinstance(exc, TypeError) and "unhashable" in str(exc),
     # traces.instances: csv.reader raises csv.Error (a bare CR in the header line, a field over
     # 131072 characters); neither is_instance_header nor read_instance catches it
     "instance-csv-error": lambda exc: type(exc).__name__ == "Error" and type(exc).__module__ == "_csv",
@@ -384,7 +379,7 @@ def _mutated(draw, base, values):
 # trace readers through load_trace
 # ---------------------------------------------------------------------------------------------
 
-_TRACE_KNOWN = ("deep-json", "json-long-int", "snapshot-unhashable-state", "instance-csv-error")
+_TRACE_KNOWN = ("snapshot-unhashable-state", "instance-csv-error")
 
 
 @_FUZZ
@@ -478,7 +473,7 @@ def test_fuzz_scan_log_reader(work, data):
     path = work / "scan.jsonl"
     seed = "".join(json.dumps(r) + "\n" for r in _SCAN_RECORDS).encode()
     path.write_bytes(data.draw(_damaged(seed)))
-    _outcome(lambda: read_scan_log(path, kinds=("scan", "source_error")), known=("deep-json", "scan-kind-unhashable"))
+    _outcome(lambda: read_scan_log(path, kinds=("scan", "source_error")))
 
 
 _LAYOUT = {"step": 10, "label": "after compaction", "capacity": 8192,
@@ -609,7 +604,7 @@ def test_fuzz_report_cli_scan_record_types(work, records):
         (work / "report" / rank).mkdir(parents=True, exist_ok=True)
         (work / "report" / rank / "scan.jsonl").write_text("".join(json.dumps(r) + "\n" for r in content))
     _cli_outcome(["report", str(work / "report"), "--no-plots", "--json"],
-                 known=("scan-record-types", "scan-kind-unhashable"))
+                 known=("scan-record-types",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -895,34 +890,22 @@ def _strict_input_error(call) -> None:
     _outcome(call)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="events.iter_jsonl catches json.JSONDecodeError only: a deeply nested line "
-                          "raises RecursionError")
 def test_known_bug_jsonl_deeply_nested_line(tmp_path):
     path = _write(tmp_path / "deep.jsonl", _JSONL_HEADER.encode() + b"[" * 100_000 + b"\n")
     _strict_input_error(lambda: load_trace(path))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="traces.detect_format catches json.JSONDecodeError only: a deeply nested first "
-                          "line raises RecursionError")
 def test_known_bug_detect_format_deeply_nested_first_line(tmp_path):
     path = _write(tmp_path / "deep.jsonl", b'{"a": ' + b"[" * 100_000 + b"\n")
     _strict_input_error(lambda: load_trace(path))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="events.iter_jsonl: an integer of more than 4300 digits makes json.loads raise "
-                          "ValueError (int max str digits), not JSONDecodeError")
 def test_known_bug_jsonl_integer_over_4300_digits(tmp_path):
     path = _write(tmp_path / "big.jsonl",
                   _jsonl([], ['{"action": "alloc", "id": 1, "size": ' + "9" * 5000 + "}"]))
     _strict_input_error(lambda: load_trace(path))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="scan.read_scan_log catches ValueError only: a deeply nested line raises "
-                          "RecursionError")
 def test_known_bug_scan_log_deeply_nested_line(tmp_path):
     from ms_memopt.scan import read_scan_log
 
@@ -1222,9 +1205,6 @@ def test_known_bug_instance_csv_errors_escape(tmp_path, kind, entry):
         assert code == 2 and str(path) in err, err
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="scan.read_scan_log: `obj.get('kind') in wanted` with a list or dict kind raises "
-                          "TypeError (unhashable)")
 def test_known_bug_scan_log_kind_unhashable(tmp_path):
     from ms_memopt.scan import read_scan_log
 
