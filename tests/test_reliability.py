@@ -104,16 +104,10 @@ def _bounded(seconds: float = _SECONDS, extra_memory: int = _EXTRA_MEMORY):
 
 # Failure signatures of bugs pinned by the xfail(strict=True) tests below (file not ours).
 _KNOWN_BUGS = {
-    # recipe._Reader.number / llama_ffn_size / units.parse_size|parse_count: float(int) overflows
-    "huge-number": lambda exc: isinstance(exc, OverflowError),
-    # load_recipe: PyYAML's composer recurses per nesting level
-    "deep-yaml": lambda exc: isinstance(exc, RecursionError),
     # torch_snapshot._final_layout tests `state not in frozenset(...)`: a dict or list state is unhashable
     "snapshot-unhashable-state": lambda exc: isinstance(exc, TypeError) and "unhashable" in str(exc),
     # torch_snapshot.read_torch_snapshot: time_us / 1e6 overflows for an integer beyond float range
     "snapshot-huge-time": lambda exc: isinstance(exc, OverflowError),
-    # load_recipe: PyYAML's int constructor raises ValueError (not YAMLError) past 4300 digits
-    "yaml-long-int": lambda exc: isinstance(exc, ValueError) and "integer string conversion" in str(exc),
     # traces.instances: csv.reader raises csv.Error (a bare CR in the header line, a field over
     # 131072 characters); neither is_instance_header nor read_instance catches it
     "instance-csv-error": lambda exc: type(exc).__name__ == "Error" and type(exc).__module__ == "_csv",
@@ -521,7 +515,7 @@ def test_fuzz_pool_debug_dump_reader(work, data):
 # recipes
 # ---------------------------------------------------------------------------------------------
 
-_RECIPE_KNOWN = ("huge-number", "deep-yaml", "yaml-long-int")
+_RECIPE_KNOWN: tuple[str, ...] = ()
 
 
 @_FUZZ
@@ -791,11 +785,7 @@ _COMMANDS = {
     "report --plan": (["report", "{out}", "--plan", "{path}"], None),
 }
 _SIZE_OPTIONS = {"replay": "--capacity", "plan": "--capacity", "pack": "--capacity"}
-_BAD_SIZES = ["lots", "-5GB", "nan", "inf", "1e400", "5XB", "", "1.5.2GB",
-              pytest.param("1e300TB", marks=pytest.mark.xfail(
-                  strict=True, raises=AssertionError,
-                  reason="known bug: parse_size('1e300TB') raises OverflowError "
-                         "(test_known_bug_size_overflowing_a_float)"))]
+_BAD_SIZES = ["lots", "-5GB", "nan", "inf", "1e400", "5XB", "", "1.5.2GB", "1e300TB"]
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -913,17 +903,11 @@ def test_known_bug_scan_log_deeply_nested_line(tmp_path):
     _strict_input_error(lambda: read_scan_log(path))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="load_recipe catches yaml.YAMLError only: PyYAML's composer recurses once per "
-                          "nesting level, so 5000 nested '[' raise RecursionError")
 def test_known_bug_recipe_deeply_nested_yaml(tmp_path):
     path = _write(tmp_path / "deep.yaml", b"model: " + b"[" * 5000 + b"]" * 5000 + b"\n")
     _strict_input_error(lambda: load_recipe(path))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="recipe: an integer beyond float range (e.g. 10**400, valid YAML) raises "
-                          "OverflowError in _Reader.number, llama_ffn_size and units.parse_size/parse_count")
 @pytest.mark.parametrize("where", ["model.model_config.hidden_size", "model.model_config.ffn_dim_multiplier",
                                    "memopt.activation_factor", "memopt.workspace", "memopt.params",
                                    "memopt.compact_when_frag_above"])
@@ -940,9 +924,6 @@ def test_known_bug_recipe_integer_beyond_float_range(tmp_path, where):
     _strict_input_error(lambda: load_recipe(path))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="units.parse_size: a finite number times its unit can overflow to inf, and "
-                          "int(round(inf)) raises OverflowError ('1e300TB')")
 def test_known_bug_size_overflowing_a_float():
     from ms_memopt.units import parse_count, parse_size
 
@@ -1029,9 +1010,6 @@ def test_known_bug_snapshot_time_beyond_float_range(tmp_path):
     _strict_input_error(lambda: read_torch_snapshot(path))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="load_recipe catches yaml.YAMLError only: PyYAML's int constructor raises "
-                          "ValueError for an integer of more than 4300 digits")
 def test_known_bug_recipe_integer_over_4300_digits(tmp_path):
     path = _write(tmp_path / "long.yaml", b"seed: " + b"9" * 5000 + b"\n")
     _strict_input_error(lambda: load_recipe(path))
@@ -1243,10 +1221,6 @@ def test_known_bug_models_on_requests_beyond_any_device(tmp_path, allocator, eve
     assert code in (0, 1, 2), err
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="simulate: the workload builds per-step lists over parallel_config.micro_batch_num; "
-                          "2**31 micro-batches (a valid recipe) end in MemoryError, 100000 take over a "
-                          "minute and 1.2 GB for 2 steps")
 def test_known_bug_simulate_many_micro_batches(tmp_path):
     pytest.importorskip("ms_memopt.simulate")
     recipe = copy.deepcopy(_RECIPE)
