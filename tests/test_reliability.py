@@ -104,10 +104,6 @@ def _bounded(seconds: float = _SECONDS, extra_memory: int = _EXTRA_MEMORY):
 
 # Failure signatures of bugs pinned by the xfail(strict=True) tests below (file not ours).
 _KNOWN_BUGS = {
-    # torch_snapshot._final_layout tests `state not in frozenset(...)`: a dict or list state is unhashable
-    "snapshot-unhashable-state": lambda exc: isinstance(exc, TypeError) and "unhashable" in str(exc),
-    # torch_snapshot.read_torch_snapshot: time_us / 1e6 overflows for an integer beyond float range
-    "snapshot-huge-time": lambda exc: isinstance(exc, OverflowError),
     # traces.instances: csv.reader raises csv.Error (a bare CR in the header line, a field over
     # 131072 characters); neither is_instance_header nor read_instance catches it
     "instance-csv-error": lambda exc: type(exc).__name__ == "Error" and type(exc).__module__ == "_csv",
@@ -373,7 +369,7 @@ def _mutated(draw, base, values):
 # trace readers through load_trace
 # ---------------------------------------------------------------------------------------------
 
-_TRACE_KNOWN = ("snapshot-unhashable-state", "instance-csv-error")
+_TRACE_KNOWN = ("instance-csv-error",)
 
 
 @_FUZZ
@@ -424,7 +420,7 @@ def test_fuzz_torch_snapshot_wrong_types(work, snapshot, protocol, allocator):
     what parses replays through every allocator model."""
     path = work / "snapshot.pickle"
     path.write_bytes(pickle.dumps(snapshot, protocol=protocol))
-    known = ("snapshot-unhashable-state", "snapshot-huge-time")
+    known: tuple[str, ...] = ()
     trace = _outcome(lambda: read_torch_snapshot(path), known=known)
     _outcome(lambda: read_torch_snapshot(path, device=1), known=known)
     _replay_if_parsed(path, trace, allocator, known)
@@ -931,9 +927,6 @@ def test_known_bug_size_overflowing_a_float():
     _strict_input_error(lambda: parse_count("1e300T"))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="torch_snapshot: a pickle's memo lets many segments share one blocks list; "
-                          "a ~100 KB file expands to 9M Block objects (gigabytes, tens of seconds)")
 def test_known_bug_snapshot_shared_references_blow_up(tmp_path):
     blocks = [{"size": 512, "state": "inactive"}] * 3000     # one list, 3000 references to one dict
     segments = [{"address": i * 3000 * 512, "total_size": 3000 * 512, "blocks": blocks} for i in range(3000)]
@@ -972,9 +965,6 @@ def test_known_bug_report_trusts_scan_record_types(tmp_path, layout, record):
     assert result[0] in (0, 2)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="torch_snapshot._final_layout: a block 'state' that is a dict or list raises "
-                          "TypeError (unhashable) at `state not in _ALL_STATES`")
 @pytest.mark.parametrize("state", [{"a": 1}, ["active_allocated"]])
 def test_known_bug_snapshot_unhashable_block_state(tmp_path, state):
     snapshot = _snapshot()
@@ -1000,9 +990,6 @@ def test_known_bug_plan_time_quadratic_in_layers(tmp_path):
     assert code in (0, 1)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="torch_snapshot.read_torch_snapshot: time_us / 1e6 raises OverflowError for an "
-                          "integer time_us beyond float range")
 def test_known_bug_snapshot_time_beyond_float_range(tmp_path):
     snapshot = _snapshot()
     snapshot["device_traces"][0][1]["time_us"] = 10**400

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import math
 import pickle
 from pathlib import Path
 
@@ -119,6 +120,38 @@ def _int(obj: dict, key: str, where: str, source: str) -> int:
     return value
 
 
+def _check_expansion(segments: list, source: str) -> None:
+    """Refuse more blocks than the file has bytes.
+
+    Written out, every block costs the pickle several bytes of its own; only the memo lets
+    many segments share one ``blocks`` list, so that a 100 KB file would expand to millions
+    of blocks (gigabytes and minutes). No snapshot PyTorch writes shares them.
+    """
+    try:
+        size = Path(source).stat().st_size
+    except OSError:
+        return
+    total = sum(len(seg["blocks"]) for seg in segments
+                if isinstance(seg, dict) and isinstance(seg.get("blocks"), list))
+    if total > size:
+        raise InputError(f"{total} blocks in a {size}-byte file: the pickle shares its block lists among "
+                         "segments (memo references), which no PyTorch snapshot does", source=source)
+
+
+def _time_seconds(t: object, where: str, source: str) -> float | None:
+    """``time_us`` in seconds; ``None`` when absent or not a number."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        return None
+    try:
+        seconds = t / 1e6
+    except OverflowError:    # an integer beyond float range
+        seconds = math.inf
+    if not math.isfinite(seconds):
+        raise InputError(f"{where}: 'time_us' must be a finite number of microseconds, got "
+                         f"{t if isinstance(t, float) else 'an integer beyond float range'}", source=source)
+    return seconds
+
+
 def _final_layout(segments: list, device: int, source: str) -> Layout:
     out: list[Segment] = []
     for i, seg in enumerate(segments):
@@ -146,7 +179,7 @@ def _final_layout(segments: list, device: int, source: str) -> Layout:
             # older snapshots omit block addresses: blocks tile the segment in order
             baddr = _int(raw, "address", bwhere, source) if "address" in raw else cursor
             state = raw.get("state")
-            if state not in _ALL_STATES:
+            if not isinstance(state, str) or state not in _ALL_STATES:
                 raise InputError(f"{bwhere}: unknown state {state!r}; expected one of {sorted(_ALL_STATES)}",
                                  source=source)
             if baddr != cursor or size == 0:
@@ -240,6 +273,7 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     raw_trace = traces[device] if traces else []
     if not isinstance(raw_trace, list):
         raise InputError(f"device_traces[{device}] must be a list", source=source)
+    _check_expansion(segments, source)
     final = _final_layout(segments, device, source)
 
     events: list[Event] = []
@@ -263,8 +297,7 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
         stream = entry.get("stream", 0)
         if isinstance(stream, bool) or not isinstance(stream, int):
             raise InputError(f"{where}: expected an integer 'stream', got {stream!r}", source=source)
-        t = entry.get("time_us")
-        time = t / 1e6 if isinstance(t, (int, float)) and not isinstance(t, bool) else None  # seconds
+        time = _time_seconds(entry.get("time_us"), where, source)
         if action == "alloc":
             events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time))
             live_id[addr] = next_id
