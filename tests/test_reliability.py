@@ -104,11 +104,6 @@ def _bounded(seconds: float = _SECONDS, extra_memory: int = _EXTRA_MEMORY):
 
 # Failure signatures of bugs pinned by the xfail(strict=True) tests below (file not ours).
 _KNOWN_BUGS = {
-    # traces.instances: csv.reader raises csv.Error (a bare CR in the header line, a field over
-    # 131072 characters); neither is_instance_header nor read_instance catches it
-    "instance-csv-error": lambda exc: type(exc).__name__ == "Error" and type(exc).__module__ == "_csv",
-    # traces.instances.read_instance accepts any integer; planner.greedy packs into np.int64
-    "planner-int64": lambda exc: isinstance(exc, OverflowError) and "C long" in str(exc),
     # cli.replay_cmd: create("pool", capacity) raises ValueError, the pool model needs region sizes
     "replay-pool-model": lambda exc: isinstance(exc, ValueError) and "region sizes" in str(exc),
     # report.layout_from_dict converts with int()/str() and catches Key/Type/ValueError only
@@ -369,7 +364,7 @@ def _mutated(draw, base, values):
 # trace readers through load_trace
 # ---------------------------------------------------------------------------------------------
 
-_TRACE_KNOWN = ("instance-csv-error",)
+_TRACE_KNOWN: tuple[str, ...] = ()
 
 
 @_FUZZ
@@ -451,7 +446,7 @@ def test_fuzz_instance_reader(work, data):
 
     path = work / "instance.csv"
     path.write_bytes(data.draw(_damaged(_TRACE_SEEDS["instances"])))
-    _outcome(lambda: read_instance(path), known=("instance-csv-error",))
+    _outcome(lambda: read_instance(path))
 
 
 @_FUZZ_FEW
@@ -583,7 +578,7 @@ def test_fuzz_pack_cli(work, seed, data):
     """``ms-memopt pack`` on damaged instances and traces: exit 0, 1 or 2, never a traceback."""
     path = work / "pack.csv"
     path.write_bytes(data.draw(_damaged(_TRACE_SEEDS[seed])))
-    _cli_outcome(["pack", str(path), "--json", "--time-limit", "0.2"], known=_TRACE_KNOWN + ("planner-int64",))
+    _cli_outcome(["pack", str(path), "--json", "--time-limit", "0.2"], known=_TRACE_KNOWN)
 
 
 @_FUZZ_FEW
@@ -1002,9 +997,6 @@ def test_known_bug_recipe_integer_over_4300_digits(tmp_path):
     _strict_input_error(lambda: load_recipe(path))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="traces.instances.read_instance accepts integers outside int64; planner.greedy "
-                          "converts them with np.fromiter(dtype=np.int64): OverflowError")
 @pytest.mark.parametrize("row", ["a,-9223372036854775809,3,4096", "a,0,3,9223372036854775808",
                                  "a,0,18446744073709551616,8"])
 def test_known_bug_pack_integers_beyond_int64(tmp_path, row):
@@ -1149,10 +1141,6 @@ def test_known_bug_report_log_write_failure_in_a_callback_stops_training(tmp_pat
     cb.on_train_step_end(context)      # must log and skip, never raise into Model.train
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="traces.instances: csv.Error escapes is_instance_header (a bare CR in the first "
-                          "line, reached from detect_format and pack) and read_instance (a field over "
-                          "csv.field_size_limit(): 131072 characters, 10 MiB once MindSpore is imported)")
 @pytest.mark.parametrize("entry", ["load_trace", "pack"])
 @pytest.mark.parametrize("kind", ["bare-cr-in-header", "field-over-the-csv-limit"])
 def test_known_bug_instance_csv_errors_escape(tmp_path, kind, entry):
