@@ -773,7 +773,7 @@ _COMMANDS = {
     "report --plan": (["report", "{out}", "--plan", "{path}"], None),
 }
 _SIZE_OPTIONS = {"replay": "--capacity", "plan": "--capacity", "pack": "--capacity"}
-_BAD_SIZES = ["lots", "-5GB", "nan", "inf", "1e400", "5XB", "", "1.5.2GB", "1e300TB"]
+_BAD_SIZES = ["lots", "-5GB", "nan", "inf", "1e400", "5XB", "", "1.5.2GB", "1e300TB", "0"]
 
 
 def _write(path: Path, data: bytes) -> Path:
