@@ -33,7 +33,7 @@ MAX_VALUE = 2**63 - 1
 def short_repr(text: object) -> str:
     """``repr`` for messages, short even for a 5000-digit integer (whose ``repr`` would raise)."""
     if isinstance(text, int) and not isinstance(text, bool) and abs(text).bit_length() > 64:
-        return f"{'-' if text < 0 else ''}an integer of about 2**{abs(text).bit_length() - 1}"
+        return f"an integer of about {'-' if text < 0 else ''}2**{abs(text).bit_length() - 1}"
     shown = repr(text)
     return shown if len(shown) <= 60 else shown[:57] + "..."
 

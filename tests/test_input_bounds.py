@@ -91,7 +91,7 @@ def test_units_messages_read_well():
     assert "expected a non-negative count" in str(info.value)
     with pytest.raises(InputError) as info:
         parse_size(-(10**5000))            # repr of such an int would itself raise
-    assert "an integer of about 2**" in str(info.value)
+    assert "an integer of about -2**" in str(info.value)
 
 
 def test_positive_sizes():
@@ -183,3 +183,17 @@ def test_instance_values_within_int64(tmp_path, row, words):
     with pytest.raises(InputError) as info:
         read_instance(path)
     assert str(path) in str(info.value) and words in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("where", ["address", "size", "state"])
+def test_snapshot_integers_of_thousands_of_digits(tmp_path, where):
+    """Pickles hold integers of any length; messages must not ``repr`` them (4300-digit limit)."""
+    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+
+    block = {"address": 0, "size": 512, "state": "inactive"}
+    block[where] = -(10**5000) if where == "address" else 10**5000
+    snapshot = {"segments": [{"address": 0, "total_size": 512, "blocks": [block]}], "device_traces": [[]]}
+    path = tmp_path / "long.pickle"
+    path.write_bytes(pickle.dumps(snapshot, protocol=4))
+    with pytest.raises(InputError, match=r"an integer of about -?2\*\*16609"):
+        read_torch_snapshot(path)
