@@ -387,9 +387,9 @@ class _Reader:
             number = int(number)
             if minimum is not None and number < minimum:
                 raise self.fail(path, value, f"an integer{bounds}")
-            if number > limit:
+            if abs(number) > limit:
                 raise self.fail(path, value, f"an integer{bounds}" if maximum is not None
-                                else f"an integer{bounds} and at most 2**63 - 1")
+                                else f"an integer{bounds} of at most 2**63 - 1 in magnitude")
             return number
         return conv
 
