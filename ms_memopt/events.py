@@ -31,6 +31,7 @@ from typing import IO, Iterable, Iterator
 from .errors import InputError
 from .jsontext import parse_json
 from .layout import Layout
+from .units import short_repr
 
 __all__ = ["Event", "Trace", "ACTIONS", "JSONL_FORMAT", "EventWriter", "write_jsonl", "read_jsonl", "iter_jsonl"]
 
@@ -154,6 +155,16 @@ def _int_field(obj: dict, name: str, source: str, line: int, *, required: bool =
     return value
 
 
+def _finite_number(value: object) -> bool:
+    """An int or float within float range (an int like 10**400 is not: times become floats)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[Event]:
     """Parse JSONL event lines (the header already consumed); errors name ``source`` and line."""
     for number, text in enumerate(lines, start=2):
@@ -174,9 +185,8 @@ def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[Event]:
         size = _int_field(obj, "size", source, number, required=action in ("alloc", "segment_alloc")) or 0
         addr = _int_field(obj, "addr", source, number, required=action in ("segment_alloc", "segment_free"))
         time = obj.get("time")
-        if time is not None and (isinstance(time, bool) or not isinstance(time, (int, float))
-                                 or not math.isfinite(time)):
-            raise InputError(f"'time' must be a finite number, got {time!r}", source=source, line=number)
+        if time is not None and not _finite_number(time):
+            raise InputError(f"'time' must be a finite number, got {short_repr(time)}", source=source, line=number)
         for name in ("pool", "tag"):
             if obj.get(name) is not None and not isinstance(obj[name], str):
                 raise InputError(f"{name!r} must be a string, got {obj[name]!r}", source=source, line=number)

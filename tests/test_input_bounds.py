@@ -197,3 +197,13 @@ def test_snapshot_integers_of_thousands_of_digits(tmp_path, where):
     path.write_bytes(pickle.dumps(snapshot, protocol=4))
     with pytest.raises(InputError, match=r"an integer of about -?2\*\*16609"):
         read_torch_snapshot(path)
+
+
+def test_jsonl_time_beyond_float_range(tmp_path):
+    from ms_memopt.events import read_jsonl
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"format": "ms-memopt-events", "version": 1}\n'
+                    '{"action": "alloc", "id": 1, "size": 8, "time": 1' + "0" * 400 + "}\n")
+    with pytest.raises(InputError, match=r"t\.jsonl:2: 'time' must be a finite number"):
+        read_jsonl(path)
