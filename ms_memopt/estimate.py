@@ -229,7 +229,13 @@ class _StageActivations:
     selective_layers: int
 
 
-def stage_activation_bytes(recipe: Recipe, stage: int, *, checkpoint_every: int | None = None) -> _StageActivations:
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
+    """Length of the intersection of the half-open ranges ``a`` and ``b``."""
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def stage_activation_bytes(recipe: Recipe, stage: int, *, checkpoint_every: int | None = None,
+                           layers: int | None = None) -> _StageActivations:
     """Activation bytes on one card of ``stage`` at its peak (start of the first backward).
 
     Every layer not fully recomputed keeps :func:`layer_activation_bytes`; a fully recomputed
@@ -239,9 +245,14 @@ def stage_activation_bytes(recipe: Recipe, stage: int, *, checkpoint_every: int 
     holds :func:`in_flight_micro_batches` micro-batches; when every layer is recomputed, the
     backward regenerates one layer's activations on top. The last stage adds the logits
     (compute dtype + an FP32 copy for the loss). ``memopt.activation_factor`` scales the total.
+    ``layers``: the stage's layer count when the caller has it (``recipe.stage_layers()[stage]``).
+
+    The cost does not grow with the layers: a layer keeps one of four amounts (selective
+    recompute or not, communication inputs kept or not, each a prefix or suffix of the stage),
+    so the sums are counts times those amounts.
     """
     model, par, rc = recipe.model, recipe.parallel, recipe.recompute
-    n = recipe.stage_layers()[stage]
+    n = recipe.stage_layers()[stage] if layers is None else layers
     k = checkpoint_every if checkpoint_every is not None else recipe.memopt.checkpoint_every
     full = RecomputeConfig.layers(rc.recompute, stage, n)
     if k is not None:
@@ -250,14 +261,23 @@ def stage_activation_bytes(recipe: Recipe, stage: int, *, checkpoint_every: int 
     comm = n if rc.mp_comm_recompute else RecomputeConfig.layers(rc.select_comm_recompute, stage, n)
     shape = dict(seq=model.seq_length, micro_batch=recipe.train.batch_size,
                  tensor_parallel=par.model_parallel, sequence_parallel=par.use_seq_parallel)
-    kept = [layer_activation_bytes(model, **shape, recompute="selective" if j < selective else "none",
-                                   comm_kept=j >= comm) for j in range(n)]
+    # layer j keeps one of four amounts: selective (j < selective) or not, comm inputs kept (j >= comm) or not
+    kept_sum, kept_max = 0, None
+    for is_selective, selective_range in ((True, (0, selective)), (False, (selective, n))):
+        for is_comm_kept, comm_range in ((True, (comm, n)), (False, (0, comm))):
+            kind = (max(selective_range[0], comm_range[0]), min(selective_range[1], comm_range[1]))
+            if kind[1] <= kind[0]:
+                continue
+            amount = layer_activation_bytes(model, **shape, recompute="selective" if is_selective else "none",
+                                            comm_kept=is_comm_kept)
+            kept_max = amount if kept_max is None else max(kept_max, amount)
+            kept_sum += amount * _overlap(kind, (full, n))
     inp = layer_input_bytes(model, **shape)
-    per_micro_batch = full * inp + sum(kept[full:])
+    per_micro_batch = full * inp + kept_sum
     m = in_flight_micro_batches(stage, par.pipeline_stage, par.micro_batch_num)
     total = m * per_micro_batch
-    if full == n:
-        total += max(kept) - inp
+    if full == n and kept_max is not None:
+        total += kept_max - inp
     if stage == par.pipeline_stage - 1:
         logits = model.seq_length * recipe.train.batch_size * model.vocab_size / par.model_parallel
         total += logits * (DTYPE_BYTES[model.compute_dtype] + 4)
@@ -378,7 +398,8 @@ def _shard(nbytes: float, ways: int, sharded: bool) -> int:
     return int(math.ceil(nbytes / ways)) if sharded else int(round(nbytes))
 
 
-def _stage_estimate(recipe: Recipe, stage: int, params: int, checkpoint_every: int | None) -> StageEstimate:
+def _stage_estimate(recipe: Recipe, stage: int, params: int, checkpoint_every: int | None,
+                    layers: int) -> StageEstimate:
     model, par, mem = recipe.model, recipe.parallel, recipe.memopt
     d, z = par.data_parallel, mem.zero_stage
     p_dtype = model.param_init_type
@@ -387,11 +408,11 @@ def _stage_estimate(recipe: Recipe, stage: int, params: int, checkpoint_every: i
     master = 4 * params if (mem.master_weights and DTYPE_BYTES[p_dtype] < 4) else 0
     moment = params * DTYPE_BYTES[mem.optimizer_dtype]
     states = {"master": _shard(master, d, z >= 1), "m": _shard(moment, d, z >= 1), "v": _shard(moment, d, z >= 1)}
-    acts = stage_activation_bytes(recipe, stage, checkpoint_every=checkpoint_every)
+    acts = stage_activation_bytes(recipe, stage, checkpoint_every=checkpoint_every, layers=layers)
     comm = communication_bytes(recipe, _shard(params * DTYPE_BYTES[mem.grad_dtype], d, False))
     regions = {"parameters": param_bytes, "gradients": grad_bytes, "optimizer": sum(states.values()),
                "activations": acts.bytes, "communication": sum(comm.values()), "workspace": mem.workspace}
-    return StageEstimate(stage=stage, layers=recipe.stage_layers()[stage],
+    return StageEstimate(stage=stage, layers=layers,
                          in_flight=in_flight_micro_batches(stage, par.pipeline_stage, par.micro_batch_num),
                          params=params, recomputed_layers=acts.recomputed_layers, regions=regions,
                          parameters_by_dtype={p_dtype: param_bytes}, optimizer_states=states,
@@ -399,14 +420,17 @@ def _stage_estimate(recipe: Recipe, stage: int, params: int, checkpoint_every: i
 
 
 def _stages(recipe: Recipe, checkpoint_every: int | None) -> list[StageEstimate]:
-    return [_stage_estimate(recipe, i, p, checkpoint_every) for i, p in enumerate(stage_params(recipe))]
+    layers = recipe.stage_layers()
+    return [_stage_estimate(recipe, i, p, checkpoint_every, layers[i]) for i, p in enumerate(stage_params(recipe))]
 
 
 def estimate(recipe: Recipe) -> Estimate:
     """Per-card bytes by region for every pipeline stage of ``recipe``, and the worst stage.
 
     The recommended ``checkpoint_every`` is the smallest k (1 .. layers on a stage) whose worst
-    stage fits the capacity: the least recompute that fits.
+    stage fits the capacity: the least recompute that fits. A larger k recomputes no fewer
+    layers and a recomputed layer keeps less than a kept one, so the worst stage shrinks as k
+    grows: a bisection finds k in O(log layers) estimates.
 
     Example:
         >>> from ms_memopt.recipe import recipe_from_dict
@@ -421,11 +445,18 @@ def estimate(recipe: Recipe) -> Estimate:
     recommended = None
     notes: list[str] = []
     if capacity is not None:
-        for k in range(1, max(recipe.stage_layers()) + 1):
-            trial = _stages(recipe, k)
-            if max(s.total for s in trial) <= capacity:
-                recommended = k
-                break
+        def fits(k: int) -> bool:
+            return max(s.total for s in _stages(recipe, k)) <= capacity
+
+        low, high = 1, max(recipe.stage_layers())
+        if high >= 1 and fits(high):
+            while low < high:          # the smallest k in [low, high] that fits; high always fits
+                middle = (low + high) // 2
+                if fits(middle):
+                    high = middle
+                else:
+                    low = middle + 1
+            recommended = high
         if recommended is None:
             notes.append("does not fit even with checkpoint_every = the layers on a stage (one layer "
                          "per stage keeps its activations): add parallelism or ZeRO sharding")

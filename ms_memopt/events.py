@@ -23,12 +23,15 @@ The JSONL form (docs/events.md) is one JSON object per line; the first line is a
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
 from .errors import InputError
+from .jsontext import parse_json
 from .layout import Layout
+from .units import short_repr
 
 __all__ = ["Event", "Trace", "ACTIONS", "JSONL_FORMAT", "EventWriter", "write_jsonl", "read_jsonl", "iter_jsonl"]
 
@@ -152,16 +155,23 @@ def _int_field(obj: dict, name: str, source: str, line: int, *, required: bool =
     return value
 
 
+def _finite_number(value: object) -> bool:
+    """An int or float within float range (an int like 10**400 is not: times become floats)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[Event]:
     """Parse JSONL event lines (the header already consumed); errors name ``source`` and line."""
     for number, text in enumerate(lines, start=2):
         text = text.strip()
         if not text:
             continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"not a JSON object ({exc.msg})", source=source, line=number) from None
+        obj = parse_json(text, source=source, line=number)
         if not isinstance(obj, dict):
             raise InputError(f"expected a JSON object, got {type(obj).__name__}", source=source, line=number)
         action = obj.get("action")
@@ -175,8 +185,8 @@ def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[Event]:
         size = _int_field(obj, "size", source, number, required=action in ("alloc", "segment_alloc")) or 0
         addr = _int_field(obj, "addr", source, number, required=action in ("segment_alloc", "segment_free"))
         time = obj.get("time")
-        if time is not None and (isinstance(time, bool) or not isinstance(time, (int, float))):
-            raise InputError(f"'time' must be a number, got {time!r}", source=source, line=number)
+        if time is not None and not _finite_number(time):
+            raise InputError(f"'time' must be a finite number, got {short_repr(time)}", source=source, line=number)
         for name in ("pool", "tag"):
             if obj.get(name) is not None and not isinstance(obj[name], str):
                 raise InputError(f"{name!r} must be a string, got {obj[name]!r}", source=source, line=number)
@@ -204,8 +214,8 @@ def read_jsonl(path: str | Path) -> Trace:
         with open(path, encoding="utf-8") as handle:
             first = handle.readline()
             try:
-                header = json.loads(first) if first.strip() else None
-            except json.JSONDecodeError:
+                header = parse_json(first, source=source, line=1) if first.strip() else None
+            except InputError:
                 header = None
             if not isinstance(header, dict) or header.get("format") != JSONL_FORMAT:
                 raise InputError(f'expected the header line {{"format": "{JSONL_FORMAT}", "version": 1}}',

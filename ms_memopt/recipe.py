@@ -29,13 +29,13 @@ from typing import Any, Callable
 import yaml
 
 from .errors import InputError
-from .units import parse_count, parse_size
+from .units import MAX_VALUE, parse_count, parse_size, short_repr
 
 __all__ = [
     "DTYPE_BYTES", "ModelConfig", "ParallelConfig", "RecomputeConfig", "TrainConfig", "DeviceConfig",
     "CommunicationConfig", "AllocatorConfig", "ShapeCacheConfig", "ExtraAllocsConfig",
     "WorkloadConfig", "StandaloneTrainConfig", "MemoptConfig", "Recipe", "load_recipe",
-    "recipe_from_dict", "llama_ffn_size",
+    "recipe_from_dict", "llama_ffn_size", "LIMITS",
 ]
 
 #: bytes per element of the dtypes recipes may name
@@ -46,6 +46,23 @@ _GATED_ACTS = {"silu", "swiglu", "swish", "geglu"}
 _PLAIN_ACTS = {"gelu", "fast_gelu", "relu", "gelu_new", "tanh", "sigmoid"}
 
 _MISSING = object()
+
+#: Upper bounds on a recipe's shape, far beyond any real job (the largest public models have
+#: ~100-200 layers, hidden sizes of ~25k, vocabularies of ~256k, contexts of ~1M tokens and
+#: thousands of micro-batches). They keep absurd inputs (``num_layers: 2**31``) from running
+#: the estimator or simulator for hours or out of memory; docs/recipes.md lists them.
+LIMITS: dict[str, int] = {
+    "num_layers": 10_000,
+    "hidden_size": 2**20,
+    "num_heads": 2**16,
+    "seq_length": 2**24,
+    "vocab_size": 2**24,
+    "intermediate_size": 2**24,
+    "micro_batch_num": 100_000,
+    "batch_size": 2**20,
+}
+#: ``ffn_dim_multiplier`` and ``activation_factor`` beyond this are typos, not configurations
+_MAX_FACTOR = 1000.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,6 +300,10 @@ def load_recipe(path: str | Path) -> Recipe:
         line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise InputError(f"invalid YAML: {problem}", source=str(path), line=line) from None
+    except RecursionError:   # PyYAML's composer recurses once per nesting level
+        raise InputError("invalid YAML: nested too deeply", source=str(path)) from None
+    except (ValueError, OverflowError) as exc:   # constructors: a 5000-digit int, a bad date
+        raise InputError(f"invalid YAML value: {str(exc)[:200]}", source=str(path)) from None
     return recipe_from_dict(data, source=str(path))
 
 
@@ -327,7 +348,7 @@ class _Reader:
         self.source = source
 
     def fail(self, key: str, value: Any, expected: str) -> InputError:
-        return InputError(f"got {value!r}; expected {expected}", source=self.source, key=key)
+        return InputError(f"got {short_repr(value)}; expected {expected}", source=self.source, key=key)
 
     def section(self, data: dict, name: str, path: str) -> dict:
         value = data.get(name)
@@ -347,6 +368,10 @@ class _Reader:
 
     # converters -------------------------------------------------------------------------------
     def integer(self, minimum: int | None = 1, maximum: int | None = None) -> Callable[[Any, str], int]:
+        """Whole numbers within bounds, and never beyond :data:`~ms_memopt.units.MAX_VALUE` (int64)."""
+        bounds = _bounds_text(minimum, maximum)
+        limit = MAX_VALUE if maximum is None else maximum
+
         def conv(value: Any, path: str) -> int:
             number: float | None = None
             if isinstance(value, bool):
@@ -357,12 +382,14 @@ class _Reader:
                 number = value
             elif isinstance(value, str):
                 number = _integer_from_text(value)
-            bounds = _bounds_text(minimum, maximum)
             if number is None:
                 raise self.fail(path, value, f"an integer{bounds}")
             number = int(number)
-            if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+            if minimum is not None and number < minimum:
                 raise self.fail(path, value, f"an integer{bounds}")
+            if abs(number) > limit:
+                raise self.fail(path, value, f"an integer{bounds}" if maximum is not None
+                                else f"an integer{bounds} of at most 2**63 - 1 in magnitude")
             return number
         return conv
 
@@ -370,13 +397,13 @@ class _Reader:
                exclusive_min: bool = False) -> Callable[[Any, str], float]:
         def conv(value: Any, path: str) -> float:
             number: float | None = None
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                number = float(value)
-            elif isinstance(value, str):
-                try:
+            try:
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
                     number = float(value)
-                except ValueError:
-                    number = None
+                elif isinstance(value, str):
+                    number = float(value)
+            except (ValueError, OverflowError):   # not a number; an int beyond float range
+                number = None
             low = "" if minimum is None else (f" > {minimum}" if exclusive_min else f" >= {minimum}")
             high = "" if maximum is None else f" <= {maximum}"
             expected = f"a number{low}{' and' if low and high else ''}{high}"
@@ -482,6 +509,19 @@ def _integer_from_text(text: str) -> int | None:
     return int(value) if math.isfinite(value) and value.is_integer() else None
 
 
+def _limited(r: _Reader, name: str) -> Callable[[Any, str], int]:
+    """A positive integer up to ``LIMITS[name]``, which no real job exceeds."""
+    positive = r.integer(minimum=1)
+
+    def conv(value: Any, path: str) -> int:
+        number = positive(value, path)
+        if number > LIMITS[name]:
+            raise r.fail(path, value, f"at most {LIMITS[name]} (a bound far beyond any real job; "
+                         "see docs/recipes.md)")
+        return number
+    return conv
+
+
 def _bounds_text(minimum: int | None, maximum: int | None) -> str:
     if minimum is not None and maximum is not None:
         return f" from {minimum} to {maximum}"
@@ -504,12 +544,12 @@ def _read_model(r: _Reader, data: dict) -> ModelConfig:
     if not mc:
         raise InputError("missing section: the model's shape (num_layers, hidden_size, num_heads, "
                          "seq_length, vocab_size) is required", source=r.source, key=p)
-    num_layers = r.get(mc, "num_layers", f"{p}.num_layers", pos)
-    hidden = r.get(mc, "hidden_size", f"{p}.hidden_size", pos)
-    heads = r.get(mc, "num_heads", f"{p}.num_heads", pos)
+    num_layers = r.get(mc, "num_layers", f"{p}.num_layers", _limited(r, "num_layers"))
+    hidden = r.get(mc, "hidden_size", f"{p}.hidden_size", _limited(r, "hidden_size"))
+    heads = r.get(mc, "num_heads", f"{p}.num_heads", _limited(r, "num_heads"))
     kv_heads = r.get(mc, "n_kv_heads", f"{p}.n_kv_heads", pos, heads)
-    seq = r.get(mc, "seq_length", f"{p}.seq_length", pos)
-    vocab = r.get(mc, "vocab_size", f"{p}.vocab_size", pos)
+    seq = r.get(mc, "seq_length", f"{p}.seq_length", _limited(r, "seq_length"))
+    vocab = r.get(mc, "vocab_size", f"{p}.vocab_size", _limited(r, "vocab_size"))
     if hidden % heads:
         raise r.fail(f"{p}.num_heads", heads, f"a divisor of hidden_size ({hidden})")
     if heads % kv_heads:
@@ -524,10 +564,10 @@ def _read_model(r: _Reader, data: dict) -> ModelConfig:
     else:
         gated = True   # LLaMA-style SwiGLU unless told otherwise
     multiplier = r.get(mc, "ffn_dim_multiplier", f"{p}.ffn_dim_multiplier",
-                       r.number(minimum=0, exclusive_min=True), None)
+                       r.number(minimum=0, maximum=_MAX_FACTOR, exclusive_min=True), None)
     multiple_of = r.get(mc, "multiple_of", f"{p}.multiple_of", pos, 256)
     default_ffn = llama_ffn_size(hidden, multiplier, multiple_of) if gated else 4 * hidden
-    ffn = r.get(mc, "intermediate_size", f"{p}.intermediate_size", pos, default_ffn)
+    ffn = r.get(mc, "intermediate_size", f"{p}.intermediate_size", _limited(r, "intermediate_size"), default_ffn)
 
     compute = r.get(mc, "compute_dtype", f"{p}.compute_dtype", r.dtype, "bfloat16")
     param_dtype = r.get(mc, "param_init_type", f"{p}.param_init_type", r.dtype, compute)
@@ -560,7 +600,7 @@ def _read_parallel(r: _Reader, data: dict) -> ParallelConfig:
         data_parallel=r.get(pc, "data_parallel", f"{p}.data_parallel", pos, 1),
         model_parallel=r.get(pc, "model_parallel", f"{p}.model_parallel", pos, 1),
         pipeline_stage=r.get(pc, "pipeline_stage", f"{p}.pipeline_stage", pos, 1),
-        micro_batch_num=r.get(pc, "micro_batch_num", f"{p}.micro_batch_num", pos, 1),
+        micro_batch_num=r.get(pc, "micro_batch_num", f"{p}.micro_batch_num", _limited(r, "micro_batch_num"), 1),
         use_seq_parallel=r.get(pc, "use_seq_parallel", f"{p}.use_seq_parallel", r.boolean, False),
         vocab_emb_dp=r.get(pc, "vocab_emb_dp", f"{p}.vocab_emb_dp", r.boolean, True),
         enable_parallel_optimizer=r.get(par, "enable_parallel_optimizer",
@@ -585,7 +625,7 @@ def _read_train(r: _Reader, data: dict) -> TrainConfig:
     opt = r.section(data, "optimizer", "optimizer")
     ctx = r.section(data, "context", "context")
     return TrainConfig(
-        batch_size=r.get(runner, "batch_size", "runner_config.batch_size", r.integer(minimum=1), 1),
+        batch_size=r.get(runner, "batch_size", "runner_config.batch_size", _limited(r, "batch_size"), 1),
         optimizer_type=r.get(opt, "type", "optimizer.type", r.string, None),
         max_device_memory=r.get(ctx, "max_device_memory", "context.max_device_memory", r.mindspore_size, None),
         seed=r.get(data, "seed", "seed", r.integer(minimum=0), 0),
@@ -679,7 +719,7 @@ def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelC
                               _default_optimizer_dtype(train.optimizer_type, model.param_init_type)),
         checkpoint_every=r.get(m, "checkpoint_every", "memopt.checkpoint_every", pos, None),
         activation_factor=r.get(m, "activation_factor", "memopt.activation_factor",
-                                r.number(minimum=0, exclusive_min=True), 1.0),
+                                r.number(minimum=0, maximum=_MAX_FACTOR, exclusive_min=True), 1.0),
         pool_mode=r.get(m, "pool_mode", "memopt.pool_mode", r.boolean, False),
         scan_every=r.get(m, "scan_every", "memopt.scan_every", pos, 100),
         compact_every=r.get(m, "compact_every", "memopt.compact_every", pos, None),

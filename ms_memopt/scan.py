@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from .errors import InputError
+from .jsontext import parse_json
 from .layout import Layout
 from .metrics import LayoutMetrics, frag_ratio, hole_histogram, measure
 from .units import format_size, parse_size
@@ -208,8 +209,8 @@ class ScanLog:
                 handle.truncate(cut)
         for line in data[:cut].splitlines():
             try:
-                obj = json.loads(line)
-            except ValueError:
+                obj = parse_json(line)
+            except InputError:
                 continue
             if isinstance(obj, dict) and obj.get("kind", "scan") == "scan" and isinstance(obj.get("step"), int):
                 self.last_step = obj["step"] if self.last_step is None else max(self.last_step, obj["step"])
@@ -256,13 +257,13 @@ def read_scan_log(path: str | Path, *, kinds: Iterable[str] = ("scan",)) -> list
     for number, line in enumerate(data[:cut].decode("utf-8", errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except ValueError as exc:
-            raise InputError(f"not a JSON object ({exc})", source=source, line=number) from None
+        obj = parse_json(line, source=source, line=number)
         if not isinstance(obj, dict):
             raise InputError("expected a JSON object per line", source=source, line=number)
-        if obj.get("kind", "scan") in wanted:
+        kind = obj.get("kind", "scan")
+        if not isinstance(kind, str):
+            raise InputError(f"'kind' must be a string, got {kind!r}", source=source, line=number)
+        if kind in wanted:
             out.append(obj)
     return out
 

@@ -14,7 +14,7 @@ import re
 
 from .errors import InputError
 
-__all__ = ["parse_size", "parse_count", "format_size"]
+__all__ = ["MAX_VALUE", "short_repr", "parse_size", "parse_count", "format_size"]
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -26,44 +26,76 @@ _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**
 _NUMBER = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
 
 
-def _split(text: object, what: str, source: str | None, key: str | None) -> tuple[float, str]:
+#: the largest size or count we accept: a signed 64-bit integer, beyond any device or model
+MAX_VALUE = 2**63 - 1
+
+
+def short_repr(text: object) -> str:
+    """``repr`` for messages, short even for a 5000-digit integer (whose ``repr`` would raise)."""
+    if isinstance(text, int) and not isinstance(text, bool) and abs(text).bit_length() > 64:
+        return f"an integer of about {'-' if text < 0 else ''}2**{abs(text).bit_length() - 1}"
+    shown = repr(text)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _split(text: object, noun: str, source: str | None, key: str | None) -> tuple[int | float, str]:
     if isinstance(text, bool):
-        raise InputError(f"expected {what}, got the boolean {text!r}", source=source, key=key)
+        raise InputError(f"expected a {noun}, got the boolean {short_repr(text)}", source=source, key=key)
     if isinstance(text, (int, float)):
-        value, unit = float(text), ""
+        value, unit = text, ""    # an int stays exact: float(10**400) would overflow
     elif isinstance(text, str):
         match = _NUMBER.match(text)
         if not match:
-            raise InputError(f"expected {what} such as '4.2GB', '512MiB' or '1048576', got {text!r}",
+            raise InputError(f"expected a {noun} such as '4.2GB', '512MiB' or '1048576', got {short_repr(text)}",
                              source=source, key=key)
         value, unit = float(match.group(1)), match.group(2).lower()
     else:
-        raise InputError(f"expected {what}, got {type(text).__name__} {text!r}", source=source, key=key)
-    if not math.isfinite(value):
-        raise InputError(f"expected a finite {what}, got {text!r}", source=source, key=key)
+        raise InputError(f"expected a {noun}, got {type(text).__name__} {short_repr(text)}", source=source, key=key)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"expected a finite {noun}, got {short_repr(text)}", source=source, key=key)
     if value < 0:
-        raise InputError(f"expected a non-negative {what}, got {text!r}", source=source, key=key)
+        raise InputError(f"expected a non-negative {noun}, got {short_repr(text)}", source=source, key=key)
     return value, unit
 
 
-def parse_size(text: object, *, source: str | None = None, key: str | None = None) -> int:
+def _scaled(value: int | float, factor: int, text: object, noun: str, source: str | None,
+            key: str | None) -> int:
+    """``value * factor`` rounded to an integer, refused beyond :data:`MAX_VALUE`."""
+    if isinstance(value, int):
+        result = value * factor
+    else:
+        product = value * factor
+        result = int(round(product)) if product <= MAX_VALUE else MAX_VALUE + 1   # may be inf
+    if result > MAX_VALUE:
+        raise InputError(f"{noun} {short_repr(text)} is too large; expected at most {MAX_VALUE} (2**63 - 1)",
+                         source=source, key=key)
+    return result
+
+
+def parse_size(text: object, *, source: str | None = None, key: str | None = None,
+               positive: bool = False) -> int:
     """Parse a byte size: ``4.2GB``, ``512MiB``, ``96G``, ``1048576`` or a number.
 
     Returns:
         The size in bytes (rounded to the nearest byte).
 
     Raises:
-        InputError: unknown unit, negative, not a number; the message names ``source``/``key``.
+        InputError: unknown unit, negative (or zero with ``positive``, as for a capacity),
+            not a number, or more than :data:`MAX_VALUE` bytes; the message names
+            ``source``/``key``.
 
     Example:
         >>> parse_size("512MiB"), parse_size("4.2GB"), parse_size(1024)
         (536870912, 4200000000, 1024)
     """
-    value, unit = _split(text, "a size", source, key)
+    value, unit = _split(text, "size", source, key)
     if unit not in _SIZE_UNITS:
-        raise InputError(f"unknown size unit {unit!r} in {text!r}; expected one of "
+        raise InputError(f"unknown size unit {unit!r} in {short_repr(text)}; expected one of "
                          "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB", source=source, key=key)
-    return int(round(value * _SIZE_UNITS[unit]))
+    nbytes = _scaled(value, _SIZE_UNITS[unit], text, "size", source, key)
+    if positive and nbytes <= 0:
+        raise InputError(f"expected a positive size, got {short_repr(text)}", source=source, key=key)
+    return nbytes
 
 
 def parse_count(text: object, *, source: str | None = None, key: str | None = None) -> int:
@@ -73,11 +105,11 @@ def parse_count(text: object, *, source: str | None = None, key: str | None = No
         >>> parse_count("7.5e9"), parse_count("100B"), parse_count("70b")
         (7500000000, 100000000000, 70000000000)
     """
-    value, unit = _split(text, "a count", source, key)
+    value, unit = _split(text, "count", source, key)
     if unit not in _COUNT_UNITS:
-        raise InputError(f"unknown count suffix {unit!r} in {text!r}; expected K, M, B (billions) or T",
+        raise InputError(f"unknown count suffix {unit!r} in {short_repr(text)}; expected K, M, B (billions) or T",
                          source=source, key=key)
-    return int(round(value * _COUNT_UNITS[unit]))
+    return _scaled(value, _COUNT_UNITS[unit], text, "count", source, key)
 
 
 def format_size(nbytes: int | float | None, *, digits: int = 2) -> str:

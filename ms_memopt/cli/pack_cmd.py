@@ -66,7 +66,7 @@ def _first_line(path: str) -> str:
 
 
 def _parse_capacity(text: str | None) -> int | None:
-    return None if text is None else parse_size(text, source="--capacity")
+    return None if text is None else parse_size(text, source="--capacity", positive=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     if args.capacity is not None:
-        hbm = parse_size(args.capacity, source="--capacity")
+        hbm = parse_size(args.capacity, source="--capacity", positive=True)
         device = dataclasses.replace(recipe.memopt.device, hbm=hbm)
         recipe = dataclasses.replace(recipe, memopt=dataclasses.replace(recipe.memopt, device=device))
     result = estimate(recipe)

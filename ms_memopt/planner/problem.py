@@ -21,7 +21,8 @@ from typing import Iterable, Mapping, Sequence
 
 from ..errors import InputError
 
-__all__ = ["Buffer", "Solution", "lower_bound", "arena_of", "validate", "check_buffers",
+__all__ = ["Buffer", "Solution", "lower_bound", "arena_of", "validate", "check_buffers", "MAX_MAGNITUDE",
+           "range_problem",
            "buffers_from_events"]
 
 
@@ -86,8 +87,28 @@ class Solution:
         return None if self.capacity is None else self.arena <= self.capacity
 
 
+#: The packers work in int64: every time and size lies within +-2**62, so that each lifetime
+#: (``upper - lower``) fits, and the sizes together stay at most 2**63 - 1 (any arena fits).
+MAX_MAGNITUDE = 2**62
+_MAX_TOTAL = 2**63 - 1
+
+
+def range_problem(buf: "Buffer", total_size: int) -> str | None:
+    """Why ``buf`` (after buffers whose sizes sum to ``total_size``) is out of range, or None."""
+    for name in ("lower", "upper", "size"):
+        value = getattr(buf, name)
+        if not -MAX_MAGNITUDE <= value <= MAX_MAGNITUDE:
+            return (f"buffer {buf.id!r}: {name} {value} is out of range; expected at most 2**62 "
+                    "in magnitude (the packers use 64-bit integers)")
+    if total_size + buf.size > _MAX_TOTAL:
+        return (f"buffer {buf.id!r}: the sizes so far add up to more than 2**63 - 1 bytes "
+                "(the packers use 64-bit integers)")
+    return None
+
+
 def check_buffers(buffers: Iterable[Buffer], *, source: str | None = None) -> list[Buffer]:
-    """Return ``buffers`` as a list after checking ids are unique, sizes >= 0, ``lower < upper``.
+    """Return ``buffers`` as a list after checking ids are unique, sizes >= 0, ``lower < upper``,
+    and everything within 64-bit range (:func:`range_problem`).
 
     Integer-like values (numpy integers) are converted to ``int``.
 
@@ -96,6 +117,7 @@ def check_buffers(buffers: Iterable[Buffer], *, source: str | None = None) -> li
     """
     result = list(buffers)
     seen: set[str] = set()
+    total = 0
     for position, buf in enumerate(result, start=1):
         values = []
         for name in ("lower", "upper", "size"):
@@ -109,6 +131,10 @@ def check_buffers(buffers: Iterable[Buffer], *, source: str | None = None) -> li
         if buf.size < 0:
             raise InputError(f"buffer {buf.id!r}: size must be >= 0, got {buf.size}",
                              source=source, line=position)
+        problem = range_problem(buf, total)
+        if problem:
+            raise InputError(problem, source=source, line=position)
+        total += buf.size
         if buf.lower >= buf.upper:
             raise InputError(f"buffer {buf.id!r}: lower ({buf.lower}) must be < upper ({buf.upper})",
                              source=source, line=position)

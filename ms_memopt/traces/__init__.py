@@ -22,12 +22,12 @@ Example:
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import Callable
 
 from ..errors import InputError
 from ..events import JSONL_FORMAT, Trace
+from ..jsontext import parse_json
 
 __all__ = ["FORMATS", "load_trace", "detect_format"]
 
@@ -75,8 +75,8 @@ def detect_format(path: str | Path) -> str:
 
     if first_line.startswith("{"):
         try:
-            header = json.loads(first_line)
-        except json.JSONDecodeError:
+            header = parse_json(first_line, source=source, line=1)
+        except InputError:
             header = None
         if isinstance(header, dict) and header.get("format") == JSONL_FORMAT:
             return "jsonl"

@@ -13,10 +13,10 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
-from typing import IO, Iterable, Mapping
+from typing import IO, Iterable, Iterator, Mapping
 
 from ..errors import InputError
-from ..planner.problem import Buffer
+from ..planner.problem import Buffer, range_problem
 
 __all__ = ["COLUMNS", "is_instance_header", "read_instance", "write_instance", "write_offsets", "looks_like_instance"]
 
@@ -25,7 +25,11 @@ COLUMNS = ("id", "lower", "upper", "size")
 
 def is_instance_header(first_line: str) -> bool:
     """True when ``first_line`` is a CSV header holding the four instance columns."""
-    names = {name.strip().lower().lstrip("\ufeff") for name in next(csv.reader([first_line]), [])}
+    try:
+        cells = next(csv.reader([first_line]), [])
+    except csv.Error:   # a bare CR inside the line, a field over csv.field_size_limit()
+        return False
+    names = {name.strip().lower().lstrip("\ufeff") for name in cells}
     return set(COLUMNS) <= names
 
 
@@ -69,11 +73,25 @@ def read_instance(source: str | os.PathLike | IO[str]) -> list[Buffer]:
     return _read(source, getattr(source, "name", "<instance>"))
 
 
+def _rows(reader: Iterator[list[str]], name: str) -> Iterator[list[str]]:
+    """``reader``'s rows, with its :class:`csv.Error` (a bare CR in a field, a field over
+    ``csv.field_size_limit()``) as an :class:`InputError` naming the line."""
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise InputError(f"not a CSV row ({exc})", source=name, line=reader.line_num) from None
+        yield row
+
+
 def _read(handle: IO[str], name: str) -> list[Buffer]:
     reader = csv.reader(handle)
-    header = next(reader, None)
+    rows = _rows(reader, name)
+    header = next(rows, None)
     while header is not None and not any(cell.strip() for cell in header):
-        header = next(reader, None)  # tolerate blank lines before the header
+        header = next(rows, None)  # tolerate blank lines before the header
     if header is None:
         raise InputError("empty file; expected a header 'id,lower,upper,size' and one row per buffer",
                          source=name, line=1)
@@ -87,7 +105,8 @@ def _read(handle: IO[str], name: str) -> list[Buffer]:
     width = max(where.values()) + 1
     buffers: list[Buffer] = []
     seen: dict[str, int] = {}
-    for row in reader:
+    total = 0
+    for row in rows:
         line = reader.line_num
         if not any(cell.strip() for cell in row):
             continue
@@ -108,7 +127,12 @@ def _read(handle: IO[str], name: str) -> list[Buffer]:
         if ident in seen:
             raise InputError(f"duplicate id {ident!r} (first on line {seen[ident]})", source=name, line=line)
         seen[ident] = line
-        buffers.append(Buffer(ident, lower, upper, size))
+        buffer = Buffer(ident, lower, upper, size)
+        problem = range_problem(buffer, total)
+        if problem:
+            raise InputError(problem, source=name, line=line)
+        total += size
+        buffers.append(buffer)
     if not buffers:
         raise InputError("no buffers after the header; expected one row per buffer",
                          source=name, line=header_line)

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import bisect
 import io
+import math
 import pickle
 from pathlib import Path
 
 from ..errors import InputError
 from ..events import Event, Trace
 from ..layout import Block, Layout, Segment
+from ..units import short_repr
 
 __all__ = ["SafeUnpickler", "safe_load", "read_torch_snapshot", "looks_like_torch_snapshot",
            "reconstruct_initial", "LIVE_STATES", "round_request"]
@@ -113,10 +115,44 @@ def round_request(size: int) -> int:
 
 
 def _int(obj: dict, key: str, where: str, source: str) -> int:
+    """A device address or size: an integer in [0, 2**64)."""
     value = obj.get(key) if isinstance(obj, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InputError(f"{where}: expected a non-negative integer {key!r}, got {value!r}", source=source)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+        raise InputError(f"{where}: expected an integer {key!r} from 0 to 2**64 - 1, got {short_repr(value)}",
+                         source=source)
     return value
+
+
+def _check_expansion(segments: list, source: str) -> None:
+    """Refuse more blocks than the file has bytes.
+
+    Written out, every block costs the pickle several bytes of its own; only the memo lets
+    many segments share one ``blocks`` list, so that a 100 KB file would expand to millions
+    of blocks (gigabytes and minutes). No snapshot PyTorch writes shares them.
+    """
+    try:
+        size = Path(source).stat().st_size
+    except OSError:
+        return
+    total = sum(len(seg["blocks"]) for seg in segments
+                if isinstance(seg, dict) and isinstance(seg.get("blocks"), list))
+    if total > size:
+        raise InputError(f"{total} blocks in a {size}-byte file: the pickle shares its block lists among "
+                         "segments (memo references), which no PyTorch snapshot does", source=source)
+
+
+def _time_seconds(t: object, where: str, source: str) -> float | None:
+    """``time_us`` in seconds; ``None`` when absent or not a number."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        return None
+    try:
+        seconds = t / 1e6
+    except OverflowError:    # an integer beyond float range
+        seconds = math.inf
+    if not math.isfinite(seconds):
+        raise InputError(f"{where}: 'time_us' must be a finite number of microseconds, got "
+                         f"{t if isinstance(t, float) else 'an integer beyond float range'}", source=source)
+    return seconds
 
 
 def _final_layout(segments: list, device: int, source: str) -> Layout:
@@ -131,10 +167,10 @@ def _final_layout(segments: list, device: int, source: str) -> Layout:
         total = _int(seg, "total_size", where, source)
         stream = seg.get("stream", 0)
         if isinstance(stream, bool) or not isinstance(stream, int):
-            raise InputError(f"{where}: expected an integer 'stream', got {stream!r}", source=source)
+            raise InputError(f"{where}: expected an integer 'stream', got {short_repr(stream)}", source=source)
         kind = seg.get("segment_type", "small" if total == _SMALL_SEGMENT else "large")
         if kind not in ("small", "large"):
-            raise InputError(f"{where}: segment_type must be 'small' or 'large', got {kind!r}", source=source)
+            raise InputError(f"{where}: segment_type must be 'small' or 'large', got {short_repr(kind)}", source=source)
         raw_blocks = seg.get("blocks")
         if not isinstance(raw_blocks, list):
             raise InputError(f"{where}: expected a list 'blocks'", source=source)
@@ -146,8 +182,8 @@ def _final_layout(segments: list, device: int, source: str) -> Layout:
             # older snapshots omit block addresses: blocks tile the segment in order
             baddr = _int(raw, "address", bwhere, source) if "address" in raw else cursor
             state = raw.get("state")
-            if state not in _ALL_STATES:
-                raise InputError(f"{bwhere}: unknown state {state!r}; expected one of {sorted(_ALL_STATES)}",
+            if not isinstance(state, str) or state not in _ALL_STATES:
+                raise InputError(f"{bwhere}: unknown state {short_repr(state)}; expected one of {sorted(_ALL_STATES)}",
                                  source=source)
             if baddr != cursor or size == 0:
                 raise InputError(f"{bwhere}: blocks must tile the segment (expected address {cursor:#x})",
@@ -234,12 +270,13 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     if not isinstance(segments, list) or not isinstance(traces, list):
         raise InputError("'segments' and 'device_traces' must be lists", source=source)
     if not isinstance(device, int) or device < 0:
-        raise InputError(f"device must be a non-negative integer, got {device!r}", key="--device")
+        raise InputError(f"device must be a non-negative integer, got {short_repr(device)}", key="--device")
     if traces and device >= len(traces):
         raise InputError(f"no trace for device {device}; the snapshot has {len(traces)} device(s)", source=source)
     raw_trace = traces[device] if traces else []
     if not isinstance(raw_trace, list):
         raise InputError(f"device_traces[{device}] must be a list", source=source)
+    _check_expansion(segments, source)
     final = _final_layout(segments, device, source)
 
     events: list[Event] = []
@@ -257,14 +294,13 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
             skipped[action] = skipped.get(action, 0) + 1
             continue
         if action not in ("alloc", "free_completed", "free", "segment_alloc", "segment_free"):
-            raise InputError(f"{where}: unknown action {action!r}", source=source)
+            raise InputError(f"{where}: unknown action {short_repr(action)}", source=source)
         addr = _int(entry, "addr", where, source)
         size = _int(entry, "size", where, source)
         stream = entry.get("stream", 0)
         if isinstance(stream, bool) or not isinstance(stream, int):
-            raise InputError(f"{where}: expected an integer 'stream', got {stream!r}", source=source)
-        t = entry.get("time_us")
-        time = t / 1e6 if isinstance(t, (int, float)) and not isinstance(t, bool) else None  # seconds
+            raise InputError(f"{where}: expected an integer 'stream', got {short_repr(stream)}", source=source)
+        time = _time_seconds(entry.get("time_us"), where, source)
         if action == "alloc":
             events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time))
             live_id[addr] = next_id
