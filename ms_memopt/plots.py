@@ -16,11 +16,11 @@ Example:
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError
+from .jsontext import read_json_lines
 
 __all__ = ["Marker", "plot_fragmentation_timeline", "plot_timeline", "pyplot", "save_figure", "size_unit"]
 
@@ -140,26 +140,12 @@ _REQUIRED = ("policy", "step", "kind", "free_total", "largest_free")
 
 
 def _rows(path: str | Path) -> list[dict]:
-    """The samples of a simulation timeline. Like :func:`ms_memopt.scan.read_scan_log`: a torn
-    last line (no newline: the run was cut mid-write) is dropped; a complete line that is not a
-    JSON object with ``policy``, ``step``, ``kind``, ``free_total`` and ``largest_free`` raises
+    """The samples of a simulation timeline (:func:`ms_memopt.jsontext.read_json_lines`: a torn
+    last line is dropped); a complete line that is not a JSON object with ``policy``, ``step``, ``kind``, ``free_total`` and ``largest_free`` raises
     :class:`InputError` naming file:line."""
     source = str(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", source=source) from None
-    cut = data.rfind(b"\n") + 1
     out = []
-    for number, line in enumerate(data[:cut].decode("utf-8", errors="replace").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as exc:
-            raise InputError(f"not a JSON object ({exc})", source=source, line=number) from None
-        if not isinstance(row, dict):
-            raise InputError("expected a JSON object per line", source=source, line=number)
+    for number, row in read_json_lines(path):
         missing = [k for k in _REQUIRED if row.get(k) is None]
         if missing:
             raise InputError(f"a timeline sample needs {', '.join(missing)}", source=source, line=number)

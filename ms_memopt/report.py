@@ -32,6 +32,7 @@ from typing import Iterable, Sequence
 
 from .errors import InputError
 from .layout import DEVICE_ADDRESS_LIMIT, Block, Layout, Segment
+from .jsontext import read_json_lines
 from .metrics import measure
 from .plots import Marker, plot_fragmentation_timeline, plot_timeline, pyplot, save_figure, size_unit
 from .units import format_size
@@ -134,16 +135,7 @@ def read_layouts(directory_or_file: str | Path) -> list[LayoutSnapshot]:
     for file in files:
         if not file.is_file():
             continue
-        data = file.read_bytes()
-        text = data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace")
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise InputError(f"not JSON ({exc})", source=str(file), line=number) from None
-            out.append(layout_from_dict(obj, source=str(file), line=number))
+        out += [layout_from_dict(obj, source=str(file), line=number) for number, obj in read_json_lines(file)]
     return out
 
 
@@ -308,21 +300,8 @@ def plot_loss(rows: Sequence[dict], path: str | Path, *, title: str = "Training"
 
 # --- reading a directory ---------------------------------------------------------------------------
 
-def _jsonl(path: Path) -> list[dict]:
-    data = path.read_bytes()
-    rows = []
-    text = data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace")
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as exc:
-            raise InputError(f"not JSON ({exc})", source=str(path), line=number) from None
-        if not isinstance(obj, dict):
-            raise InputError("expected a JSON object per line", source=str(path), line=number)
-        rows.append(obj)
-    return rows
+def _rows_of(path: Path) -> list[dict]:
+    return [obj for _, obj in read_json_lines(path)]
 
 
 def _scan_logs(directory: Path) -> dict[int, list[dict]]:
@@ -415,7 +394,7 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
                       f"checkpoints: {', '.join(Path(c).name for c in meta.get('checkpoints') or []) or 'none'}"]
             lines += [f"- note: {n}" for n in meta.get("notes") or []]
         if train_log.is_file():
-            rows = _jsonl(train_log)
+            rows = _rows_of(train_log)
             if rows:
                 times = [r["step_seconds"] for r in rows]
                 lines += [f"- loss {rows[0]['loss']:.4f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.4f} "
@@ -504,7 +483,7 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
 
 
 def _simulation_section(root: Path, timeline: Path, problems: list[str], title: str) -> list[str]:
-    rows = _jsonl(timeline)
+    rows = _rows_of(timeline)
     by_policy: dict[str, dict] = {}
     for row in rows:
         p = by_policy.setdefault(row.get("policy", "?"), {"seeds": set(), "oom": {}, "compactions": 0,

@@ -24,7 +24,6 @@ Example:
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
@@ -32,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import InputError
+from .jsontext import read_json_lines
 
 __all__ = ["StepSummary", "MergedRun", "find_scan_logs", "read_scan_records", "check_scan_record",
            "merge_ranks"]
@@ -148,25 +148,8 @@ def read_scan_records(path: str | Path) -> list[tuple[int, dict]]:
         InputError: unreadable file, a line that is not a JSON object, or a record with a field
         of the wrong type (names file and line).
     """
-    source = str(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", source=source) from None
-    out = []
-    text = data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace")
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError) as exc:
-            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            raise InputError(f"not a JSON object ({reason})", source=source, line=number) from None
-        if not isinstance(record, dict):
-            raise InputError("expected a JSON object per line", source=source, line=number)
-        out.append((number, check_scan_record(record, source=source, line=number)))
-    return out
+    return [(number, check_scan_record(record, source=str(path), line=number))
+            for number, record in read_json_lines(path)]
 
 
 def merge_ranks(directory: str | Path) -> MergedRun:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from .errors import InputError
-from .jsontext import parse_json
+from .jsontext import parse_json, read_json_lines
 from .layout import Layout
 from .metrics import LayoutMetrics, frag_ratio, hole_histogram, measure
 from .units import format_size, parse_size
@@ -247,22 +247,11 @@ def read_scan_log(path: str | Path, *, kinds: Iterable[str] = ("scan",)) -> list
         InputError: a complete line that is not a JSON object (names file and line).
     """
     wanted = set(kinds)
-    source = str(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", source=source) from None
-    cut = data.rfind(b"\n") + 1
     out = []
-    for number, line in enumerate(data[:cut].decode("utf-8", errors="replace").splitlines(), start=1):
-        if not line.strip():
-            continue
-        obj = parse_json(line, source=source, line=number)
-        if not isinstance(obj, dict):
-            raise InputError("expected a JSON object per line", source=source, line=number)
+    for number, obj in read_json_lines(path):
         kind = obj.get("kind", "scan")
         if not isinstance(kind, str):
-            raise InputError(f"'kind' must be a string, got {kind!r}", source=source, line=number)
+            raise InputError(f"'kind' must be a string, got {kind!r}", source=str(path), line=number)
         if kind in wanted:
             out.append(obj)
     return out

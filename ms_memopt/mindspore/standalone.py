@@ -55,6 +55,7 @@ from mindspore import Tensor, nn
 from mindspore.train import Callback, RunContext
 
 from ..errors import InputError
+from ..jsontext import read_json_lines
 from ..layout import Layout
 from ..recipe import Recipe
 from ..report import LAYOUTS_NAME, layout_to_dict
@@ -399,15 +400,8 @@ def _truncate_jsonl(path: Path, keep_through: int) -> None:
     """Drop lines whose ``step`` is after ``keep_through`` (they are redone on resume)."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue  # a torn last line
-        if obj.get("step", 0) <= keep_through:
-            kept.append(line)
-    path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    kept = [obj for _, obj in read_json_lines(path) if obj.get("step", 0) <= keep_through]
+    path.write_text("".join(json.dumps(obj) + "\n" for obj in kept), encoding="utf-8")
 
 
 # --- the job -------------------------------------------------------------------------------------
