@@ -404,12 +404,7 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
         lines.append("")
 
     # scans (any number of ranks)
-    scans = {}
-    try:
-        scans = _scan_logs(root)
-    except InputError as exc:
-        if "no scan logs" not in str(exc) and "not a directory" not in str(exc):
-            raise
+    scans = _scan_logs(root)
     timeline = root / "timeline.jsonl"
     if scans:
         found = True

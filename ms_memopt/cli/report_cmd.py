@@ -19,7 +19,7 @@ import argparse
 import json
 
 from ..errors import InputError
-from ..report_merge import merge_ranks
+from ..report_merge import find_scan_logs, merge_ranks
 from ..units import format_size
 
 __all__ = ["add_parser", "run"]
@@ -45,12 +45,8 @@ def run(args: argparse.Namespace) -> int:
         # the plan only feeds the region budget figure; silently dropping it would hide a mistake
         raise InputError("draws the region budget figure, which --no-plots turns off; "
                          "drop one of them", key="--plan")
-    merged = None
-    try:
-        merged = merge_ranks(args.directory)
-    except InputError as exc:
-        if args.no_plots or "no scan logs" not in str(exc):
-            raise
+    # without scan logs the report can still draw a run's or a simulation's other logs
+    merged = merge_ranks(args.directory) if args.no_plots or find_scan_logs(args.directory) else None
     report = None
     if not args.no_plots:
         from ..report import build_report
