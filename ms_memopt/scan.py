@@ -156,6 +156,10 @@ class Source(ABC):
         """One line for the first record: what this source measures and how."""
         return self.name
 
+    def layout(self) -> Layout | None:
+        """The pool's current layout when this source knows it block by block, else ``None``."""
+        return None
+
     def step_end(self, step: int) -> None:
         """Called after every training step (scanned or not); sources that watch steps use it."""
 
@@ -177,6 +181,9 @@ class LayoutSource(Source):
 
     def read(self) -> Reading:
         return Reading.from_layout(self._layout_fn())
+
+    def layout(self) -> Layout:
+        return self._layout_fn()
 
     def describe(self) -> str:
         return self._description

@@ -351,6 +351,9 @@ class ShadowModelSource(Source):
             grads = [_nbytes(p) for p in self.network.trainable_params()]
         return list(seen.values()), grads
 
+    def layout(self) -> Layout:
+        return self.model.layout()
+
     def read(self) -> Reading:
         model = self.model
         if not self._persistent_done:

@@ -372,18 +372,12 @@ class _LayoutSnapshots(Callback):
             f.write(line)
 
 
-def _scanned_layout(scan_callback) -> Layout | None:
-    """The layout of the allocator model behind the scan callback's sources, when it has one."""
-    scanner = getattr(scan_callback, "scanner", None)
-    sources = getattr(scanner, "sources", None) or getattr(scan_callback, "sources", None) or []
-    for source in sources:
-        model = getattr(source, "model", None)
-        if model is not None and callable(getattr(model, "layout", None)):
-            try:
-                return model.layout()
-            except Exception:  # a model mid-update; skip this snapshot
-                logger.debug("layout snapshot failed", exc_info=True)
-    return None
+def _scanned_layout(scan_callback: LayoutScanCallback) -> Layout | None:
+    """The layout behind the scan callback's first source that knows one block by block."""
+    if scan_callback.scanner is None:
+        return None
+    return next((layout for source in scan_callback.scanner.sources
+                 if (layout := source.layout()) is not None), None)
 
 
 def _clear_outputs(out: Path) -> None:
