@@ -33,7 +33,7 @@ from typing import Any
 from .recipe import DTYPE_BYTES, ModelConfig, Recipe, RecomputeConfig
 
 __all__ = [
-    "REGIONS", "StageEstimate", "Estimate", "estimate", "zero_model_state_bytes",
+    "REGIONS", "NOTHING_FITS", "StageEstimate", "Estimate", "estimate", "zero_model_state_bytes",
     "korthikanti_layer_activation_bytes", "layer_activation_bytes", "layer_input_bytes",
     "layer_params", "embedding_params", "output_layer_params", "model_params", "stage_params",
     "in_flight_micro_batches", "stage_activation_bytes", "recompute_group_bytes", "communication_bytes",
@@ -42,6 +42,8 @@ __all__ = [
 
 #: the region names, in report order
 REGIONS = ("parameters", "gradients", "optimizer", "activations", "communication", "workspace")
+#: how the note of :func:`estimate` begins when no ``checkpoint_every`` fits
+NOTHING_FITS = "does not fit with any checkpoint_every"
 #: MindSpore's default communication fusion threshold (64 MB) used as the default bucket size
 FUSION_BUCKET = 64 * 2**20
 
@@ -498,8 +500,7 @@ def estimate(recipe: Recipe) -> Estimate:
                     recommended = k
                     break
             if recommended is None:
-                notes.append("does not fit with any checkpoint_every (1 .. the layers on a stage): "
-                             "add parallelism or ZeRO sharding")
+                notes.append(NOTHING_FITS + " (1 .. the layers on a stage): add parallelism or ZeRO sharding")
     else:
         notes.append("no capacity: set memopt.device.hbm or context.max_device_memory")
     if recipe.memopt.params is not None:

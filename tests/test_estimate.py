@@ -266,7 +266,11 @@ def test_plan_human_table_and_fail_on_oom(capsys):
     assert main(["plan", path, "--per-stage"]) == 0
     text = capsys.readouterr().out
     assert "stage 7" in text and "GiB" in text and "fits" in text
+    assert "checkpoint_every: not needed" in text
     assert main(["plan", path, "--capacity", "40GiB"]) == 0
+    assert "checkpoint_every: 15 recommended" in capsys.readouterr().out     # one group of the 15 layers
+    assert main(["plan", path, "--capacity", "30GiB"]) == 0
+    assert "checkpoint_every: none fits" in capsys.readouterr().out
     assert main(["plan", path, "--capacity", "40GiB", "--fail-on-oom"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
 
