@@ -33,14 +33,17 @@ from typing import Any
 from .recipe import DTYPE_BYTES, ModelConfig, Recipe, RecomputeConfig
 
 __all__ = [
-    "REGIONS", "StageEstimate", "Estimate", "estimate", "zero_model_state_bytes",
+    "REGIONS", "NOTHING_FITS", "StageEstimate", "Estimate", "estimate", "zero_model_state_bytes",
     "korthikanti_layer_activation_bytes", "layer_activation_bytes", "layer_input_bytes",
     "layer_params", "embedding_params", "output_layer_params", "model_params", "stage_params",
-    "in_flight_micro_batches", "stage_activation_bytes", "communication_bytes", "FUSION_BUCKET",
+    "in_flight_micro_batches", "stage_activation_bytes", "recompute_group_bytes", "communication_bytes",
+    "FUSION_BUCKET",
 ]
 
 #: the region names, in report order
 REGIONS = ("parameters", "gradients", "optimizer", "activations", "communication", "workspace")
+#: how the note of :func:`estimate` begins when no ``checkpoint_every`` fits
+NOTHING_FITS = "does not fit with any checkpoint_every"
 #: MindSpore's default communication fusion threshold (64 MB) used as the default bucket size
 FUSION_BUCKET = 64 * 2**20
 
@@ -234,18 +237,50 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
     return max(0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
+def recompute_group_bytes(n_layers: int, k: int, per_layer_bytes: int, input_bytes: int, *,
+                          micro_batches: int = 1) -> int:
+    """Activation bytes of ``n_layers`` layers recomputed in groups of ``k`` (``checkpoint_every = k``).
+
+    Consecutive layers are grouped ``k`` at a time and each group is recomputed in the
+    backward pass from its input: every in-flight micro-batch keeps only the ``ceil(n/k)``
+    group inputs (``input_bytes`` each), and the backward regenerates one group's full
+    activations (``min(k, n) * per_layer_bytes``) on top, once (groups are recomputed one
+    after the other, not per micro-batch). ``k = 1`` is full recompute; ``k = n`` keeps one
+    input per micro-batch but regenerates the whole stack at once. Not monotone in ``k``.
+
+    Example (12 layers of 1000 bytes, inputs of 50 bytes, k = 6): 2 inputs + 6 layers.
+        >>> recompute_group_bytes(12, 6, 1000, 50)
+        6100
+        >>> recompute_group_bytes(12, 6, 1000, 50, micro_batches=4)
+        6400
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if n_layers <= 0:
+        return 0
+    return micro_batches * math.ceil(n_layers / k) * input_bytes + min(k, n_layers) * per_layer_bytes
+
+
 def stage_activation_bytes(recipe: Recipe, stage: int, *, checkpoint_every: int | None = None,
                            layers: int | None = None) -> _StageActivations:
     """Activation bytes on one card of ``stage`` at its peak (start of the first backward).
 
-    Every layer not fully recomputed keeps :func:`layer_activation_bytes`; a fully recomputed
-    one keeps its input. ``checkpoint_every = k`` keeps the full activations of one layer in k
-    and recomputes the others (activation region ~1/k), on top of ``recompute_config``'s
-    counts (the first layers of a stage are the recomputed ones, as in MindFormers). The stage
-    holds :func:`in_flight_micro_batches` micro-batches; when every layer is recomputed, the
-    backward regenerates one layer's activations on top. The last stage adds the logits
-    (compute dtype + an FP32 copy for the loss). ``memopt.activation_factor`` scales the total.
-    ``layers``: the stage's layer count when the caller has it (``recipe.stage_layers()[stage]``).
+    ``recompute_config`` first: its fully recomputed layers (the first of a stage, as in
+    MindFormers) keep their input, every other layer keeps :func:`layer_activation_bytes`;
+    the stage holds :func:`in_flight_micro_batches` micro-batches; when every layer is
+    recomputed, the backward regenerates one layer's activations on top.
+
+    ``checkpoint_every = k`` (pool mode's meaning, :func:`recompute_group_bytes`) then groups
+    the layers ``recompute_config`` did not already recompute, ``k`` at a time: per in-flight
+    micro-batch they keep only their ``ceil(n'/k)`` group inputs, and the backward regenerates
+    one group (``min(k, n')`` layers at the largest per-layer amount among them) once. The
+    layers recompute_config recomputes keep their inputs as before; their one-at-a-time
+    recompute overlaps no group's. ``None`` (the argument and ``memopt.checkpoint_every``) =
+    no checkpointing. ``k = 1`` is full recompute.
+
+    The last stage adds the logits (compute dtype + an FP32 copy for the loss).
+    ``memopt.activation_factor`` scales the total. ``layers``: the stage's layer count when the
+    caller has it (``recipe.stage_layers()[stage]``).
 
     The cost does not grow with the layers: a layer keeps one of four amounts (selective
     recompute or not, communication inputs kept or not, each a prefix or suffix of the stage),
@@ -255,14 +290,12 @@ def stage_activation_bytes(recipe: Recipe, stage: int, *, checkpoint_every: int 
     n = recipe.stage_layers()[stage] if layers is None else layers
     k = checkpoint_every if checkpoint_every is not None else recipe.memopt.checkpoint_every
     full = RecomputeConfig.layers(rc.recompute, stage, n)
-    if k is not None:
-        full = max(full, n - math.ceil(n / k))
     selective = RecomputeConfig.layers(rc.select_recompute, stage, n)
     comm = n if rc.mp_comm_recompute else RecomputeConfig.layers(rc.select_comm_recompute, stage, n)
     shape = dict(seq=model.seq_length, micro_batch=recipe.train.batch_size,
                  tensor_parallel=par.model_parallel, sequence_parallel=par.use_seq_parallel)
     # layer j keeps one of four amounts: selective (j < selective) or not, comm inputs kept (j >= comm) or not
-    kept_sum, kept_max = 0, None
+    kept_sum, kept_max, group_max = 0, None, 0
     for is_selective, selective_range in ((True, (0, selective)), (False, (selective, n))):
         for is_comm_kept, comm_range in ((True, (comm, n)), (False, (0, comm))):
             kind = (max(selective_range[0], comm_range[0]), min(selective_range[1], comm_range[1]))
@@ -271,17 +304,24 @@ def stage_activation_bytes(recipe: Recipe, stage: int, *, checkpoint_every: int 
             amount = layer_activation_bytes(model, **shape, recompute="selective" if is_selective else "none",
                                             comm_kept=is_comm_kept)
             kept_max = amount if kept_max is None else max(kept_max, amount)
-            kept_sum += amount * _overlap(kind, (full, n))
+            if _overlap(kind, (full, n)):
+                kept_sum += amount * _overlap(kind, (full, n))
+                group_max = max(group_max, amount)
     inp = layer_input_bytes(model, **shape)
-    per_micro_batch = full * inp + kept_sum
     m = in_flight_micro_batches(stage, par.pipeline_stage, par.micro_batch_num)
-    total = m * per_micro_batch
-    if full == n and kept_max is not None:
-        total += kept_max - inp
+    grouped = n - full if k is not None else 0
+    if grouped > 0:
+        total = m * full * inp + recompute_group_bytes(grouped, k, group_max, inp, micro_batches=m)
+        recomputed = n
+    else:
+        total = m * (full * inp + kept_sum)
+        if full == n and kept_max is not None:
+            total += kept_max - inp
+        recomputed = full
     if stage == par.pipeline_stage - 1:
         logits = model.seq_length * recipe.train.batch_size * model.vocab_size / par.model_parallel
         total += logits * (DTYPE_BYTES[model.compute_dtype] + 4)
-    return _StageActivations(int(round(total * recipe.memopt.activation_factor)), full, selective)
+    return _StageActivations(int(round(total * recipe.memopt.activation_factor)), recomputed, selective)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,8 +385,9 @@ class StageEstimate:
 class Estimate:
     """Per-card memory of every pipeline stage; the worst stage decides ``fits``.
 
-    ``checkpoint_every`` is the recommended interval: the least recompute that fits (1 = keep
-    every layer, no extra recompute; ``None`` when nothing fits or no capacity is known).
+    ``checkpoint_every`` is the recommended recompute-group size ``k`` (see
+    :func:`recompute_group_bytes`): ``None`` when the plan fits without checkpointing (or
+    nothing fits, with a note, or no capacity is known), else the largest k that fits.
     """
     stages: list[StageEstimate]
     capacity: int | None
@@ -427,10 +468,12 @@ def _stages(recipe: Recipe, checkpoint_every: int | None) -> list[StageEstimate]
 def estimate(recipe: Recipe) -> Estimate:
     """Per-card bytes by region for every pipeline stage of ``recipe``, and the worst stage.
 
-    The recommended ``checkpoint_every`` is the smallest k (1 .. layers on a stage) whose worst
-    stage fits the capacity: the least recompute that fits. A larger k recomputes no fewer
-    layers and a recomputed layer keeps less than a kept one, so the worst stage shrinks as k
-    grows: a bisection finds k in O(log layers) estimates.
+    The stages use ``memopt.checkpoint_every`` as given. The recommended ``checkpoint_every``
+    is ``None`` when the recipe fits without checkpointing; otherwise the LARGEST k
+    (1 .. layers on a stage) whose worst stage fits: the coarsest grouping, fewest recompute
+    boundaries (every k recomputes each grouped layer's forward once). Memory is not monotone
+    in k (``ceil(n/k)`` kept inputs shrink, the ``k`` regenerated layers grow), so every k is
+    evaluated; each is a closed form per stage, O(layers x stages) in all.
 
     Example:
         >>> from ms_memopt.recipe import recipe_from_dict
@@ -438,28 +481,26 @@ def estimate(recipe: Recipe) -> Estimate:
         ...     "num_heads": 4, "seq_length": 32, "vocab_size": 256}},
         ...     "memopt": {"device": {"hbm": "1GiB"}, "workspace": "16MiB"}})
         >>> e = estimate(r); e.fits, e.checkpoint_every
-        (True, 1)
+        (True, None)
     """
     stages = _stages(recipe, None)
     capacity = recipe.capacity
     recommended = None
     notes: list[str] = []
     if capacity is not None:
-        def fits(k: int) -> bool:
-            return max(s.total for s in _stages(recipe, k)) <= capacity
-
-        low, high = 1, max(recipe.stage_layers())
-        if high >= 1 and fits(high):
-            while low < high:          # the smallest k in [low, high] that fits; high always fits
-                middle = (low + high) // 2
-                if fits(middle):
-                    high = middle
-                else:
-                    low = middle + 1
-            recommended = high
-        if recommended is None:
-            notes.append("does not fit even with checkpoint_every = the layers on a stage (one layer "
-                         "per stage keeps its activations): add parallelism or ZeRO sharding")
+        unchecked = recipe if recipe.memopt.checkpoint_every is None else dataclasses.replace(
+            recipe, memopt=dataclasses.replace(recipe.memopt, checkpoint_every=None))
+        if max(s.total for s in _stages(unchecked, None)) > capacity:
+            fixed = [s.total - s.regions["activations"] for s in stages]
+            layers = recipe.stage_layers()
+            for k in range(max(layers, default=0), 0, -1):
+                worst = max(f + stage_activation_bytes(recipe, i, checkpoint_every=k, layers=layers[i]).bytes
+                            for i, f in enumerate(fixed))
+                if worst <= capacity:
+                    recommended = k
+                    break
+            if recommended is None:
+                notes.append(NOTHING_FITS + " (1 .. the layers on a stage): add parallelism or ZeRO sharding")
     else:
         notes.append("no capacity: set memopt.device.hbm or context.max_device_memory")
     if recipe.memopt.params is not None:

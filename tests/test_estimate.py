@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from ms_memopt.cli import main
 from ms_memopt.estimate import (REGIONS, estimate, in_flight_micro_batches, korthikanti_layer_activation_bytes,
-                                layer_activation_bytes, layer_params, model_params, stage_activation_bytes,
-                                zero_model_state_bytes)
+                                layer_activation_bytes, layer_input_bytes, layer_params, model_params,
+                                recompute_group_bytes, stage_activation_bytes, zero_model_state_bytes)
 from ms_memopt.recipe import load_recipe, recipe_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,23 +162,62 @@ def test_100b_recipe_matches_the_field_report():
 def test_single_card_and_demo_recipes_fit():
     for name in ("atlas_single_card.yaml", "demo_cpu.yaml"):
         e = estimate(load_recipe(REPO / "recipes" / name))
-        assert e.fits and e.checkpoint_every == 1, name
+        assert e.fits and e.checkpoint_every is None, name       # fits without checkpointing
 
 
-def test_recommended_checkpoint_interval_is_least_recompute_that_fits():
-    base = _recipe({"num_layers": 16, "hidden_size": 512, "seq_length": 2048}, memopt={"workspace": 0})
-    full = estimate(base).total
-    every = [estimate(dataclasses.replace(base, memopt=dataclasses.replace(base.memopt, checkpoint_every=k))).total
-             for k in range(1, 17)]
-    assert every[0] == full
-    capacity = (every[0] + every[3]) // 2      # fits from k = 4 (or earlier if totals tie) on
-    tight = dataclasses.replace(base, memopt=dataclasses.replace(
-        base.memopt, device=dataclasses.replace(base.memopt.device, hbm=capacity)))
-    k = estimate(tight).checkpoint_every
-    assert k is not None and every[k - 1] <= capacity and all(t > capacity for t in every[:k - 1])
-    tiny = dataclasses.replace(tight, memopt=dataclasses.replace(
-        tight.memopt, device=dataclasses.replace(tight.memopt.device, hbm=1000)))
-    assert estimate(tiny).checkpoint_every is None and estimate(tiny).fits is False
+def _with(recipe, *, hbm=None, checkpoint_every=None):
+    mem = dataclasses.replace(recipe.memopt, checkpoint_every=checkpoint_every)
+    if hbm is not None:
+        mem = dataclasses.replace(mem, device=dataclasses.replace(mem.device, hbm=hbm))
+    return dataclasses.replace(recipe, memopt=mem)
+
+
+def test_recommended_checkpoint_interval_is_the_largest_k_that_fits():
+    base = _recipe({"num_layers": 16, "hidden_size": 512, "seq_length": 2048},
+                   parallel_config={"pipeline_stage": 1, "micro_batch_num": 1}, memopt={"workspace": 0})
+    none = estimate(base).total
+    every = {k: estimate(_with(base, checkpoint_every=k)).total for k in range(1, 17)}
+    assert estimate(_with(base, hbm=none)).checkpoint_every is None          # fits as is
+    capacity = (min(every.values()) + none) // 2
+    k = estimate(_with(base, hbm=capacity)).checkpoint_every
+    assert k is not None and every[k] <= capacity and all(every[j] > capacity for j in range(k + 1, 17))
+    assert estimate(_with(base, hbm=capacity, checkpoint_every=2)).checkpoint_every == k   # not the set value
+    tiny = estimate(_with(base, hbm=1000))
+    assert tiny.checkpoint_every is None and tiny.fits is False
+    assert any("does not fit with any checkpoint_every" in note for note in tiny.notes)
+
+
+def test_recompute_group_bytes_closed_form():
+    assert recompute_group_bytes(12, 6, 1000, 50) == 2 * 50 + 6 * 1000
+    assert recompute_group_bytes(15, 6, 1000, 50, micro_batches=8) == 8 * 3 * 50 + 6 * 1000
+    assert recompute_group_bytes(4, 10, 1000, 50) == 50 + 4 * 1000        # k beyond the layers: one group
+    assert recompute_group_bytes(0, 3, 1000, 50) == 0
+    with pytest.raises(ValueError):
+        recompute_group_bytes(4, 0, 1000, 50)
+
+
+def test_deep_stage_full_recompute_then_one_group_then_no_checkpointing():
+    r = _recipe({"num_layers": 48}, parallel_config={"pipeline_stage": 2, "micro_batch_num": 8})
+    n = r.stage_layers()[0]
+    by = {k: stage_activation_bytes(r, 0, checkpoint_every=k).bytes for k in (1, n)}
+    none = stage_activation_bytes(r, 0).bytes
+    assert by[1] < by[n] < none
+    shape = dict(seq=128, micro_batch=r.train.batch_size)
+    per, inp = layer_activation_bytes(r.model, **shape), layer_input_bytes(r.model, **shape)
+    m = in_flight_micro_batches(0, 2, 8)
+    assert by[1] == m * n * inp + per and by[n] == m * inp + n * per and none == m * n * per
+    assert stage_activation_bytes(r, 0, checkpoint_every=1).recomputed_layers == n
+
+
+def test_field_report_checkpoint_every_6_shrinks_the_activation_region():
+    """15 layers per card, a checkpoint every 6 layers: 3 group inputs per micro-batch + 6 layers once."""
+    r = load_recipe(REPO / "recipes" / "dense_100b_1024x910c.yaml")
+    assert r.stage_layers()[0] == 15
+    none = stage_activation_bytes(r, 0).bytes
+    six = stage_activation_bytes(r, 0, checkpoint_every=6).bytes
+    assert six < none / 5
+    e = estimate(_with(r, checkpoint_every=6))
+    assert e.stages[0].regions["activations"] == six and e.fits and e.checkpoint_every is None
 
 
 # --- properties -----------------------------------------------------------------------------
@@ -190,8 +229,8 @@ def test_more_recompute_never_increases_activations(layers, mb, t, sp, flash, se
     r = _recipe({"num_layers": layers, "use_flash_attention": flash},
                 parallel_config={"model_parallel": t, "use_seq_parallel": sp},
                 runner_config={"batch_size": mb}, recompute_config={"select_recompute": select})
-    by_k = [stage_activation_bytes(r, 0, checkpoint_every=k).bytes for k in range(1, layers + 1)]
-    assert all(a >= b for a, b in zip(by_k, by_k[1:]))
+    if layers >= 2:      # a layer keeps at least twice its input, so full recompute never costs more
+        assert stage_activation_bytes(r, 0, checkpoint_every=1).bytes <= stage_activation_bytes(r, 0).bytes
     counts = [stage_activation_bytes(dataclasses.replace(
         r, recompute=dataclasses.replace(r.recompute, recompute=(n,))), 0).bytes for n in range(layers + 1)]
     assert all(a >= b for a, b in zip(counts, counts[1:]))
@@ -218,7 +257,7 @@ def test_plan_json_has_the_documented_keys(capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out["regions"]) == set(REGIONS)
     assert out["total"] == sum(out["regions"].values())
-    assert out["capacity"] == 96 * GiB and out["fits"] is True and out["checkpoint_every"] == 1
+    assert out["capacity"] == 96 * GiB and out["fits"] is True and out["checkpoint_every"] is None
     assert len(out["stages"]) == 8 and out["worst_stage"] == 0
 
 
@@ -227,7 +266,11 @@ def test_plan_human_table_and_fail_on_oom(capsys):
     assert main(["plan", path, "--per-stage"]) == 0
     text = capsys.readouterr().out
     assert "stage 7" in text and "GiB" in text and "fits" in text
+    assert "checkpoint_every: not needed" in text
     assert main(["plan", path, "--capacity", "40GiB"]) == 0
+    assert "checkpoint_every: 15 recommended" in capsys.readouterr().out     # one group of the 15 layers
+    assert main(["plan", path, "--capacity", "30GiB"]) == 0
+    assert "checkpoint_every: none fits" in capsys.readouterr().out
     assert main(["plan", path, "--capacity", "40GiB", "--fail-on-oom"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
 

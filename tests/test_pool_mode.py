@@ -207,6 +207,9 @@ def test_parameters_are_contiguous_by_dtype_and_plan_sizes_add_up():
     assert per_block == 4 * cfg.seq_length * (64 * cfg.hidden_size + 4 * cfg.num_heads * cfg.seq_length)
     assert plan.notes["activation_without_recompute"] == 4 * per_block
     assert plan.region("activations").size == 2 * boundary + 2 * per_block
+    # ... composed by the same function `ms-memopt plan` uses for memopt.checkpoint_every
+    from ms_memopt.estimate import recompute_group_bytes
+    assert plan.region("activations").size == recompute_group_bytes(4, 2, per_block, boundary)
     assert plan.notes["reservation"].startswith("not reserved")
 
 

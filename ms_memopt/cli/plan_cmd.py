@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import json
 
-from ..estimate import REGIONS, Estimate, StageEstimate, estimate
+from ..estimate import NOTHING_FITS, REGIONS, Estimate, StageEstimate, estimate
 from ..recipe import load_recipe
 from ..units import format_size, parse_size
 
@@ -86,9 +86,12 @@ def _table(result: Estimate, *, per_stage: bool) -> str:
                      f"{verdict} (headroom {format_size(result.headroom)})")
     if result.checkpoint_every is not None:
         k = result.checkpoint_every
-        what = "no extra recompute needed" if k == 1 else f"keep one layer in {k}, recompute the others"
-        lines.append(f"checkpoint_every: {k} ({what})")
-    else:
-        lines.append("checkpoint_every: none fits")
+        lines.append(f"checkpoint_every: {k} recommended (the largest that fits: layers recomputed in groups of "
+                     f"{k}; each micro-batch keeps one input per group, the backward regenerates {k} "
+                     f"layer{'s' if k > 1 else ''} at a time)")
+    elif result.capacity is not None:
+        nothing = any(note.startswith(NOTHING_FITS) for note in result.notes)
+        lines.append("checkpoint_every: none fits" if nothing
+                     else "checkpoint_every: not needed (fits without checkpointing)")
     lines.extend(f"note: {note}" for note in result.notes)
     return "\n".join(lines)

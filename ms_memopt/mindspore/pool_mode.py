@@ -36,7 +36,7 @@ import mindspore as ms
 from mindspore import nn
 from mindspore.hal.contiguous_tensors_handle import combine_tensor_list_contiguous
 
-from ..estimate import layer_activation_bytes, layer_input_bytes
+from ..estimate import layer_activation_bytes, layer_input_bytes, recompute_group_bytes
 from ..poolplan import PoolPlan
 from ..recipe import ModelConfig
 
@@ -80,8 +80,9 @@ class ActivationEstimate:
     """Bytes of activations kept for backward with recompute groups of ``group_size`` blocks.
 
     The per-block numbers come from the caller (for the demo GPT: the per-layer formulas of
-    :mod:`ms_memopt.estimate`, see :func:`gpt_activation_estimator`); this only composes them
-    for the largest recompute group.
+    :mod:`ms_memopt.estimate`, see :func:`gpt_activation_estimator`); they are composed by
+    :func:`ms_memopt.estimate.recompute_group_bytes`, the formula ``ms-memopt plan`` uses for
+    ``memopt.checkpoint_every``.
 
     Attributes:
         per_block: bytes one block keeps for backward without recompute.
@@ -105,9 +106,8 @@ class ActivationEstimate:
         if self.group_size <= 0:
             self.with_recompute = self.without_recompute
         else:
-            k = min(self.group_size, self.num_blocks)
-            groups = math.ceil(self.num_blocks / k)
-            self.with_recompute = groups * self.boundary + k * self.per_block
+            self.with_recompute = recompute_group_bytes(self.num_blocks, self.group_size, self.per_block,
+                                                        self.boundary)
 
     @property
     def ratio(self) -> float:
