@@ -338,6 +338,14 @@ def plot_scan_timeline(scans: dict[int, list[dict]], path: str | Path, *,
 
 # --- the report ------------------------------------------------------------------------------------
 
+def _checkpoint_advice(plan: dict) -> str:
+    if plan.get("checkpoint_every") is not None:
+        return f"recommended checkpoint_every {plan['checkpoint_every']}"
+    if plan.get("fits") is False:
+        return "no checkpoint_every fits"
+    return "checkpointing not needed"
+
+
 def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -464,7 +472,7 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
                             for n, v in plan["regions"].items()])
         lines += ["", f"Total {format_size(plan.get('total'))} of {format_size(cap) if cap else 'unknown'} "
                   f"({'fits' if plan.get('fits') else 'does not fit' if plan.get('fits') is False else 'no capacity'}); "
-                  f"recommended checkpoint_every {plan.get('checkpoint_every')}.", "",
+                  f"{_checkpoint_advice(plan)}.", "",
                   "![region budget](region_budget.png)", ""]
 
     if not found:
