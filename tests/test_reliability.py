@@ -524,7 +524,6 @@ def test_fuzz_plan_cli(work, recipe):
 @given(recipe=_mutated(_RECIPE, _YAML_VALUES))
 def test_fuzz_simulate_cli(work, recipe):
     """``ms-memopt simulate`` (2 steps, every policy) on a mutated recipe: exit 0, 1 or 2."""
-    pytest.importorskip("ms_memopt.simulate")
     parsed = _outcome(lambda: recipe_from_dict(copy.deepcopy(recipe)), known=_RECIPE_KNOWN)
     # pinned: test_known_bug_plan_time_quadratic_in_layers, test_known_bug_simulate_many_micro_batches
     assume(not (isinstance(parsed, Recipe) and (parsed.model.num_layers > 1000
@@ -1027,7 +1026,6 @@ def test_simulation_memory_does_not_grow_with_steps():
     10,000 steps and prints RSS against the step count.)"""
     import tracemalloc
 
-    pytest.importorskip("ms_memopt.simulate")
     from ms_memopt.simulate import config_from_recipe, simulate
     from ms_memopt.workload import spec_from_recipe
 
@@ -1152,7 +1150,6 @@ def test_known_bug_models_on_requests_beyond_any_device(tmp_path, allocator, eve
 
 
 def test_known_bug_simulate_many_micro_batches(tmp_path):
-    pytest.importorskip("ms_memopt.simulate")
     recipe = copy.deepcopy(_RECIPE)
     recipe["parallel_config"]["micro_batch_num"] = 2**31
     path = tmp_path / "mb.yaml"
