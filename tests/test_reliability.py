@@ -1077,7 +1077,9 @@ def test_known_bug_report_log_write_failure_in_a_callback_stops_training(tmp_pat
     from ms_memopt.mindspore.standalone import _CallbackParams, _LayoutSnapshots, _StepLog
 
     layout = Layout([Segment(0, 4096, [Block(0, 1024, True), Block(1024, 3072, False)])])
-    source = types.SimpleNamespace(model=types.SimpleNamespace(layout=lambda: layout))
+    from ms_memopt.scan import LayoutSource
+
+    source = LayoutSource("arena", lambda: layout)
     scan_callback = types.SimpleNamespace(scanner=types.SimpleNamespace(sources=[source]))
     context = types.SimpleNamespace(
         original_args=lambda: _CallbackParams(cur_step_num=1, loss_value=1.0, step_seconds=0.1))
