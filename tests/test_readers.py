@@ -17,7 +17,8 @@ from ms_memopt.events import Event, Trace, write_jsonl
 from ms_memopt.metrics import measure
 from ms_memopt.traces import FORMATS, detect_format, load_trace
 from ms_memopt.traces.instances_events import instances_to_trace
-from ms_memopt.traces.memory_block import NEVER_FREED, parse_address, read_memory_block
+from ms_memopt.traces.fields import parse_address
+from ms_memopt.traces.memory_block import NEVER_FREED, read_memory_block
 from ms_memopt.traces.ms_debug_dump import layout_at, read_pool_debug_dump
 from ms_memopt.traces.msmemscope import read_msmemscope
 from ms_memopt.traces.synthetic import synthetic_trace

@@ -17,6 +17,7 @@ from typing import IO, Iterable, Iterator, Mapping
 
 from ..errors import InputError
 from ..planner.problem import Buffer, range_problem
+from .fields import parse_int
 
 __all__ = ["COLUMNS", "is_instance_header", "read_instance", "write_instance", "write_offsets", "looks_like_instance"]
 
@@ -40,14 +41,6 @@ def looks_like_instance(path: str | os.PathLike) -> bool:
             return is_instance_header(handle.readline())
     except (OSError, UnicodeDecodeError):
         return False
-
-
-def _parse_int(text: str, column: str, source: str, line: int) -> int:
-    try:
-        return int(text.strip())
-    except (ValueError, AttributeError):
-        raise InputError(f"column {column!r}: expected an integer, got {text!r}",
-                         source=source, line=line) from None
 
 
 def read_instance(source: str | os.PathLike | IO[str]) -> list[Buffer]:
@@ -116,9 +109,9 @@ def _read(handle: IO[str], name: str) -> list[Buffer]:
         ident = row[where["id"]].strip()
         if not ident:
             raise InputError("empty id", source=name, line=line)
-        lower = _parse_int(row[where["lower"]], "lower", name, line)
-        upper = _parse_int(row[where["upper"]], "upper", name, line)
-        size = _parse_int(row[where["size"]], "size", name, line)
+        lower = parse_int(row[where["lower"]], "column 'lower'", source=name, line=line)
+        upper = parse_int(row[where["upper"]], "column 'upper'", source=name, line=line)
+        size = parse_int(row[where["size"]], "column 'size'", source=name, line=line)
         if size < 0:
             raise InputError(f"buffer {ident!r}: size must be >= 0, got {size}", source=name, line=line)
         if lower >= upper:

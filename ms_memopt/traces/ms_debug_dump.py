@@ -42,7 +42,7 @@ from typing import Any, Iterable, Mapping
 from ..errors import InputError
 from ..events import Trace
 from ..layout import Block, Layout, Segment
-from .memory_block import parse_address
+from .fields import parse_address
 
 __all__ = ["FORMAT", "looks_like_pool_debug_dump", "read_pool_debug_dump", "layout_at", "address_of"]
 

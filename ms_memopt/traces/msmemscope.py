@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..events import Event, Trace
-from .memory_block import parse_address, parse_int
+from .fields import parse_address, parse_int
 
 __all__ = ["FORMAT", "REQUIRED_COLUMNS", "looks_like_msmemscope", "read_msmemscope", "parse_attr"]
 
