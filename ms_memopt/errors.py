@@ -6,7 +6,11 @@ they cannot use; the CLI prints its message and exits with code 2. The message a
 """
 from __future__ import annotations
 
-__all__ = ["InputError"]
+import os
+from contextlib import contextmanager
+from typing import IO, Iterator
+
+__all__ = ["InputError", "open_input"]
 
 
 class InputError(ValueError):
@@ -38,3 +42,23 @@ class InputError(ValueError):
         if self.key:
             where = f"{where}: {self.key}" if where else self.key
         return f"{where}: {self.message}" if where else self.message
+
+
+@contextmanager
+def open_input(path: str | os.PathLike, *, expected: str) -> Iterator[IO[str]]:
+    """Open a UTF-8 text input; failing to open or decode it, inside the ``with`` block too, is
+    an :class:`InputError` naming the file (``expected`` says what the file should be).
+
+    Example:
+        >>> with open_input("/no/such.csv", expected="an instance CSV") as f:   # doctest: +SKIP
+        ...     f.read()
+        InputError: /no/such.csv: cannot read: No such file or directory
+    """
+    source = str(path)
+    try:
+        with open(path, encoding="utf-8", newline="") as handle:
+            yield handle
+    except UnicodeDecodeError:
+        raise InputError(f"not UTF-8 text; expected {expected}", source=source) from None
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror}", source=source) from None

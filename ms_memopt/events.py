@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from .errors import InputError
+from .errors import InputError, open_input
 from .jsontext import parse_json
 from .layout import Layout
 from .units import short_repr
@@ -210,23 +210,18 @@ def read_jsonl(path: str | Path) -> Trace:
         InputError: not our format, or a malformed line (the message names file and line).
     """
     source = str(path)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            first = handle.readline()
-            try:
-                header = parse_json(first, source=source, line=1) if first.strip() else None
-            except InputError:
-                header = None
-            if not isinstance(header, dict) or header.get("format") != JSONL_FORMAT:
-                raise InputError(f'expected the header line {{"format": "{JSONL_FORMAT}", "version": 1}}',
-                                 source=source, line=1)
-            if header.get("version") != JSONL_VERSION:
-                raise InputError(f"unsupported version {header.get('version')!r}; expected {JSONL_VERSION}",
-                                 source=source, line=1)
-            meta = header.get("meta") or {}
-            return Trace(list(iter_jsonl(handle, source)), source=source, format="jsonl",
-                         meta=meta if isinstance(meta, dict) else {})
-    except UnicodeDecodeError:
-        raise InputError("not UTF-8 text", source=source) from None
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", source=source) from None
+    with open_input(path, expected="an ms-memopt JSONL event file") as handle:
+        first = handle.readline()
+        try:
+            header = parse_json(first, source=source, line=1) if first.strip() else None
+        except InputError:
+            header = None
+        if not isinstance(header, dict) or header.get("format") != JSONL_FORMAT:
+            raise InputError(f'expected the header line {{"format": "{JSONL_FORMAT}", "version": 1}}',
+                             source=source, line=1)
+        if header.get("version") != JSONL_VERSION:
+            raise InputError(f"unsupported version {header.get('version')!r}; expected {JSONL_VERSION}",
+                             source=source, line=1)
+        meta = header.get("meta") or {}
+        return Trace(list(iter_jsonl(handle, source)), source=source, format="jsonl",
+                     meta=meta if isinstance(meta, dict) else {})

@@ -38,7 +38,7 @@ import gc
 import re
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, open_input
 from ..events import Event, Trace
 from .fields import parse_address, parse_int
 
@@ -124,21 +124,16 @@ def read_memory_block(path: str | Path) -> Trace:
             free before its alloc; the message names the file and line.
     """
     source = str(path)
-    try:
-        with open(path, encoding="utf-8", newline="") as handle:
-            header = handle.readline()
-            if not header.strip():
-                raise InputError("empty file; expected a memory_block.csv header line", source=source, line=1)
-            columns = _header_columns(header)
-            missing = [name for name in REQUIRED_COLUMNS if name not in columns]
-            if missing:
-                raise InputError(f"not a MindSpore memory_block.csv header: missing {', '.join(missing)}; "
-                                 f"expected columns {', '.join(REQUIRED_COLUMNS)}, ...", source=source, line=1)
-            return _read_rows(handle, columns, header.rstrip().endswith(","), source)
-    except UnicodeDecodeError:
-        raise InputError("not UTF-8 text; expected a MindSpore memory_block.csv", source=source) from None
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", source=source) from None
+    with open_input(path, expected="a MindSpore memory_block.csv") as handle:
+        header = handle.readline()
+        if not header.strip():
+            raise InputError("empty file; expected a memory_block.csv header line", source=source, line=1)
+        columns = _header_columns(header)
+        missing = [name for name in REQUIRED_COLUMNS if name not in columns]
+        if missing:
+            raise InputError(f"not a MindSpore memory_block.csv header: missing {', '.join(missing)}; "
+                             f"expected columns {', '.join(REQUIRED_COLUMNS)}, ...", source=source, line=1)
+        return _read_rows(handle, columns, header.rstrip().endswith(","), source)
 
 
 def _read_rows(handle, columns: list[str], trailing: bool, source: str) -> Trace:

@@ -39,7 +39,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ..errors import InputError
+from ..errors import InputError, open_input
 from ..events import Trace
 from ..layout import Block, Layout, Segment
 from .fields import parse_address
@@ -97,13 +97,8 @@ def read_pool_debug_dump(path: str | Path) -> Layout:
         3221225472
     """
     source = str(path)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            lines = handle.read().splitlines()
-    except UnicodeDecodeError:
-        raise InputError("not UTF-8 text; expected a MindSpore MemoryDebugInfo dump", source=source) from None
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", source=source) from None
+    with open_input(path, expected="a MindSpore MemoryDebugInfo dump") as handle:
+        lines = handle.read().splitlines()
     if not lines or not looks_like_pool_debug_dump(lines[0]):
         raise InputError("expected the first line 'The dynamic memory pool stat info : {...}' of a "
                          "MemoryDebugInfo dump", source=source, line=1)

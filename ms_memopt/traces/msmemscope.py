@@ -36,7 +36,7 @@ import bisect
 import csv
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, open_input
 from ..events import Event, Trace
 from .fields import parse_address, parse_int
 
@@ -107,14 +107,8 @@ def read_msmemscope(path: str | Path) -> Trace:
         InputError: missing columns, a short row, a bad timestamp, size or address, or a
             malformed ``Attr``; the message names the file and line.
     """
-    source = str(path)
-    try:
-        with open(path, encoding="utf-8", newline="") as handle:
-            return _read(handle, source)
-    except UnicodeDecodeError:
-        raise InputError("not UTF-8 text; expected an msMemScope CSV", source=source) from None
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", source=source) from None
+    with open_input(path, expected="an msMemScope CSV") as handle:
+        return _read(handle, str(path))
 
 
 def _read(handle, source: str) -> Trace:
