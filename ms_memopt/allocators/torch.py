@@ -99,6 +99,12 @@ def allocation_size(rounded: int) -> int:
     return (rounded + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
 
 
+
+def is_small_segment(seg: Segment) -> bool:
+    """Whether a recorded segment belongs to the small pool: its ``pool`` when the recording
+    says, else a segment of exactly :data:`SMALL_BUFFER` bytes (2 MiB)."""
+    return seg.pool == "small" if seg.pool in ("small", "large") else seg.size == SMALL_BUFFER
+
 class TorchCachingAllocator(AllocatorModel):
     """PyTorch's caching allocator; see the module docstring for the rules.
 
@@ -339,7 +345,7 @@ class TorchCachingAllocator(AllocatorModel):
     def restore(self, layout: Layout) -> None:
         self._reset()
         for seg in sorted(layout.segments, key=lambda s: s.addr):
-            small = seg.pool == "small" if seg.pool in ("small", "large") else seg.size == SMALL_BUFFER
+            small = is_small_segment(seg)
             free_list = self._pools.setdefault((seg.stream, small), [])
             self._segments[seg.addr] = (seg.size, seg.stream, small)
             insort(self._segment_addrs, seg.addr)

@@ -36,7 +36,7 @@ from bisect import bisect_left, insort
 
 from ..layout import Block, Layout, Segment
 from .base import AllocatorModel
-from .torch import LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, check_divisions, round_size
+from .torch import LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, check_divisions, is_small_segment, round_size
 
 __all__ = ["TorchExpandableAllocator"]
 
@@ -324,7 +324,7 @@ class TorchExpandableAllocator(AllocatorModel):
     def restore(self, layout: Layout) -> None:
         self._reset()
         for seg in sorted(layout.segments, key=lambda s: s.addr):
-            small = seg.pool == "small" if seg.pool in ("small", "large") else seg.size == SMALL_BUFFER
+            small = is_small_segment(seg)
             free_list, _ = self._lists(seg.stream, small)
             rng = _Range(seg.addr, seg.size, seg.size, seg.stream, small, fixed=True)
             self._ranges[seg.addr] = rng
