@@ -9,12 +9,13 @@ optimizer states, anything :func:`register`-ed — through public MindSpore APIs
 3. *restore* in a planned order (largest first by default, so they land together at low
    addresses of a best-fit pool) with ``Parameter.set_data(new_tensor)``: the Parameter
    objects stay the same, so every reference (network, optimizer, your code) stays valid;
-4. *refresh*: graphs compiled by ``@jit`` (the optimizers' ``construct`` in PyNative) cache
-   the device addresses of their weights — after ``set_data`` they would keep updating the old
-   storage (seen on CPU: the weights froze). Their compile cache is cleared so they recompile
-   against the new storage. This uses ``mindspore.graph.api.ms_compile_cache``, an internal of
-   MindSpore 2.10 (there is no public API for it); without it, :func:`live_compact` refuses to
-   relocate in PyNative rather than silently freeze the weights.
+4. *recompile* (PyNative): graphs compiled by ``@jit`` — the optimizers' ``construct``, a
+   ``jit``-decorated train step — keep the device storage their weights had when they were
+   compiled; after ``set_data`` they would keep updating the old storage (seen on CPU: the
+   weights froze, or an error when that storage was released). The public
+   ``mindspore.ms_memory_recycle()`` drops every compiled graph, so each recompiles against the
+   new storage on its next call. Graph mode needs no recompilation: its runtime re-binds a
+   weight whose value was replaced (verified on CPU).
 5. *verify* (default): every tensor reads back its host copy bit for bit.
 
 An exception while restoring puts every not-yet-restored tensor back from its host copy before
@@ -144,16 +145,12 @@ def _memory(kind: str) -> int:
         return 0
 
 
-def _compile_cache() -> set | None:
-    for module in ("mindspore.graph.api", "mindspore.common.api"):
-        try:
-            mod = __import__(module, fromlist=["ms_compile_cache"])
-        except ImportError:
-            continue
-        cache = getattr(mod, "ms_compile_cache", None)
-        if isinstance(cache, set):
-            return cache
-    return None
+def _recompile_graphs() -> None:
+    """Make every ``@jit`` graph recompile on its next call, against its weights' current
+    storage. ``mindspore.ms_memory_recycle`` (public) deletes the compiled graphs and their
+    resources (it is meant for releasing a finished model's graphs); PyNative op and grad
+    caches are cleared too, which is safe between steps."""
+    ms.ms_memory_recycle()
 
 
 def _synchronize() -> None:
@@ -176,12 +173,14 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: bool = True,
-                 release: bool = True) -> LiveCompactionReport:
+                 release: bool = True, recompile: bool | None = None) -> LiveCompactionReport:
     """Relocate ``tensors`` (Parameters) so they land together in freshly allocated memory.
 
     Call between steps (after the optimizer, before the next forward), with no computation in
     flight. ``order``: ``"size"`` (largest first) or ``"given"``. ``release=False`` skips
     dropping the old storage first (the new copies are then allocated beside the old ones).
+    ``recompile``: make the ``@jit`` graphs recompile afterwards (``mindspore.ms_memory_recycle``);
+    ``None`` (default) does so in PyNative only, where it is needed.
 
     Example:
         >>> net = mindspore.nn.Dense(4, 2)                                   # doctest: +SKIP
@@ -192,22 +191,18 @@ def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: b
     for p in params:
         if not isinstance(p, Parameter):
             raise TypeError(f"only Parameters can be relocated in place, got {type(p).__name__}")
-    cache = _compile_cache()
-    pynative = _pynative()
-    if pynative and cache is None:
-        raise CompactionError("this MindSpore has no jit compile cache to refresh; relocating "
-                              "parameters in PyNative would freeze them (see docs/compaction.md)")
+    if order not in ("size", "given"):
+        raise ValueError(f"order must be 'size' or 'given', got {order!r}")
+    if recompile is None:
+        recompile = _pynative()
     t0 = time.perf_counter()
     _synchronize()
     reserved_before, allocated_before = _memory("reserved"), _memory("allocated")
     hosts = [p.asnumpy().copy() for p in params]
     t1 = time.perf_counter()
+    sequence = list(range(len(params)))
     if order == "size":
-        sequence = sorted(range(len(params)), key=lambda i: -hosts[i].nbytes)
-    elif order == "given":
-        sequence = list(range(len(params)))
-    else:
-        raise ValueError(f"order must be 'size' or 'given', got {order!r}")
+        sequence.sort(key=lambda i: -hosts[i].nbytes)
     restored: set[int] = set()
     try:
         if release:
@@ -228,13 +223,11 @@ def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: b
                     params[i].set_data(Tensor(hosts[i]))
                 except Exception:  # pragma: no cover - nothing more we can do
                     logger.exception("could not restore %s from its host copy", params[i].name)
-        if cache is not None:
-            cache.clear()
+        if recompile:
+            _recompile_graphs()   # some tensors did move: the graphs must not keep the old storage
         raise
-    recompiled = False
-    if cache is not None and (pynative or release):
-        cache.clear()
-        recompiled = True
+    if recompile:
+        _recompile_graphs()
     t2 = time.perf_counter()
     if verify:
         for p, h in zip(params, hosts):
@@ -243,7 +236,7 @@ def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: b
     return LiveCompactionReport(
         tensors=len(params), bytes=int(sum(h.nbytes for h in hosts)),
         seconds=time.perf_counter() - t0, evacuate_seconds=t1 - t0, restore_seconds=t2 - t1,
-        verified=verify, recompiled=recompiled,
+        verified=verify, recompiled=bool(recompile),
         device_reserved_before=reserved_before, device_reserved_after=_memory("reserved"),
         device_allocated_before=allocated_before, device_allocated_after=_memory("allocated"))
 
