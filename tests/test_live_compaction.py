@@ -219,3 +219,62 @@ def test_nan_and_negative_zero_survive_verification():
     p = Parameter(Tensor(np.array([np.nan, -0.0, 1.0], dtype=np.float32)), name="odd")
     live_compact([p])
     assert np.array_equal(p.asnumpy().view(np.uint32), np.array([np.nan, -0.0, 1.0], np.float32).view(np.uint32))
+
+
+def _jit_step_train(compact_every=None, **compact_options):
+    """Functional style: one ``@jit`` graph for forward, backward and AdamWeightDecay."""
+    ms.set_seed(0)
+    net = nn.SequentialCell(nn.Dense(16, 32), nn.ReLU(), nn.Dense(32, 4))
+    opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-2, weight_decay=0.01)
+    loss_fn = nn.MSELoss()
+
+    def forward(x, y):
+        return loss_fn(net(x), y)
+
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+
+    @ms.jit
+    def step(x, y):
+        loss, grads = grad_fn(x, y)
+        opt(grads)
+        return loss
+
+    losses = []
+    for i in range(STEPS):
+        losses.append(float(step(Tensor(XS[i]), Tensor(YS[i])).asnumpy()))
+        if compact_every and (i + 1) % compact_every == 0:
+            live_compact(long_lived_tensors(net, opt), **compact_options)
+    return losses, [p.asnumpy().copy() for p in net.trainable_params()]
+
+
+def test_jit_train_step_with_compaction_is_bit_identical():
+    assert ms.get_context("mode") == ms.PYNATIVE_MODE
+    ref_losses, ref_params = _jit_step_train()
+    losses, params = _jit_step_train(compact_every=2)
+    assert losses == ref_losses
+    assert all(np.array_equal(a, b) for a, b in zip(params, ref_params))
+
+
+def test_pynative_graphs_need_the_recompile():
+    # without recompiling, the jit graph keeps training the old storage while the Parameters
+    # show the new one, frozen at the last compaction (releasing the old one: an error instead)
+    ref_losses, ref_params = _jit_step_train()
+    losses, params = _jit_step_train(compact_every=4, release=False, recompile=False)
+    assert losses == ref_losses
+    assert not any(np.array_equal(a, b) for a, b in zip(params, ref_params))
+    with pytest.raises(RuntimeError):
+        _jit_step_train(compact_every=2, recompile=False)
+
+
+def test_recompiles_through_the_public_api_in_pynative_only(monkeypatch):
+    calls = []
+    public = ms.ms_memory_recycle
+    monkeypatch.setattr(ms, "ms_memory_recycle", lambda: (calls.append(1), public())[1])
+    p = Parameter(Tensor(np.arange(4, dtype=np.float32)), name="spy")
+    assert live_compact([p]).recompiled and len(calls) == 1
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        assert not live_compact([p]).recompiled and len(calls) == 1
+    finally:
+        ms.set_context(mode=mode)
