@@ -10,7 +10,8 @@ parameters on CPU.
    effect on synthetic layouts shaped like the field report (printed first).
 3. Live: ``live_compact`` of float32 Parameters (default 256 MiB in 64 tensors) on CPU, with and
    without read-back verification -> seconds per GB; plus the extra time of the first training
-   step after a compaction in a tiny PyNative job (the optimizer's jit graph recompiles).
+   step after a compaction in a tiny PyNative job (live_compact calls the public
+   ``mindspore.ms_memory_recycle()`` there, so the optimizer's jit graph recompiles).
 
 Usage: python bench/compaction.py [--arena-mib 1024] [--rounds 5] [--live-mib 256]
 The last line is one JSON object.
