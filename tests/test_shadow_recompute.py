@@ -1,6 +1,7 @@
 """The shadow source (ShadowModelSource) with recompute groups: what it keeps, what it re-allocates."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -15,9 +16,10 @@ TINY = dict(num_layers=4, hidden_size=32, num_heads=4, seq_length=16, vocab_size
 BATCH = 4
 
 
+@functools.lru_cache(maxsize=None)
 def _step(k: int, *, train_cell: bool = False):
     """One forward + backward of the tiny GPT (pool mode with checkpoint_every=k when k > 0)
-    under a fresh shadow source; returns (source, reading, plan or None)."""
+    under a fresh shadow source; returns (source, reading, plan or None), cached (read only)."""
     import mindspore as ms
     from mindspore import Tensor, nn
 

@@ -13,8 +13,9 @@
 * :class:`ShadowModelSource` — anywhere (CPU included): the training process's real tensors
   fed as alloc/free events into an allocator model (``mindspore`` by default): parameters and
   optimizer states (persistent pool) once, then each scanned step's activations (outputs of
-  leaf Cells, seen through forward hooks) and gradients (one per trainable parameter), in the
-  order a step makes them. Records say ``source: "model"``.
+  leaf Cells, seen through forward hooks; inside a recompute group freed when the group
+  returns, its recompute in backward replayed as one transient group) and gradients (one per
+  trainable parameter), in the order a step makes them. Records say ``source: "model"``.
 * :class:`ArenaSource` — ms-memopt-owned regions (pool mode, compaction arenas): their exact
   ``layout()``.
 
