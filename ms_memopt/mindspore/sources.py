@@ -13,8 +13,9 @@
 * :class:`ShadowModelSource` — anywhere (CPU included): the training process's real tensors
   fed as alloc/free events into an allocator model (``mindspore`` by default): parameters and
   optimizer states (persistent pool) once, then each scanned step's activations (outputs of
-  leaf Cells, seen through forward hooks) and gradients (one per trainable parameter), in the
-  order a step makes them. Records say ``source: "model"``.
+  leaf Cells, seen through forward hooks; inside a recompute group freed when the group
+  returns, its recompute in backward replayed as one transient group) and gradients (one per
+  trainable parameter), in the order a step makes them. Records say ``source: "model"``.
 * :class:`ArenaSource` — ms-memopt-owned regions (pool mode, compaction arenas): their exact
   ``layout()``.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -35,8 +37,8 @@ from ..layout import Layout
 from ..scan import Reading, Source
 from ..traces.ms_debug_dump import address_of, read_pool_debug_dump
 
-__all__ = ["DeviceMemoryAPI", "MindSporeDeviceAPI", "DeviceSource", "ShadowModelSource", "ArenaSource",
-           "make_sources", "SOURCES"]
+__all__ = ["DeviceMemoryAPI", "MindSporeDeviceAPI", "DeviceSource", "ShadowModelSource", "ObservedEvent",
+           "ArenaSource", "make_sources", "SOURCES"]
 
 logger = logging.getLogger("ms_memopt.scan")
 
@@ -261,22 +263,136 @@ def _nbytes(obj) -> int:
     return 0
 
 
+def _tensors(obj) -> list:
+    """The Tensors in a Cell's inputs (a tuple, possibly nested)."""
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return [obj] if getattr(obj, "shape", None) is not None and getattr(obj, "dtype", None) is not None else []
+
+
+def _recompute_machinery(network) -> set[int]:
+    """ids of the Cells MindSpore adds for ``Cell.recompute()`` (a ``_RecomputeCell`` and its
+    ``_WrapCell``): they re-enter the recomputed Cell's ``construct`` and are no layer of the
+    model (hooked as a leaf, the ``_WrapCell`` counted each group's output once in forward and
+    once more in backward)."""
+    machinery: set[int] = set()
+    for _, cell in network.cells_and_names():
+        inner = getattr(cell, "_recompute_cell", None)
+        if inner is not None and hasattr(inner, "cells_and_names"):
+            machinery.update(id(c) for _, c in inner.cells_and_names())
+    return machinery
+
+
+def _leaves_and_groups(network) -> tuple[list[tuple[str, object, str | None]], list[tuple[str, object]]]:
+    """``([(leaf name, leaf, group name or None)], [(group name, group)])``, optimizers excluded.
+
+    A *group* is an outermost Cell with ``Cell.recompute()`` set (``_recompute_cell``, e.g. pool
+    mode's ``RecomputeGroup``) that holds Cells; its leaves carry its name. A leaf that itself
+    has recompute set stays an ordinary leaf: MindSpore keeps a recomputed Cell's output.
+    Names are the Cells' paths in ``network`` (``network.blocks.0.layers.1.fc1``).
+    """
+    from mindspore import nn
+    machinery = _recompute_machinery(network)
+    leaves: list = []
+    groups: list = []
+    seen: set[int] = set()
+
+    def walk(name: str, cell, group: str | None) -> None:
+        if id(cell) in seen or id(cell) in machinery or isinstance(cell, nn.Optimizer):
+            return
+        seen.add(id(cell))
+        children = [(n, c) for n, c in cell.name_cells().items() if id(c) not in machinery]
+        if not children:
+            leaves.append((name, cell, group))
+            return
+        if group is None and getattr(cell, "_recompute_cell", None) is not None:
+            group = name
+            groups.append((name, cell))
+        for child_name, child in children:
+            walk(f"{name}.{child_name}" if name else child_name, child, group)
+
+    walk("", network, None)
+    return leaves, groups
+
+
+@dataclass
+class ObservedEvent:
+    """One thing the shadow source's hooks saw during a step, in the order it happened.
+
+    ``kind``:
+
+    * ``"output"``: a leaf Cell's output outside any recompute group (kept until backward);
+    * ``"group_enter"``: a recompute group starts its forward; ``nbytes`` = its tensor inputs
+      not already kept by an earlier group this forward (the boundary it keeps for backward);
+    * ``"group_output"``: a leaf's output inside a group's forward (freed when the group returns);
+    * ``"group_exit"``: the group returned in forward;
+    * ``"recompute"``: a leaf's output inside a group while that group is not running its
+      forward: the group being recomputed in backward.
+
+    ``cell`` is the path of the Cell that made it in the network (the group's for enter/exit),
+    ``group`` the recompute group's path or ``None``; ``nbytes`` from shape and dtype.
+    """
+
+    kind: str
+    cell: str
+    group: str | None
+    nbytes: int
+
+
+FORWARD_OUTPUTS = ("output", "group_output")
+
+
+class _GroupRun:
+    """One forward run of a recompute group in the replayed step (allocator addresses inside)."""
+
+    def __init__(self, boundary: int, addr) -> None:
+        self.boundary, self.addr = boundary, addr
+        self.inner: list[tuple[int, object]] = []     # (bytes, addr) alive during its forward
+        self.forward_sizes: list[int] = []
+        self.recomputed: list[int] = []
+
+
 class ShadowModelSource(Source):
     """The process's real tensors replayed through an allocator model (``source: "model"``).
 
     Args:
         network: the Cell trained (``Model``'s train network, or your net); forward hooks are
-            put on its leaf Cells (optimizers excluded) to see activation sizes.
+            put on its leaf Cells (optimizers excluded) to see activation sizes, on its
+            recompute groups (Cells with ``Cell.recompute()`` set, e.g. pool mode's
+            ``RecomputeGroup``) to see where each group's forward starts and ends, and a
+            pre-hook on ``network`` itself to see a forward start.
         optimizer: its optimizer; parameters it holds beyond the network's are optimizer states.
         allocator: the model's name (``"mindspore"``) and ``options`` for it.
         capacity: device memory for the model, bytes (``None``: unbounded, no ``device_free``).
 
     Activations are seen only when hooks fire (PyNative); hooks are attached only for the
     steps that will be scanned (the first step, then the step before each scan re-arms them),
-    so steps in between run without them. A step is replayed as: activations
-    allocated in forward order, then freed in reverse order with the gradients allocated in
-    between (backward), then the gradients freed after the optimizer; the scan measures the
-    pool at the step's end, like a device scan would, and adds the step's peak in ``extra``.
+    so steps in between run without them. Each hook records which Cell made the output
+    (:class:`ObservedEvent`, :meth:`observed`); an output that *is* one of the Cell's inputs
+    (``Passthrough``, ``nn.Identity``) is no new tensor and is not recorded. Tensors made by
+    functional ops inside a ``construct`` (attention scores, residual adds) are not Cell
+    outputs and are not seen: compare figures of this source with each other (with / without
+    recompute), not with the estimator's bytes.
+
+    A step is replayed as: activations allocated in forward order, except that inside a
+    recompute group the outputs are freed when the group returns and only the group's tensor
+    inputs (its boundary) stay; then backward, in reverse order: a plain activation is freed
+    (gradients allocated in between); a group allocates what its recompute made (the outputs
+    seen again during backward; its forward outputs if none were seen), frees them, then its
+    boundary. The peak is thus the kept boundaries plus one group, the composition of
+    ``ms_memopt.estimate.recompute_group_bytes``; without recompute it is every output.
+    Gradients are freed after the optimizer; the scan measures the pool at the step's end,
+    like a device scan would, and adds the step's peak and the activation figures in ``extra``.
+
+    Forward or recompute: a group's own hooks fire only around its forward call (MindSpore
+    2.10 recomputes by calling the group's ``construct`` from the backward pass, not the
+    Cell; a test pins this), so a leaf of a group that fires while its group is not inside
+    its forward is being recomputed. As a guard for versions that would call the Cell again,
+    a group entered a second time in one forward (since the network's pre-hook or
+    :meth:`step_end`) counts as recomputing too; a shared group called twice in one forward
+    would be misread that way.
     """
 
     name = "model"
@@ -287,8 +403,10 @@ class ShadowModelSource(Source):
         self.optimizer = optimizer
         self.allocator_name = allocator
         self.model = create(allocator, capacity=capacity, **(options or {}))
-        self._activations: list[int] = []
-        self._last_step_activations: list[int] = []
+        self._events: list[ObservedEvent] = []
+        self._last_step_events: list[ObservedEvent] = []
+        self._group_state: dict[str, str] = {}   # group name -> "forward" | "done" | "recompute"
+        self._kept_inputs: set[int] = set()       # ids of tensors a group already keeps this forward
         self._handles = []
         self._persistent_done = False
         self._grads: list[int] = []
@@ -296,25 +414,65 @@ class ShadowModelSource(Source):
 
     def describe(self) -> str:
         return (f"model: the process's tensors (parameters, optimizer states, gradients, activations via "
-                f"Cell forward hooks) replayed through the {self.allocator_name!r} allocator model")
+                f"Cell forward hooks, recompute groups keeping only their inputs) replayed through the "
+                f"{self.allocator_name!r} allocator model")
 
+    # --- hooks ---------------------------------------------------------------------------------
     def _attach(self) -> None:
-        from mindspore import nn
         if self.network is None or self._handles:
             return
-        for _, cell in self.network.cells_and_names():
-            if isinstance(cell, nn.Optimizer) or any(True for _ in cell.cells()):
-                continue
-            self._handles.append(cell.register_forward_hook(self._hook))
+        leaves, groups = _leaves_and_groups(self.network)
+        if groups:  # only needed to tell a new forward from a recompute
+            self._handles.append(self.network.register_forward_pre_hook(self._forward_begins))
+        for name, group in groups:
+            self._handles.append(group.register_forward_pre_hook(self._group_enter_hook(name)))
+            self._handles.append(group.register_forward_hook(self._group_exit_hook(name)))
+        for name, leaf, group in leaves:
+            self._handles.append(leaf.register_forward_hook(self._leaf_hook(name, group)))
 
-    def _hook(self, cell, inputs, outputs) -> None:
-        self._activations.append(_nbytes(outputs))
+    def _forward_begins(self, cell, inputs) -> None:
+        self._group_state.clear()
+        self._kept_inputs.clear()
+
+    def _group_enter_hook(self, name: str):
+        def hook(cell, inputs) -> None:
+            if name in self._group_state:  # entered before in this forward: a recompute
+                self._group_state[name] = "recompute"
+                return
+            self._group_state[name] = "forward"
+            fresh = {id(t): t for t in _tensors(inputs) if id(t) not in self._kept_inputs}
+            self._kept_inputs.update(fresh)
+            self._events.append(ObservedEvent("group_enter", name, name, sum(_nbytes(t) for t in fresh.values())))
+        return hook
+
+    def _group_exit_hook(self, name: str):
+        def hook(cell, inputs, outputs) -> None:
+            if self._group_state.get(name) == "forward":
+                self._events.append(ObservedEvent("group_exit", name, name, 0))
+            self._group_state[name] = "done"
+        return hook
+
+    def _leaf_hook(self, name: str, group: str | None):
+        def hook(cell, inputs, outputs) -> None:
+            if any(outputs is arg for arg in inputs):
+                return
+            if group is None:
+                kind = "output"
+            else:
+                kind = "group_output" if self._group_state.get(group) == "forward" else "recompute"
+            self._events.append(ObservedEvent(kind, name, group, _nbytes(outputs)))
+        return hook
 
     def step_end(self, step: int) -> None:
-        """Called after every step: keep this step's activations, start the next list."""
-        if self._activations:
-            self._last_step_activations = self._activations
-            self._activations = []
+        """Called after every step: keep this step's observations, start the next list."""
+        if self._events:
+            self._last_step_events = self._events
+            self._events = []
+        self._forward_begins(None, ())
+
+    def observed(self) -> list[ObservedEvent]:
+        """What the hooks saw of the current step (or, when nothing yet, of the last one)."""
+        return list(self._events or self._last_step_events)
 
     def arm(self, active: bool) -> None:
         """Hooks on for a step that will be scanned, off otherwise."""
@@ -331,6 +489,7 @@ class ShadowModelSource(Source):
                 pass
         self._handles.clear()
 
+    # --- replay ------------------------------------------------------------------------------
     def _params(self) -> tuple[list[int], list[int]]:
         """(persistent sizes: parameters + optimizer states, gradient sizes)."""
         seen: dict[int, int] = {}
@@ -361,37 +520,120 @@ class ShadowModelSource(Source):
             for size in persistent:
                 model.malloc(size, pool="persistent", tag="parameter")
             self._persistent_done = True
-        acts = self._activations or self._last_step_activations
+        events = self.observed()
         peak_before = model.peak_allocated
         model.peak_allocated = model.allocated
         peak_reserved_before = model.reserved
-        act_addrs = [model.malloc(size, tag="activation") for size in acts if size > 0]
-        grads = list(reversed(self._grads))
-        grad_addrs = []
-        per_free = max(1, -(-len(grads) // max(1, len(act_addrs))))
-        for addr in reversed(act_addrs):
-            for _ in range(per_free):
-                if grads:
-                    grad_addrs.append(model.malloc(grads.pop(0), tag="gradient"))
-            if addr is not None:
-                model.free(addr)
-        for size in grads:
-            grad_addrs.append(model.malloc(size, tag="gradient"))
+        replay = _ActivationReplay(model)
+        kept = replay.forward(events)
+        kept_bytes = replay.live
+        grad_addrs = replay.backward(kept, list(reversed(self._grads)))
         step_peak = model.peak_allocated
         for addr in grad_addrs:
             if addr is not None:
                 model.free(addr)
         model.peak_allocated = max(peak_before, step_peak)
+        forward = [e.nbytes for e in events if e.kind in FORWARD_OUTPUTS]
         reading = Reading.from_metrics(model.metrics())
         reading.largest_free = model.largest_free() if model.virtual else reading.largest_free
         reading.extra.update(allocator=self.allocator_name, step_peak_allocated=step_peak,
                              peak_reserved=model.peak_reserved, reserved_growth=model.reserved - peak_reserved_before,
-                             activations_observed=len(acts), activation_bytes=sum(acts),
+                             activations_observed=len(forward), activation_bytes=sum(forward),
+                             activation_peak_bytes=replay.peak, activation_kept_bytes=kept_bytes,
+                             activations_recomputed=sum(1 for e in events if e.kind == "recompute"),
+                             recompute_groups=sum(1 for e in events if e.kind == "group_enter"),
                              gradient_bytes=sum(self._grads), model_ooms=len(model.ooms))
         return reading
 
     def close(self) -> None:
         self._detach()
+
+
+class _ActivationReplay:
+    """One step's activations through an allocator model; ``live``/``peak`` in bytes.
+
+    ``live`` counts the activation bytes the step holds (requested sizes, also when the
+    model could not place them), ``peak`` its largest value.
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.live = 0
+        self.peak = 0
+
+    def _alloc(self, size: int):
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        return self.model.malloc(size, tag="activation")
+
+    def forward(self, events: list[ObservedEvent]) -> list:
+        """Allocate in forward order; returns what stays for backward, in forward order:
+        ``(bytes, addr)`` for a plain output, a :class:`_GroupRun` per group forward."""
+        kept: list = []
+        running: dict[str, _GroupRun] = {}
+        last: dict[str, _GroupRun] = {}
+        for event in events:
+            if event.kind == "output" or (event.kind == "group_output" and event.group not in running):
+                if event.nbytes > 0:
+                    kept.append((event.nbytes, self._alloc(event.nbytes)))
+            elif event.kind == "group_enter":
+                run = _GroupRun(event.nbytes, self._alloc(event.nbytes) if event.nbytes > 0 else None)
+                kept.append(run)
+                running[event.group] = last[event.group] = run
+            elif event.kind == "group_output":
+                run = running[event.group]
+                run.forward_sizes.append(event.nbytes)
+                if event.nbytes > 0:
+                    run.inner.append((event.nbytes, self._alloc(event.nbytes)))
+            elif event.kind == "group_exit" and event.group in running:
+                run = running.pop(event.group)
+                self._free_all(run.inner)
+                run.inner = []
+            elif event.kind == "recompute" and event.group in last:
+                last[event.group].recomputed.append(event.nbytes)
+        return kept
+
+    def _free_all(self, blocks) -> None:
+        for size, addr in reversed(blocks):
+            self.live -= size
+            if addr is not None:
+                self.model.free(addr)
+
+    def backward(self, kept: list, grads: list[int]) -> list:
+        """Free in reverse, each group recomputed first; gradients (sizes, in the order they
+        are made) allocated evenly in between. Returns the gradients' addresses."""
+        frees = 0
+        for entry in kept:
+            if isinstance(entry, _GroupRun):
+                redo = entry.recomputed or entry.forward_sizes
+                frees += len(entry.inner) + sum(1 for s in redo if s > 0) + (entry.boundary > 0)
+            else:
+                frees += 1
+        per_free = max(1, -(-len(grads) // max(1, frees)))
+        grad_addrs = []
+
+        def release(size: int, addr) -> None:
+            for _ in range(per_free):
+                if grads:
+                    grad_addrs.append(self.model.malloc(grads.pop(0), tag="gradient"))
+            self.live -= size
+            if addr is not None:
+                self.model.free(addr)
+
+        for entry in reversed(kept):
+            if not isinstance(entry, _GroupRun):
+                release(*entry)
+                continue
+            for block in reversed(entry.inner):  # a forward whose group_exit was not seen
+                release(*block)
+            redo = [(s, self._alloc(s)) for s in (entry.recomputed or entry.forward_sizes) if s > 0]
+            for block in reversed(redo):
+                release(*block)
+            if entry.boundary > 0:
+                release(entry.boundary, entry.addr)
+        for size in grads:
+            grad_addrs.append(self.model.malloc(size, tag="gradient"))
+        return grad_addrs
 
 
 # --- arenas --------------------------------------------------------------------------------------
