@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,6 @@ def _one(job):
 
 
 def _median(values):
-    import statistics
     ooms = [v for v in values if v is not None]
     if 2 * len(ooms) < len(values):
         return None
@@ -94,7 +94,8 @@ def _run_jobs(jobs, args) -> None:
                 # progress on stderr: one line per finished run
                 print(f"# {time.perf_counter() - started:6.0f} s  {label} [{policy}] seed {seed}: "
                       f"oom_step {r['oom_step']} {r['oom_kind'] or ''} "
-                      f"free@oom {((r['free_total_at_oom'] or 0) / GiB):.1f} GiB, peak "
+                      f"free@oom {((r['free_total_at_oom'] or 0) / GiB):.1f} GiB, "
+                      f"used@oom {((r['allocated_at_oom'] or 0) / GiB):.1f} GiB, peak "
                       f"{r['peak_allocated'] / GiB:.1f} GiB, compactions {r['compactions']}, "
                       f"frag_after {r['frag_after_compaction']}, region_frag {r['region_frag_max']}",
                       file=sys.stderr, flush=True)
@@ -102,17 +103,19 @@ def _run_jobs(jobs, args) -> None:
         runs.sort(key=lambda r: r["seed"])
     table = {}
     print(f"{'run':<48} {'seeds':>5} {'OOMs':>4} {'median':>7} {'min':>5} {'max':>5} {'kinds':<18} "
-          f"{'free@oom GiB':>12} {'peak GiB':>8} {'frag_max':>8} {'frag_after_c':>12} {'region_frag':>11}")
+          f"{'free@oom GiB':>12} {'used@oom':>8} {'peak GiB':>8} {'frag_max':>8} {'frag_after_c':>12} {'region_frag':>11}")
     for name, runs in rows.items():
         steps = [r["oom_step"] for r in runs]
         ooms = [x for x in steps if x is not None]
         kinds = sorted({r["oom_kind"] for r in runs if r["oom_kind"]})
         free = [r["free_total_at_oom"] / GiB for r in runs if r["free_total_at_oom"] is not None]
+        used = [r["allocated_at_oom"] / GiB for r in runs if r["allocated_at_oom"] is not None]
         fam = [r["frag_after_compaction"] for r in runs if r["frag_after_compaction"] is not None]
         reg = [r["region_frag_max"] for r in runs if r["region_frag_max"] is not None]
         fmax = [r["frag_ratio_max"] for r in runs if r["frag_ratio_max"] is not None]
         entry = {"seeds": len(runs), "ooms": len(ooms), "oom_steps": steps, "median_oom_step": _median(steps),
                  "oom_kinds": kinds, "free_total_at_oom_gib": [round(f, 1) for f in free],
+                 "allocated_at_oom_gib": [round(u, 1) for u in used],
                  "peak_allocated_gib": round(max(r["peak_allocated"] for r in runs) / GiB, 1),
                  "frag_ratio_max": round(max(fmax), 2) if fmax else None,
                  "frag_after_compaction_max": round(max(fam), 3) if fam else None,
@@ -125,7 +128,8 @@ def _run_jobs(jobs, args) -> None:
         table[name] = entry
         print(f"{name:<48} {len(runs):>5} {len(ooms):>4} {entry['median_oom_step']!s:>7} "
               f"{min(ooms, default='-')!s:>5} {max(ooms, default='-')!s:>5} {','.join(kinds) or '-':<18} "
-              f"{(f'{min(free):.1f}-{max(free):.1f}' if free else '-'):>12} {entry['peak_allocated_gib']:>8} "
+              f"{(f'{min(free):.1f}-{max(free):.1f}' if free else '-'):>12} "
+              f"{(f'{statistics.median(used):.1f}' if used else '-'):>8} {entry['peak_allocated_gib']:>8} "
               f"{entry['frag_ratio_max']!s:>8} {entry['frag_after_compaction_max']!s:>12} "
               f"{entry['region_frag_max']!s:>11}")
     seconds = time.perf_counter() - started

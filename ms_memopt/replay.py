@@ -162,7 +162,7 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
         elif action == "empty_cache":
             model.empty_cache()
         elif action == "mark":
-            model.note_mark(event.tag)
+            model.note_mark(event.tag, event.size)
         if sample_every and (index % sample_every == sample_every - 1 or action == "step"):
             model_seconds += time.perf_counter() - chunk_start
             sample(index)

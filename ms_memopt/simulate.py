@@ -97,7 +97,8 @@ class PolicyResult:
 
     ``frag_at_oom`` is the frag ratio of the last scan before the OOM; ``oom_kind`` is
     ``"fragmentation"`` when the failing request was smaller than ``free_total`` at that
-    moment, else ``"capacity"``. ``frag_before_compaction``/``frag_after_compaction`` are the
+    moment, else ``"capacity"``; ``allocated_at_oom`` is what was in use when it failed (the
+    monitor's reading at the OOM; ``peak_allocated`` is the run's maximum). ``frag_before_compaction``/``frag_after_compaction`` are the
     worst over all compactions; ``frag_after_compaction_segment_max`` the worst frag ratio
     inside one segment (pool block) right after a compaction (what compaction can reach in one
     contiguous range). ``largest_free_by_window`` is the smallest ``largest_free``
@@ -112,6 +113,7 @@ class PolicyResult:
     oom_tag: str | None = None
     oom_size: int | None = None
     free_total_at_oom: int | None = None
+    allocated_at_oom: int | None = None
     largest_free_at_oom: int | None = None
     frag_at_oom: float | None = None
     frag_ratio_max: float | None = None
@@ -372,7 +374,7 @@ class _Run:
                         record.append(Event("free", id=event.id, size=self.size_of.pop(event.id, event.size),
                                             addr=addr, step=step))
             elif action == "mark" and event.tag != "optimizer_end":
-                note_mark(event.tag)
+                note_mark(event.tag, event.size)
             elif action == "mark":
                 scan = cfg.scan_every and step % cfg.scan_every == 0
                 if scan:
@@ -419,6 +421,7 @@ class _Run:
         result.oom_tag = event.tag
         result.oom_size = event.size
         result.free_total_at_oom = free_total
+        result.allocated_at_oom = model.allocated
         result.largest_free_at_oom = oom.largest_free if oom else model.largest_free()
         result.oom_kind = "fragmentation" if event.size < free_total else "capacity"
         result.frag_at_oom = self.track.last_scan_frag

@@ -244,7 +244,8 @@ class StepWorkload:
         for phase, m in _one_f_one_b(s.micro_batches, s.in_flight):
             # a named moment per pass: pool mode places a micro-batch's activations by it
             if phase == "F":
-                self._events.append(Event("mark", tag=f"forward:{m}", step=step))
+                self._events.append(Event("mark", tag=f"forward:{m}", size=self._kept_bytes(lengths[m]),
+                                          step=step))
                 saved[m] = self._forward(lengths[m], counters, hooks)
             else:
                 self._events.append(Event("mark", tag=f"backward:{m}", step=step))
@@ -337,12 +338,24 @@ class StepWorkload:
             out.setdefault(i * s.layers // count, []).append(part)
         return out
 
+    def _saved_sizes(self, length: int) -> tuple[list[int], int]:
+        """Bytes of one layer's saved tensors, and of a recompute segment's input."""
+        s = self.spec
+        scale = length / s.seq_length
+        return ([_aligned(s.activation_bytes * scale * share) for share in s.activation_split],
+                _aligned(s.input_bytes * scale))
+
+    def _kept_bytes(self, length: int) -> int:
+        """What one micro-batch's forward keeps for its backward (the ``forward:M`` mark's size)."""
+        acts, inp = self._saved_sizes(length)
+        k = self.spec.recompute_every
+        return -(-self.spec.layers // k) * inp if k else self.spec.layers * sum(acts)
+
     def _forward(self, length: int, counters: dict, hooks: dict) -> list[list[int]]:
         """One micro-batch forward; returns the saved tensor ids per layer."""
         s = self.spec
         scale = length / s.seq_length
-        acts = [_aligned(s.activation_bytes * scale * share) for share in s.activation_split]
-        inp = _aligned(s.input_bytes * scale)
+        acts, inp = self._saved_sizes(length)
         wss = [_aligned(s.workspace_bytes * scale * share) for share in s.workspace_split]
         recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
         saved: list[list[int]] = []

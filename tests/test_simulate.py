@@ -7,6 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ms_memopt.simulate import (
     POLICIES,
@@ -164,8 +166,39 @@ def test_pool_mode_never_ooms_and_fixed_regions_never_fragment():
     assert r.oom_step is None
     worst = r.region_frag_max_by_region
     assert all(worst[name] == 0.0 for name in ("parameters", "gradients", "optimizer", "communication"))
-    # a wide length spread leaves each slot's slack as its own piece (docs/simulation.md)
-    assert worst["activations"] < 2.0
+    # chunks filled top down in a ring: at most two free pieces, however wide the length spread
+    assert worst["activations"] <= 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(in_flight=st.integers(1, 5), extra=st.integers(0, 6), layers=st.integers(1, 4),
+       lengths=st.lists(st.integers(1, 64), min_size=1, max_size=40))
+def test_activation_chunk_ring_keeps_free_space_in_two_pieces(in_flight, extra, layers, lengths):
+    """1F1B micro-batches of any lengths: each forward keeps ``layers`` x 3 tensors in its chunk,
+    the backward frees them last-saved first; the region's free space is never in more than two
+    pieces and nothing falls outside the ring."""
+    from ms_memopt.allocators.pool import PoolModeAllocator
+    from ms_memopt.workload import _one_f_one_b
+
+    unit = 4096
+    sizes = {m: [n * unit * share for share in (3, 2, 1)] for m, n in enumerate(lengths)}
+    ring = (in_flight + 1) * layers * 6 * 64 * unit
+    pool = PoolModeAllocator(regions={"activations": ring, "workspace": unit}, chunked=True)
+    region = pool.regions["activations"]
+    saved: dict[int, list[int]] = {}
+    for phase, m in _one_f_one_b(len(lengths), min(in_flight, len(lengths))):
+        if phase == "F":
+            pool.note_mark(f"forward:{m}", layers * sum(sizes[m]))
+            saved[m] = [pool.malloc(size, tag="activation") for _ in range(layers) for size in sizes[m]]
+            assert None not in saved[m]
+            assert min(saved[m]) >= region.addr and max(saved[m]) < region.addr + region.size
+        else:
+            pool.note_mark(f"backward:{m}")
+            for addr in reversed(saved.pop(m)):
+                pool.free(addr)
+                assert len(region.free_keys) <= 2
+        assert len(region.free_keys) <= 2
+    assert region.allocated == 0 and len(region.free_keys) == 1
 
 
 def test_pool_mode_regions_of_the_100b_recipe_stay_within_ratio_one():
@@ -241,7 +274,8 @@ def test_calibrated_100b_recipe_largest_free_trends_down():
     grown = simulate_policy(spec, "baseline", cfg, seed=0)
     steady = simulate_policy(spec.without("dynamic_seq", "shape_cache"), "baseline", cfg, seed=0)
     assert grown.largest_free_by_window[1] < grown.largest_free_by_window[0]
-    assert steady.largest_free_by_window[0] == steady.largest_free_by_window[1]
+    # the AllReduce moment still varies, so the smallest hole varies a little, without a trend
+    assert steady.largest_free_by_window[1] > 0.95 * steady.largest_free_by_window[0]
     assert min(grown.largest_free_by_window) < min(steady.largest_free_by_window)
 
 

@@ -90,9 +90,10 @@ class AllocatorModel(ABC):
     def release_segment(self, addr: int, size: int, stream: int = 0) -> None:
         """The recording released the segment at ``addr``; models release it if it is idle."""
 
-    def note_mark(self, tag: str | None) -> None:
-        """A named moment inside a step (``forward:3``, ``optimizer_end``); models that place by
-        phase (pool mode's activation slots) use it; default: nothing."""
+    def note_mark(self, tag: str | None, size: int = 0) -> None:
+        """A named moment inside a step (``forward:3``, ``optimizer_end``; ``size`` in bytes
+        when the moment announces an amount, e.g. what a micro-batch's forward will keep);
+        models that place by phase (pool mode's activation chunks) use it; default: nothing."""
 
     def restore(self, layout: Layout) -> None:
         """Start from a recorded state (segments and live blocks at their addresses)."""

@@ -9,9 +9,9 @@ region            holds (tags)                                         policy in
 ``parameters``    BF16 weights                                          best fit (never freed)
 ``gradients``     FP32 gradient accumulation                            best fit (never freed)
 ``optimizer``     FP32 master weights, Adam m and v                     best fit (never freed)
-``activations``   saved activations, checkpoint inputs, recomputes     ring of slots, one per
-                                                                       micro-batch in flight,
-                                                                       each a stack
+``activations``   saved activations, checkpoint inputs, recomputes     ring of chunks, one per
+                                                                       micro-batch, each filled
+                                                                       from its top down
 ``communication`` AllReduce / ReduceScatter buckets, P2P buffers        best fit (the arena)
 ``workspace``     op workspaces, weight gradients, optimizer temps,    best fit
                   evaluation, checkpoint staging, logging
@@ -68,20 +68,19 @@ _EVICTING = {"workspace.cache"}
 class _Region:
     """One fixed region: buffers doubly linked by address, free ones in a sorted key list."""
 
-    def __init__(self, name: str, addr: int, size: int, slots: int = 0) -> None:
+    def __init__(self, name: str, addr: int, size: int, chunked: bool = False) -> None:
         self.name = name
         self.addr = addr
         self.size = size
-        # slots > 0: a ring of slots, one per micro-batch in flight, each used as a stack
-        self.slots = slots
-        self.slot_size = size // slots // _ALIGN * _ALIGN if slots else 0
-        self.tops: dict[int, int] = {}
+        # chunked: a ring of chunks, one per micro-batch, each filled from its top down
+        self.chunked = chunked
+        self.stack_top: int | None = None     # chunked: next allocation ends here
+        self.stack_floor = addr               # ... and may not start below the chunk's start
         self.allocated = 0
         head = [addr, size, False, None, None]
         self.bufs: dict[int, list] = {addr: head}
         self.free_keys: list[int] = [(size << _SHIFT) | addr] if size else []
-        self.head = addr                      # ring: next allocation address
-        self.slot = 0
+        self.head = addr                      # ring: next allocation (chunked: next chunk) address
         self.order: OrderedDict[int, int] = OrderedDict()   # evicting: live addr -> size, oldest first
         if not size:
             self.bufs = {}
@@ -93,8 +92,13 @@ class _Region:
         """Allocate ``size`` bytes: at the ring head when ``ring``, else (or when the head has
         no room and ``fallback``) best fit; the address, or ``None``."""
         buf = None
+        stacked = False
         if ring:
-            buf = self._ring_buffer(size)
+            if self.chunked:
+                buf = self._stack_buffer(size)
+                stacked = buf is not None
+            else:
+                buf = self._ring_buffer(size)
             if buf is None and not fallback:
                 return None
         if buf is None:
@@ -115,29 +119,56 @@ class _Region:
             insort(self.free_keys, (rest << _SHIFT) | tail[_ADDR])
         buf[_USED] = True
         self.allocated += buf[_SIZE]
-        if ring:
+        if stacked:
+            self.stack_top = buf[_ADDR]
+        elif ring and not self.chunked:
             self.head = buf[_ADDR] + buf[_SIZE]
             if self.head >= self.addr + self.size:
                 self.head = self.addr
-            if self.slots:
-                self.tops[self.slot] = self.head
         return buf[_ADDR]
 
-    def enter_slot(self, slot: int, fresh: bool) -> None:
-        """Point the head at slot ``slot``: its start when a new micro-batch enters it
-        (``fresh``), else the slot's last top (recompute in the backward)."""
-        start = self.addr + (slot % self.slots) * self.slot_size
-        self.head = start if fresh else self.tops.get(slot % self.slots, start)
-        self.slot = slot % self.slots
+    def open_chunk(self, size: int) -> None:
+        """A micro-batch's forward starts and will keep ``size`` bytes here: its chunk goes at
+        the head, else at the region start (wrap); ``size`` 0 or no room: best fit instead.
+
+        The chunk fills from its top down, so the backward, which frees the last-saved tensor
+        first, frees from the chunk's bottom, next to the free space the older micro-batches
+        left: with 1F1B's first-in-first-out micro-batches the free space stays in at most two
+        pieces (before and after the wrap)."""
+        self.stack_top = None
+        if size <= 0:
+            return
+        for start in (self.head, self.addr):
+            buf = self._free_buffer_at(start)
+            if buf is not None and buf[_ADDR] + buf[_SIZE] - start >= size:
+                self.stack_top, self.stack_floor = start + size, start
+                self.head = start + size if start + size < self.addr + self.size else self.addr
+                return
+
+    def close_chunk(self) -> None:
+        """The forward is over: what follows (recompute in the backward) takes best fit."""
+        self.stack_top = None
+
+    def _stack_buffer(self, size: int) -> list | None:
+        """The free range just below the open chunk's top, carved out; ``None`` when no chunk
+        is open or the request does not fit in it."""
+        if self.stack_top is None or self.stack_top - size < self.stack_floor:
+            return None
+        return self._carve(self.stack_top - size, size)
+
+    def _free_buffer_at(self, addr: int) -> list | None:
+        """The free buffer that contains ``addr``, or ``None``."""
+        buf = self.bufs.get(addr)
+        if buf is not None:
+            return None if buf[_USED] else buf
+        for key in self.free_keys:
+            buf = self.bufs[key & _MASK]
+            if buf[_ADDR] < addr < buf[_ADDR] + buf[_SIZE]:
+                return buf
+        return None
 
     def _ring_buffer(self, size: int) -> list | None:
-        """The free buffer starting at the head, else the one at the region start (wrap);
-        in slot mode only the head (a full slot falls back to best fit)."""
-        if self.slots:
-            buf = self.bufs.get(self.head)
-            if buf is not None:
-                return buf if not buf[_USED] and buf[_SIZE] >= size else None
-            return self._carve(self.head, size)
+        """The free buffer starting at the head, else the one at the region start (wrap)."""
         for addr in (self.head, self.addr):
             buf = self.bufs.get(addr)
             if buf is not None and not buf[_USED] and buf[_SIZE] >= size:
@@ -148,23 +179,22 @@ class _Region:
         """Split the free buffer that contains ``addr`` there (its low part stays free) when
         ``size`` bytes fit from ``addr`` on; the caller takes the returned high part at once,
         so two free buffers are never left side by side."""
-        for key in self.free_keys:
-            buf = self.bufs[key & _MASK]
-            start, length = buf[_ADDR], buf[_SIZE]
-            if start < addr < start + length:
-                if start + length - addr < size:
-                    return None
-                del self.free_keys[bisect_left(self.free_keys, key)]
-                high = [addr, start + length - addr, False, buf, buf[_NEXT]]
-                if buf[_NEXT] is not None:
-                    buf[_NEXT][_PREV] = high
-                buf[_NEXT] = high
-                buf[_SIZE] = addr - start
-                self.bufs[addr] = high
-                insort(self.free_keys, (buf[_SIZE] << _SHIFT) | start)
-                insort(self.free_keys, (high[_SIZE] << _SHIFT) | addr)
-                return high
-        return None
+        buf = self._free_buffer_at(addr)
+        if buf is None or buf[_ADDR] + buf[_SIZE] - addr < size:
+            return None
+        if buf[_ADDR] == addr:
+            return buf
+        start, length = buf[_ADDR], buf[_SIZE]
+        del self.free_keys[bisect_left(self.free_keys, (length << _SHIFT) | start)]
+        high = [addr, start + length - addr, False, buf, buf[_NEXT]]
+        if buf[_NEXT] is not None:
+            buf[_NEXT][_PREV] = high
+        buf[_NEXT] = high
+        buf[_SIZE] = addr - start
+        self.bufs[addr] = high
+        insort(self.free_keys, (buf[_SIZE] << _SHIFT) | start)
+        insort(self.free_keys, (high[_SIZE] << _SHIFT) | addr)
+        return high
 
     def release(self, addr: int) -> int:
         buf = self.bufs.get(addr)
@@ -223,7 +253,7 @@ class PoolModeAllocator(AllocatorModel):
     name = "pool"
 
     def __init__(self, capacity: int | None = None, regions=None, route: dict[str, str] | None = None,
-                 ring_slots: int = 0) -> None:
+                 chunked: bool = False) -> None:
         super().__init__(capacity)
         sizes = _region_sizes(regions)
         self._rings = {r.name for r in getattr(regions, "regions", ()) if getattr(r, "ring", False)} or set(_RING)
@@ -238,7 +268,7 @@ class PoolModeAllocator(AllocatorModel):
             if name in offsets:   # the plan's layout (regions start on its alignment)
                 addr = _BASE_ADDR + offsets[name]
             size = size // _ALIGN * _ALIGN
-            self.regions[name] = _Region(name, addr, size, ring_slots if name in self._rings else 0)
+            self.regions[name] = _Region(name, addr, size, chunked and name in self._rings)
             addr += size
         self.route = dict(REGION_OF_TAG, **(route or {}))
         self._owner: dict[int, _Region] = {}
@@ -256,7 +286,7 @@ class PoolModeAllocator(AllocatorModel):
         from ..poolplan import PoolPlan
 
         plan = PoolPlan.build(region_sizes_for_workload(spec, capacity), rings=("activations",))
-        return cls(capacity=capacity, regions=plan, ring_slots=spec.in_flight)
+        return cls(capacity=capacity, regions=plan, chunked=True)
 
     # --- requests -----------------------------------------------------------------------
     def region_for(self, tag: str | None, pool: str | None) -> _Region | None:
@@ -308,18 +338,21 @@ class PoolModeAllocator(AllocatorModel):
         region.order.pop(addr, None)
         self.allocated -= region.release(addr)
 
-    def note_mark(self, tag: str | None) -> None:
-        """A ``mark`` of the stream: ``"forward:M"`` / ``"backward:M"`` select micro-batch M's
-        slot of a slotted ring (activations of M go there)."""
+    def note_mark(self, tag: str | None, size: int = 0) -> None:
+        """A ``mark`` of the stream: ``"forward:M"`` (``size``: the bytes micro-batch M will keep)
+        opens M's chunk in each chunked ring; ``"backward:M"`` closes it."""
         if not tag or ":" not in tag:
             return
-        phase, _, index = tag.partition(":")
-        if phase not in ("forward", "backward") or not index.isdigit():
+        phase = tag.partition(":")[0]
+        if phase not in ("forward", "backward"):
             return
         for name in self._rings:
             region = self.regions.get(name)
-            if region is not None and region.slots:
-                region.enter_slot(int(index), fresh=phase == "forward")
+            if region is not None and region.chunked:
+                if phase == "forward":
+                    region.open_chunk(size)
+                else:
+                    region.close_chunk()
 
     def drain_evicted(self) -> list[int]:
         """Addresses the cache region evicted since the last call (their tensors are gone)."""
@@ -351,7 +384,7 @@ def _region_sizes(regions) -> dict[str, int]:
 
 def region_sizes_for_workload(spec, capacity: int | None = None) -> dict[str, int]:
     """Region sizes (bytes) for one card's workload: parameters and optimizer exactly; the
-    activation ring for ``in_flight`` micro-batches at ``seq_max`` plus one layer of slack;
+    activation ring for ``in_flight + 1`` micro-batches at ``seq_max`` plus two layers of slack;
     the communication arena for the AllReduce buffer, the buckets and four P2P buffers; the
     workspace for the largest transient set (backward workspaces + weight gradient, or the
     optimizer's two FP32 temporaries) plus the extra allocations, with 25% slack; the cache
@@ -359,12 +392,14 @@ def region_sizes_for_workload(spec, capacity: int | None = None) -> dict[str, in
     """
     scale = spec.seq_max / spec.seq_length if spec.seq_max else 1.0
     per_layer = spec.activation_bytes * scale
+    # one chunk more than in flight: a chunk that does not fit before the region's end wraps
+    # to its start and leaves up to one chunk unused until the ring comes round
     if spec.recompute_every:
         segments = -(-spec.layers // spec.recompute_every)
         per_mb = segments * spec.input_bytes * scale
-        ring = spec.in_flight * per_mb + spec.recompute_every * per_layer + per_layer
+        ring = (spec.in_flight + 1) * per_mb + spec.recompute_every * per_layer + per_layer
     else:
-        ring = spec.in_flight * spec.layers * per_layer + 2 * per_layer
+        ring = (spec.in_flight + 1) * spec.layers * per_layer + 2 * per_layer
     workspace_set = spec.workspace_bytes * scale + spec.param_bytes / spec.layers
     optimizer_temps = 2 * (spec.param_bytes * 2 / max(1, spec.optimizer_groups))
     extras = spec.extra_size * (spec.extra_lifetime_steps + 1) if spec.extra_probability else 0
