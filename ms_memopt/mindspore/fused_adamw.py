@@ -145,7 +145,8 @@ class FusedAdamW(nn.Optimizer):
         self.beta2 = float(beta2)
         self.eps = float(eps)
         self.bias_correction = bool(bias_correction)
-        self._kernel = ops.AdamWeightDecay()
+        self._adam = ops.Adam()
+        self._decay = ops.ApplyGradientDescent()
         self.regions: list[DtypeRegion] = self._make_regions()
         self.buckets: list[Bucket] = [b for r in self.regions for b in r.buckets]
         for region in self.regions:
@@ -164,6 +165,7 @@ class FusedAdamW(nn.Optimizer):
                 masters.append(Parameter(b.view.astype(ms.float32), name=f"fused_adamw.master.{b.index}",
                                          requires_grad=False))
         self.masters = ms.ParameterTuple(masters)
+        self._plan = self._step_plan()
         self._host_step = 0
         self._global_step_ptr = None
         self._grad_dtypes_checked = False
@@ -215,6 +217,11 @@ class FusedAdamW(nn.Optimizer):
             bucket.view = region.handle[bucket.start:bucket.end]
         region.data_ptrs = [p.data_ptr() for p in params]
 
+    def _step_plan(self) -> tuple:
+        """Per bucket, in ``self.buckets`` order, the constants the compiled step is built from:
+        ``(learning-rate index, weight decay, index of its fp32 master or -1)``."""
+        return tuple((b.lr_index, float(b.weight_decay), self._master_of.get(b.index, -1)) for b in self.buckets)
+
     def _ensure_regions(self) -> None:
         """Rebuild a region whose parameters were given new data (checkpoint load, set_data)."""
         for region in self.regions:
@@ -240,14 +247,17 @@ class FusedAdamW(nn.Optimizer):
         return sizes
 
     # -- the step -----------------------------------------------------------------------------
-    def _bias_factors(self, step: int) -> tuple[float, float, float]:
-        """Factors (on lr, eps, wd) that make the bias-free kernel compute the corrected update."""
+    def _bias_terms(self, step: int) -> tuple[float, float, float]:
+        """``(beta1**t, beta2**t, eps * sqrt(1 - beta2**t))`` for step t; zeros and eps without correction.
+
+        ``ops.Adam`` takes the powers and scales its learning rate by ``sqrt(1 - beta2**t) /
+        (1 - beta1**t)``; with eps scaled by ``sqrt(1 - beta2**t)`` its update is exactly
+        ``m_hat / (sqrt(v_hat) + eps)``.
+        """
         if not self.bias_correction:
-            return 1.0, 1.0, 1.0
-        c1 = 1.0 - self.beta1 ** step
-        c2 = 1.0 - self.beta2 ** step
-        root_c2 = math.sqrt(c2)
-        return root_c2 / c1, root_c2, c1 / root_c2
+            return 0.0, 0.0, self.eps
+        b1p, b2p = self.beta1 ** step, self.beta2 ** step
+        return b1p, b2p, self.eps * math.sqrt(1.0 - b2p)
 
     def _sync_step(self) -> None:
         """Re-read the step count when ``global_step`` was given new data (checkpoint load)."""
@@ -274,40 +284,50 @@ class FusedAdamW(nn.Optimizer):
         grad_regions = [self._combine_gradients(region, gradients) for region in self.regions]
         self._ensure_regions()
         self._sync_step()
-        lrs = self.get_lr()
-        self.assignadd(self.global_step, self.global_step_increase_tensor)
         self._host_step += 1
-        lr_factor, eps_factor, wd_factor = self._bias_factors(self._host_step)
-        eps = self.eps * eps_factor
-        folded_lrs = {}  # one scalar op per distinct learning rate, not per bucket
-        for region, grads in zip(self.regions, grad_regions):
-            low_precision = region.dtype != ms.float32
-            for bucket in region.buckets:
-                if bucket.lr_index not in folded_lrs:
-                    lr = lrs[bucket.lr_index] if self.is_group_lr else lrs
-                    folded_lrs[bucket.lr_index] = lr if lr_factor == 1.0 else lr * lr_factor
-                lr_folded = folded_lrs[bucket.lr_index]
-                wd = bucket.weight_decay * wd_factor
-                # Slicing the handle is a C++ view; Tensor.__getitem__ is a slow Python path.
-                grad = grads[bucket.start:bucket.end]
-                m, v = self.moments1[bucket.index], self.moments2[bucket.index]
-                if low_precision:
-                    master = self.masters[self._master_of[bucket.index]]
-                    self._kernel(master, m, v, lr_folded, self.beta1, self.beta2, eps, wd,
-                                 grad.astype(ms.float32))
-                    bucket.view.copy_(master.astype(bucket.dtype))
-                else:
-                    # The region is the parameters themselves: updated in place, no write-back.
-                    self._kernel(bucket.view, m, v, lr_folded, self.beta1, self.beta2, eps, wd, grad)
+        b1p, b2p, eps = self._bias_terms(self._host_step)
+        # Slicing the handle is a C++ view; Tensor.__getitem__ is a slow Python path.
+        grads = tuple(handle[b.start:b.end] for region, handle in zip(self.regions, grad_regions)
+                      for b in region.buckets)
+        # Scalars as Tensors: Python floats would be graph constants, one compile per step.
+        self._update(tuple(b.view for b in self.buckets), grads,
+                     Tensor(b1p, ms.float32), Tensor(b2p, ms.float32), Tensor(eps, ms.float32))
+        return True
+
+    @ms.jit(backend="ms_backend")
+    def _update(self, views, grads, beta1_power, beta2_power, eps):
+        """Every bucket's update as one compiled graph: one launch from Python per step.
+
+        Per bucket: the fp32 weights (the region view itself, or the master of fp16/bf16
+        parameters) decayed in place, ``w -= lr * wd * w`` (``ApplyGradientDescent`` with the
+        weights as their own delta); one ``ops.Adam`` over the bucket (m, v, weights in place);
+        for fp16/bf16 the master cast and copied into the region once.
+        """
+        lrs = self.get_lr()
+        for k in range(len(self._plan)):
+            lr_index, weight_decay, master_index = self._plan[k]
+            lr = lrs[lr_index] if self.is_group_lr else lrs
+            weights, grad = views[k], grads[k]
+            if master_index >= 0:
+                weights = self.masters[master_index]
+                grad = grad.astype(ms.float32)
+            if weight_decay != 0.0:
+                self._decay(weights, lr * weight_decay, weights)
+            self._adam(weights, self.moments1[k], self.moments2[k], beta1_power, beta2_power, lr,
+                       self.beta1, self.beta2, eps, grad)
+            if master_index >= 0:
+                views[k].copy_(weights.astype(views[k].dtype))
+        self.assignadd(self.global_step, self.global_step_increase_tensor)
         return True
 
     @staticmethod
     def _combine_gradients(region: DtypeRegion, gradients):
         """The gradient region of one dtype: one C++ call copies every gradient into one buffer.
 
-        Several times faster on CPU than reshape + concat (one view op per tensor). combine
-        copies raw storage, so strided gradients (e.g. of a transposed weight) are made
-        contiguous first; ``is_contiguous`` reads host-side metadata only.
+        Several times faster on CPU than reshape + concat, in PyNative (one view op per tensor)
+        or inside the compiled step (101 graph inputs and a Reshape kernel each). combine copies
+        raw storage, so strided gradients (e.g. of a transposed weight) are made contiguous
+        first; ``is_contiguous`` reads host-side metadata only.
         """
         return combine_tensor_list_contiguous(
             [g if g.is_contiguous() else g.contiguous() for g in (gradients[i] for i in region.param_indices)],
