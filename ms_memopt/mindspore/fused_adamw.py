@@ -317,8 +317,9 @@ class FusedAdamW(nn.Optimizer):
                        self.beta1, self.beta2, eps, grad)
             if master_index >= 0:
                 views[k].copy_(weights.astype(views[k].dtype))
-        self.assignadd(self.global_step, self.global_step_increase_tensor)
-        return True
+        # A tensor output, not a constant: with ``return True`` each call waited for the graph
+        # to finish (measured ~20% slower per step).
+        return self.assignadd(self.global_step, self.global_step_increase_tensor)
 
     @staticmethod
     def _combine_gradients(region: DtypeRegion, gradients):
