@@ -1,4 +1,4 @@
-"""``FusedAdamW``: AdamW over flat, contiguous regions, one FP32-domain pass per region.
+"""``FusedAdamW``: AdamW over flat, contiguous regions, one compiled FP32-domain step.
 
 A drop-in for ``nn.AdamWeightDecay``. The layout:
 
@@ -7,25 +7,35 @@ A drop-in for ``nn.AdamWeightDecay``. The layout:
   parameters with the same learning rate and weight decay are adjacent: a *bucket*;
 * **optimizer region**: per bucket, flat float32 ``Parameter``s ``m`` and ``v`` (and, for
   fp16/bf16 parameters, a float32 ``master``), in the order of the parameter region;
-* **gradient region**: each step's gradients of one dtype combined into one flat buffer.
+* **gradient region**: each step's gradients of one dtype combined into one flat buffer
+  (padded like the parameter region).
 
-One step of one dtype: combine the gradients, cast them to float32 once, run one
-``ops.AdamWeightDecay`` kernel per bucket over its whole range (m, v and the float32 weights
-are updated in place), and for low-precision parameters write the cast master into the
-parameter region with a single ``copy_``. ``nn.AdamWeightDecay`` runs one kernel per
-parameter instead.
+One step: per dtype, combine the gradients into the gradient region (one C++ call), then one
+compiled graph (``ms.jit``, a single launch from Python) does, per bucket over its whole
+range: cast the gradient to float32 (fp16/bf16), decay the float32 weights in place
+(``ApplyGradientDescent`` with the weights as their own delta: ``w -= lr * wd * w``), one
+``ops.Adam`` kernel (m, v and weights in place), and for low-precision parameters write the
+cast master into the parameter region once. For fp32 parameters the weights are the region
+itself, so nothing is written back. ``nn.AdamWeightDecay`` runs one kernel per parameter.
 
-Bias correction is folded into the kernel's scalars (exact algebra, see ``_bias_factors``)::
+Why ``ops.Adam`` plus a decay pass and not ``ops.AdamWeightDecay``: on CPU the latter's
+vector code is chosen at run time for Intel AVX-512 only (MindSpore's nnacl checks the CPU
+vendor), elsewhere it runs a scalar loop with double-precision sqrt and division (~3.5 ns
+per element here, an AMD EPYC); ``ops.Adam``'s kernel is compiled with AVX for any x86
+(~0.26 ns per element). Same arithmetic, float32 throughout.
+
+Bias correction is exact algebra in ``ops.Adam``'s scalars (see ``_bias_terms``)::
 
     m_hat / (sqrt(v_hat) + eps) = m * (sqrt(c2) / c1) / (sqrt(v) + eps * sqrt(c2)),
     c1 = 1 - beta1**t, c2 = 1 - beta2**t
 
-so ``lr' = lr * sqrt(c2) / c1``, ``eps' = eps * sqrt(c2)`` and ``wd' = wd * c1 / sqrt(c2)``
-(making ``lr' * wd' = lr * wd``, the decoupled decay).
+the kernel takes ``beta1**t`` and ``beta2**t`` and scales its learning rate by
+``sqrt(c2) / c1`` itself; eps is passed as ``eps * sqrt(c2)``. The decay uses the plain
+``lr * wd`` (decoupled).
 
 Why not the alternatives (measured on CPU, see docs/pool_mode.md): per-parameter kernels are
 what we replace; ``ops.FusedCastAdamWeightDecay`` keeps no float32 master and has no bias
-correction; ``mint.optim.FusedAdamW`` has no CPU kernel.
+correction (and is scalar off Intel too); ``mint.optim.FusedAdamW`` has no CPU kernel.
 
 Works in PyNative mode (MindSpore's default), with ``Model.train`` and with functional loops.
 The state (``m``, ``v``, ``master``, ``global_step``) is made of ``Parameter``s, so
@@ -300,8 +310,10 @@ class FusedAdamW(nn.Optimizer):
 
         Per bucket: the fp32 weights (the region view itself, or the master of fp16/bf16
         parameters) decayed in place, ``w -= lr * wd * w`` (``ApplyGradientDescent`` with the
-        weights as their own delta); one ``ops.Adam`` over the bucket (m, v, weights in place);
-        for fp16/bf16 the master cast and copied into the region once.
+        weights as their own delta: one kernel, and exact where ``w * (1 - lr * wd)`` would lose
+        small decays to float32 rounding near 1; ``AssignSub(w, w * (lr * wd))`` measured
+        slower, two kernels and a temporary); one ``ops.Adam`` over the bucket (m, v, weights in
+        place); for fp16/bf16 the master cast and copied into the region once.
         """
         lrs = self.get_lr()
         for k in range(len(self._plan)):
