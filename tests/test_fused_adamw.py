@@ -109,6 +109,25 @@ def test_parameter_groups_take_their_own_lr_and_weight_decay():
         np.testing.assert_allclose(p.asnumpy(), ref, rtol=2e-6, atol=2e-6)
 
 
+def test_learning_rate_schedule_is_read_per_step():
+    """A per-step learning rate (list -> schedule of global_step) is evaluated inside the compiled step."""
+    init, params = _params(np.float32)
+    lrs = [1e-2, 5e-3, 2e-2, 1e-3]
+    opt = FusedAdamW(params, learning_rate=lrs, weight_decay=0.1)
+    grads = _grads(np.float32, len(lrs))
+    for g in grads:
+        opt(tuple(Tensor(x) for x in g))
+    assert int(opt.global_step.asnumpy()[0]) == len(lrs)
+    for i, p in enumerate(params):
+        ref, m, v = init[i].astype(np.float64), 0.0, 0.0
+        for t, (lr, g) in enumerate(zip(lrs, grads), 1):
+            g64 = g[i].astype(np.float64)
+            m = 0.9 * m + 0.1 * g64
+            v = 0.999 * v + 0.001 * g64 * g64
+            ref = ref - lr * (m / (1 - 0.9 ** t) / (np.sqrt(v / (1 - 0.999 ** t)) + 1e-6) + 0.1 * ref)
+        np.testing.assert_allclose(p.asnumpy(), ref, rtol=2e-6, atol=2e-6)
+
+
 def test_mixed_dtypes_get_one_region_each_and_contiguous_parameters():
     rng = np.random.default_rng(0)
     params = [Parameter(Tensor(rng.normal(size=(4, 4)).astype(dt)), name=f"p{i}")
