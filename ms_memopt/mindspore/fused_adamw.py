@@ -112,10 +112,10 @@ class DtypeRegion:
     flat: Tensor | None = None
     data_ptrs: list[int] = field(default_factory=list)
     # host gradient region (CPU): two sets of per-bucket buffers used in turn, and where each
-    # parameter's gradient goes: (bucket position in the region, byte offset in it, bytes)
+    # parameter's gradient goes: (bucket position in the region, byte offset in it)
     grad_buffers: list[list[Tensor]] = field(default_factory=list)
     grad_buffer_ptrs: list[list[int]] = field(default_factory=list)
-    grad_targets: list[tuple[int, int, int]] = field(default_factory=list)
+    grad_targets: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def itemsize(self) -> int:
@@ -249,9 +249,7 @@ class FusedAdamW(nn.Optimizer):
         region.grad_targets = []
         for k, bucket in enumerate(region.buckets):
             for j in range(bucket.first, bucket.first + bucket.count):
-                offset = (int(ends[j]) - bucket.start) * region.itemsize
-                nbytes = (int(ends[j + 1]) - int(ends[j])) * region.itemsize
-                region.grad_targets.append((k, offset, nbytes))
+                region.grad_targets.append((k, (int(ends[j]) - bucket.start) * region.itemsize))
         region.grad_buffers = [[mint.zeros((b.numel,), dtype=b.dtype) for b in region.buckets] for _ in range(2)]
         region.grad_buffer_ptrs = [[t.data_ptr() for t in buffers] for buffers in region.grad_buffers]
 
@@ -317,7 +315,7 @@ class FusedAdamW(nn.Optimizer):
     def construct(self, gradients):
         if not self._grad_dtypes_checked:
             self._check_grad_dtypes(gradients)
-        # The gradient regions first: combining waits for the backward pass anyway, and once
+        # The gradient regions first: gathering waits for the backward pass anyway, and once
         # it is done the data-pointer checks below no longer wait on pending kernels.
         host = all(region.grad_buffers for region in self.regions)
         turn = self._host_step % 2
@@ -348,11 +346,12 @@ class FusedAdamW(nn.Optimizer):
         out = []
         for region in self.regions:
             ptrs = region.grad_buffer_ptrs[turn]
-            for i, (k, offset, nbytes) in zip(region.param_indices, region.grad_targets):
+            for i, (k, offset) in zip(region.param_indices, region.grad_targets):
                 grad = gradients[i]
                 if not grad.is_contiguous():
                     grad = grad.contiguous()
-                ctypes.memmove(ptrs[k] + offset, grad.data_ptr(), min(nbytes, grad.nbytes))
+                # same dtype and shape as its parameter (checked on the first step): fits its slot
+                ctypes.memmove(ptrs[k] + offset, grad.data_ptr(), grad.nbytes)
             out.extend(region.grad_buffers[turn])
         return tuple(out)
 
