@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
-
 from .errors import InputError
 from .units import MAX_VALUE, parse_count, parse_size, short_repr
+from .yamltext import parse_yaml
 
 __all__ = [
     "DTYPE_BYTES", "ModelConfig", "ParallelConfig", "RecomputeConfig", "TrainConfig", "DeviceConfig",
@@ -293,17 +292,7 @@ def load_recipe(path: str | Path) -> Recipe:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read the recipe: {exc}", source=str(path)) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise InputError(f"invalid YAML: {problem}", source=str(path), line=line) from None
-    except RecursionError:   # PyYAML's composer recurses once per nesting level
-        raise InputError("invalid YAML: nested too deeply", source=str(path)) from None
-    except (ValueError, OverflowError) as exc:   # constructors: a 5000-digit int, a bad date
-        raise InputError(f"invalid YAML value: {str(exc)[:200]}", source=str(path)) from None
+    data = parse_yaml(text, source=str(path))
     return recipe_from_dict(data, source=str(path))
 
 

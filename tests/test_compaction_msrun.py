@@ -107,7 +107,7 @@ def _msrun(tmp_path: Path, die_rank: int, die_mode: str, barrier_timeout: float,
 
 
 def test_both_ranks_compact_at_the_same_steps_and_stay_identical(tmp_path):
-    code, output, out, _ = _msrun(tmp_path, -1, "none", barrier_timeout=60, limit=240)
+    code, output, out, _ = _msrun(tmp_path, -1, "none", barrier_timeout=60, limit=600)
     assert code == 0, output[-3000:]
     steps = [json.loads((out / f"steps_{r}.json").read_text()) for r in (0, 1)]
     assert steps[0] == steps[1] == [2, 4, 6]
@@ -127,12 +127,13 @@ def test_missing_peer_makes_the_survivor_fail_within_the_timeout(tmp_path, die_r
     compaction barrier: the other rank raises BarrierTimeout within the timeout. (A worker that
     crashes with a non-zero status is killed together with the job by msrun itself.)"""
     timeout = 8.0
-    code, output, out, elapsed = _msrun(tmp_path, die_rank, die_mode, barrier_timeout=timeout, limit=240)
+    code, output, out, elapsed = _msrun(tmp_path, die_rank, die_mode, barrier_timeout=timeout, limit=600)
     error = out / f"error_{survivor}.txt"
     assert error.exists(), output[-3000:]
     waited, message = error.read_text().split("\n", 1)
     assert f"rank {survivor}: compaction barrier at step 2" in message or "barrier store" in message
     assert expect in message
-    # the survivor gave up after about the configured timeout (plus training time before step 2)
-    assert float(waited) < timeout + 30
+    # the survivor gave up: after the timeout, plus training time before step 2 (which a loaded
+    # machine stretches; the bound only tells a timeout from a hang)
+    assert timeout <= float(waited) < timeout + 200
     assert not (out / f"params_{survivor}.npz").exists()

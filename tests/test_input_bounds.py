@@ -154,7 +154,8 @@ def test_plan_cost_does_not_grow_with_layers():
     started = time.perf_counter()
     result = estimate(recipe_from_dict(_tiny(num_layers=LIMITS["num_layers"])))
     assert result.checkpoint_every is None
-    assert time.perf_counter() - started < 1.0
+    # needs ~0.07 s; the bound catches a search that grows with the layer count, not speed
+    assert time.perf_counter() - started < 10.0
 
 
 # --- snapshots and instances -----------------------------------------------------------------

@@ -156,6 +156,20 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+def _line_count(path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def _wait_for_lines(path, lines: int, child, limit: float = 300.0) -> None:
+    """Until ``path`` holds ``lines`` complete lines: a count, not a sleep, so a slow machine
+    only waits longer (``limit`` is a hang bound)."""
+    deadline = time.monotonic() + limit
+    while _line_count(path) < lines:
+        assert child.poll() is None, "the child exited early"
+        assert time.monotonic() < deadline, f"fewer than {lines} lines after {limit:g} s"
+        time.sleep(0.01)
+
+
 def test_sigkill_leaves_parseable_log_and_restart_appends(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
@@ -169,7 +183,7 @@ def test_sigkill_leaves_parseable_log_and_restart_appends(tmp_path):
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:
             assert child.stdout.readline().strip() == b"ready"
-            time.sleep(0.4)
+            _wait_for_lines(path, _line_count(path) + 60, child)   # killed while writing, at any speed
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait(timeout=10)
