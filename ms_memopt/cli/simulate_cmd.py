@@ -8,9 +8,11 @@ object: per policy ``job_oom_step``, ``job_oom_rank``, ``job_oom_stage``, ``rank
 ``distribution`` across ranks, ``first_rank`` (the failing rank's
 :class:`ms_memopt.simulate.PolicyResult` figures) and ``rank_results``; with ``--seeds N``,
 each policy holds ``seeds`` (one job each) and ``median_job_oom_step``). ``--out DIR``
-receives ``timeline.jsonl`` (every rank's samples, stamped with ``rank`` and ``stage``) and
-``fragmentation.png`` (the job's first failing rank). ``--export-memory-viz FILE.pickle``
-writes the first rank stream's simulated events with the model's addresses and its final
+receives ``timeline.jsonl`` (every rank's samples, stamped with ``rank`` and ``stage``),
+and for the rank the job is judged by (its first failing rank, or the closest call, run once
+more in-process) ``layouts.jsonl`` (its pool at each policy's OOM, or at its worst moment when
+it survives) and ``report.md`` with ``fragmentation.png`` and ``memory_map.png``.
+``--export-memory-viz FILE.pickle`` writes that rank's simulated events with the model's addresses and its final
 layout in PyTorch's memory snapshot format (pytorch.org/memory_viz): with one policy to
 ``FILE.pickle``, with several one file per policy, ``FILE.<policy>.pickle``. Exit code 0, or 1
 with ``--fail-on-oom`` when a policy lets the job OOM.
@@ -34,7 +36,7 @@ def add_parser(parser) -> None:
     parser.add_argument("--out", default=None, help="directory for timeline.jsonl and plots")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--export-memory-viz", default=None, metavar="FILE.pickle",
-                        help="write the first rank stream's events (model addresses) and final layout as a "
+                        help="write the events of the rank the job is judged by (model addresses) and final layout as a "
                              "PyTorch memory snapshot for pytorch.org/memory_viz; several policies: "
                              "FILE.<policy>.pickle")
     parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when a policy lets the job OOM")
@@ -92,15 +94,9 @@ def run(args) -> int:
     finally:
         if timeline is not None:
             timeline.close()
-    if out_dir is not None:
-        from ..plots import plot_fragmentation_timeline
-        shown = next(iter(results[0].values())).closest
-        plot_fragmentation_timeline(out_dir / "timeline.jsonl", out_dir / "fragmentation.png",
-                                    seed=shown.stream.seed if shown else None,
-                                    title=f"{Path(args.recipe).name}"
-                                          + (f", rank {shown.stream.rank} (stage {shown.stream.stage})" if shown else ""))
-    if args.export_memory_viz:
-        _export_memory_viz(args.export_memory_viz, jobs[0])
+    shown = next(iter(results[0].values())).closest
+    if out_dir is not None or args.export_memory_viz:
+        _rerun_shown_rank(jobs[0], shown, out_dir, args)
 
     if args.json:
         out = {"recipe": str(args.recipe), "steps": cfg.steps, "allocator": cfg.allocator,
@@ -157,18 +153,39 @@ def configure_job(job, recipe, args):
     return job
 
 
-def _export_memory_viz(path: str, job) -> None:
-    """The first stream of the job, run again in this process recording its placed events."""
+def _rerun_shown_rank(job, shown, out_dir: Path | None, args) -> None:
+    """Run the rank the job is judged by (its first failing rank, or the closest call) once more
+    in this process, where hooks can see inside it: ``--out`` gets ``layouts.jsonl`` (its pool at
+    each policy's OOM or worst moment), ``report.md`` and ``fragmentation.png`` of that rank;
+    ``--export-memory-viz`` its placed events."""
     from ..simulate import PlacedRun, simulate
-    from ..traces.memory_viz import write_memory_viz
 
-    stream = job.streams[0]
-    viz_paths = _viz_paths(path, job.policies)
+    stream = shown.stream if shown is not None else job.streams[0]
+    viz_paths = _viz_paths(args.export_memory_viz, job.policies) if args.export_memory_viz else {}
     placed = {policy: PlacedRun() for policy in viz_paths}
-    simulate(job.specs[stream.stage], job.cfg, policies=job.policies, seeds=[stream.seed], placed=placed)
-    for policy, out in viz_paths.items():
-        write_memory_viz(out, placed[policy].events, placed[policy].final)
-        print(f"memory viz ({policy}, rank {stream.rank}, seed {stream.seed}): {out}", file=sys.stderr)
+    collector = None
+    if out_dir is not None:
+        from ..memory_map import LayoutCollector
+
+        collector = LayoutCollector([], policies=job.policies, seed=stream.seed)
+    simulate(job.specs[stream.stage], job.cfg, policies=job.policies, seeds=[stream.seed],
+             placed=placed or None, on_watch=collector)
+    if out_dir is not None:
+        from ..plots import plot_fragmentation_timeline
+        from ..report import build_report, write_layouts
+
+        name = Path(args.recipe).name
+        where = f"rank {stream.rank} (stage {stream.stage}, seed {stream.seed})"
+        write_layouts(out_dir / "layouts.jsonl", collector.snapshots())
+        build_report(out_dir, title=f"Simulation of {name}: {job.cfg.steps} steps, {len(job.streams)} rank streams",
+                     memory_map_title=f"{name}, {where}: the pool at each policy's OOM, or its worst moment")
+        # the report draws the first stream in the file; show the rank the job is judged by
+        plot_fragmentation_timeline(out_dir / "timeline.jsonl", out_dir / "fragmentation.png",
+                                    seed=stream.seed, title=f"{name}, {where}")
+    from ..traces.memory_viz import write_memory_viz
+    for policy, path in viz_paths.items():
+        write_memory_viz(path, placed[policy].events, placed[policy].final)
+        print(f"memory viz ({policy}, rank {stream.rank}, seed {stream.seed}): {path}", file=sys.stderr)
 
 
 def _viz_paths(path: str, policies: tuple[str, ...]) -> dict[str, Path]:
