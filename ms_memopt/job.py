@@ -42,6 +42,7 @@ from .simulate import POLICIES, PolicyResult, SimConfig, config_from_recipe, sim
 from .workload import WorkloadSpec, spec_from_recipe
 
 __all__ = [
+    "MAX_STREAMS",
     "JobResult",
     "JobSpec",
     "RankOutcome",
@@ -52,6 +53,11 @@ __all__ = [
     "simulate_jobs",
     "stream_seed",
 ]
+
+
+#: more distinct streams than this are refused unless sampled (``ranks=N``): a 1024-card job
+#: has 128 (a 16k-card job ~2,000); each stream is a full simulation
+MAX_STREAMS = 4096
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,8 @@ def rank_streams(recipe, *, seed: int | None = None, ranks: int | None = None,
         stages: only these pipeline stages (``None``: all).
 
     Raises:
-        InputError: a stage outside the recipe, or a sample size below 1.
+        InputError: a stage outside the recipe, a sample size below 1, or more than
+            :data:`MAX_STREAMS` streams without a sample.
     """
     par = recipe.parallel
     seed = recipe.memopt.workload.seed if seed is None else seed
@@ -121,10 +128,17 @@ def rank_streams(recipe, *, seed: int | None = None, ranks: int | None = None,
         return RankStream(stage=stage, data_parallel=group, rank=(stage * dp + group) * tp,
                           tensor_parallel=tp, seed=stream_seed(seed, stage, group))
 
-    if ranks is None or ranks >= len(all_stages) * dp:
+    total = len(all_stages) * dp
+    if ranks is None or ranks >= total:
+        if total > MAX_STREAMS:
+            raise InputError(f"{len(all_stages)} pipeline stages x {dp} data-parallel groups are {total:,} distinct "
+                             f"card streams, more than {MAX_STREAMS:,} to simulate one by one; sample them with "
+                             f"--ranks N", key="parallel_config.data_parallel")
         return [stream(s, g) for s in all_stages for g in range(dp)]
+    # stage i % S takes its (i // S)-th group of an order drawn from the job seed
     rng = np.random.default_rng([int(seed), 0x5A4D])
-    orders = {s: [int(g) for g in rng.permutation(dp)] for s in all_stages}
+    per_stage = -(-ranks // len(all_stages))
+    orders = {s: [int(g) for g in rng.choice(dp, size=min(dp, per_stage), replace=False)] for s in all_stages}
     picked = [stream(all_stages[i % len(all_stages)], orders[all_stages[i % len(all_stages)]][i // len(all_stages)])
               for i in range(ranks)]
     return sorted(picked, key=lambda s: s.rank)
@@ -150,7 +164,10 @@ def job_from_recipe(recipe, *, policies: tuple[str, ...] = POLICIES, seed: int |
     (``steps=...``, ``capacity=...``)."""
     seed = recipe.memopt.workload.seed if seed is None else seed
     streams = rank_streams(recipe, seed=seed, ranks=ranks, stages=stages)
-    specs = {stage: spec_from_recipe(recipe, stage=stage) for stage in sorted({s.stage for s in streams})}
+    from .estimate import estimate
+
+    plan = estimate(recipe)     # once for every stage (it covers them all)
+    specs = {stage: spec_from_recipe(recipe, stage=stage, plan=plan) for stage in sorted({s.stage for s in streams})}
     cfg = config_from_recipe(recipe, **overrides)
     return JobSpec(specs=specs, cfg=cfg, streams=streams, policies=tuple(policies), seed=seed, label=label)
 

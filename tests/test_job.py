@@ -196,3 +196,17 @@ def test_cli_bad_job_options_exit_2(argv, where, capsys):
 
     assert main(["simulate", str(RECIPE), "--steps", "1", *argv]) == 2
     assert where in capsys.readouterr().err
+
+
+def test_a_huge_job_must_be_sampled():
+    from dataclasses import replace
+
+    from ms_memopt.errors import InputError
+    from ms_memopt.job import MAX_STREAMS
+
+    recipe = _recipe()
+    huge = replace(recipe, parallel=replace(recipe.parallel, data_parallel=MAX_STREAMS))
+    with pytest.raises(InputError, match="--ranks"):
+        rank_streams(huge)
+    sample = rank_streams(huge, ranks=16)
+    assert len(set(sample)) == 16 and max(s.data_parallel for s in sample) < MAX_STREAMS
