@@ -37,6 +37,25 @@ def _free_line(addr: int, in_use: int, total: int = 1 << 30, pid: int = 7) -> st
             f"used by event mem:0B, actual peak used mem:{in_use}B, total idle mem:{total - in_use}B.")
 
 
+def _ascend_lines(addr: int, size: int, in_use: int, total: int, tid: str = "7f01") -> list[str]:
+    """The two lines DefaultEnhancedAscendMemoryPool::AllocTensorMem writes (MindSpore source)."""
+    prefix = f"[V12906] DEVICE(9,{tid},python):2026-12-01-06:47:05.892.425 [mindspore/ccsrc/plugin/res_manager/" \
+             "ascend/mem_manager/ascend_memory_pool.cc:150] AllocTensorMem] "
+    aligned = (size + 511) // 512 * 512
+    return [prefix + f"Allocate tensor mem, size : {size}, align_size : {aligned}, from_persistent_mem : 0, "
+                     "need_recycle : 0, stream_id : 0.",
+            prefix + f'Allocate tensor mem, return : {{"addr_":{addr:#x},"size_":{aligned},"stream_id_":0,'
+                     f'"status_":used,"owner_name_":Default/MatMul-op1,"alloc_type_":0}}, stat info : '
+                     f'{{"used_size_":{in_use},"peak_size_":{in_use},"alloc_size_":{total},'
+                     f'"idle_size_":{total - in_use},"used_by_event_size_":0,"eager_free_size_":0}}.']
+
+
+def _ascend_free(addr: int, ok: int = 1, tid: str = "7f01") -> str:
+    return (f"[V12906] DEVICE(9,{tid},python):2026-12-01-06:47:05.999.000 [mindspore/ccsrc/plugin/res_manager/"
+            f"ascend/mem_manager/ascend_memory_pool.cc:230] DoFreeTensorMem] Do free tensor mem : {addr:#x}, "
+            f"return : {ok}.")
+
+
 # --- the model: multimap tie rule -------------------------------------------------------------
 def test_bestfit_takes_the_equal_size_buffer_idle_longest():
     for cls, expected_first in ((MindSporeBestFitPool, "high"), (MindSporePool, "low")):
@@ -157,3 +176,22 @@ def test_jsonl_round_trip_replays_the_same(tmp_path):
     got = json.loads(proc.stdout)
     assert got["allocator"] == "mindspore-bestfit"
     assert got["address_match"] == 1.0 and got["final_layout_match"] is True
+
+
+def test_ascend_enhanced_pool_lines(tmp_path):
+    base = 0x12C0_4000_0000
+    lines = ["[INFO] other", *_ascend_lines(base, 1000, 1024, 1 << 30),
+             *_ascend_lines(base + 1024, 4096, 5120, 1 << 30),
+             _ascend_free(base, ok=0),            # awaited by an event: not a free yet
+             _ascend_free(base)]
+    path = tmp_path / "ascend.log"
+    path.write_text("\n".join(lines) + "\n")
+    trace = load_trace(path)
+    assert trace.meta["pool"] == "AbstractDynamicMemPool"
+    assert [(e.action, e.id, e.size) for e in trace.events] == [
+        ("segment_alloc", None, 1 << 30), ("alloc", 1, 1000), ("alloc", 2, 4096), ("free", 1, 0)]
+    assert trace.meta["pool_log"]["counter_mismatches"] == 0
+    from ms_memopt.cli.replay_cmd import default_allocator
+    assert default_allocator(trace) == "mindspore"
+    result = replay(trace, create("mindspore"))
+    assert result.address_match == 1.0 and result.final_layout_match is True

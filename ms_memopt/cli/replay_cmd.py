@@ -15,7 +15,7 @@ import json
 import math
 
 from ..errors import InputError
-from ..traces.ms_pool_log import POOL_NAME, recorded_final_layout
+from ..traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
 from ..units import format_size, parse_size
 
 __all__ = ["add_parser", "run", "default_allocator"]
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"expected a positive size, got {args.capacity!r}", source="--capacity")
     trace = load_trace(args.trace, format=args.format)
     name = args.allocator or default_allocator(trace)
-    if trace.final is None and trace.meta.get("pool") == POOL_NAME:
+    if trace.final is None and trace.meta.get("pool") in (POOL_NAME, ASCEND_POOL_NAME):
         trace.final = recorded_final_layout(trace.events)
     if name == "pool":
         # the pool model splits memory into regions sized from a recipe's memopt.pool section;

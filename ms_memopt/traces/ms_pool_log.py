@@ -9,6 +9,22 @@ lines are::
     [V12906] PRE_ACT(PID,TID,python):TIME [.../mem_dynamic_allocator.cc:260] AllocTensorMem] Alloc memory details, name:Unknown, persistent_mem:0, stream id: 0, address:0x7fb667fff010, size:1024B, total allocated mem:1073741824B, peak used mem:1024B, in used mem:1024B, used by event mem:0B, actual peak used mem:1024B, total idle mem:1073740800B.
     [V12906] PRE_ACT(PID,TID,python):TIME [.../mem_dynamic_allocator.cc:811] FreeTensorMemInner] Free memory details, name:Unknown, address:0x7fb667fffc10, total allocated mem:..., in used mem:3072B, ..., total idle mem:...B.
 
+Ascend's default pool (``AbstractDynamicMemPool``) switches to its logging wrapper
+``DefaultEnhancedAscendMemoryPool`` whenever the memory VLOG is on, which writes (read in
+MindSpore's source, ``plugin/res_manager/ascend/mem_manager/ascend_memory_pool.cc``; not yet
+seen on a device)::
+
+    ... AllocTensorMem] Allocate tensor mem, size : 1000, align_size : 1024, from_persistent_mem : 0, need_recycle : 0, stream_id : 0.
+    ... AllocTensorMem] Allocate tensor mem, return : {"addr_":0x12c0...,"size_":1024,"stream_id_":0,"status_":used,...}, stat info : {"used_size_":...,"peak_size_":...,"alloc_size_":...,"idle_size_":...,"used_by_event_size_":...,"eager_free_size_":...}.
+    ... DoFreeTensorMem] Do free tensor mem : 0x12c0..., return : 1.
+
+The request line is written before the pool's lock is taken, so it is paired with the return
+line of the same thread (TID in the prefix); ``return : 0`` (a buffer still awaited by a
+stream event) is not a free: the pool frees it later and logs again. Such a recording has
+``meta["pool"] == "AbstractDynamicMemPool"`` and replays through ``mindspore``; with
+``MS_ALLOC_CONF=older_pool:True`` Ascend writes the CPU lines below and replays through
+``mindspore-bestfit``.
+
 Facts the reader relies on (checked on MindSpore 2.10.0 CPU):
 
 * ``size`` is the size *requested* (before rounding up to 512 B); a free names only the
@@ -52,28 +68,46 @@ from ..errors import InputError
 from ..events import Event, Trace
 from ..layout import Block, Layout, Segment
 
-__all__ = ["FORMAT", "POOL_NAME", "PoolLogParser", "looks_like_pool_log", "read_pool_log", "read_head",
+__all__ = ["FORMAT", "POOL_NAME", "ASCEND_POOL_NAME", "PoolLogParser", "looks_like_pool_log", "read_pool_log", "read_head",
            "recorded_final_layout", "STEP_LINE"]
 
 FORMAT = "mindspore-pool-log"
 #: ``trace.meta["pool"]`` of a CPU recording: replay picks the ``mindspore-bestfit`` model
 POOL_NAME = "DynamicMemPoolBestFit"
+#: ``trace.meta["pool"]`` of a recording of Ascend's default pool: replay picks ``mindspore``
+ASCEND_POOL_NAME = "AbstractDynamicMemPool"
 #: what LayoutScanCallback prints at a step end while recorded (``ms-memopt step 12``)
 STEP_LINE = "ms-memopt step"
 _ALIGN = 512
 
 # the message markers: a line holding one of these is a pool line and must parse in full
-_ALLOC_MARK = "Alloc memory details"
+_ALLOC_MARK = "Alloc memory details"          # DynamicMemPoolBestFit (CPU; Ascend older_pool)
+_ALLOC_FUNCTION = "AllocTensorMem] "           # a line torn inside the message still names its function
 _FREE_MARK = "Free memory details"
-_ALLOC_FUNCTION = "AllocTensorMem] "   # a line torn inside the message still names its function
-_PREFIX = r"\[V12906\] [A-Z_]+\((?P<pid>\d+),(?P<tid>[0-9a-fA-F]+),[^)]*\):\S+ \[[^\]]*\] \w+\] "
+_ASCEND_REQUEST_MARK = "Allocate tensor mem, size :"     # Ascend's enhanced pool (AbstractDynamicMemPool)
+_ASCEND_RETURN_MARK = "Allocate tensor mem, return :"
+_ASCEND_FREE_MARK = "Do free tensor mem :"
+_PREFIX = r"\[(?:V12906|DEBUG)\] [A-Z_]+\((?P<pid>\d+),(?P<tid>[0-9a-fA-F]+),[^)]*\):\S+ \[[^\]]*\] \w+\] "
 _COUNTERS = (r"total allocated mem:(?P<total>\d+)B, peak used mem:(?P<peak>\d+)B, in used mem:(?P<in_use>\d+)B, "
-             r"used by event mem:(?P<by_event>\d+)B, actual peak used mem:\d+B, total idle mem:(?P<idle>\d+)B\.")
-_ALLOC = re.compile(_PREFIX + r"Alloc memory details, name:(?P<name>[^,]*), persistent_mem:(?P<persistent>[01]), "
-                    r"stream id: (?P<stream>\d+), address:(?P<addr>0x[0-9a-fA-F]+), size:(?P<size>\d+)B, "
+             r"(?:used by event mem:(?P<by_event>\d+)B, )?(?:actual peak used mem:\d+B, )?"
+             r"total idle mem:(?P<idle>\d+)B\.")
+# 2.10 writes persistent_mem and stream id; older releases (MS_LOG(DEBUG), GLOG_v=0) neither
+_ALLOC = re.compile(_PREFIX + r"Alloc memory details, name:(?P<name>[^,]*), (?:persistent_mem:(?P<persistent>[01]), )?"
+                    r"(?:stream id: (?P<stream>\d+), )?address:(?P<addr>0x[0-9a-fA-F]+), size:(?P<size>\d+)B, "
                     + _COUNTERS)
 _FREE = re.compile(_PREFIX + r"Free memory details, name:(?P<name>[^,]*), address:(?P<addr>0x[0-9a-fA-F]+), "
                    + _COUNTERS)
+# DefaultEnhancedAscendMemoryPool (ascend_memory_pool.cc), the pool Ascend uses whenever the
+# memory VLOG is on: a request line (before the lock), a return line and a free line (inside it)
+_ASCEND_REQUEST = re.compile(_PREFIX + r"Allocate tensor mem, size : (?P<size>\d+), align_size : \d+, "
+                             r"from_persistent_mem : (?P<persistent>[01]|true|false), need_recycle : \w+, "
+                             r"stream_id : (?P<stream>\d+)\.")
+_ASCEND_RETURN = re.compile(_PREFIX + r'Allocate tensor mem, return : \{"addr_":(?P<addr>0x[0-9a-fA-F]+),'
+                            r'"size_":(?P<aligned>\d+),"stream_id_":(?P<stream>\d+),.*\}, stat info : '
+                            r'\{"used_size_":(?P<in_use>\d+),"peak_size_":(?P<peak>\d+),"alloc_size_":(?P<total>\d+),'
+                            r'"idle_size_":(?P<idle>\d+),"used_by_event_size_":(?P<by_event>\d+),'
+                            r'"eager_free_size_":\d+\}\.\s*$')
+_ASCEND_FREE = re.compile(_PREFIX + r"Do free tensor mem : (?P<addr>0x[0-9a-fA-F]+), return : (?P<ok>[01]|true|false)\.")
 _STEP = re.compile(r"^ms-memopt step (?P<step>\d+)\s*$")
 _MAX_NOTED = 20             # line numbers of skipped lines kept for the report
 _SNIFF_LINES = 2000
@@ -82,7 +116,8 @@ _SNIFF_LINES = 2000
 def looks_like_pool_log(text: str) -> bool:
     """True when ``text`` (the head of a file) holds a complete pool detail line."""
     for line in text.splitlines()[:_SNIFF_LINES]:
-        if (_ALLOC_MARK in line and _ALLOC.search(line)) or (_FREE_MARK in line and _FREE.search(line)):
+        if ((_ALLOC_MARK in line and _ALLOC.search(line)) or (_FREE_MARK in line and _FREE.search(line))
+                or (_ASCEND_RETURN_MARK in line and _ASCEND_RETURN.search(line))):
             return True
     return False
 
@@ -134,17 +169,37 @@ class PoolLogParser:
         self._reserved = 0
         self._line = 0
         self._other_pids: dict[int, int] = {}
+        self._requests: dict[str, tuple[int, bool]] = {}       # thread -> (size, persistent) asked
+        self.pool = POOL_NAME
 
     # --- lines ---------------------------------------------------------------------------
     def feed(self, line: str) -> list[Event]:
         """The events ``line`` means; unrelated lines give none."""
         self._line += 1
         if _ALLOC_MARK in line or _ALLOC_FUNCTION in line:
+            if _ASCEND_REQUEST_MARK in line:
+                return self._ascend_request(_ASCEND_REQUEST.search(line))
+            if _ASCEND_RETURN_MARK in line:
+                match = _ASCEND_RETURN.search(line)
+                return self._ascend_alloc(match) if match and self._ours(match) else self._torn(match)
             match = _ALLOC.search(line)
-            return self._alloc(match) if match and self._ours(match) else self._torn(match)
+            if match and self._ours(match):
+                self.pool = POOL_NAME
+                persistent = match.group("persistent") == "1"
+                return self._alloc(match, int(match.group("size")), int(match.group("stream") or 0), persistent,
+                                   match.group("name"))
+            return self._torn(match)
         if _FREE_MARK in line:
             match = _FREE.search(line)
-            return self._free(match) if match and self._ours(match) else self._torn(match)
+            if match and self._ours(match):
+                return self._free(int(match.group("addr"), 16), match)
+            return self._torn(match)
+        if _ASCEND_FREE_MARK in line:
+            match = _ASCEND_FREE.search(line)
+            if match and self._ours(match):
+                # return 0: still awaited by a stream event; its later free logs again with 1
+                return self._free(int(match.group("addr"), 16), None) if match.group("ok") in ("1", "true") else []
+            return self._torn(match)
         if line.startswith(STEP_LINE):
             step = _STEP.match(line)
             if step:
@@ -175,17 +230,31 @@ class PoolLogParser:
 
     def _note_counters(self, match: re.Match) -> None:
         self.counters = {"reserved": int(match.group("total")), "in_use": int(match.group("in_use")),
-                         "peak_used": int(match.group("peak")), "used_by_event": int(match.group("by_event")),
+                         "peak_used": int(match.group("peak")), "used_by_event": int(match.group("by_event") or 0),
                          "idle": int(match.group("idle"))}
         if self.counters["in_use"] != self.allocated:
             self.counts.counter_mismatches += 1
 
-    def _alloc(self, match: re.Match) -> list[Event]:
+    def _ascend_request(self, match: re.Match | None) -> list[Event]:
+        if match is None:
+            return self._torn(None)
+        if self._ours(match):   # the requested size, paired with the return line of the same thread
+            self._requests[match.group("tid")] = (int(match.group("size")),
+                                                  match.group("persistent") in ("1", "true"))
+        return []
+
+    def _ascend_alloc(self, match: re.Match) -> list[Event]:
+        self.pool = ASCEND_POOL_NAME
+        aligned = int(match.group("aligned"))
+        size, persistent = self._requests.pop(match.group("tid"), (aligned, False))
+        if _align(size) != aligned:      # the request line was another call's: keep what is sure
+            size, persistent = aligned, False
+        return self._alloc(match, size, int(match.group("stream")), persistent, "Unknown")
+
+    def _alloc(self, match: re.Match, size: int, stream: int, persistent: bool, name: str) -> list[Event]:
         events: list[Event] = []
         addr = int(match.group("addr"), 16)
-        size = int(match.group("size"))
-        stream = int(match.group("stream"))
-        pool = "persistent" if match.group("persistent") == "1" else None
+        pool = "persistent" if persistent else None
         reserved = int(match.group("total"))
         if reserved > self._reserved:
             # the pool grew for this request: it took the low end of the new block
@@ -199,7 +268,6 @@ class PoolLogParser:
             self.allocated -= old.size
             events.append(Event("free", id=old.id))
         self._next_id += 1
-        name = match.group("name")
         aligned = _align(size)
         self.live[addr] = _Live(self._next_id, aligned)
         self.allocated += aligned
@@ -208,17 +276,17 @@ class PoolLogParser:
         self._note_counters(match)
         return events
 
-    def _free(self, match: re.Match) -> list[Event]:
-        addr = int(match.group("addr"), 16)
+    def _free(self, addr: int, match: re.Match | None) -> list[Event]:
         live = self.live.pop(addr, None)
-        self._reserved = int(match.group("total"))
+        if match is not None:
+            self._reserved = int(match.group("total"))
         if live is None:
             self.counts.unmatched_frees += 1
+        else:
+            self.allocated -= live.size
+        if match is not None:
             self._note_counters(match)
-            return []
-        self.allocated -= live.size
-        self._note_counters(match)
-        return [Event("free", id=live.id)]
+        return [] if live is None else [Event("free", id=live.id)]
 
     # --- state ---------------------------------------------------------------------------
     def layout(self) -> Layout:
@@ -306,7 +374,7 @@ def read_pool_log(path: str | Path, *, pid: int | None = None) -> Trace:
     if not any(e.action == "alloc" for e in events):
         raise InputError("no complete MindSpore pool line (\"Alloc memory details, ...\"); expected a stderr "
                          "capture of a run with VLOG_v=12906", source=source)
-    meta = {"pool": POOL_NAME, "pool_log": parser.meta()}
+    meta = {"pool": parser.pool, "pool_log": parser.meta()}
     return Trace(events, source=source, format=FORMAT, final=parser.layout(), meta=meta)
 
 
@@ -335,8 +403,8 @@ def read_head(path: str | Path, size: int) -> str:
 def _busiest_pid(lines: list[str]) -> int | None:
     counts: dict[int, int] = {}
     for line in lines:
-        if _ALLOC_MARK in line:
-            match = _ALLOC.search(line)
+        if _ALLOC_MARK in line or _ASCEND_RETURN_MARK in line:
+            match = _ALLOC.search(line) or _ASCEND_RETURN.search(line)
             if match:
                 pid = int(match.group("pid"))
                 counts[pid] = counts.get(pid, 0) + 1
