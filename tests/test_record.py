@@ -57,8 +57,8 @@ def test_live_recording_replays_exactly(tmp_path):
     assert proc.returncode == 5, proc.stderr[-2000:]
     trace = read_jsonl(out)
     assert trace.meta["pool"] == "DynamicMemPoolBestFit"
-    assert trace.meta["pool_log"]["skipped_lines"] == 0
-    assert [e.step for e in trace.events if e.action == "step"] == [1, 2, 3, 4]
+    assert trace.meta["pool_log"]["skipped_lines"] == 0, trace.meta
+    assert [e.step for e in trace.events if e.action == "step"] == [1, 2, 3, 4], proc.stderr[-2000:]
     assert sum(e.action == "segment_alloc" for e in trace.events) >= 1
     for path in (out, raw):          # the events and the raw log read the same
         replayed = _run("replay", str(path), "--json")
@@ -66,4 +66,4 @@ def test_live_recording_replays_exactly(tmp_path):
         result = json.loads(replayed.stdout)
         assert result["allocator"] == "mindspore-bestfit"
         assert result["allocs"] > 50
-        assert result["address_match"] == 1.0 and result["final_layout_match"] is True
+        assert result["address_match"] == 1.0 and result["final_layout_match"] is True, (path.name, result)
