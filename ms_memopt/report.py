@@ -324,16 +324,21 @@ def plot_scan_timeline(scans: dict[int, list[dict]], path: str | Path, *,
     by :func:`ms_memopt.plots.plot_timeline`, the figure simulations use too."""
     series: dict[str, list] = {}
     markers: list[Marker] = []
+    requests: dict[str, int] = {}
     for rank, lines in scans.items():
         label = f"rank {rank}"
         scanned = [l for l in lines if l.get("kind", "scan") == "scan" and l.get("free_total") is not None]
         series[label] = [(l["step"], l["free_total"], l.get("largest_free") or 0, l.get("frag_ratio"))
                          for l in scanned]
-        markers += [Marker(label, l["step"], "compaction", l.get("largest_free_after"))
+        markers += [Marker(label, l["step"], "compaction", l.get("largest_free_before"), l.get("largest_free_after"))
                     for l in lines if l.get("kind") == "compaction"]
         markers += [Marker(label, l["step"], "predicted_oom", l.get("largest_free") or 0) for l in scanned
                     if any(not w.get("fits", True) for w in (l.get("watch") or {}).values())]
-    return plot_timeline(series, path, markers=markers, title=title)
+        for l in scanned:
+            for name, check in (l.get("watch") or {}).items():
+                if isinstance(check, dict) and isinstance(check.get("size"), int):
+                    requests[name] = check["size"]
+    return plot_timeline(series, path, markers=markers, title=title, requests=requests)
 
 
 # --- the report ------------------------------------------------------------------------------------

@@ -184,7 +184,7 @@ def test_report_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_demo_memory_map_layouts_come_from_the_simulated_workload():
-    from ms_memopt.demo import simulated_layouts
+    from ms_memopt.memory_map import simulated_layouts
     from ms_memopt.metrics import measure
     from ms_memopt.recipe import load_recipe
 

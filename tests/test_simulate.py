@@ -353,11 +353,13 @@ def test_plot_timeline_labels_in_the_unit_of_the_data(tmp_path, monkeypatch):
     out = plots.plot_timeline({"rank 0": [(1, 3 * MiB, MiB, 2.0), (5, 3 * MiB, 3 * MiB, 0.0)]},
                               tmp_path / "t.png",
                               markers=[plots.Marker("rank 0", 5, "compaction"),
-                                       plots.Marker("rank 0", 1, "predicted_oom")])
+                                       plots.Marker("rank 0", 1, "predicted_oom")],
+                              requests={"allreduce": 2 * MiB})
     assert out.stat().st_size > 0
-    assert seen["labels"][:2] == ["free_total (MiB)", "largest_free (MiB)"]
-    assert "rank 0: compaction" in seen["legend"]
+    assert [label.split("\n")[0] for label in seen["labels"][:2]] == ["free_total (MiB)", "largest_free (MiB)"]
+    assert any(t.startswith("rank 0: compaction") for t in seen["legend"])
     assert any("predicted OOM" in t for t in seen["legend"])
+    assert any(t.startswith("allreduce request 2.00 MiB") for t in seen["legend"])   # the line that decides an OOM
     with pytest.raises(ValueError):
         plots.plot_timeline({}, tmp_path / "u.png", markers=[plots.Marker("x", 1, "boom")])
 

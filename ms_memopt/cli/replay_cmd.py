@@ -36,6 +36,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when any request ran out of memory")
     parser.add_argument("--export-memory-viz", metavar="FILE", default=None,
                         help="also write the trace and final layout for PyTorch's memory_viz viewer")
+    parser.add_argument("--export-instances", metavar="FILE.csv", default=None,
+                        help="also write the trace's buffers as an id,lower,upper,size instance for `ms-memopt pack`")
 
 
 def _finite(value):
@@ -81,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
         from ..traces.memory_viz import write_memory_viz
 
         write_memory_viz(args.export_memory_viz, trace, result.final_layout)
+    if args.export_instances:
+        from ..traces.instances import write_instance
+        from ..traces.instances_events import trace_to_instances
+
+        write_instance(trace_to_instances(trace), args.export_instances)
 
     out = {"trace": trace.source, "format": trace.format, "capacity": capacity}
     out.update(result.to_dict())

@@ -2,8 +2,9 @@
 
 Prints one line per policy (or, with ``--json``, one JSON object: per policy the figures of
 :class:`ms_memopt.simulate.PolicyResult`; with ``--seeds N``, each policy holds ``seeds`` and
-``median_oom_step``). ``--out DIR`` receives ``timeline.jsonl`` (streamed while running) and
-``fragmentation.png``. ``--export-memory-viz FILE.pickle`` writes the first seed's simulated
+``median_oom_step``). ``--out DIR`` receives ``timeline.jsonl`` (streamed while running),
+``layouts.jsonl`` (the first seed's pool at each policy's OOM, or at its worst moment when it
+survives) and ``report.md`` with ``fragmentation.png`` and ``memory_map.png``. ``--export-memory-viz FILE.pickle`` writes the first seed's simulated
 events with the model's addresses and its final layout in PyTorch's memory snapshot format
 (pytorch.org/memory_viz): with one policy to ``FILE.pickle``, with several one file per policy,
 ``FILE.<policy>.pickle``. Exit code 0, or 1 with ``--fail-on-oom`` when a policy OOMs.
@@ -65,12 +66,16 @@ def run(args) -> int:
     seeds = list(range(args.seeds)) if args.seeds else [cfg.seed]
     viz_paths = _viz_paths(args.export_memory_viz, policies) if args.export_memory_viz else {}
     placed = {policy: PlacedRun() for policy in viz_paths}
+    collector = None
 
     out_dir = Path(args.out) if args.out else None
     timeline = None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         timeline = open(out_dir / "timeline.jsonl", "w", encoding="utf-8")
+        from ..memory_map import LayoutCollector
+
+        collector = LayoutCollector([], policies=policies, seed=seeds[0])
     bar = None
     if sys.stderr.isatty():
         from tqdm import tqdm
@@ -78,16 +83,18 @@ def run(args) -> int:
     try:
         results = simulate(spec, cfg, policies=policies, seeds=seeds, timeline=timeline,
                            on_step=_progress(bar, len(policies)) if bar is not None else None,
-                           placed=placed or None)
+                           placed=placed or None, on_watch=collector)
     finally:
         if timeline is not None:
             timeline.close()
         if bar is not None:
             bar.close()
     if out_dir is not None:
-        from ..plots import plot_fragmentation_timeline
-        plot_fragmentation_timeline(out_dir / "timeline.jsonl", out_dir / "fragmentation.png",
-                                    seed=seeds[0], title=f"{Path(args.recipe).name}")
+        from ..report import build_report, write_layouts
+
+        write_layouts(out_dir / "layouts.jsonl", collector.snapshots())
+        build_report(out_dir, title=f"Simulation of {Path(args.recipe).name}",
+                     memory_map_title=f"{Path(args.recipe).name}: the pool at each policy's OOM, or its worst moment")
 
     if viz_paths:
         from ..traces.memory_viz import write_memory_viz
