@@ -92,3 +92,27 @@ def test_arena_compaction_in_one_call_equals_run_by_run(seed):
     assert reports[0].runs == reports[1].runs > 1
     np.testing.assert_array_equal(arenas[0].backend.buffer, arenas[1].backend.buffer)
     assert [h.offset for h in arenas[0].handles()] == [h.offset for h in arenas[1].handles()]
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 70), min_size=1, max_size=5), st.integers(0, 2**32 - 1),
+       st.floats(0, 0.1), st.floats(1e-5, 1e-1), st.floats(0.0, 0.99), st.floats(0.0, 0.9999),
+       st.floats(1e-8, 1e-3))
+def test_adamw_equals_the_numpy_reference_bit_for_bit(lengths, seed, wd, lr, beta1, beta2, eps):
+    """Several pieces (lengths around the 8-lane vector width, tails included), three steps."""
+    rng = np.random.default_rng(seed)
+    pieces = [[rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32),
+               rng.random(n).astype(np.float32)] for n in lengths]          # w, m, v >= 0
+    expected = [[a.copy() for a in piece] for piece in pieces]
+    for t in range(3):
+        grads = [rng.standard_normal(n).astype(np.float32) for n in lengths]
+        step = lr * np.sqrt(1 - beta2 ** (t + 1)) / (1 - beta1 ** (t + 1)) if beta1 ** (t + 1) < 1 else lr
+        for (w, m, v), g in zip(expected, grads):
+            native.adamw_f32_reference(w, m, v, g, lr * wd, step, beta1, beta2, eps)
+        columns = [[piece[i].ctypes.data for piece in pieces] for i in range(3)]
+        native.adamw_f32(*columns, [g.ctypes.data for g in grads], lengths,
+                         np.full(len(lengths), lr * wd), np.full(len(lengths), step), beta1, beta2, eps)
+    for got, want in zip(pieces, expected):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["available", "move_runs", "adamw_f32", "STREAM_MIN_BYTES", "STREAM_TOTAL_BYTES"]
+__all__ = ["available", "move_runs", "adamw_f32", "adamw_f32_reference", "STREAM_MIN_BYTES", "STREAM_TOTAL_BYTES"]
 
 #: a run is copied with non-temporal stores when it is at least this long ...
 STREAM_MIN_BYTES = 4096
@@ -40,6 +40,7 @@ STREAM_MIN_BYTES = 4096
 STREAM_TOTAL_BYTES = 64 << 20
 
 _c_int64_p = ctypes.POINTER(ctypes.c_int64)
+_c_float_p = ctypes.POINTER(ctypes.c_float)
 _lib: ctypes.CDLL | None = None
 _loaded = False
 
@@ -65,6 +66,8 @@ def _load() -> ctypes.CDLL | None:
     lib.mm_move_runs.restype = ctypes.c_int64
     lib.mm_move_runs.argtypes = [ctypes.c_void_p, _c_int64_p, _c_int64_p, _c_int64_p,
                                  ctypes.c_int64, ctypes.c_int64]
+    lib.mm_adamw_f32.restype = None
+    lib.mm_adamw_f32.argtypes = [ctypes.c_int64] + [_c_int64_p] * 5 + [_c_float_p] * 2 + [ctypes.c_float] * 3
     _lib = lib
     return lib
 
@@ -100,3 +103,39 @@ def move_runs(base: int, src: np.ndarray, dst: np.ndarray, size: np.ndarray, *,
         stream = int(size.sum()) >= STREAM_TOTAL_BYTES
     return int(lib.mm_move_runs(ctypes.c_void_p(base), _int64_pointer(src), _int64_pointer(dst),
                                 _int64_pointer(size), len(src), STREAM_MIN_BYTES if stream else 0))
+
+
+def adamw_f32(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, n: np.ndarray,
+              decay: np.ndarray, step: np.ndarray, beta1: float, beta2: float, eps: float) -> None:
+    """AdamW in place over float32 pieces given by address: piece ``k`` is ``n[k]`` elements at
+    ``w[k]`` (weights), ``m[k]``, ``v[k]`` (moments) and ``g[k]`` (gradient, read only), with its
+    own ``decay[k]`` (lr * weight decay) and ``step[k]`` (bias-corrected lr). Per element, in
+    float32: ``w -= decay*w; m += (g-m)*(1-beta1); v += (g*g-v)*(1-beta2);
+    w -= step*m / (sqrt(v) + eps)``. One pass over memory, AVX2 where the CPU has it.
+
+    The caller guarantees the addresses (nothing is checked here). Raises ``RuntimeError`` when
+    the library is not available.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("ms_memopt.native is not built (pip install the package with a C compiler)")
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (w, m, v, g, n)]
+    count = len(arrays[0])
+    if any(len(a) != count for a in arrays) or len(decay) != count or len(step) != count:
+        raise ValueError("every per-piece array needs one entry per piece")
+    decay = np.ascontiguousarray(decay, dtype=np.float32)
+    step = np.ascontiguousarray(step, dtype=np.float32)
+    lib.mm_adamw_f32(count, *(_int64_pointer(a) for a in arrays), decay.ctypes.data_as(_c_float_p),
+                     step.ctypes.data_as(_c_float_p), beta1, beta2, eps)
+
+
+def adamw_f32_reference(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, decay: float,
+                        step: float, beta1: float, beta2: float, eps: float) -> None:
+    """:func:`adamw_f32` on one piece of numpy float32 arrays, in numpy (the readable reference;
+    same operations in the same order, so the same bits)."""
+    f32 = np.float32
+    decay, step, c1, c2, eps = f32(decay), f32(step), f32(1) - f32(beta1), f32(1) - f32(beta2), f32(eps)
+    w -= decay * w
+    m += (g - m) * c1
+    v += (g * g - v) * c2
+    w -= step * m / (np.sqrt(v) + eps)
