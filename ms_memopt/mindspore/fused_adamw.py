@@ -7,14 +7,22 @@ A drop-in for ``nn.AdamWeightDecay``. The layout:
   parameters with the same learning rate and weight decay are adjacent: a *bucket*;
 * **optimizer region**: per bucket, flat float32 ``Parameter``s ``m`` and ``v`` (and, for
   fp16/bf16 parameters, a float32 ``master``), in the order of the parameter region;
-* **gradient region**: each step's gradients of one dtype in one flat buffer (padded like the
-  parameter region): on a device, combined by ``combine_tensor_list_contiguous`` into a fresh
-  buffer each step; on CPU, where tensors are host memory, copied by address into two
-  persistent sets of per-bucket buffers used in turn (``_copy_gradients``).
+* **gradient region** (graph path): each step's gradients of one dtype in one flat buffer
+  (padded like the parameter region): on a device, combined by
+  ``combine_tensor_list_contiguous`` into a fresh buffer each step; on CPU without the
+  compiled kernel, copied by address into two persistent sets of per-bucket buffers used in
+  turn (``_copy_gradients``). The compiled CPU step needs none: it reads the gradients in place.
 
-One step: per dtype, gather the gradients into the gradient region, then one
-compiled graph (``ms.jit``, a single launch from Python) does, per bucket over its whole
-range: cast the gradient to float32 (fp16/bf16), decay the float32 weights in place
+One step on CPU with float32 parameters (the library :mod:`ms_memopt.native` built, as
+``pip install`` does with a C compiler): one compiled AdamW pass over host memory
+(:func:`ms_memopt.native.adamw_f32`), straight on the parameter region, ``m``, ``v`` and each
+gradient where the backward pass left it: decay, moments and update read each buffer once
+and write each once, in the calling thread, with no graph launch and no gradient copy.
+MindSpore's own CPU kernels cannot do that pass vectorised on this AMD CPU (see below).
+
+One step elsewhere (devices, fp16/bf16 parameters, or no compiled library): per dtype,
+gather the gradients into the gradient region, then one compiled graph (``ms.jit``, a single
+launch from Python) does, per bucket over its whole range: cast the gradient to float32 (fp16/bf16), decay the float32 weights in place
 (``ApplyGradientDescent`` with the weights as their own delta: ``w -= lr * wd * w``), one
 ``ops.Adam`` kernel (m, v and weights in place), and for low-precision parameters write the
 cast master into the parameter region once. For fp32 parameters the weights are the region
