@@ -204,6 +204,9 @@ def model_mapping(data: dict, *, source: str) -> tuple[dict, list[str]]:
             raise InputError("a multi-modal model: plan covers decoder-only language models "
                              "(plan the language model's own config instead)", source=source,
                              key=f"{base}.{nested}")
+    if any(k in mc for k in ("encoder_layers", "decoder_layers", "num_encoder_layers")):
+        raise InputError("an encoder-decoder model: plan covers decoder-only language models",
+                         source=source, key=f"{base}.{next(k for k in ('encoder_layers', 'decoder_layers', 'num_encoder_layers') if k in mc)}")
     notes: list[str] = []
     hf, missing_note = _read_hf_config(data.get("pretrained_model_dir"), source)
     merged = _underlay(mc, hf)

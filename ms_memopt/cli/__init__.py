@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pack": ("ms_memopt.cli.pack_cmd", "static placement of buffers with known lifetimes"),
     "run": ("ms_memopt.cli.run_cmd", "standalone training on one device with all callbacks"),
     "report": ("ms_memopt.cli.report_cmd", "plots and a summary from a run's or simulation's logs"),
+    "record": ("ms_memopt.cli.record_cmd", "run a MindSpore command and record its real memory pool as events"),
 }
 
 
