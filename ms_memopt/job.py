@@ -295,13 +295,35 @@ class _RankTimeline(io.StringIO):
         return super().write(self._prefix + text[1:] if text.startswith("{") else text)
 
 
+def _pool_mode_misfit(spec: WorkloadSpec, cfg: SimConfig) -> str | None:
+    """Why pool mode's regions cannot be reserved on this card, or ``None`` when they can."""
+    from .allocators.pool import PoolModeAllocator
+
+    try:
+        PoolModeAllocator.for_workload(spec, capacity=cfg.capacity)
+    except InputError as exc:
+        return exc.message
+    return None
+
+
 def _run_stream(task: _Task) -> tuple[dict[str, PolicyResult], str | None]:
-    """Worker: every policy on one stream, in lock step (one generated event stream)."""
+    """Worker: every policy on one stream, in lock step (one generated event stream).
+
+    A pool-mode plan larger than the card cannot even start: its result is an OOM at step 0
+    (``oom_tag`` ``"pool_mode"``), so a sweep over small cards reports it instead of stopping."""
     sink = _RankTimeline(task.stream) if task.timeline else None
-    out = simulate(task.spec, replace(task.cfg, seed=task.stream.seed), policies=task.policies,
-                   seeds=[task.stream.seed], timeline=sink)
-    return {policy: summary.seeds[0] for policy, summary in out.items()}, \
-        (sink.getvalue() if sink is not None else None)
+    cfg = replace(task.cfg, seed=task.stream.seed)
+    policies = task.policies
+    results: dict[str, PolicyResult] = {}
+    misfit = _pool_mode_misfit(task.spec, cfg) if "pool" in policies else None
+    if misfit is not None:
+        results["pool"] = PolicyResult("pool", task.stream.seed, cfg.steps, oom_step=0, oom_kind="capacity",
+                                       oom_tag="pool_mode", oom_size=None)
+        policies = tuple(p for p in policies if p != "pool")
+    if policies:
+        out = simulate(task.spec, cfg, policies=policies, seeds=[task.stream.seed], timeline=sink)
+        results.update({policy: summary.seeds[0] for policy, summary in out.items()})
+    return {policy: results[policy] for policy in task.policies}, (sink.getvalue() if sink is not None else None)
 
 
 def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str | None = None,

@@ -3,7 +3,7 @@
 The commands are read from README.md itself and run in order in an empty directory holding only
 a copy of the repository's ``recipes/`` (what a clone has), so a tour step that needs a file
 from elsewhere (``../shared/data``) fails here. Long runs are shortened (``--steps`` capped,
-one seed, training 3 steps, packing 2 s) so that the tour takes seconds; everything else is
+one seed, one rank stream of a job, training 3 steps, packing 2 s) so that the tour takes seconds; everything else is
 run as written.
 """
 from __future__ import annotations
@@ -42,10 +42,12 @@ def _shortened(argv: list[str], max_steps: int = _MAX_STEPS) -> list[str]:
         if arg == "--steps" and int(argv[i + 1]) > max_steps:
             out += ["--steps", str(max_steps)]
             skip = True
-        elif arg == "--seeds":
+        elif arg in ("--seeds", "--ranks"):
             skip = True
         else:
             out.append(arg)
+    if out and out[0] in ("simulate", "sweep"):
+        out += ["--ranks", "1"]     # one rank stream of the job (tests/test_job.py covers many)
     return out
 
 

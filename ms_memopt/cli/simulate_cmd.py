@@ -215,6 +215,11 @@ def _options(items: list[str]) -> dict:
     return out
 
 
+def _dash(value) -> str:
+    """A table cell: ``-`` for ``None`` (0 is a step like any other)."""
+    return "-" if value is None else str(value)
+
+
 def _print_table(results, policies, cfg, many: bool) -> None:
     print(f"{cfg.steps} steps, allocator {cfg.allocator} {cfg.allocator_options or ''}, "
           f"capacity {format_size(cfg.capacity)}, scan every {cfg.scan_every}, compact every {cfg.compact_every}")
@@ -225,11 +230,11 @@ def _print_table(results, policies, cfg, many: bool) -> None:
             r = job[policy]
             d, first = r.distribution(), r.closest
             fr = first.result if first else None
-            print(f"{policy:<9} {r.seed:>4} {d['ranks']:>5} {r.job_oom_step or '-'!s:>7} "
+            print(f"{policy:<9} {r.seed:>4} {d['ranks']:>5} {_dash(r.job_oom_step):>7} "
                   f"{(first.stream.rank if r.first else '-')!s:>5} {(first.stream.stage if r.first else '-')!s:>5} "
                   f"{((fr.oom_kind if fr else None) or '-'):<13} "
                   f"{format_size(fr.free_total_at_oom if fr else None):>10} {d['oom_ranks']:>9} "
-                  f"{d['oom_step_median'] or '-'!s:>7} {format_size(fr.largest_free_min if fr else None):>10} "
+                  f"{_dash(d['oom_step_median']):>7} {format_size(fr.largest_free_min if fr else None):>10} "
                   f"{(fr.compactions if fr else 0):>11} {format_size(fr.peak_allocated if fr else None):>10}")
         if many:
             from ..job import median_job_oom_step
