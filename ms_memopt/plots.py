@@ -22,26 +22,39 @@ from pathlib import Path
 from .errors import InputError
 from .jsontext import read_json_lines
 
-__all__ = ["Marker", "plot_fragmentation_timeline", "plot_timeline", "pyplot", "save_figure", "size_unit"]
+__all__ = ["Marker", "forecast_marker", "plot_fragmentation_timeline", "plot_timeline", "pyplot", "save_figure",
+           "size_unit"]
 
 #: one sample: (step, free_total bytes, largest_free bytes, frag_ratio or None when nothing is free)
 Sample = tuple[int, int, int, "float | None"]
 
 _UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
-_MARKER_KINDS = ("compaction", "oom", "predicted_oom")
+_MARKER_KINDS = ("compaction", "oom", "predicted_oom", "forecast")
 
 
 @dataclass
 class Marker:
     """An event on a series' timeline: ``kind`` is ``"compaction"`` (triangle, dotted line),
     ``"oom"`` (cross, dashed line through every panel) or ``"predicted_oom"`` (a watched request
-    that would not fit: red cross). ``largest_free`` (bytes) places the symbol on the middle
-    panel; ``None`` puts it at the series' sample of that step (or 0)."""
+    that would not fit: red cross) or ``"forecast"`` (the step a watched request of
+    ``largest_free`` bytes is forecast to stop fitting, :mod:`ms_memopt.forecast`: a triangle
+    with the interval ``low``-``high`` as an error bar; ``high`` ``None``: open-ended).
+    ``largest_free`` (bytes) places the symbol on the middle panel; ``None`` puts it at the
+    series' sample of that step (or 0)."""
 
     series: str
     step: int
     kind: str
     largest_free: int | None = None
+    low: int | None = None
+    high: int | None = None
+
+
+def forecast_marker(series: str, forecast: dict) -> Marker:
+    """The marker of a forecast as scan records and timelines carry it
+    (:func:`ms_memopt.scan.forecast_fields`)."""
+    return Marker(series, forecast["step"], "forecast", forecast.get("request"),
+                  low=forecast.get("earliest_step"), high=forecast.get("latest_step"))
 
 
 def pyplot():
@@ -119,6 +132,11 @@ def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers:
                 for x in xs:
                     ax.axvline(x, color=color, linestyle="--", linewidth=1)
             axes[1].scatter(xs, ys, marker="x", s=80, color=color, zorder=3, label=f"{label}: OOM")
+        elif kind == "forecast":
+            lows = [m.step - (m.low if m.low is not None else m.step) for m in group]
+            highs = [(m.high if m.high is not None else m.step) - m.step for m in group]
+            axes[1].errorbar(xs, ys, xerr=[lows, highs], fmt="v", markersize=8, capsize=4, color=color,
+                             zorder=3, label=f"{label}: forecast, watched request stops fitting")
         else:
             axes[1].scatter(xs, ys, marker="x", s=70, color="red", zorder=3,
                             label=f"{label}: predicted OOM (watched request)")
@@ -159,7 +177,8 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
                                 title: str = "Fragmentation timeline") -> Path:
     """Plot a simulation's timeline JSONL (``ms-memopt simulate --out``) with :func:`plot_timeline`:
     one line per policy for one seed (default: the first seed in the file), sampled at scans and
-    before watched requests; compactions and OOMs marked.
+    before watched requests; compactions and OOMs marked, and each policy's last forecast that
+    saw the watched request stop fitting (scan rows' ``forecast``).
 
     Raises:
         InputError: a bad line (names file:line); a torn last line is ignored.
@@ -169,6 +188,7 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
         seed = rows[0].get("seed")
     series: dict[str, list[Sample]] = {}
     markers: list[Marker] = []
+    last_forecast: dict[str, Marker] = {}
     for row in rows:
         if row.get("seed") != seed:
             continue
@@ -178,5 +198,8 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
                                                   row.get("frag_ratio")))
         elif row["kind"] in ("compaction", "oom"):
             markers.append(Marker(policy, row["step"], row["kind"], row["largest_free"]))
+        if row["kind"] == "scan" and (row.get("forecast") or {}).get("step") is not None:
+            last_forecast[policy] = forecast_marker(policy, row["forecast"])
+    markers += last_forecast.values()
     return plot_timeline(series, out_png, markers=markers,
                          title=f"{title} (seed {seed}; samples at scans and before watched requests)")

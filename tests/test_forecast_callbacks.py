@@ -153,3 +153,41 @@ def test_compact_policy_compacts_on_the_forecast_and_survives():
     assert margin.compactions != comp.compactions
     with pytest.raises(ValueError, match="compact_trigger"):
         SimConfig(compact_trigger="sometimes")
+
+
+def test_report_draws_the_latest_forecast_on_the_timeline(tmp_path, monkeypatch):
+    from ms_memopt import plots, report
+
+    scanner = Scanner([_Shrinking()], log=ScanLog(tmp_path / "run" / "rank_0" / "scan.jsonl"), every=1,
+                      watch={"bucket": 10 * MiB}, frag_warn=None)
+    for step in range(1, 21):
+        scanner.step(step)
+    scanner.close()
+    seen = {}
+    draw = plots.plot_timeline
+
+    def capture(series, path, *, markers=(), title=""):
+        seen["markers"] = list(markers)
+        return draw(series, path, markers=markers, title=title)     # drawn for real
+
+    monkeypatch.setattr(report, "plot_timeline", capture)
+    png = report.plot_scan_timeline(report._scan_logs(tmp_path / "run"), tmp_path / "timeline.png")
+    assert png.stat().st_size > 0
+    forecasts = [m for m in seen["markers"] if m.kind == "forecast"]
+    assert len(forecasts) == 1
+    m = forecasts[0]
+    assert (m.series, m.step, m.largest_free) == ("rank 0", 26, 10 * MiB)
+    assert m.low <= 26 <= m.high
+
+    # a simulation timeline: the last forecast of each policy, an open-ended interval allowed
+    spec = _declining_spec()
+    cfg = SimConfig(steps=240, capacity=120 * MiB, allocator="mindspore", allocator_options={"pregrow": True},
+                    scan_every=10, compact_every=None, watch={"allreduce": 12 * MiB})
+    with open(tmp_path / "timeline.jsonl", "w") as out:
+        simulate_policy(spec, "baseline", cfg, seed=0, timeline=out)
+    monkeypatch.setattr(plots, "plot_timeline", capture)
+    plots.plot_fragmentation_timeline(tmp_path / "timeline.jsonl", tmp_path / "sim.png")
+    forecasts = [m for m in seen["markers"] if m.kind == "forecast"]
+    assert len(forecasts) == 1 and forecasts[0].series == "baseline"
+    draw({"a": [(1, 2 * MiB, MiB, 1.0)]}, tmp_path / "open.png",
+                        markers=[plots.Marker("a", 5, "forecast", MiB, low=3, high=None)])
