@@ -373,7 +373,7 @@ class _Run:
             if action == "alloc":
                 tag = event.tag
                 if tag in watch:
-                    extra = {"tag": tag}
+                    extra = {"tag": tag, "size": event.size}
                     if region_metrics is not None:
                         extra["region_frag"] = _note_regions(result, region_metrics())
                     lf = model.largest_free()

@@ -488,14 +488,15 @@ def iter_events(spec: WorkloadSpec, steps: int, seed: int = 0) -> Iterator[Event
         yield from gen.step(step)
 
 
-def spec_from_recipe(recipe, *, stage: int = 0) -> WorkloadSpec:
+def spec_from_recipe(recipe, *, stage: int = 0, plan=None) -> WorkloadSpec:
     """The :class:`WorkloadSpec` of one pipeline stage of a recipe (default: the first, which
-    holds the most micro-batches in flight), sizes from :mod:`ms_memopt.estimate`."""
+    holds the most micro-batches in flight), sizes from :mod:`ms_memopt.estimate` (``plan``:
+    the recipe's :func:`~ms_memopt.estimate.estimate`, when the caller has it already)."""
     from . import estimate as est
 
     model, par, mem = recipe.model, recipe.parallel, recipe.memopt
     w = mem.workload
-    stage_est = est.estimate(recipe).stages[stage]
+    stage_est = (plan or est.estimate(recipe)).stages[stage]
     regions = stage_est.regions
     layers = stage_est.layers
     shape = dict(seq=model.seq_length, micro_batch=recipe.train.batch_size,

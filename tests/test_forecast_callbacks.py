@@ -166,9 +166,9 @@ def test_report_draws_the_latest_forecast_on_the_timeline(tmp_path, monkeypatch)
     seen = {}
     draw = plots.plot_timeline
 
-    def capture(series, path, *, markers=(), title=""):
+    def capture(series, path, *, markers=(), **kw):
         seen["markers"] = list(markers)
-        return draw(series, path, markers=markers, title=title)     # drawn for real
+        return draw(series, path, markers=markers, **kw)     # drawn for real
 
     monkeypatch.setattr(report, "plot_timeline", capture)
     png = report.plot_scan_timeline(report._scan_logs(tmp_path / "run"), tmp_path / "timeline.png")
