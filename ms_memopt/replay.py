@@ -32,7 +32,7 @@ from .events import Trace
 from .layout import DEVICE_ADDRESS_LIMIT, Layout
 from .metrics import LayoutMetrics, measure
 
-__all__ = ["ReplayResult", "replay", "check_bounds", "DEVICE_ADDRESS_LIMIT"]
+__all__ = ["ReplayResult", "replay", "same_layout", "check_bounds", "DEVICE_ADDRESS_LIMIT"]
 
 #: every size and address of a replayed trace ends below this (bytes)
 
@@ -58,6 +58,9 @@ class ReplayResult:
     events_per_s: float
     samples: int
     final_layout: Layout = field(repr=False, default_factory=Layout)
+    #: True when the model ends with the recorded blocks and live buffers, address for address
+    #: (``None``: the trace recorded no final state)
+    final_layout_match: bool | None = None
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "final_layout"}
@@ -191,4 +194,21 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
         events_per_s=len(events) / model_seconds if model_seconds > 0 else float("inf"),
         samples=samples,
         final_layout=final_layout,
+        final_layout_match=None if trace.final is None else same_layout(final_layout, trace.final),
     )
+
+
+def same_layout(replayed: Layout, recorded: Layout) -> bool:
+    """True when both have the same segments (address, size) and the same live blocks
+    (address, size); free ranges follow from those, since pools merge idle neighbours.
+
+    Example:
+        >>> from ms_memopt.layout import Block, Segment
+        >>> a = Layout([Segment(0, 1024, [Block(0, 512, True), Block(512, 512, False)])])
+        >>> same_layout(a, a), same_layout(a, Layout([Segment(0, 1024, [Block(0, 1024, False)])]))
+        (True, False)
+    """
+    def shape(layout: Layout) -> tuple[list, list]:
+        return (sorted((s.addr, s.size) for s in layout.segments),
+                sorted((b.addr, b.size) for b in layout.live_blocks()))
+    return shape(replayed) == shape(recorded)

@@ -2,6 +2,8 @@
 
 ==================  ==========================================================================
 ``mindspore``        MindSpore's dynamic memory pool (best fit, blocks grown by doubling)
+``mindspore-bestfit`` MindSpore's older pool ``DynamicMemPoolBestFit`` (the CPU pool): same
+                     rules, equal sizes taken in the order they became idle
 ``mindspore-vmm``    MindSpore's VMM pool (virtual range, 2 MB physical chunks on demand)
 ``torch``            PyTorch's CUDA caching allocator (torch_npu's NPUCachingAllocator)
 ``torch-expandable`` PyTorch with ``expandable_segments:True``
@@ -24,6 +26,7 @@ __all__ = ["AllocatorModel", "OOMRecord", "MODELS", "create"]
 # name -> (module, class); imported on first use so one model's cost is not every model's
 MODELS: dict[str, tuple[str, str]] = {
     "mindspore": ("ms_memopt.allocators.mindspore", "MindSporePool"),
+    "mindspore-bestfit": ("ms_memopt.allocators.mindspore", "MindSporeBestFitPool"),
     "mindspore-vmm": ("ms_memopt.allocators.mindspore_vmm", "MindSporeVMMPool"),
     "torch": ("ms_memopt.allocators.torch", "TorchCachingAllocator"),
     "torch-expandable": ("ms_memopt.allocators.torch_expandable", "TorchExpandableAllocator"),
