@@ -37,7 +37,7 @@ __all__ = [
     "korthikanti_layer_activation_bytes", "layer_activation_bytes", "layer_input_bytes",
     "layer_params", "attention_params", "expert_params", "embedding_params", "output_layer_params",
     "model_params", "stage_params", "stage_param_split", "StageParams", "in_flight_chunks", "logits_bytes",
-    "routed_tokens", "alltoall_bytes",
+    "routed_tokens", "alltoall_bytes", "routed_activation_bytes", "stage_moe_layers",
     "in_flight_micro_batches", "stage_activation_bytes", "recompute_group_bytes", "communication_bytes",
     "FUSION_BUCKET",
 ]
@@ -326,7 +326,7 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, micro_batch: int, te
     moe = model.moe
     if moe_layer and moe is not None:
         inside += gate * c * moe.shared_ffn
-        outside += moe.top_k * c * (2 * h + 4 * moe.expert_ffn) + 8 * moe.num_experts
+        outside += _routed_per_token(model)
     else:
         inside += gate * c * model.intermediate_size
     if model.use_flash_attention:
@@ -337,6 +337,41 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, micro_batch: int, te
     if comm_kept and sequence_parallel:
         per_token += 2 * c * h * (1 - 1 / t)
     return int(round(per_token * s * b))
+
+
+def _routed_per_token(model: ModelConfig) -> int:
+    """Routed bytes one token keeps in a MoE layer: ``top_k`` copies of the dispatched input and
+    of the expert output (h each) and the expert's four ``expert_ffn``-wide tensors, plus the FP32
+    router logits and probabilities (8 bytes per expert)."""
+    moe, c = model.moe, DTYPE_BYTES[model.compute_dtype]
+    return moe.top_k * c * (2 * model.hidden_size + 4 * moe.expert_ffn) + 8 * moe.num_experts
+
+
+def routed_activation_bytes(recipe: Recipe) -> int:
+    """The routed part of one MoE layer's activations for one micro-batch at the balanced load
+    (included in :func:`layer_activation_bytes` with ``moe_layer``); 0 for a dense model."""
+    model, par = recipe.model, recipe.parallel
+    if model.moe is None:
+        return 0
+    tokens = model.seq_length * recipe.train.batch_size
+    if par.use_seq_parallel:
+        tokens /= par.model_parallel
+    return int(round(tokens * _routed_per_token(model)))
+
+
+def stage_moe_layers(recipe: Recipe, stage: int) -> tuple[int, ...]:
+    """Indices (0-based, in execution order: chunk after chunk) of the stage's MoE layers."""
+    model = recipe.model
+    if model.moe is None:
+        return ()
+    out, local = [], 0
+    for c, row in enumerate(recipe.chunk_layers()):
+        first = recipe.chunk_first_layer(stage, c)
+        for j in range(row[stage]):
+            if _is_moe_layer(model, first + j):
+                out.append(local)
+            local += 1
+    return tuple(out)
 
 
 def in_flight_micro_batches(stage: int, pipeline_stages: int, micro_batches: int) -> int:

@@ -44,7 +44,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "n_kv_heads": ("n_kv_heads", "num_key_value_heads", "multi_query_group_num", "kv_heads",
                    "num_query_groups"),
     "head_dim": ("head_dim", "kv_channels"),
-    "seq_length": ("seq_length", "max_position_embeddings", "max_position_embedding", "n_positions"),
+    "seq_length": ("seq_length",),
     "vocab_size": ("vocab_size", "padded_vocab_size"),
     "intermediate_size": ("intermediate_size", "ffn_hidden_size"),
     "param_init_type": ("param_init_type", "params_dtype"),
@@ -221,8 +221,29 @@ def model_mapping(data: dict, *, source: str) -> tuple[dict, list[str]]:
                      f"(give the shape keys or a config.json for the real model)")
     if mtype is not None:
         merged = _underlay(merged, MODEL_TYPE_DEFAULTS[mtype])
+    if merged.get("seq_length") is None:
+        # MindFormers trains at the dataset's length; the position table's size is only the
+        # model's limit, used when nothing else says
+        dataset = _dataset_seq_length(data)
+        fallback = next((merged[k] for k in ("max_position_embeddings", "max_position_embedding", "n_positions")
+                         if merged.get(k) is not None), None)
+        if dataset is not None or fallback is not None:
+            merged["seq_length"] = dataset if dataset is not None else fallback
     merged["__base__"] = base
     return merged, notes
+
+
+def _dataset_seq_length(data: dict) -> Any:
+    """``train_dataset.data_loader.config.seq_length`` (2.x) or ``train_dataset.seq_length``."""
+    dataset = data.get("train_dataset")
+    if not isinstance(dataset, dict):
+        return None
+    for loader_key in ("data_loader", "dataloader"):
+        loader = dataset.get(loader_key)
+        if isinstance(loader, dict) and isinstance(loader.get("config"), dict):
+            if loader["config"].get("seq_length") is not None:
+                return loader["config"]["seq_length"]
+    return dataset.get("seq_length")
 
 
 def parallel_mapping(data: dict) -> tuple[dict, dict, str]:

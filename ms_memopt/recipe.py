@@ -259,6 +259,7 @@ class WorkloadConfig:
     shape_cache: ShapeCacheConfig = field(default_factory=ShapeCacheConfig)
     extra_allocs: ExtraAllocsConfig = field(default_factory=ExtraAllocsConfig)
     comm_jitter: float = 0.0
+    moe_load_cv: float | None = None    # MoE routing load variation; None: 0.2 for MoE models
 
 
 @dataclass(frozen=True)
@@ -799,7 +800,8 @@ _COMM_KEYS = {"allreduce_bucket", "reduce_scatter_bucket", "allgather_bucket", "
 _ALLOCATOR_KEYS = {"name", "increase_size", "pregrow", "init_size", "align"}
 _ALLOCATOR_NAMES = ("mindspore", "mindspore_vmm", "torch", "torch_expandable", "pool")
 _WORKLOAD_KEYS = {"enabled", "seed", "steps", "dynamic_seq", "seq_distribution", "seq_min", "seq_max",
-                  "seq_buckets", "seq_align", "long_tail", "shape_cache", "extra_allocs", "comm_jitter"}
+                  "seq_buckets", "seq_align", "long_tail", "shape_cache", "extra_allocs", "comm_jitter",
+                  "moe_load_cv"}
 _SHAPE_CACHE_KEYS = {"bytes_per_shape", "max_shapes"}
 _EXTRA_KEYS = {"probability", "size", "lifetime_steps"}
 _TRAIN_KEYS = {"steps", "learning_rate", "batch_size", "seed", "dataset", "device", "checkpoint_every_steps"}
@@ -926,6 +928,7 @@ def _read_workload(r: _Reader, w: dict, train: TrainConfig, model: ModelConfig) 
             size=r.get(ea, "size", f"{p}.extra_allocs.size", r.size(), 64 * 2**20),
             lifetime_steps=r.get(ea, "lifetime_steps", f"{p}.extra_allocs.lifetime_steps", pos, 1)),
         comm_jitter=r.get(w, "comm_jitter", f"{p}.comm_jitter", fraction, 0.0),
+        moe_load_cv=r.get(w, "moe_load_cv", f"{p}.moe_load_cv", r.number(minimum=0, maximum=10), None),
     )
     if workload.seq_max > model.seq_length:
         raise r.fail(f"{p}.seq_max", workload.seq_max,
@@ -976,6 +979,11 @@ def _check_consistency(r: _Reader, recipe: Recipe) -> Recipe:
         if min(min(row) for row in recipe.chunk_layers()) < 0 or min(recipe.stage_layers()) < 1:
             raise r.fail("model.model_config.offset", shown,
                          "offsets that leave no chunk negative and at least one layer on every stage")
+    elif model.num_layers % (pp * model.pp_interleave_num) and pp * model.pp_interleave_num > 1:
+        remainder = model.num_layers % (pp * model.pp_interleave_num)
+        recipe = dataclasses.replace(recipe, notes=recipe.notes + (
+            f"no offset: MindFormers asks for offsets summing to num_layers % (stages x chunks) = {remainder}; "
+            f"planned with one more layer on each of the last {remainder} (virtual) stages",))
     moe = model.moe
     if moe is not None:
         ep = par.expert_parallel

@@ -34,7 +34,8 @@ from .errors import InputError
 from .layout import DEVICE_ADDRESS_LIMIT, Block, Layout, Segment
 from .jsontext import read_json_lines
 from .metrics import measure
-from .plots import Marker, plot_fragmentation_timeline, plot_timeline, pyplot, save_figure, size_unit
+from .plots import (Marker, forecast_marker, plot_fragmentation_timeline, plot_timeline, pyplot, save_figure,
+                    size_unit)
 from .units import format_size
 
 __all__ = ["LayoutSnapshot", "layout_to_dict", "layout_from_dict", "read_layouts", "write_layouts",
@@ -320,7 +321,8 @@ def _scan_logs(directory: Path) -> dict[int, list[dict]]:
 def plot_scan_timeline(scans: dict[int, list[dict]], path: str | Path, *,
                        title: str = "Layout scans") -> Path:
     """``free_total``, ``largest_free`` and ``frag_ratio`` against the step from scan logs, one line
-    per rank, compactions and predicted OOMs (a watched request that would not fit) marked; drawn
+    per rank, compactions, predicted OOMs (a watched request that would not fit) and the latest
+    forecast of when a watched request stops fitting (docs/forecast.md) marked; drawn
     by :func:`ms_memopt.plots.plot_timeline`, the figure simulations use too."""
     series: dict[str, list] = {}
     markers: list[Marker] = []
@@ -338,6 +340,11 @@ def plot_scan_timeline(scans: dict[int, list[dict]], path: str | Path, *,
             for name, check in (l.get("watch") or {}).items():
                 if isinstance(check, dict) and isinstance(check.get("size"), int):
                     requests[name] = check["size"]
+        forecasts = [w["forecast"] for w in (scanned[-1].get("watch") or {}).values()
+                     if isinstance(w, dict) and isinstance(w.get("forecast"), dict)
+                     and w["forecast"].get("step") is not None] if scanned else []
+        if forecasts:       # the latest scan's soonest forecast
+            markers.append(forecast_marker(label, min(forecasts, key=lambda f: f["step"])))
     return plot_timeline(series, path, markers=markers, title=title, requests=requests)
 
 

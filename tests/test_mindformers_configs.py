@@ -280,3 +280,41 @@ def test_simulate_accepts_a_moe_config(tmp_path, capsys):
             "context": {"max_device_memory": "1GB"},
             "memopt": {"workspace": "8MiB", "workload": {"steps": 3}}}
     assert main(["simulate", str(_write(tmp_path, data)), "--steps", "3", "--json"]) == 0
+
+
+# --- simulate: MoE routing, a dynamic-shape source ------------------------------------------
+
+def _moe_recipe(**workload):
+    return _recipe(_mc(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1),
+                   parallel_config={"data_parallel": 4, "expert_parallel": 4},
+                   memopt={"workload": workload})
+
+
+def _alltoall_sizes(recipe, steps: int, seed: int = 1, tags=("alltoall", "expert_activation")):
+    from ms_memopt.workload import StepWorkload, spec_from_recipe
+    gen = StepWorkload(spec_from_recipe(recipe), seed=seed)
+    gen.prologue()
+    return [[e.size for e in gen.step(i) if e.action == "alloc" and e.tag in tags] for i in range(1, steps + 1)]
+
+
+def test_moe_buffers_vary_step_to_step_around_the_balanced_load():
+    from ms_memopt.estimate import alltoall_bytes
+    from ms_memopt.workload import spec_from_recipe
+    r = _moe_recipe()
+    spec = spec_from_recipe(r)
+    assert spec.moe_layers == (1, 2, 3) and spec.moe_local_experts == 4 and spec.moe_load_cv == 0.2
+    assert spec.alltoall_bytes == alltoall_bytes(r)
+    sizes = _alltoall_sizes(r, 60)
+    assert len({tuple(s) for s in sizes}) == 60                       # every step differs
+    buffers = [x for s in _alltoall_sizes(r, 60, tags=("alltoall",)) for x in s]
+    mean = sum(buffers) / len(buffers)
+    assert mean == pytest.approx(spec.alltoall_bytes / 2, rel=0.05)   # the plan's figure is the mean
+    assert _alltoall_sizes(r, 5) == _alltoall_sizes(r, 5)             # a seed fixes the stream
+    steady = _alltoall_sizes(_moe_recipe(moe_load_cv=0), 5)
+    assert len({tuple(s) for s in steady}) == 1                       # balanced: every step the same
+
+
+def test_dense_recipes_get_no_moe_events():
+    from ms_memopt.workload import spec_from_recipe
+    spec = spec_from_recipe(_recipe(_mc()))
+    assert spec.moe_layers == () and _alltoall_sizes(_recipe(_mc()), 2) == [[], []]
