@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -44,6 +45,8 @@ from .units import format_size, parse_size
 __all__ = ["ScanRecord", "Reading", "Source", "LayoutSource", "ScanLog", "Scanner",
            "parse_watch", "check_watch", "read_scan_log", "forecast_fields", "SCAN_LOG_NAME"]
 
+#: set by ``ms-memopt record``: each scanned run's step ends are printed for the recording
+_RECORDING = bool(os.environ.get("MS_MEMOPT_RECORD"))
 logger = logging.getLogger("ms_memopt.scan")
 
 SCAN_LOG_NAME = "scan.jsonl"
@@ -345,6 +348,8 @@ class Scanner:
 
         Never raises for a failing source: the failure is logged once and the source skipped.
         """
+        if _RECORDING:   # under `ms-memopt record`: a step event in the recorded pool log
+            print(f"ms-memopt step {step}", file=sys.stderr, flush=True)
         try:
             if not force and not self.due(step):
                 return None
