@@ -139,17 +139,32 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
             on_sample(index, m)
 
     malloc, free = model.malloc, model.free
+    # a model with a compiled fast path (ms_memopt.allocators.fast) runs stretches of allocs and
+    # frees in one call; the other events, and every event of the other models, run here
+    batch = getattr(model, "_run", None)
+    index, count = 0, len(events)
     chunk_start = time.perf_counter()
-    for index, event in enumerate(events):
+    while index < count:
+        if batch is not None:
+            stop = count if not sample_every else min(count, index - index % sample_every + sample_every)
+            index, batch_allocs, batch_known, batch_matched, oom = batch(events, index, stop, address_of, None, True)
+            allocs += batch_allocs
+            known += batch_known
+            matched += batch_matched
+            if not oom and index == stop:
+                if sample_every and stop % sample_every == 0:
+                    model_seconds += time.perf_counter() - chunk_start
+                    sample(stop - 1)
+                    chunk_start = time.perf_counter()
+                continue
+        event = events[index]
         action = event.action
-        if action == "alloc":
+        if batch is not None and action == "alloc":
+            pass                      # the fast path served it and recorded an OOM
+        elif action == "alloc":
             allocs += 1
             addr = malloc(event.size, stream=event.stream, pool=event.pool, tag=event.tag)
-            if addr is None:
-                if len(model.ooms) > oom_seen:
-                    model.ooms[-1].event_index = index
-                    oom_seen = len(model.ooms)
-            else:
+            if addr is not None:
                 address_of[event.id] = addr
                 if event.addr is not None:
                     known += 1
@@ -166,10 +181,14 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
             model.empty_cache()
         elif action == "mark":
             model.note_mark(event.tag, event.size)
+        if len(model.ooms) > oom_seen:
+            model.ooms[-1].event_index = index
+            oom_seen = len(model.ooms)
         if sample_every and (index % sample_every == sample_every - 1 or action == "step"):
             model_seconds += time.perf_counter() - chunk_start
             sample(index)
             chunk_start = time.perf_counter()
+        index += 1
     model_seconds += time.perf_counter() - chunk_start
 
     final_layout = model.layout()
