@@ -154,3 +154,22 @@ def test_fast_model_errors_match_the_reference():
         with pytest.raises(ValueError) as quick:
             create("mindspore", fast=True, **options)
         assert str(quick.value) == str(ref.value)
+
+
+@pytest.mark.parametrize("allocator,options", [("mindspore", {"pregrow": True}), ("mindspore", {}),
+                                               ("mindspore-bestfit", {"increase_size": 16 * MiB})])
+def test_simulate_gives_identical_results(allocator, options):
+    """The simulator's batch loop (stops at marks, watched requests and the OOM) and a
+    compaction's restore, fast path against reference, all three policies."""
+    from ms_memopt.simulate import POLICIES, simulate
+    from test_simulate import small_cfg, small_spec
+
+    results = []
+    for use_fast in (False, True):
+        cfg = small_cfg(allocator=allocator, allocator_options=dict(options, fast=use_fast), steps=40)
+        out = simulate(small_spec(), cfg, policies=POLICIES, seeds=[0, 1])
+        results.append({p: [{k: v for k, v in r.to_dict().items() if k != "seconds"} for r in s.seeds]
+                        for p, s in out.items()})
+    assert results[1] == results[0]
+    assert any(r["oom_step"] for runs in results[0].values() for r in runs) or \
+        any(r["compactions"] for runs in results[0].values() for r in runs)
