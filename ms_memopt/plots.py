@@ -282,3 +282,48 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
             markers.append(Marker(policy, row["step"], "oom", row["largest_free"]))
     return plot_timeline(series, out_png, markers=markers, requests=requests,
                          title=f"{title} (seed {seed}; samples at scans and before watched requests)")
+
+
+def plot_sweep(rows: list[dict], keys: list[str], path: str | Path, *, title: str = "Sweep") -> Path:
+    """The job OOM step per policy over a sweep's grid (:func:`ms_memopt.sweep.sweep_rows`):
+    one group of bars per grid point, one bar per policy; a job that survives every step is a
+    hatched bar to the last simulated step, marked "no OOM"; step 0 ("cannot start") is a
+    pool-mode plan larger than the card.
+
+    Example:
+        >>> rows = [{"hbm": "64GB", "policy": "baseline", "job_oom_step": 120, "steps": 500},
+        ...         {"hbm": "64GB", "policy": "pool", "job_oom_step": None, "steps": 500}]
+        >>> plot_sweep(rows, ["hbm"], "/tmp/sweep.png").name                     # doctest: +SKIP
+        'sweep.png'
+    """
+    plt = pyplot()
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    points = list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
+    by = {(tuple(r[k] for k in keys), r["policy"]): r for r in rows}
+    width = 0.8 / max(1, len(policies))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(points) * max(1, len(policies)) ** 0.5 + 2), 4.2))
+    for i, policy in enumerate(policies):
+        color = f"C{i}"
+        for j, point in enumerate(points):
+            row = by.get((point, policy))
+            if row is None:
+                continue
+            x = j + (i - (len(policies) - 1) / 2) * width
+            dead = row["job_oom_step"] is not None
+            height = row["job_oom_step"] if dead else row["steps"]
+            ax.bar(x, height, width * 0.9, color=color if dead else "none", edgecolor=color,
+                   hatch=None if dead else "//", label=policy if j == 0 else None)
+            note = ("cannot start" if height == 0 else str(height)) if dead else "no OOM"
+            ax.annotate(note, (x, height), ha="center", va="bottom",
+                        fontsize=7, rotation=90 if len(points) * len(policies) > 12 else 0)
+    ax.set_xticks(range(len(points)))
+    ax.set_xticklabels(["\n".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, point)) for point in points],
+                       fontsize=8)
+    ax.set_ylabel("job OOM step (first rank)")
+    steps = max((r["steps"] for r in rows), default=1)
+    ax.set_ylim(0, steps * 1.15)
+    ax.axhline(steps, color="grey", lw=0.6, ls=":")
+    ax.set_title(f"{title}\n(hatched: every rank survived {steps} steps)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return save_figure(fig, path)

@@ -369,6 +369,24 @@ def _pick(items: list, n: int) -> list:
     return [items[i] for i in idx]
 
 
+def _nothing_fragmented(scans: dict[int, list[dict]]) -> str | None:
+    """A plain sentence when no rank's scans ever changed (so the flat timeline is not mistaken
+    for a broken one), else ``None``."""
+    readings = {(l.get("free_total"), l.get("largest_free")) for ls in scans.values() for l in ls
+                if l.get("kind", "scan") == "scan" and l.get("free_total") is not None}
+    if len(readings) != 1:
+        return None
+    free_total, largest = readings.pop()
+    count = sum(1 for ls in scans.values() for l in ls if l.get("kind", "scan") == "scan")
+    if count < 2:
+        return None
+    return (f"**Nothing fragmented in this run:** all {count} scans saw the same pool ({format_size(free_total)} "
+            f"free, largest hole {format_size(largest)}). The workload requested the same sizes in the same "
+            f"order every step, so each step's frees left exactly the holes the next step filled again; "
+            f"fragmentation needs sizes or lifetimes that change from step to step (varying sequence "
+            f"lengths, dynamic shapes, buffers that outlive a step).")
+
+
 def build_report(directory: str | Path, *, title: str | None = None, plan: dict | None = None,
                  memory_map_title: str | None = None) -> Path:
     """Write ``report.md`` and its figures into ``directory`` from the logs found there.
@@ -436,6 +454,9 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
         sources = {line["extra"]["source_description"] for ls in scans.values() for line in ls
                    if isinstance(line.get("extra"), dict) and line["extra"].get("source_description")}
         lines += ["", *(f"Scan source: {text}." for text in sorted(sources))]
+        still = _nothing_fragmented(scans)
+        if still:
+            lines += ["", still]
         compactions = [(r, line) for r, ls in scans.items() for line in ls if line.get("kind") == "compaction"]
         if compactions:
             lines += ["", f"Compactions: {len(compactions)} (" + ", ".join(

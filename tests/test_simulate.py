@@ -234,18 +234,19 @@ def test_cli_json_out_and_plot(tmp_path, capsys):
         pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
     from ms_memopt.cli import main
 
-    code = main(["simulate", str(RECIPE), "--steps", "3", "--policy", "baseline,pool",
+    # one rank stream of the job (tests/test_job.py covers the job figures)
+    code = main(["simulate", str(RECIPE), "--steps", "3", "--policy", "baseline,pool", "--ranks", "1",
                  "--seeds", "2", "--out", str(tmp_path), "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     for policy in ("baseline", "pool"):
         p = out["policies"][policy]
-        assert len(p["seeds"]) == 2 and "median_oom_step" in p
+        assert len(p["seeds"]) == 2 and "median_job_oom_step" in p
         for key in ("oom_step", "frag_ratio_max", "largest_free_min", "compactions",
                     "frag_before_compaction", "frag_after_compaction", "bytes_moved", "oom_kind",
                     "free_total_at_oom", "frag_at_oom"):
-            assert key in p["seeds"][0]
-    assert "region_frag_max" in out["policies"]["pool"]["seeds"][0]
+            assert key in p["seeds"][0]["first_rank"]
+    assert "region_frag_max" in out["policies"]["pool"]["seeds"][0]["first_rank"]
     assert (tmp_path / "timeline.jsonl").stat().st_size > 0
     assert (tmp_path / "fragmentation.png").stat().st_size > 0
 
