@@ -49,11 +49,11 @@ _ops = st.lists(st.one_of(
     st.tuples(st.just("empty_cache")),
     st.tuples(st.just("note_segment_alloc"), st.integers(0, 40).map(lambda k: (1 << 32) + k * 8 * MiB)),
     st.tuples(st.just("release_segment"), st.integers(0, 40).map(lambda k: (1 << 32) + k * 8 * MiB)),
-), max_size=300)
+), max_size=200)
 
 
 @pytest.mark.parametrize("name,options", CONFIGS)
-@settings(max_examples=40)
+@settings(max_examples=20)
 @given(ops=_ops)
 def test_random_calls_give_identical_addresses(name, options, ops):
     ref, quick = create(name, fast=False, **options), create(name, fast=True, **options)
@@ -83,19 +83,20 @@ def test_random_calls_give_identical_addresses(name, options, ops):
 def _same_replay(trace: Trace, name: str, options: dict, sample_every: int | None = 0) -> None:
     results = [replay(trace, create(name, fast=f, **options), sample_every=sample_every) for f in (False, True)]
     ref, quick = (r.to_dict() for r in results)
-    ref.pop("events_per_s"), quick.pop("events_per_s")
+    for speed in ("events_per_s", "cpu_events_per_s"):
+        ref.pop(speed), quick.pop(speed)
     assert quick == ref
     assert results[1].final_layout == results[0].final_layout
 
 
 @pytest.mark.parametrize("name,options", CONFIGS)
-@settings(max_examples=25)
+@settings(max_examples=12)
 @given(data=st.data())
 def test_random_traces_replay_identically(name, options, data):
     """Random event streams through the replay engine (the fast path's batch loop, its stops
     at other events and at sample boundaries)."""
     events, live, next_id = [], [], 0
-    for _ in range(data.draw(st.integers(0, 400))):
+    for _ in range(data.draw(st.integers(0, 300))):
         kind = data.draw(st.sampled_from(["alloc", "alloc", "free", "free", "mark", "step", "segment_alloc",
                                           "empty_cache", "free_unknown"]))
         if kind == "alloc":
