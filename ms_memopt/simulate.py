@@ -349,7 +349,21 @@ class _Run:
         tag_of = self.tag_of if on_watch is not None else None
         note_mark = model.note_mark
         malloc, free = model.malloc, model.free
-        for event in batch:
+        # a model with a compiled fast path serves the stretches of allocs and frees between
+        # marks and watched requests in one call; nothing per event to record then
+        fast = record is None and tag_of is None
+        fast_run = getattr(model, "_run", None) if fast else None
+        index, count = 0, len(batch)
+        while index < count:
+            if fast_run is not None:
+                index, _, _, _, oom = fast_run(batch, index, count, addr_of, watch, False)
+                if oom:
+                    self._fail(batch[index], step)
+                    break
+                if index == count:
+                    break
+            event = batch[index]
+            index += 1
             action = event.action
             if action == "alloc":
                 tag = event.tag
@@ -415,6 +429,7 @@ class _Run:
                         model, before, after, moves = _compact(model, addr_of, cfg)
                         self.model = model
                         malloc, free = model.malloc, model.free
+                        fast_run = getattr(model, "_run", None) if fast else None
                         if record is not None:
                             _record_moves(record, moves, step)
                         _note_compaction(result, track, step, before, after, sum(m.size for m in moves),
