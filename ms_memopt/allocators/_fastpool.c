@@ -1033,6 +1033,11 @@ static PyMemberDef Core_members[] = {
     {NULL}
 };
 
+static PyGetSetDef Core_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL}
+};
+
 static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "ms_memopt.allocators._fastpool.ModelCore",
@@ -1046,6 +1051,7 @@ static PyTypeObject CoreType = {
     .tp_clear = (inquiry)Core_clear,
     .tp_methods = Core_methods,
     .tp_members = Core_members,
+    .tp_getset = Core_getset,
     .tp_dictoffset = offsetof(Core, dict),
 };
 

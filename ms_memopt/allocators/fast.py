@@ -31,7 +31,7 @@ from .base import AllocatorModel
 from .mindspore import check_options, initial_block, restore_pieces
 from .torch import check_divisions, is_small_segment, merged_blocks
 
-__all__ = ["AVAILABLE", "FAST_MODELS", "FastMindSporePool", "FastMindSporeBestFitPool", "FastTorchCachingAllocator"]
+__all__ = ["AVAILABLE", "FAST_MODELS", "batch_runner", "FastMindSporePool", "FastMindSporeBestFitPool", "FastTorchCachingAllocator"]
 
 try:
     from ._fastpool import ModelCore
@@ -44,6 +44,19 @@ AVAILABLE = ModelCore is not None and not os.environ.get("MS_MEMOPT_PURE_PYTHON"
 #: model name -> fast class (what :func:`~ms_memopt.allocators.create` uses when AVAILABLE and
 #: the class ``supports`` the options)
 FAST_MODELS: dict[str, type] = {}
+
+
+
+def batch_runner(model: AllocatorModel):
+    """The model's ``_run`` (a stretch of allocs and frees in one call, see ``_fastpool.c``),
+    or ``None``: not a compiled model, or one whose ``malloc``/``free`` a caller has wrapped on
+    the instance (the wrapper must see every call)."""
+    run = getattr(model, "_run", None)
+    if run is None:
+        return None
+    patched = getattr(model, "__dict__", {})
+    return None if "malloc" in patched or "free" in patched else run
+
 
 if ModelCore is not None:
 
