@@ -302,31 +302,12 @@ def _make_model(policy: str, spec: WorkloadSpec, cfg: SimConfig) -> AllocatorMod
 
 
 def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig) -> tuple[AllocatorModel, Layout, Layout, list]:
-    """Compact the model's layout with :func:`~ms_memopt.compaction.plan_compaction` (every
-    live block slid to the lowest addresses of its segment; segments stay, so in a pool grown
-    in blocks no hole can outgrow its block) and restart a fresh model from the result.
+    """:func:`~ms_memopt.compaction.model.compact_model` with a fresh model of ``cfg``'s allocator
+    (no pre-grown blocks: the compacted layout brings its own)."""
+    from .compaction.model import compact_model
 
-    Returns the new model, the layouts before and after, and the moves; ``addr_of``
-    (tensor id -> address) is updated in place.
-    """
-    from .compaction import plan_compaction
-
-    before = model.layout()
-    id_at = {addr: tid for tid, addr in addr_of.items()}
-    for block in before.live_blocks():
-        block.id = id_at.get(block.addr, block.id)
-    plan = plan_compaction(before)
-    after = plan.layout
-    fresh = create(cfg.allocator, cfg.capacity, **{k: v for k, v in cfg.allocator_options.items()
-                                                   if k not in ("pregrow", "init_size")})
-    fresh.restore(after)
-    fresh.peak_allocated = max(fresh.peak_allocated, model.peak_allocated)
-    fresh.peak_reserved = max(fresh.peak_reserved, model.peak_reserved)
-    fresh.ooms = model.ooms
-    for move in plan.moves:
-        if move.block_id is not None and move.block_id in addr_of:
-            addr_of[move.block_id] = move.dst
-    return fresh, before, after, plan.moves
+    options = {k: v for k, v in cfg.allocator_options.items() if k not in ("pregrow", "init_size")}
+    return compact_model(model, addr_of, lambda: create(cfg.allocator, cfg.capacity, **options))
 
 
 class _Run:
