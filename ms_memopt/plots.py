@@ -23,13 +23,13 @@ from .errors import InputError
 from .jsontext import read_json_lines
 from .units import format_size
 
-__all__ = ["Marker", "plot_fragmentation_timeline", "plot_timeline", "pyplot", "save_figure", "size_unit"]
+__all__ = ["Marker", "forecast_marker", "plot_fragmentation_timeline", "plot_timeline", "pyplot", "save_figure", "size_unit"]
 
 #: one sample: (step, free_total bytes, largest_free bytes, frag_ratio or None when nothing is free)
 Sample = tuple[int, int, int, "float | None"]
 
 _UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
-_MARKER_KINDS = ("compaction", "oom", "predicted_oom")
+_MARKER_KINDS = ("compaction", "oom", "predicted_oom", "forecast")
 
 
 @dataclass
@@ -39,13 +39,25 @@ class Marker:
     that would not fit: red cross). ``largest_free`` (bytes) places the symbol on the middle
     panel: for a compaction the largest hole the scan saw before it, with ``largest_free_after``
     drawn as the jump it made; ``None`` puts it at the series' last sample at or before that
-    step (no symbol when there is none: never at a made-up 0)."""
+    step (no symbol when there is none: never at a made-up 0). ``"forecast"``: the step a
+    watched request of ``largest_free`` bytes is forecast to stop fitting in one piece
+    (:mod:`ms_memopt.forecast`), a triangle with the interval ``low``-``high`` as an error bar
+    (``high`` ``None``: open-ended)."""
 
     series: str
     step: int
     kind: str
     largest_free: int | None = None
     largest_free_after: int | None = None
+    low: int | None = None
+    high: int | None = None
+
+
+def forecast_marker(series: str, forecast: dict) -> Marker:
+    """The marker of a forecast as scan records and timelines carry it
+    (:func:`ms_memopt.scan.forecast_fields`)."""
+    return Marker(series, forecast["step"], "forecast", forecast.get("request"),
+                  low=forecast.get("earliest_step"), high=forecast.get("latest_step"))
 
 
 def pyplot():
@@ -216,6 +228,11 @@ def _draw_markers(axes, markers: list[Marker], series: dict[str, list[Sample]], 
                             label=f"{label}: compaction (arrow: largest hole after)")
         elif kind == "oom":
             axes[1].scatter(xs, ys, marker="x", s=80, color=color, zorder=5, label=f"{label}: OOM")
+        elif kind == "forecast":
+            lows = [m.step - (m.low if m.low is not None else m.step) for m, _ in placed]
+            highs = [(m.high if m.high is not None else m.step) - m.step for m, _ in placed]
+            axes[1].errorbar(xs, ys, xerr=[lows, highs], fmt="v", markersize=8, capsize=4, color=color,
+                             zorder=5, label=f"{label}: forecast, watched request stops fitting")
         else:
             axes[1].scatter(xs, ys, marker="x", s=70, color="red", zorder=5,
                             label=f"{label}: predicted OOM (watched request)")
@@ -253,7 +270,8 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
                                 title: str = "Fragmentation timeline") -> Path:
     """Plot a simulation's timeline JSONL (``ms-memopt simulate --out``) with :func:`plot_timeline`:
     one line per policy for one seed (default: the first seed in the file), sampled at scans and
-    before watched requests; compactions and OOMs marked.
+    before watched requests; compactions and OOMs marked, and each policy's last forecast that
+    saw the watched request stop fitting (scan rows' ``forecast``, docs/forecast.md).
 
     Raises:
         InputError: a bad line (names file:line); a torn last line is ignored.
@@ -264,9 +282,12 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
     series: dict[str, list[Sample]] = {}
     markers: list[Marker] = []
     requests: dict[str, int] = {}
+    last_forecast: dict[str, Marker] = {}
     for row in rows:
         if row.get("seed") != seed:
             continue
+        if row["kind"] == "scan" and isinstance(row.get("forecast"), dict) and row["forecast"].get("step") is not None:
+            last_forecast[row["policy"]] = forecast_marker(row["policy"], row["forecast"])
         policy = row["policy"]
         kind = row["kind"]
         if kind in ("scan", "watch"):
@@ -280,6 +301,7 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
                                   row["largest_free"]))
         elif kind == "oom":
             markers.append(Marker(policy, row["step"], "oom", row["largest_free"]))
+    markers += last_forecast.values()
     return plot_timeline(series, out_png, markers=markers, requests=requests,
                          title=f"{title} (seed {seed}; samples at scans and before watched requests)")
 
