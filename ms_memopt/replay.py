@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .allocators.base import AllocatorModel, OOMRecord
+from .allocators.fast import batch_runner
 from .errors import InputError
 from .events import Trace
 from .layout import DEVICE_ADDRESS_LIMIT, Layout
@@ -149,7 +150,7 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
     malloc, free = model.malloc, model.free
     # a model with a compiled fast path (ms_memopt.allocators.fast) runs stretches of allocs and
     # frees in one call; the other events, and every event of the other models, run here
-    batch = getattr(model, "_run", None)
+    batch = batch_runner(model)
     index, count = 0, len(events)
     chunk_start, cpu_start = time.perf_counter(), time.process_time()
     while index < count:

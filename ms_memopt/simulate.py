@@ -55,6 +55,7 @@ from typing import IO
 
 from .allocators import create
 from .allocators.base import AllocatorModel
+from .allocators.fast import batch_runner
 from .events import Event
 from .forecast import Forecast, Forecaster
 from .layout import Layout
@@ -352,7 +353,7 @@ class _Run:
         # a model with a compiled fast path serves the stretches of allocs and frees between
         # marks and watched requests in one call; nothing per event to record then
         fast = record is None and tag_of is None
-        fast_run = getattr(model, "_run", None) if fast else None
+        fast_run = batch_runner(model) if fast else None
         index, count = 0, len(batch)
         while index < count:
             if fast_run is not None:
@@ -429,7 +430,7 @@ class _Run:
                         model, before, after, moves = _compact(model, addr_of, cfg)
                         self.model = model
                         malloc, free = model.malloc, model.free
-                        fast_run = getattr(model, "_run", None) if fast else None
+                        fast_run = batch_runner(model) if fast else None
                         if record is not None:
                             _record_moves(record, moves, step)
                         _note_compaction(result, track, step, before, after, sum(m.size for m in moves),
