@@ -83,11 +83,14 @@ def _demo(args: argparse.Namespace) -> int:
         if not check.fits:
             raise InputError(f"needs {format_size(check.needed)}, {format_size(check.available)} available",
                              source=str(CPU_RECIPE))
+        from . import poolcapture
+
+        run_dir = out / "run"
+        poolcapture.start(run_dir / poolcapture.LOG_NAME)   # scans of the real CPU pool: before MindSpore
         from .mindspore.standalone import (
             run_standalone,  # MindSpore is imported only here
         )
 
-        run_dir = out / "run"
         result = run_standalone(recipe, run_dir, device="cpu", steps=args.run_steps, progress=sys.stderr.isatty())
         (run_dir / "plan.json").write_text(json.dumps(estimate(recipe).to_dict()), encoding="utf-8")
         build_report(run_dir, title=f"Training {CPU_RECIPE.name} on CPU")
