@@ -198,3 +198,20 @@ def test_a_huge_job_must_be_sampled():
         rank_streams(huge)
     sample = rank_streams(huge, ranks=16)
     assert len(set(sample)) == 16 and max(s.data_parallel for s in sample) < MAX_STREAMS
+
+
+def test_job_level_controls_and_ablation_on_the_tight_small_card():
+    """The seed study's controls and ablation hold at job level: the job dies with every
+    mechanism on, and survives with every mechanism off or with either growth mechanism off."""
+    from dataclasses import replace
+
+    def run(change):
+        job = small_job(steps=100, groups=2)
+        job.specs = {stage: change(spec) for stage, spec in job.specs.items()}
+        return simulate_jobs([job], workers=1)[0]["baseline"]
+
+    assert run(lambda s: s).job_oom_step is not None
+    off = run(lambda s: replace(s, enabled=False))
+    assert off.job_oom_step is None and len({o.result.largest_free_min for o in off.outcomes if o.stream.stage == 0}) == 1
+    assert run(lambda s: s.without("shape_cache")).job_oom_step is None
+    assert run(lambda s: s.without("dynamic_seq")).job_oom_step is None
