@@ -86,8 +86,12 @@ def test_every_yaml_in_the_package_plans_or_says_why_in_one_line(capsys):
             assert json.loads(out)["total"] > 0
 
 
-def test_deepseek_v3_671b_layout():
-    r = load_recipe(_config("deepseek3/pretrain_deepseek3_671b.yaml"))
+def test_deepseek_v3_671b_layout(capsys):
+    path = _config("deepseek3/pretrain_deepseek3_671b.yaml")
+    assert main(["plan", str(path)]) == 0
+    assert "MoE 256 experts (8 per card, expert_parallel 32), top-8, 1 shared, first 3 dense; MLA; 1 MTP layer; " \
+           "d 4 x t 8 x p 8 x 2 chunks" in capsys.readouterr().out
+    r = load_recipe(path)
     assert r.model.moe.num_experts == 256 and r.model.moe.top_k == 8 and r.model.moe.first_dense == 3
     assert r.model.mla is not None and r.model.mtp_layers == 1 and r.parallel.expert_parallel == 32
     assert r.chunk_layers() == ((4,) * 8, (4, 4, 4, 4, 4, 4, 4, 1))
