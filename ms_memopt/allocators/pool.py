@@ -89,6 +89,10 @@ class _Region:
     def largest_free(self) -> int:
         return self.free_keys[-1] >> _SHIFT if self.free_keys else 0
 
+    def size_of(self, addr: int) -> int:
+        """Bytes of the buffer at ``addr``."""
+        return self.bufs[addr][_SIZE]
+
     def take(self, size: int, ring: bool, fallback: bool = True) -> int | None:
         """Allocate ``size`` bytes: at the ring head when ``ring``, else (or when the head has
         no room and ``fallback``) best fit; the address, or ``None``."""
@@ -253,6 +257,12 @@ class PoolModeAllocator(AllocatorModel):
     """
 
     name = "pool"
+    #: the region type (ms_memopt.allocators.fast has a compiled one with the same methods)
+    region_class = _Region
+
+    @staticmethod
+    def supports(options: dict) -> bool:
+        return True
 
     def __init__(self, capacity: int | None = None, regions=None, route: dict[str, str] | None = None,
                  chunked: bool = False) -> None:
@@ -270,7 +280,7 @@ class PoolModeAllocator(AllocatorModel):
             if name in offsets:   # the plan's layout (regions start on its alignment)
                 addr = _BASE_ADDR + offsets[name]
             size = size // _ALIGN * _ALIGN
-            region = self.regions[name] = _Region(name, addr, size, chunked and name in self._rings)
+            region = self.regions[name] = self.region_class(name, addr, size, chunked and name in self._rings)
             # what malloc asks of a region on every request, decided once
             region.evicting = name in _EVICTING
             region.ring = region.evicting or name in self._rings
@@ -331,7 +341,7 @@ class PoolModeAllocator(AllocatorModel):
         if evicting:
             region.order[addr] = size
         self._owner[addr] = region
-        self.allocated += region.bufs[addr][_SIZE]
+        self.allocated += region.size_of(addr)
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
         return addr
