@@ -349,13 +349,9 @@ static int32_t take(Core *c, Py_ssize_t ai, u64 size) {
     return b;
 }
 
-static void release_if_idle(Core *c, int32_t si) {
+/* the segment leaves its allocator and the device (its buffers are gone already) */
+static void drop_segment(Core *c, int32_t si) {
     Seg *s = &c->segs[si];
-    if (!s->alive) return;
-    int32_t h = s->head;
-    if (h < 0 || c->bufs[h].used || c->bufs[h].next >= 0) return;
-    unindex_buf(c, h);
-    buf_drop(c, h);
     Alloc *a = &c->allocs[s->alloc];
     for (Py_ssize_t k = 0; k < a->nsegs; k++) {
         if (a->segs[k] == si) {
@@ -368,7 +364,27 @@ static void release_if_idle(Core *c, int32_t si) {
     c->reserved -= (long long)s->size;
 }
 
+static void release_if_idle(Core *c, int32_t si) {
+    Seg *s = &c->segs[si];
+    if (!s->alive) return;
+    int32_t h = s->head;
+    if (h < 0 || c->bufs[h].used || c->bufs[h].next >= 0) return;
+    unindex_buf(c, h);
+    buf_drop(c, h);
+    drop_segment(c, si);
+}
+
 static PyObject *str_stream, *str_pool, *str_tag, *str_persistent, *str_record_oom;
+
+/* the model's _record_oom(size, stream, tag) (AllocatorModel's, in Python); -2, or -1 on error */
+static long long record_oom(Core *c, PyObject *size, i64 stream, PyObject *tag) {
+    PyObject *st = PyLong_FromLongLong(stream);
+    PyObject *r = (size && st) ? PyObject_CallMethodObjArgs((PyObject *)c, str_record_oom, size, st, tag, NULL) : NULL;
+    Py_XDECREF(size); Py_XDECREF(st);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return -2;
+}
 
 /* ---- PyTorch's caching allocator (torch.py) ------------------------------------------------ */
 #define MIB (1ULL << 20)
@@ -478,16 +494,7 @@ static void torch_release(Core *c, int32_t si) {
     Py_ssize_t at = order_search(c, s->addr);
     memmove(&c->order[at], &c->order[at + 1], (size_t)(c->norder - at - 1) * sizeof(int32_t));
     c->norder--;
-    Alloc *a = &c->allocs[s->alloc];
-    for (Py_ssize_t k = 0; k < a->nsegs; k++) {
-        if (a->segs[k] == si) {
-            memmove(&a->segs[k], &a->segs[k + 1], (size_t)(a->nsegs - k - 1) * sizeof(int32_t));
-            a->nsegs--;
-            break;
-        }
-    }
-    s->alive = 0;
-    c->reserved -= (long long)s->size;
+    drop_segment(c, si);
 }
 
 /* _release_cached: every idle unsplit segment goes back; how many did */
@@ -529,14 +536,7 @@ static long long torch_malloc(Core *c, long long raw, i64 stream, PyObject *tag)
         b = torch_grow(c, ai, rsize, stream);
         c->ntrec = 0;
         if (b == -1) return -1;
-        if (b == -2) {
-            PyObject *s = PyLong_FromLongLong(raw), *st = PyLong_FromLongLong(stream);
-            PyObject *r = (s && st) ? PyObject_CallMethodObjArgs((PyObject *)c, str_record_oom, s, st, tag, NULL) : NULL;
-            Py_XDECREF(s); Py_XDECREF(st);
-            if (!r) return -1;
-            Py_DECREF(r);
-            return -2;
-        }
+        if (b == -2) return record_oom(c, PyLong_FromLongLong(raw), stream, tag);
     }
     u64 remaining = c->bufs[b].size - rsize;
     if ((small ? remaining >= 512 : remaining > SMALL_SIZE) && cut(c, b, rsize) < 0) return -1;
@@ -740,14 +740,7 @@ static long long core_malloc(Core *c, long long raw, i64 stream, PyObject *pool,
                 if (other < 0) return -1;
                 b = take(c, other, size);
             }
-            if (b == -2) {
-                PyObject *s = PyLong_FromUnsignedLongLong(size), *st = PyLong_FromLongLong(stream);
-                PyObject *r = (s && st) ? PyObject_CallMethodObjArgs((PyObject *)c, str_record_oom, s, st, tag, NULL) : NULL;
-                Py_XDECREF(s); Py_XDECREF(st);
-                if (!r) return -1;
-                Py_DECREF(r);
-                return -2;
-            }
+            if (b == -2) return record_oom(c, PyLong_FromUnsignedLongLong(size), stream, tag);
         }
     }
     if (b < 0) return -1;
