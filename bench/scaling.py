@@ -26,20 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ms_memopt.executors import default_workers
-from ms_memopt.job import job_from_recipe, simulate_jobs
+from ms_memopt.job import job_from_recipe, reproducible_figures, simulate_jobs
 from ms_memopt.recipe import load_recipe
-
-
-def _figures(results) -> list:
-    """Every rank's figures, wall-clock seconds aside."""
-    out = []
-    for job in results:
-        for policy, r in job.items():
-            for o in r.outcomes:
-                d = o.result.to_dict()
-                d.pop("seconds")
-                out.append((policy, o.stream.rank, d))
-    return out
 
 
 def main() -> None:
@@ -62,7 +50,7 @@ def main() -> None:
         started = time.perf_counter()
         results = simulate_jobs([job], **kw)
         seconds[name] = time.perf_counter() - started
-        figures[name] = _figures(results)
+        figures[name] = reproducible_figures(results)
         print(f"# {name}: {seconds[name]:.1f} s", file=sys.stderr, flush=True)
     identical = all(f == figures["one process"] for f in figures.values())
     base = seconds["local processes"]

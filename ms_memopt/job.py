@@ -50,6 +50,7 @@ __all__ = [
     "job_from_recipe",
     "median_job_oom_step",
     "rank_streams",
+    "reproducible_figures",
     "simulate_jobs",
     "stream_seed",
 ]
@@ -375,4 +376,17 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
             out[j][policy].outcomes.append(RankOutcome(task.stream, result))
         if timeline is not None and text:
             timeline.write(text)
+    return out
+
+
+def reproducible_figures(results: list[dict[str, JobResult]]) -> list[tuple[str, RankStream, dict]]:
+    """Every rank's figures of :func:`simulate_jobs` results but wall-clock ``seconds``: what
+    must be identical whichever executor ran the same jobs (tests, ``bench/scaling.py``)."""
+    out = []
+    for job in results:
+        for policy, result in job.items():
+            for outcome in result.outcomes:
+                figures = outcome.result.to_dict()
+                figures.pop("seconds")
+                out.append((policy, outcome.stream, figures))
     return out

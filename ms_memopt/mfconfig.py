@@ -74,9 +74,6 @@ MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
               "seq_length": 4096, "hidden_act": "silu"},
-    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
-              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-              "head_dim": 128, "seq_length": 4096, "hidden_act": "silu"},
     "qwen3_moe": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
                   "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
                   "head_dim": 128, "seq_length": 4096, "hidden_act": "silu", "decoder_sparse_step": 1,
@@ -89,17 +86,14 @@ MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
                     "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
                     "hidden_act": "silu", "seq_length": 4096, "use_flash_attention": True,
                     "multi_latent_attention": True},
-    "telechat": {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 22016,
-                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-                 "head_dim": 128, "seq_length": 4096, "hidden_act": "silu"},
-    "telechat3_moe": {"vocab_size": 131072, "hidden_size": 2560, "intermediate_size": 7680,
-                      "moe_intermediate_size": 1536, "num_hidden_layers": 4, "num_nextn_predict_layers": 1,
-                      "num_attention_heads": 32, "n_shared_experts": 1,
-                      "n_routed_experts": 192, "kv_lora_rank": 512, "q_lora_rank": 1536,
-                      "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
-                      "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
-                      "hidden_act": "silu", "seq_length": 4096, "multi_latent_attention": True},
 }
+# Qwen3 is Qwen2 with a per-head width of its own; TeleChat3 is Qwen3 with another vocabulary;
+# TeleChat3-MoE's config class is DeepSeek-V3's with other sizes
+MODEL_TYPE_DEFAULTS["qwen3"] = {**MODEL_TYPE_DEFAULTS["qwen2"], "head_dim": 128}
+MODEL_TYPE_DEFAULTS["telechat"] = {**MODEL_TYPE_DEFAULTS["qwen3"], "vocab_size": 131072}
+MODEL_TYPE_DEFAULTS["telechat3_moe"] = {
+    **MODEL_TYPE_DEFAULTS["deepseek_v3"], "vocab_size": 131072, "hidden_size": 2560, "intermediate_size": 7680,
+    "moe_intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 32, "n_routed_experts": 192}
 _TYPE_ALIASES = {"telechat2": "telechat", "telechat3": "telechat", "deepseek3": "deepseek_v3",
                  "deepseekv3": "deepseek_v3", "llama2": "llama", "llama3": "llama"}
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,7 +317,7 @@ class Recipe:
             return self.memopt.device.hbm
         return self.train.max_device_memory
 
-    def chunk_layers(self) -> list[list[int]]:
+    def chunk_layers(self) -> tuple[tuple[int, ...], ...]:
         """Layers of each interleaved chunk (``pp_interleave_num``) on each stage: ``[chunk][stage]``.
 
         With a MindFormers ``offset``, MindFormers' rule: ``num_layers // (stages x chunks)``
@@ -327,25 +329,32 @@ class Recipe:
             ...     "num_heads": 4, "seq_length": 32, "vocab_size": 256, "offset": [1, -1]}},
             ...     "parallel_config": {"pipeline_stage": 2, "micro_batch_num": 2}})
             >>> r.chunk_layers(), r.stage_layers()
-            ([[6, 4]], [6, 4])
+            (((6, 4),), [6, 4])
         """
+        return self._chunk_layers
+
+    @functools.cached_property
+    def _chunk_layers(self) -> tuple[tuple[int, ...], ...]:
         p, v = self.parallel.pipeline_stage, self.model.pp_interleave_num
         base, extra = divmod(self.model.num_layers, p * v)
         if self.model.offset:
-            return [[base + self.model.offset[c][s] for s in range(p)] for c in range(v)]
-        return [[base + (1 if c * p + s >= p * v - extra else 0) for s in range(p)] for c in range(v)]
+            return tuple(tuple(base + self.model.offset[c][s] for s in range(p)) for c in range(v))
+        return tuple(tuple(base + (1 if c * p + s >= p * v - extra else 0) for s in range(p)) for c in range(v))
 
     def stage_layers(self) -> list[int]:
         """Transformer layers on each pipeline stage (all its interleaved chunks)."""
-        chunks = self.chunk_layers()
+        chunks = self._chunk_layers
         return [sum(row[s] for row in chunks) for s in range(self.parallel.pipeline_stage)]
 
     def chunk_first_layer(self, stage: int, chunk: int) -> int:
         """Global index of the first layer of ``chunk`` on ``stage`` (virtual stage
         ``chunk x stages + stage``; layers are consecutive along virtual stages)."""
-        chunks = self.chunk_layers()
-        p = self.parallel.pipeline_stage
-        return sum(chunks[i // p][i % p] for i in range(chunk * p + stage))
+        return self._virtual_starts[chunk * self.parallel.pipeline_stage + stage]
+
+    @functools.cached_property
+    def _virtual_starts(self) -> tuple[int, ...]:
+        """First global layer of each virtual stage (``chunk x stages + stage``)."""
+        return tuple(itertools.accumulate((n for row in self._chunk_layers for n in row), initial=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,6 +564,19 @@ class _Reader:
             raise self.fail(path, value, "a bool or a per-pipeline-stage list of layer counts")
         return conv
 
+    def typos(self, data: dict, path: str, known: set[str], absent: set[str] | None = None) -> None:
+        """In a MindFormers section (whose other keys we ignore), refuse a key that is a near
+        miss of a key we read and that is absent (``pipline_stage`` for ``pipeline_stage``):
+        ignoring it would plan silently with the default. ``absent``: the known keys whose
+        setting is missing (default: the known keys not in ``data``)."""
+        absent = sorted(absent if absent is not None else (k for k in known if k not in data))
+        for key in data:
+            if not isinstance(key, str) or key in known:
+                continue
+            hint = difflib.get_close_matches(key, absent, n=1, cutoff=_TYPO_CUTOFF)
+            if hint:
+                raise InputError(f"unknown key; did you mean {hint[0]}?", source=self.source, key=f"{path}.{key}")
+
     def strict(self, data: dict, path: str, known: set[str]) -> None:
         """Reject keys of our own sections that we do not know, with a did-you-mean."""
         for key in data:
@@ -566,6 +588,19 @@ class _Reader:
 
 
 _DEVICE_NAMES = {"cpu": "CPU", "ascend": "Ascend", "gpu": "GPU"}
+#: how close (difflib ratio) an unknown MindFormers key must be to a key we read to be a typo;
+#: high, because MindFormers' sections hold many keys we do not read (none of its 2.0.0 and
+#: 1.3.2 configs trips it)
+_TYPO_CUTOFF = 0.88
+#: the keys read from each MindFormers section (the typo check's vocabulary)
+_SECTION_KEYS = {
+    "parallel_config": {"data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "use_seq_parallel",
+                        "vocab_emb_dp", "expert_parallel"},
+    "recompute_config": {"recompute", "select_recompute", "select_comm_recompute", "mp_comm_recompute"},
+    "runner_config": {"batch_size"},
+    "context": {"max_device_memory"},
+    "parallel": {"enable_parallel_optimizer", "parallel_optimizer_config"},
+}
 
 
 def _integer_from_text(text: str) -> int | None:
@@ -618,6 +653,10 @@ def _read_model(r: _Reader, data: dict, notes: list[str]) -> ModelConfig:
     if not mc:
         raise InputError("missing section: the model's shape (num_layers, hidden_size, num_heads, "
                          "seq_length, vocab_size) is required", source=r.source, key=p)
+
+    absent = {name for key, names in mfconfig.ALIASES.items() if mfconfig.pick(mc, key) is None for name in names}
+    r.typos(mc, p, {name for names in mfconfig.ALIASES.values() for name in names} | _MODEL_KEYS,
+            absent | {k for k in _MODEL_KEYS if k not in mc})
 
     def get(key: str, conv: Callable[[Any, str], Any], default: Any = _MISSING) -> Any:
         """The value of ``key`` under any MindFormers spelling, the message naming that spelling;
@@ -676,7 +715,8 @@ def _read_model(r: _Reader, data: dict, notes: list[str]) -> ModelConfig:
         tie = not r.get(mc, "untie_embeddings_and_output_weights",
                         f"{p}.untie_embeddings_and_output_weights", r.boolean, True)
     fp32_residual = r.get(mc, "fp32_residual_connection", f"{p}.fp32_residual_connection", r.boolean, False)
-    interleave = r.get(mc, "pp_interleave_num", f"{p}.pp_interleave_num", pos, 1)
+    interleave = r.get(mc, "pp_interleave_num", f"{p}.pp_interleave_num",
+                       r.integer(minimum=1, maximum=LIMITS["num_layers"]), 1)
     offset = _read_offset(r, mc.get("offset"), f"{p}.offset")
     return ModelConfig(num_layers=num_layers, hidden_size=hidden, num_heads=heads, n_kv_heads=kv_heads,
                        seq_length=seq, vocab_size=vocab, intermediate_size=ffn, ffn_gated=gated,
@@ -687,6 +727,13 @@ def _read_model(r: _Reader, data: dict, notes: list[str]) -> ModelConfig:
                        kv_channels=kv_channels, fp32_residual=fp32_residual,
                        moe=_read_moe(r, mc, p, get, hidden, ffn), mla=_read_mla(r, mc, p),
                        mtp_layers=get("mtp_layers", r.integer(minimum=0, maximum=LIMITS["num_layers"]), 0))
+
+
+#: model_config keys read under one spelling only (the others are in mfconfig.ALIASES)
+_MODEL_KEYS = {"hidden_act", "gated_linear_unit", "ffn_dim_multiplier", "multiple_of", "compute_dtype",
+               "use_flash_attention", "tie_word_embeddings", "untie_embeddings_and_output_weights",
+               "fp32_residual_connection", "pp_interleave_num", "offset", "multi_latent_attention", "q_lora_rank",
+               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "multi_query_attention"}
 
 
 def _read_offset(r: _Reader, raw: Any, path: str) -> tuple[tuple[int, ...], ...]:
@@ -738,6 +785,8 @@ def _read_parallel(r: _Reader, data: dict) -> tuple[ParallelConfig, int | None]:
     if p == "parallel_config":
         pc = r.section(data, "parallel_config", "parallel_config")
         par = r.section(data, "parallel", "parallel")
+        r.typos(pc, "parallel_config", _SECTION_KEYS["parallel_config"])
+        r.typos(par, "parallel", _SECTION_KEYS["parallel"])
     pos = r.integer(minimum=1)
     config = ParallelConfig(
         data_parallel=r.get(pc, "data_parallel", f"{p}.data_parallel", pos, 1),
@@ -765,6 +814,7 @@ def _read_recompute(r: _Reader, data: dict, stages: int) -> RecomputeConfig:
         return RecomputeConfig(recompute=mode == "full", select_recompute=mode == "select")
     rc = r.section(data, "recompute_config", "recompute_config")
     p = "recompute_config"
+    r.typos(rc, p, _SECTION_KEYS[p])
     setting = r.recompute_setting(stages)
     return RecomputeConfig(
         recompute=r.get(rc, "recompute", f"{p}.recompute", setting, False),
@@ -778,6 +828,8 @@ def _read_train(r: _Reader, data: dict) -> TrainConfig:
     runner = r.section(data, "runner_config", "runner_config")
     opt = r.section(data, "optimizer", "optimizer")
     ctx = r.section(data, "context", "context")
+    r.typos(runner, "runner_config", _SECTION_KEYS["runner_config"])
+    r.typos(ctx, "context", _SECTION_KEYS["context"])
     # the 2.x PyNative layout's ContextConfig defaults max_device_memory to 59GB
     device_default = 59 * 2**30 if isinstance(data.get("parallelism"), dict) else None
     return TrainConfig(

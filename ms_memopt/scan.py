@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -43,6 +44,23 @@ from .units import format_size, parse_size
 
 __all__ = ["ScanRecord", "Reading", "Source", "LayoutSource", "ScanLog", "Scanner",
            "parse_watch", "check_watch", "read_scan_log", "forecast_fields", "SCAN_LOG_NAME"]
+
+#: set by ``ms-memopt record``: each scanned run's step ends are printed for the recording
+_RECORDING = bool(os.environ.get("MS_MEMOPT_RECORD"))
+RECORD_STEP = "ms-memopt step"     # what ms-memopt record turns into a step event
+RECORD_MARK = "ms-memopt mark"     # ... and into a mark event
+
+
+def recording() -> bool:
+    """True under ``ms-memopt record``."""
+    return _RECORDING
+
+
+def record_mark(tag: str) -> None:
+    """Under ``ms-memopt record``, put a ``mark`` event (``tag``) into the recording here, e.g.
+    around a compaction; does nothing otherwise."""
+    if _RECORDING:
+        print(f"{RECORD_MARK} {tag}", file=sys.stderr, flush=True)
 
 logger = logging.getLogger("ms_memopt.scan")
 
@@ -345,6 +363,8 @@ class Scanner:
 
         Never raises for a failing source: the failure is logged once and the source skipped.
         """
+        if _RECORDING:   # under `ms-memopt record`: a step event in the recorded pool log
+            print(f"{RECORD_STEP} {step}", file=sys.stderr, flush=True)
         try:
             if not force and not self.due(step):
                 return None

@@ -53,8 +53,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
-from .allocators import create
+from .allocators import create, model_class
 from .allocators.base import AllocatorModel
+from .allocators.fast import batch_runner
 from .events import Event
 from .forecast import Forecast, Forecaster
 from .layout import Layout
@@ -295,37 +296,17 @@ def _free_total(model: AllocatorModel) -> int:
 
 def _make_model(policy: str, spec: WorkloadSpec, cfg: SimConfig) -> AllocatorModel:
     if policy == "pool":
-        from .allocators.pool import PoolModeAllocator
-        return PoolModeAllocator.for_workload(spec, capacity=cfg.capacity)
+        return model_class("pool", fast=cfg.allocator_options.get("fast")).for_workload(spec, capacity=cfg.capacity)
     return create(cfg.allocator, cfg.capacity, **cfg.allocator_options)
 
 
 def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig) -> tuple[AllocatorModel, Layout, Layout, list]:
-    """Compact the model's layout with :func:`~ms_memopt.compaction.plan_compaction` (every
-    live block slid to the lowest addresses of its segment; segments stay, so in a pool grown
-    in blocks no hole can outgrow its block) and restart a fresh model from the result.
+    """:func:`~ms_memopt.compaction.model.compact_model` with a fresh model of ``cfg``'s allocator
+    (no pre-grown blocks: the compacted layout brings its own)."""
+    from .compaction.model import compact_model
 
-    Returns the new model, the layouts before and after, and the moves; ``addr_of``
-    (tensor id -> address) is updated in place.
-    """
-    from .compaction import plan_compaction
-
-    before = model.layout()
-    id_at = {addr: tid for tid, addr in addr_of.items()}
-    for block in before.live_blocks():
-        block.id = id_at.get(block.addr, block.id)
-    plan = plan_compaction(before)
-    after = plan.layout
-    fresh = create(cfg.allocator, cfg.capacity, **{k: v for k, v in cfg.allocator_options.items()
-                                                   if k not in ("pregrow", "init_size")})
-    fresh.restore(after)
-    fresh.peak_allocated = max(fresh.peak_allocated, model.peak_allocated)
-    fresh.peak_reserved = max(fresh.peak_reserved, model.peak_reserved)
-    fresh.ooms = model.ooms
-    for move in plan.moves:
-        if move.block_id is not None and move.block_id in addr_of:
-            addr_of[move.block_id] = move.dst
-    return fresh, before, after, plan.moves
+    options = {k: v for k, v in cfg.allocator_options.items() if k not in ("pregrow", "init_size")}
+    return compact_model(model, addr_of, lambda: create(cfg.allocator, cfg.capacity, **options))
 
 
 class _Run:
@@ -368,7 +349,21 @@ class _Run:
         tag_of = self.tag_of if on_watch is not None else None
         note_mark = model.note_mark
         malloc, free = model.malloc, model.free
-        for event in batch:
+        # a model with a compiled fast path serves the stretches of allocs and frees between
+        # marks and watched requests in one call; nothing per event to record then
+        fast = record is None and tag_of is None
+        fast_run = batch_runner(model) if fast else None
+        index, count = 0, len(batch)
+        while index < count:
+            if fast_run is not None:
+                index, _, _, _, oom = fast_run(batch, index, count, addr_of, watch, False)
+                if oom:
+                    self._fail(batch[index], step)
+                    break
+                if index == count:
+                    break
+            event = batch[index]
+            index += 1
             action = event.action
             if action == "alloc":
                 tag = event.tag
@@ -434,6 +429,7 @@ class _Run:
                         model, before, after, moves = _compact(model, addr_of, cfg)
                         self.model = model
                         malloc, free = model.malloc, model.free
+                        fast_run = batch_runner(model) if fast else None
                         if record is not None:
                             _record_moves(record, moves, step)
                         _note_compaction(result, track, step, before, after, sum(m.size for m in moves),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ms_memopt.job import (JobResult, JobSpec, RankStream, job_from_recipe, median_job_oom_step,
-                           rank_streams, simulate_jobs, stream_seed)
+                           rank_streams, reproducible_figures, simulate_jobs, stream_seed)
 from ms_memopt.simulate import simulate_policy
 from test_simulate import MiB, small_cfg, small_spec
 
@@ -30,18 +30,6 @@ def small_job(steps: int = 80, groups: int = 3, policies=("baseline",), seed: in
     return JobSpec(specs={0: small_spec(in_flight=3), 1: small_spec(in_flight=2)},
                    cfg=small_cfg(steps=steps, capacity=104 * MiB), streams=streams,
                    policies=tuple(policies), seed=seed)
-
-
-def _stripped(results: list[dict[str, JobResult]]) -> list:
-    """Job results without wall-clock seconds (the only figure allowed to differ run to run)."""
-    out = []
-    for job in results:
-        for policy, r in job.items():
-            for o in r.outcomes:
-                d = o.result.to_dict()
-                d.pop("seconds")
-                out.append((policy, o.stream, d))
-    return out
 
 
 # --- streams -------------------------------------------------------------------------------------
@@ -141,9 +129,9 @@ def test_results_identical_inline_on_local_processes_and_on_dask():
     pytest.importorskip("distributed")
     jobs = [small_job(steps=30, groups=2, policies=("baseline", "compact")),
             small_job(steps=30, groups=2, policies=("baseline", "compact"), seed=1)]
-    inline = _stripped(simulate_jobs(jobs, workers=1))
-    local = _stripped(simulate_jobs(jobs, executor="local", workers=2))
-    dask = _stripped(simulate_jobs(jobs, executor="dask", workers=2, processes=False))
+    inline = reproducible_figures(simulate_jobs(jobs, workers=1))
+    local = reproducible_figures(simulate_jobs(jobs, executor="local", workers=2))
+    dask = reproducible_figures(simulate_jobs(jobs, executor="dask", workers=2, processes=False))
     assert inline == local == dask
     assert len(inline) == 2 * 4 * 2
 

@@ -86,11 +86,15 @@ def test_every_yaml_in_the_package_plans_or_says_why_in_one_line(capsys):
             assert json.loads(out)["total"] > 0
 
 
-def test_deepseek_v3_671b_layout():
-    r = load_recipe(_config("deepseek3/pretrain_deepseek3_671b.yaml"))
+def test_deepseek_v3_671b_layout(capsys):
+    path = _config("deepseek3/pretrain_deepseek3_671b.yaml")
+    assert main(["plan", str(path)]) == 0
+    assert "MoE 256 experts (8 per card, expert_parallel 32), top-8, 1 shared, first 3 dense; MLA; 1 MTP layer; " \
+           "d 4 x t 8 x p 8 x 2 chunks" in capsys.readouterr().out
+    r = load_recipe(path)
     assert r.model.moe.num_experts == 256 and r.model.moe.top_k == 8 and r.model.moe.first_dense == 3
     assert r.model.mla is not None and r.model.mtp_layers == 1 and r.parallel.expert_parallel == 32
-    assert r.chunk_layers() == [[4] * 8, [4, 4, 4, 4, 4, 4, 4, 1]]
+    assert r.chunk_layers() == ((4,) * 8, (4, 4, 4, 4, 4, 4, 4, 1))
     assert r.train.optimizer_swap and r.model.param_init_type == "float32"
     e = estimate(r)
     assert e.worst.optimizer_states == {"master": 0, "m": 0, "v": 0}            # swapped to host
@@ -203,7 +207,7 @@ def test_interleaved_offsets_recompute_lists_and_in_flight():
     r = _recipe(_mc(num_layers=10, offset=[[1, 0], [0, 1]], pp_interleave_num=2),
                 parallel_config={"pipeline_stage": 2, "micro_batch_num": 4},
                 recompute_config={"recompute": [[1, 0], [2, 0]]})
-    assert r.chunk_layers() == [[3, 2], [2, 3]] and r.stage_layers() == [5, 5]
+    assert r.chunk_layers() == ((3, 2), (2, 3)) and r.stage_layers() == [5, 5]
     assert r.chunk_first_layer(0, 1) == 5 and r.chunk_first_layer(1, 1) == 7
     # recompute [[1, 0], [2, 0]]: stage 0 recomputes 1 layer of chunk 0 and 2 of chunk 1
     assert stage_activation_bytes(r, 0).recomputed_layers == 3
@@ -269,8 +273,19 @@ def test_a_typo_in_a_required_key_says_did_you_mean(tmp_path, capsys):
     mc["num_layerz"] = mc.pop("num_layers")
     assert main(["plan", str(_write(tmp_path, {"model": {"model_config": mc}}))]) == 2
     err = capsys.readouterr().err
-    assert "model.model_config.num_layers: missing required key" in err and "did you mean num_layers?" in err
-    assert "num_layerz" in err
+    assert "model.model_config.num_layerz: unknown key; did you mean num_layers?" in err
+    # a near miss of a key we read is refused in every MindFormers section we read, never ignored
+    for section, typo, right in (("parallel_config", "pipline_stage", "pipeline_stage"),
+                                 ("recompute_config", "select_recompte", "select_recompute"),
+                                 ("context", "max_device_memroy", "max_device_memory")):
+        data = {"model": {"model_config": _mc()}, section: {typo: 2}}
+        assert main(["plan", str(_write(tmp_path, data, f"{section}.yaml"))]) == 2
+        assert f"{section}.{typo}: unknown key; did you mean {right}?" in capsys.readouterr().err
+    # a missing key with no near miss still says which key, and its other spellings
+    mc = _mc()
+    del mc["num_layers"]
+    assert main(["plan", str(_write(tmp_path, {"model": {"model_config": mc}}, "m.yaml"))]) == 2
+    assert "num_layers: missing required key (or num_hidden_layers" in capsys.readouterr().err
 
 
 def test_simulate_accepts_a_moe_config(tmp_path, capsys):
@@ -318,3 +333,22 @@ def test_dense_recipes_get_no_moe_events():
     from ms_memopt.workload import spec_from_recipe
     spec = spec_from_recipe(_recipe(_mc()))
     assert spec.moe_layers == () and _alltoall_sizes(_recipe(_mc()), 2) == [[], []]
+
+
+def test_bloom_176b_parameters_and_peak_against_bigscience():
+    """BLOOM-176B as BigScience trained it (BLOOM paper, arXiv 2211.05100; the 176B model page):
+    70 layers, h 14336, 112 heads, s 2048, vocabulary 250,880, tied embeddings, GeLU FFN 4h,
+    384 A100 80GB as TP 4 x PP 12 x DP 8, micro-batch 2, ZeRO-1, BF16 with FP32 gradient
+    accumulation, full activation checkpointing; published: 176,247M parameters, and "one copy
+    of the model takes 48 GPUs (using 60 GB of memory on each GPU)"."""
+    r = _recipe({"num_layers": 70, "hidden_size": 14336, "num_heads": 112, "seq_length": 2048,
+                 "vocab_size": 250880, "hidden_act": "gelu", "intermediate_size": 4 * 14336,
+                 "compute_dtype": "bfloat16", "tie_word_embeddings": True},
+                parallel_config={"data_parallel": 8, "model_parallel": 4, "pipeline_stage": 12,
+                                 "micro_batch_num": 128},
+                runner_config={"batch_size": 2}, recompute_config={"recompute": True},
+                memopt={"zero_stage": 1, "grad_dtype": "float32", "device": {"hbm": "80GiB"}})
+    assert model_params(r.model) / 176_247e6 == pytest.approx(1, abs=0.001)
+    e = estimate(r)
+    assert e.worst.stage == 0 and e.fits
+    assert 0.85 <= e.total / 60e9 <= 1.05        # 60.0 GB planned (55.9 GiB)

@@ -148,14 +148,7 @@ class MindSporePool(AllocatorModel):
                  pregrow: bool = False, grow: str = "double", small_pool: bool = False,
                  tie: str | None = None) -> None:
         super().__init__(capacity)
-        if increase_size <= 0:
-            raise ValueError(f"increase_size must be > 0, got {increase_size}")
-        if grow not in ("double", "add"):
-            raise ValueError(f"grow must be 'double' or 'add', got {grow!r}")
-        tie = tie or self.default_tie
-        if tie not in TIE_RULES:
-            raise ValueError(f"tie must be one of {TIE_RULES}, got {tie!r}")
-        self.tie = tie
+        self.tie = tie = check_options(increase_size, grow, tie or self.default_tie)
         # idle_order: free buffers by their turn (the key's low half); address: by address (_bufs)
         self._idle_by_turn: dict[int, list] | None = {} if tie == "idle_order" else None
         self._turn = 0
@@ -166,12 +159,8 @@ class MindSporePool(AllocatorModel):
         self._bufs: dict[int, list] = {}        # every buffer (live or idle) by address
         self._next_addr = _BASE_ADDR
         self._recorded_addrs: deque[int] = deque()
-        if pregrow:
-            if capacity is None:
-                raise ValueError("pregrow needs a capacity")
-            init_size = capacity
-        if init_size:
-            half = align_size(init_size >> 1)
+        half = initial_block(capacity, init_size, pregrow)
+        if half:
             for persistent in (True, False):
                 allocator = self._allocator(0, persistent, False)
                 self._new_segment(allocator, min(half, self._device_free()))
@@ -266,20 +255,8 @@ class MindSporePool(AllocatorModel):
             allocator.segments.append(seg)
             self.reserved += segment.size
             self.segment_allocs += 1
-            pieces: list[tuple[int, int, bool]] = []
-            cursor = segment.addr
-            for block in sorted(segment.blocks, key=lambda b: b.addr):
-                if block.addr > cursor:
-                    pieces.append((cursor, block.addr - cursor, False))
-                pieces.append((block.addr, block.size, block.live))
-                cursor = block.addr + block.size
-            if cursor < segment.end:
-                pieces.append((cursor, segment.end - cursor, False))
             prev = None
-            for addr, size, live in pieces:
-                if prev is not None and not live and not prev[_USED]:
-                    prev[_SIZE] += size
-                    continue
+            for addr, size, live in restore_pieces(segment):
                 buf = [addr, size, live, prev, None, seg, addr]
                 if prev is None:
                     seg.head = buf
@@ -460,6 +437,48 @@ class MindSporeBestFitPool(MindSporePool):
 
     name = "mindspore-bestfit"
     default_tie = "idle_order"
+
+
+def check_options(increase_size: int, grow: str, tie: str) -> str:
+    """Raise ``ValueError`` on a bad option of the MindSpore pool models; the tie rule."""
+    if increase_size <= 0:
+        raise ValueError(f"increase_size must be > 0, got {increase_size}")
+    if grow not in ("double", "add"):
+        raise ValueError(f"grow must be 'double' or 'add', got {grow!r}")
+    if tie not in TIE_RULES:
+        raise ValueError(f"tie must be one of {TIE_RULES}, got {tie!r}")
+    return tie
+
+
+def initial_block(capacity: int | None, init_size: int, pregrow: bool) -> int:
+    """Bytes of each of the two blocks ``set_memory(init_size=)`` makes (0: none)."""
+    if pregrow:
+        if capacity is None:
+            raise ValueError("pregrow needs a capacity")
+        init_size = capacity
+    return align_size(init_size >> 1) if init_size else 0
+
+
+def restore_pieces(segment: Segment) -> list[tuple[int, int, bool]]:
+    """``(addr, size, live)`` tiling a recorded segment: its blocks by address, the gaps
+    between them and idle neighbours merged into one idle piece."""
+    pieces: list[tuple[int, int, bool]] = []
+    cursor = segment.addr
+
+    def add(addr: int, size: int, live: bool) -> None:
+        if pieces and not live and not pieces[-1][2]:
+            pieces[-1] = (pieces[-1][0], pieces[-1][1] + size, False)
+        else:
+            pieces.append((addr, size, live))
+
+    for block in sorted(segment.blocks, key=lambda b: b.addr):
+        if block.addr > cursor:
+            add(cursor, block.addr - cursor, False)
+        add(block.addr, block.size, block.live)
+        cursor = block.addr + block.size
+    if cursor < segment.end:
+        add(cursor, segment.end - cursor, False)
+    return pieces
 
 
 def _round_up(value: int, unit: int) -> int:

@@ -1,0 +1,165 @@
+"""Compiled fast paths of allocator models: the same rules, millions of events per second.
+
+The pure-Python models are the readable reference. For the models below, a C extension
+(``_fastpool.c``, built by ``pip install`` with gcc and the Python headers, nothing else)
+keeps the state and runs ``malloc``/``free`` without Python-level work per event;
+:func:`ms_memopt.allocators.create` picks it when it is built, unless the environment sets
+``MS_MEMOPT_PURE_PYTHON=1``. ``tests/test_fastpool.py`` holds each fast model to identical
+addresses, counters and layouts as its reference on random traces and on every recorded trace.
+
+==================== ================================ =========================================
+name                 fast class                       reference
+==================== ================================ =========================================
+``mindspore``        :class:`FastMindSporePool`       :class:`~.mindspore.MindSporePool`
+``mindspore-bestfit`` :class:`FastMindSporeBestFitPool` :class:`~.mindspore.MindSporeBestFitPool`
+``torch``            :class:`FastTorchCachingAllocator` :class:`~.torch.TorchCachingAllocator`
+                     (without ``max_split_size_mb``: that option runs the reference)
+==================== ================================ =========================================
+
+Example:
+    >>> pool = FastMindSporePool(capacity=8 * 2**30)          # doctest: +SKIP
+    >>> a = pool.malloc(1000); b = pool.malloc(3000)          # doctest: +SKIP
+    >>> (a, b - a, pool.reserved)                             # doctest: +SKIP
+    (4294967296, 1024, 1073741824)
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+from ..layout import Block, Layout, Segment
+from .base import AllocatorModel
+from .mindspore import check_options, initial_block, restore_pieces
+from .pool import PoolModeAllocator
+from .torch import check_divisions, is_small_segment, merged_blocks
+
+__all__ = ["AVAILABLE", "FAST_MODELS", "batch_runner", "FastMindSporePool", "FastMindSporeBestFitPool", "FastTorchCachingAllocator"]
+
+try:
+    from ._fastpool import ModelCore
+except ImportError:          # not built (a source tree without ``pip install``): pure Python only
+    ModelCore = None
+
+#: whether the compiled fast path is built and allowed (``MS_MEMOPT_PURE_PYTHON`` unset)
+AVAILABLE = ModelCore is not None and not os.environ.get("MS_MEMOPT_PURE_PYTHON")
+
+#: model name -> fast class (what :func:`~ms_memopt.allocators.create` uses when AVAILABLE and
+#: the class ``supports`` the options)
+FAST_MODELS: dict[str, type] = {}
+
+
+
+def batch_runner(model: AllocatorModel):
+    """The model's ``_run`` (a stretch of allocs and frees in one call, see ``_fastpool.c``),
+    or ``None``: not a compiled model, or one whose ``malloc``/``free`` a caller has wrapped on
+    the instance (the wrapper must see every call)."""
+    run = getattr(model, "_run", None)
+    if run is None:
+        return None
+    patched = getattr(model, "__dict__", {})
+    return None if "malloc" in patched or "free" in patched else run
+
+
+if ModelCore is not None:
+
+    class FastMindSporePool(ModelCore, AllocatorModel):
+        """:class:`~ms_memopt.allocators.mindspore.MindSporePool` in C; same arguments.
+
+        ``malloc``, ``free``, ``empty_cache``, ``note_segment_alloc``, ``release_segment`` and
+        ``largest_free`` are the C methods; the counters (``reserved``, ``allocated``,
+        ``peak_*``, ``segment_allocs``) live in the C state.
+        """
+
+        name = "mindspore"
+        default_tie = "address"
+
+        @staticmethod
+        def supports(options: dict) -> bool:
+            return True
+
+        def __init__(self, capacity: int | None = None, increase_size: int = 1 << 30, init_size: int = 0,
+                     pregrow: bool = False, grow: str = "double", small_pool: bool = False,
+                     tie: str | None = None) -> None:
+            self.tie = tie = check_options(increase_size, grow, tie or self.default_tie)
+            half = initial_block(capacity, init_size, pregrow)
+            ModelCore.__init__(self, capacity, int(increase_size), grow == "add", bool(small_pool),
+                                       tie == "idle_order")
+            AllocatorModel.__init__(self, capacity)
+            self.increase_size = int(increase_size)
+            self.grow = grow
+            self.small_pool = small_pool
+            if half:
+                self._pregrow(half)
+
+        def restore(self, layout: Layout) -> None:
+            """Start from ``layout`` (as the reference's :meth:`restore`)."""
+            for segment in sorted(layout.segments, key=lambda s: s.addr):
+                self._add_segment(segment.addr, segment.size, segment.stream, segment.pool == "persistent",
+                                  segment.pool == "small", restore_pieces(segment))
+            self._note_usage()
+
+        def layout(self) -> Layout:
+            segments = [Segment(addr, size, [Block(a, s, used) for a, s, used in blocks], stream=stream, pool=pool)
+                        for addr, size, stream, pool, blocks in self._segments()]
+            segments.sort(key=lambda s: s.addr)
+            return Layout(segments, capacity=self.capacity)
+
+    class FastMindSporeBestFitPool(FastMindSporePool):
+        """:class:`~ms_memopt.allocators.mindspore.MindSporeBestFitPool` in C (idle-order ties)."""
+
+        name = "mindspore-bestfit"
+        default_tie = "idle_order"
+
+    class FastTorchCachingAllocator(ModelCore, AllocatorModel):
+        """:class:`~ms_memopt.allocators.torch.TorchCachingAllocator` in C, without
+        ``max_split_size_mb`` (see :meth:`supports`)."""
+
+        name = "torch"
+
+        @staticmethod
+        def supports(options: dict) -> bool:
+            return options.get("max_split_size_mb") is None
+
+        def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
+                     roundup_power2_divisions: int | None = None) -> None:
+            if max_split_size_mb is not None:
+                raise ValueError("max_split_size_mb runs the pure-Python model (create() picks it)")
+            check_divisions(roundup_power2_divisions)
+            ModelCore.__init__(self, capacity, kind="torch", divisions=roundup_power2_divisions or 0)
+            AllocatorModel.__init__(self, capacity)
+            self.max_split_size = None
+            self.divisions = roundup_power2_divisions or 0
+
+        def restore(self, layout: Layout) -> None:
+            """Start from ``layout`` (as the reference's :meth:`restore`)."""
+            self._reset()
+            for seg in sorted(layout.segments, key=lambda s: s.addr):
+                self._add_segment(seg.addr, seg.size, seg.stream, False, is_small_segment(seg), merged_blocks(seg))
+            self._note_usage()
+
+        layout = FastMindSporePool.layout
+
+    class FastRegion(ModelCore):
+        """A pool-mode region (:class:`~ms_memopt.allocators.pool._Region`) in C: ``take``,
+        ``release``, ``open_chunk``, ``close_chunk``, ``largest_free``, ``size_of`` and the
+        ``free_keys``/``allocated`` it reports are the C state's."""
+
+        def __init__(self, name: str, addr: int, size: int, chunked: bool = False) -> None:
+            ModelCore.__init__(self, None, kind="region")
+            self._region_init(addr, size, chunked)
+            self.name, self.addr, self.size, self.chunked = name, addr, size, chunked
+            self.order: OrderedDict[int, int] = OrderedDict()   # evicting: live addr -> size, oldest first
+            self.evicting = self.ring = False
+
+        def segment(self) -> Segment:
+            blocks = [Block(addr, size, used, tag=self.name)
+                      for *_, pieces in self._segments() for addr, size, used in pieces]
+            return Segment(self.addr, self.size, blocks, pool=self.name)
+
+    class FastPoolModeAllocator(PoolModeAllocator):
+        """:class:`~ms_memopt.allocators.pool.PoolModeAllocator` with compiled regions."""
+
+        region_class = FastRegion
+
+    FAST_MODELS.update({"mindspore": FastMindSporePool, "mindspore-bestfit": FastMindSporeBestFitPool,
+                        "torch": FastTorchCachingAllocator, "pool": FastPoolModeAllocator})
