@@ -19,7 +19,8 @@ the :class:`~ms_memopt.poolplan.PoolPlan` it followed:
    ``ms.runtime.set_memory(init_size=...)`` (see docs/pool_mode.md for why this option).
 
 Blocks must take the hidden state as first input and return one tensor of the same shape;
-extra inputs (masks, position ids) are passed to every block of a group unchanged.
+extra inputs, positional or keyword (masks, position ids, MindFormers LLaMA's
+``batch_valid_length=``), are passed to every block of a group unchanged.
 
 Example:
     >>> net = GPT(GPTConfig(num_layers=12))                                   # doctest: +SKIP
@@ -29,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -58,9 +60,9 @@ class RecomputeGroup(nn.Cell):
         self.first_index = first_index
         self.layers = nn.CellList(list(blocks), auto_prefix=False)
 
-    def construct(self, x, *args):
+    def construct(self, x, *args, **kwargs):
         for layer in self.layers:
-            x = layer(x, *args)
+            x = layer(x, *args, **kwargs)
         return x
 
 
@@ -71,7 +73,7 @@ class Passthrough(nn.Cell):
         super().__init__(auto_prefix=False)
         self.index = index
 
-    def construct(self, x, *args):
+    def construct(self, x, *args, **kwargs):
         return x
 
 
@@ -324,6 +326,10 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
         per_block, boundary = activation_estimator(batch_size)
     else:
         per_block, boundary = 0, 0
+        warnings.warn("enable_pool_mode: no activation_estimator for this network (only the demo GPT has a "
+                      "built-in one), so the activation region is 0 bytes and nothing is reserved for "
+                      "activations; pass activation_estimator=f(batch_size) -> (per_block_bytes, "
+                      "boundary_bytes)", UserWarning, stacklevel=2)
     estimate = activation_bytes(per_block, boundary, len(indices), k)
 
     if isinstance(optimizer, FusedAdamW):
