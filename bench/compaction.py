@@ -2,10 +2,12 @@
 parameters on CPU.
 
 1. Arena: a >= 1 GiB host arena filled with random 4-100 KiB blocks, every other one freed at
-   random (~10,000 live blocks, frag ratio in the hundreds), then ``compact()``. Baseline: one
-   ``np.copyto`` of the same number of bytes in the same buffer, right after each compaction.
-   ``arena_fraction_of_memmove`` = best memmove time / best compaction time (both best of N:
-   the machine is shared and noisy); the median of the per-round ratios is printed too.
+   random (~10,000 live blocks, frag ratio in the hundreds), then ``compact()``. Baselines, in
+   the same buffer right after each compaction: one libc memmove (``np.copyto``) of the same
+   number of bytes, and one streamed copy of them (``ms_memopt.native.move_runs``, one run).
+   ``arena_fraction_of_memmove`` = memmove time / compaction time, median of the per-round
+   ratios (spread and best-vs-best beside it); the same fragmentation is compacted again by
+   the run-by-run reference loop (the path without the compiled library).
 2. Planner: ``plan_compaction`` on the same arena's ``Layout`` (the simulator's path), and its
    effect on synthetic layouts shaped like the field report (printed first).
 3. Live: ``live_compact`` of float32 Parameters (default 256 MiB in 64 tensors) on CPU, with and
@@ -30,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ms_memopt import native  # noqa: E402
 from ms_memopt.arena import Arena, ArenaFull  # noqa: E402
 from ms_memopt.compaction import plan_compaction  # noqa: E402
 from ms_memopt.layout import Block, Layout, Segment  # noqa: E402
@@ -128,10 +131,25 @@ def fragment(arena: Arena, seed: int) -> int:
     return len(arena.handles())
 
 
+def _timed(fn) -> float:
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
+
+
 def bench_arena(capacity: int, rounds: int) -> dict:
+    """Per round: fragment, compact (the default path), then in the same buffer one libc
+    memmove (``np.copyto``) and one streamed copy (``native.move_runs``, one run) of the same
+    number of bytes; then the same fragmentation again, compacted by the run-by-run reference
+    loop (``ctypes.memmove`` per run, the path taken without the compiled library)."""
     arena = Arena(capacity)
     arena.backend.buffer[:] = 7            # touch every page before timing
     buf = arena.backend.buffer
+    base = buf.ctypes.data
     rows = []
     for r in range(rounds):
         live = fragment(arena, seed=r)
@@ -141,33 +159,47 @@ def bench_arena(capacity: int, rounds: int) -> dict:
         planner_s = time.perf_counter() - t0
         report = arena.compact()
         n = report.bytes_moved
-        gc.disable()
-        t0 = time.perf_counter()
-        np.copyto(buf[:n], buf[capacity - n:])
-        memmove_s = time.perf_counter() - t0
-        gc.enable()
-        assert plan.bytes_moved == n
+        memmove_s = _timed(lambda: np.copyto(buf[:n], buf[capacity - n:]))
+        streamed_s = (_timed(lambda: native.move_runs(base, np.array([capacity - n]), np.array([0]),
+                                                      np.array([n]), stream=True))
+                      if native.available() else float("nan"))
+        fragment(arena, seed=r)
+        arena.backend.move_runs = lambda *runs: False      # the run-by-run reference loop
+        reference = arena.compact()
+        del arena.backend.move_runs
+        assert plan.bytes_moved == n == reference.bytes_moved
         rows.append({"live_blocks": live, "frag_before": frag_before, "frag_after": report.frag_ratio_after,
                      "bytes_moved": n, "runs": report.runs, "arena_s": report.seconds,
-                     "arena_plan_s": report.plan_seconds, "memmove_s": memmove_s,
-                     "layout_planner_s": planner_s})
+                     "arena_plan_s": report.plan_seconds, "memmove_s": memmove_s, "streamed_s": streamed_s,
+                     "reference_s": reference.seconds, "layout_planner_s": planner_s})
     print(f"{'round':>5} {'live':>6} {'frag before':>11} {'after':>5} {'moved MiB':>9} {'runs':>5} "
-          f"{'arena ms':>8} {'(plan)':>6} {'memmove ms':>10} {'ratio':>5} {'Layout planner ms':>17}")
+          f"{'arena ms':>8} {'(plan)':>6} {'memmove ms':>10} {'streamed ms':>11} {'ratio':>5} "
+          f"{'vs streamed':>11} {'ref. loop ms':>12} {'Layout planner ms':>17}")
     for i, row in enumerate(rows):
         print(f"{i:>5} {row['live_blocks']:>6} {row['frag_before']:>11.1f} {row['frag_after']:>5.1f} "
               f"{row['bytes_moved'] / 2**20:>9.1f} {row['runs']:>5} {row['arena_s'] * 1e3:>8.1f} "
-              f"{row['arena_plan_s'] * 1e3:>6.1f} {row['memmove_s'] * 1e3:>10.1f} "
-              f"{row['memmove_s'] / row['arena_s']:>5.2f} {row['layout_planner_s'] * 1e3:>17.1f}")
+              f"{row['arena_plan_s'] * 1e3:>6.1f} {row['memmove_s'] * 1e3:>10.1f} {row['streamed_s'] * 1e3:>11.1f} "
+              f"{row['memmove_s'] / row['arena_s']:>5.2f} {row['streamed_s'] / row['arena_s']:>11.2f} "
+              f"{row['reference_s'] * 1e3:>12.1f} {row['layout_planner_s'] * 1e3:>17.1f}")
     best_arena = min(rows, key=lambda row: row["arena_s"])
     best_memmove = min(row["memmove_s"] for row in rows)
+    ratios = [row["memmove_s"] / row["arena_s"] for row in rows]
+    vs_streamed = [row["streamed_s"] / row["arena_s"] for row in rows]
+    reference = [row["memmove_s"] / row["reference_s"] for row in rows]
     return {
         "arena_bytes": capacity,
+        "native": native.available(),
         "arena_live_blocks": int(statistics.median(row["live_blocks"] for row in rows)),
         "arena_bytes_moved": best_arena["bytes_moved"],
-        "arena_fraction_of_memmove": best_memmove / best_arena["arena_s"],
-        "arena_fraction_of_memmove_median": statistics.median(row["memmove_s"] / row["arena_s"] for row in rows),
+        "arena_runs": int(statistics.median(row["runs"] for row in rows)),
+        "arena_fraction_of_memmove": statistics.median(ratios),
+        "arena_fraction_of_memmove_spread": [min(ratios), max(ratios)],
+        "arena_fraction_of_memmove_best": best_memmove / best_arena["arena_s"],
+        "arena_fraction_of_streamed_copy": statistics.median(vs_streamed),
+        "arena_reference_loop_fraction_of_memmove": statistics.median(reference),
         "arena_gb_per_s": best_arena["bytes_moved"] / best_arena["arena_s"] / 1e9,
         "memmove_gb_per_s": best_arena["bytes_moved"] / best_memmove / 1e9,
+        "arena_plan_seconds_median": statistics.median(row["arena_plan_s"] for row in rows),
         "arena_frag_before": best_arena["frag_before"],
         "arena_frag_after": best_arena["frag_after"],
         "layout_planner_seconds": min(row["layout_planner_s"] for row in rows),
@@ -230,9 +262,14 @@ def main() -> None:
     examples = planner_examples()
     print(f"arena compaction, {args.arena_mib} MiB host arena, {args.rounds} rounds")
     figures = bench_arena(args.arena_mib << 20, args.rounds)
-    print(f"\narena compaction throughput = {figures['arena_fraction_of_memmove']:.2f} x numpy memmove "
-          f"(best of {args.rounds}; median of ratios {figures['arena_fraction_of_memmove_median']:.2f}); "
-          f"Layout planner on the same arena: {figures['layout_planner_seconds'] * 1e3:.0f} ms")
+    low, high = figures["arena_fraction_of_memmove_spread"]
+    print(f"\narena compaction throughput = {figures['arena_fraction_of_memmove']:.2f} x libc memmove of the "
+          f"same bytes (median of {args.rounds} per-round ratios, {low:.2f}-{high:.2f}; best vs best "
+          f"{figures['arena_fraction_of_memmove_best']:.2f}); {figures['arena_fraction_of_streamed_copy']:.2f} x "
+          f"one streamed copy of the same bytes; run-by-run reference loop "
+          f"{figures['arena_reference_loop_fraction_of_memmove']:.2f} x memmove; compiled path "
+          f"{'on' if figures['native'] else 'OFF (library not built)'}; Layout planner on the same arena: "
+          f"{figures['layout_planner_seconds'] * 1e3:.0f} ms")
     if not args.no_live:
         figures.update(bench_live(args.live_mib << 20, args.live_tensors, args.rounds))
     figures["planner_field_full_gb_moved"] = examples["planner_field_full_gb_moved"]

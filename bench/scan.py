@@ -2,7 +2,15 @@
 
 CPU demo model: a small GPT (2 layers, hidden 64, 4 heads, seq 32, batch 8) trained with
 ``Model.train`` in PyNative mode. Runs alternate without / with ``LayoutScanCallback(every=100)``
-(shadow-model source, the one CPU has) so machine noise hits both alike.
+so machine noise hits both alike, for two sources:
+
+* the shadow model (this process);
+* the real pool followed live from its log (``pool-log``, a child process started with
+  ``--pool-log-child``: the log must be switched on before ``import mindspore``). Its cost has
+  two parts: MindSpore writing one line per pool call, on every step whether scanned or not
+  (``log_cost_pct``: the child's median step time without the callback against this
+  process's), and reading them (``overhead_pct`` of the child, as below: the callback's
+  per-step poll of the new lines plus the scan).
 
 overhead_pct = (scan_seconds / every + per-step cost) / step time * 100, where the per-step
 cost is what the callback adds on every step (its forward hooks and its step-end
@@ -14,12 +22,18 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if __name__ == "__main__" and "--pool-log-child" in sys.argv:
+    from ms_memopt import poolcapture  # noqa: E402
+
+    poolcapture.start(Path(tempfile.mkdtemp(prefix="scan-bench-")) / poolcapture.LOG_NAME)
 
 import numpy as np  # noqa: E402
 import mindspore as ms  # noqa: E402
@@ -137,30 +151,58 @@ def run(with_scan: bool, log_dir: Path) -> tuple[list[float], list[float], list[
     return steps, plain, scans
 
 
-def main() -> None:
+def _measure() -> dict:
     base_steps, base_plain, cb_steps, cb_plain, scans = [], [], [], [], []
+    sources = set()
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(ROUNDS):
             s, p, _ = run(False, Path(tmp))
             base_steps += s; base_plain += p
             s, p, sc = run(True, Path(tmp) / f"r{round_}")
             cb_steps += s; cb_plain += p; scans += sc
+            sources |= {line.split('"source":"')[1].split('"')[0]
+                        for line in (Path(tmp) / f"r{round_}" / "rank_0" / "scan.jsonl").read_text().splitlines()
+                        if '"source":"' in line}
     step_time = statistics.median(base_plain)
     per_step = (_spent["hook"] + _spent["step_end"]) / max(1, len(cb_steps) + 5 * ROUNDS)
     scan_seconds = statistics.median(scans)
-    overhead_pct = (scan_seconds / EVERY + per_step) / step_time * 100
-    ab_pct = (statistics.median(cb_plain) / step_time - 1) * 100
-    print(f"CPU demo GPT: {LAYERS} layers, hidden {HIDDEN}, seq {SEQ}, batch {BATCH}; {STEPS} steps x {ROUNDS} rounds")
+    return {"source": ",".join(sorted(sources)), "scan_seconds": scan_seconds,
+            "overhead_pct": (scan_seconds / EVERY + per_step) / step_time * 100,
+            "ab_overhead_pct": (statistics.median(cb_plain) / step_time - 1) * 100,
+            "step_seconds": step_time, "cb_step_seconds": statistics.median(cb_plain),
+            "per_step_seconds": per_step, "scans": len(scans)}
+
+
+def _table(name: str, m: dict) -> None:
+    print(f"-- source {m['source']} ({name})")
     print(f"{'figure':<38}{'value':>14}")
-    print(f"{'step time (median, no callback)':<38}{step_time * 1e3:>11.2f} ms")
-    print(f"{'step time (median, callback, no scan)':<38}{statistics.median(cb_plain) * 1e3:>11.2f} ms")
-    print(f"{'per-step cost of callback + hooks':<38}{per_step * 1e6:>11.1f} us")
-    print(f"{'scan cost per call (median of %d)' % len(scans):<38}{scan_seconds * 1e3:>11.3f} ms")
-    print(f"{'overhead at every=%d' % EVERY:<38}{overhead_pct:>12.3f} %")
-    print(f"{'A/B median step time difference':<38}{ab_pct:>12.3f} %")
-    print(json.dumps({"scan_seconds": scan_seconds, "overhead_pct": overhead_pct, "ab_overhead_pct": ab_pct,
-                      "step_seconds": step_time, "per_step_seconds": per_step, "every": EVERY,
-                      "scans": len(scans), "steps": STEPS, "rounds": ROUNDS}))
+    print(f"{'step time (median, no callback)':<38}{m['step_seconds'] * 1e3:>11.2f} ms")
+    print(f"{'step time (median, callback, no scan)':<38}{m['cb_step_seconds'] * 1e3:>11.2f} ms")
+    print(f"{'per-step cost of callback + hooks':<38}{m['per_step_seconds'] * 1e6:>11.1f} us")
+    print(f"{'scan cost per call (median of %d)' % m['scans']:<38}{m['scan_seconds'] * 1e3:>11.3f} ms")
+    print(f"{'overhead at every=%d' % EVERY:<38}{m['overhead_pct']:>12.3f} %")
+    print(f"{'A/B median step time difference':<38}{m['ab_overhead_pct']:>12.3f} %")
+
+
+def main() -> None:
+    if "--pool-log-child" in sys.argv:
+        print(json.dumps(_measure()))
+        return
+    shadow = _measure()
+    child = subprocess.run([sys.executable, __file__, "--pool-log-child"], capture_output=True, text=True)
+    if child.returncode != 0:
+        raise SystemExit(f"pool-log child failed:\n{child.stderr[-3000:]}")
+    pool_log = json.loads(child.stdout.strip().splitlines()[-1])
+    log_cost_pct = (pool_log["step_seconds"] / shadow["step_seconds"] - 1) * 100
+    print(f"CPU demo GPT: {LAYERS} layers, hidden {HIDDEN}, seq {SEQ}, batch {BATCH}; {STEPS} steps x {ROUNDS} rounds")
+    _table("this process", shadow)
+    _table("child process with VLOG_v=12906", pool_log)
+    print(f"{'pool log writing (step time vs above)':<38}{log_cost_pct:>12.3f} %")
+    out = {key: shadow[key] for key in ("scan_seconds", "overhead_pct", "ab_overhead_pct", "step_seconds",
+                                        "per_step_seconds", "scans")}
+    out.update({"every": EVERY, "steps": STEPS, "rounds": ROUNDS, "source": shadow["source"],
+                "pool_log": dict(pool_log, log_cost_pct=log_cost_pct)})
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from . import native
 from .compaction.planner import cheapest_window, run_bounds, slide_targets
 from .layout import Block, Layout, Segment
 from .metrics import frag_ratio
@@ -78,13 +79,31 @@ class NumpyBackend:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = int(capacity)
-        self.buffer = np.zeros(self.capacity, dtype=np.uint8)
+        # cache-line aligned (numpy gives 16 bytes): runs of a 64-aligned arena then start and
+        # end on cache lines, which the streaming copy of move_runs writes whole
+        raw = np.zeros(self.capacity + 64, dtype=np.uint8)
+        start = -raw.ctypes.data % 64
+        self.buffer = raw[start:start + self.capacity]
         self._base = self.buffer.ctypes.data
 
     def move(self, src: int, dst: int, nbytes: int) -> None:
         if src < 0 or dst < 0 or nbytes < 0 or src + nbytes > self.capacity or dst + nbytes > self.capacity:
             raise IndexError(f"move of {nbytes} bytes {src:#x} -> {dst:#x} leaves the arena")
         ctypes.memmove(self._base + dst, self._base + src, nbytes)
+
+    def move_runs(self, src: np.ndarray, dst: np.ndarray, size: np.ndarray) -> bool:
+        """Every run in one compiled call (:func:`ms_memopt.native.move_runs`: the same bytes
+        as :meth:`move` run by run, large compactions streamed past the cache). Returns
+        ``False``, having moved nothing, when that path is unavailable (library not built, or
+        a subclass overrides :meth:`move`, whose per-run behaviour then stands); the caller
+        then moves run by run. All or nothing: bounds are checked before the first byte."""
+        if not native.available() or type(self).move is not NumpyBackend.move:
+            return False
+        if len(src) and (min(src.min(), dst.min(), size.min()) < 0
+                         or max((src + size).max(), (dst + size).max()) > self.capacity):
+            raise IndexError("a compaction run leaves the arena")
+        native.move_runs(self._base, src, dst, size)
+        return True
 
     def view(self, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
         return self.buffer[offset:offset + nbytes].view(dtype).reshape(shape)
@@ -288,9 +307,9 @@ class Arena:
         moving = np.flatnonzero(targets != addrs)
         src, dst, size = addrs[moving], targets[moving], spans[moving]
         starts, stops = run_bounds(src, dst, size)
-        run_src = src[starts].tolist()
-        run_dst = dst[starts].tolist()
-        run_size = (src[stops - 1] + size[stops - 1] - src[starts]).tolist()
+        run_src_array = src[starts]
+        run_dst_array = dst[starts]
+        run_size_array = src[stops - 1] + size[stops - 1] - run_src_array
         moved_handles = [handles[i] for i in moving.tolist()]
         new_offsets = dst.tolist()
         run_stops = stops.tolist()
@@ -299,13 +318,19 @@ class Arena:
         t1 = time.perf_counter()
         done = 0   # runs whose copy completed
         try:
-            move = self.backend.move
             hook = self.after_run
-            for index in range(len(run_stops)):
-                move(run_src[index], run_dst[index], run_size[index])
-                done = index + 1
-                if hook is not None:
-                    hook(index, len(run_stops))
+            move_runs = getattr(self.backend, "move_runs", None)
+            # one compiled call when nobody watches between runs (it cannot stop half way)
+            if hook is None and move_runs is not None and move_runs(run_src_array, run_dst_array, run_size_array):
+                done = len(run_stops)
+            else:
+                move = self.backend.move
+                run_src, run_dst, run_size = run_src_array.tolist(), run_dst_array.tolist(), run_size_array.tolist()
+                for index in range(len(run_stops)):
+                    move(run_src[index], run_dst[index], run_size[index])
+                    done = index + 1
+                    if hook is not None:
+                        hook(index, len(run_stops))
         finally:
             # commit, before anyone sees the handles: exactly the runs whose bytes are complete
             # at their destination get their new offsets
@@ -317,7 +342,7 @@ class Arena:
                 self._set_holes(targets, spans)
             else:
                 self._rebuild_holes()
-        bytes_moved = sum(run_size)
+        bytes_moved = int(run_size_array.sum())
         t2 = time.perf_counter()
         return ArenaCompactionReport(
             free_total=free_total, largest_free_before=largest_before,

@@ -26,78 +26,18 @@ from pathlib import Path
 
 from .errors import InputError
 from .estimate import estimate
+from .memory_map import LayoutCollector
 from .recipe import Recipe, load_recipe
-from .report import LayoutSnapshot, build_report, write_layouts
+from .report import build_report, write_layouts
 from .simulate import POLICIES, config_from_recipe, simulate
 from .units import format_size
-from .workload import WATCH_TAG, spec_from_recipe
+from .workload import spec_from_recipe
 
-__all__ = ["LayoutCollector", "main", "simulated_layouts"]
+__all__ = ["main"]
 
 _REPO = Path(__file__).resolve().parents[1]
 CPU_RECIPE = _REPO / "recipes" / "demo_cpu.yaml"
 BIG_RECIPE = _REPO / "recipes" / "dense_100b_1024x910c.yaml"
-
-
-class LayoutCollector:
-    """An ``on_watch`` hook of :func:`ms_memopt.simulate.simulate`: keeps the layout just before
-    the first watched request (the AllReduce bucket) of each of ``steps``, per policy of
-    ``policies`` and seed ``seed``, and the layout at an OOM whenever it happens.
-
-    Example:
-        >>> from ms_memopt.simulate import SimConfig, simulate
-        >>> from ms_memopt.workload import WorkloadSpec
-        >>> collector = LayoutCollector([1, 2], policies=("baseline",))
-        >>> _ = simulate(WorkloadSpec(enabled=False), SimConfig(steps=2), policies=("baseline",), on_watch=collector)
-        >>> [snap.label for snap in collector.snapshots()]
-        ['baseline step 1', 'baseline step 2']
-    """
-
-    def __init__(self, steps: list[int], *, policies: tuple[str, ...] = ("baseline", "pool"),
-                 seed: int = 0) -> None:
-        self.steps = set(steps)
-        self.policies = tuple(policies)
-        self.seed = seed
-        self._taken: dict[tuple[str, int], LayoutSnapshot] = {}
-        self._oom: dict[str, LayoutSnapshot] = {}
-
-    def __call__(self, point) -> None:
-        if point.policy not in self.policies or point.seed != self.seed:
-            return
-        if point.kind == "oom":
-            event = point.event
-            self._oom[point.policy] = LayoutSnapshot(
-                point.step, f"{point.policy} step {point.step}: OOM ({event.tag} {format_size(event.size)})",
-                point.layout())
-        elif point.step in self.steps and (point.policy, point.step) not in self._taken:
-            self._taken[point.policy, point.step] = LayoutSnapshot(
-                point.step, f"{point.policy} step {point.step}", point.layout())
-
-    def snapshots(self) -> list[LayoutSnapshot]:
-        """Per policy (in the order given) by step, each policy's OOM last."""
-        out = []
-        for policy in self.policies:
-            out += [snap for (p, _), snap in sorted(self._taken.items(), key=lambda kv: kv[0][1]) if p == policy]
-            if policy in self._oom:
-                out.append(self._oom[policy])
-        return out
-
-
-def simulated_layouts(recipe: Recipe, steps: list[int], *, policies: tuple[str, ...] = ("baseline", "pool"),
-                      seed: int = 0) -> list[LayoutSnapshot]:
-    """The simulated pool just before the watched request (the AllReduce bucket) of each of
-    ``steps``, per policy; a policy that runs out of memory first contributes its layout at the
-    OOM. One run of :func:`ms_memopt.simulate.simulate` up to the last step, collected by a
-    :class:`LayoutCollector` (``make demo`` hooks the collector into its main simulation instead).
-    """
-
-    spec = spec_from_recipe(recipe)
-    cfg = config_from_recipe(recipe, steps=max(steps))
-    # the workload tags its gradient bucket WATCH_TAG whatever the recipe calls its watched request
-    cfg.watch.setdefault(WATCH_TAG, spec.allreduce_bytes)
-    collector = LayoutCollector(steps, policies=policies, seed=seed)
-    simulate(spec, cfg, policies=tuple(policies), seeds=[seed], on_watch=collector)
-    return collector.snapshots()
 
 
 def _section(markdown: str, folder: str) -> list[str]:
@@ -143,11 +83,14 @@ def _demo(args: argparse.Namespace) -> int:
         if not check.fits:
             raise InputError(f"needs {format_size(check.needed)}, {format_size(check.available)} available",
                              source=str(CPU_RECIPE))
+        from . import poolcapture
+
+        run_dir = out / "run"
+        poolcapture.start(run_dir / poolcapture.LOG_NAME)   # scans of the real CPU pool: before MindSpore
         from .mindspore.standalone import (
             run_standalone,  # MindSpore is imported only here
         )
 
-        run_dir = out / "run"
         result = run_standalone(recipe, run_dir, device="cpu", steps=args.run_steps, progress=sys.stderr.isatty())
         (run_dir / "plan.json").write_text(json.dumps(estimate(recipe).to_dict()), encoding="utf-8")
         build_report(run_dir, title=f"Training {CPU_RECIPE.name} on CPU")

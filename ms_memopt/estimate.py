@@ -35,7 +35,9 @@ from .recipe import DTYPE_BYTES, ModelConfig, Recipe, RecomputeConfig
 __all__ = [
     "REGIONS", "NOTHING_FITS", "StageEstimate", "Estimate", "estimate", "zero_model_state_bytes",
     "korthikanti_layer_activation_bytes", "layer_activation_bytes", "layer_input_bytes",
-    "layer_params", "embedding_params", "output_layer_params", "model_params", "stage_params",
+    "layer_params", "attention_params", "expert_params", "embedding_params", "output_layer_params",
+    "model_params", "stage_params", "stage_param_split", "StageParams", "in_flight_chunks", "logits_bytes",
+    "routed_tokens", "alltoall_bytes", "routed_activation_bytes", "stage_moe_layers",
     "in_flight_micro_batches", "stage_activation_bytes", "recompute_group_bytes", "communication_bytes",
     "FUSION_BUCKET",
 ]
@@ -103,10 +105,38 @@ def korthikanti_layer_activation_bytes(seq: int, micro_batch: int, hidden: int, 
 # parameters
 # ---------------------------------------------------------------------------------------------
 
-def layer_params(model: ModelConfig) -> int:
-    """Parameters of one Transformer layer (unsharded): Q, K, V, O projections (K and V
-    ``n_kv_heads`` wide: grouped-query attention), the FFN (three matrices when gated, SwiGLU;
-    two otherwise) and two norms. Biases are not counted (LLaMA has none).
+def attention_params(model: ModelConfig) -> int:
+    """Attention weights of one layer (unsharded): Q, K, V, O projections, K and V
+    ``n_kv_heads`` wide (grouped-query attention); with MLA (:class:`~ms_memopt.recipe.MlaConfig`)
+    the low-rank Q path (``q_lora_rank``), the KV latent (``kv_lora_rank`` + the shared RoPE key),
+    its up-projection to per-head keys and values, their norms, and O."""
+    h, a = model.hidden_size, model.num_heads
+    mla = model.mla
+    if mla is None:
+        q = a * model.head_dim
+        return 2 * h * q + 2 * h * model.kv_size
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    query = (h * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * a * qk) if mla.q_lora_rank else h * a * qk
+    kv = h * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank \
+        + mla.kv_lora_rank * a * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return query + kv + a * mla.v_head_dim * h
+
+
+def _ffn_params(model: ModelConfig, width: int) -> int:
+    return (3 if model.ffn_gated else 2) * model.hidden_size * width
+
+
+def expert_params(model: ModelConfig) -> int:
+    """Weights of one routed expert (0 for a dense model)."""
+    return 0 if model.moe is None else _ffn_params(model, model.moe.expert_ffn)
+
+
+def layer_params(model: ModelConfig, layer: int | None = None) -> int:
+    """Parameters of one Transformer layer (unsharded): attention (:func:`attention_params`),
+    the FFN (three matrices when gated, SwiGLU; two otherwise) and two norms. Biases are not
+    counted (LLaMA has none). With MoE, layer ``layer`` (0-based; ``None``: a dense layer) is a
+    MoE layer when ``MoeConfig`` says so: the router, every routed expert and the shared experts
+    instead of the dense FFN.
 
     Example:
         >>> from ms_memopt.recipe import recipe_from_dict
@@ -115,10 +145,32 @@ def layer_params(model: ModelConfig) -> int:
         >>> layer_params(m)          # LLaMA-7B layer
         202383360
     """
-    h, kv, f = model.hidden_size, model.kv_size, model.intermediate_size
-    attention = 2 * h * h + 2 * h * kv
-    ffn = (3 if model.ffn_gated else 2) * h * f
-    return attention + ffn + 2 * h
+    dense, experts = _layer_split(model, _is_moe_layer(model, layer), 1, 1)
+    return int(dense + experts)
+
+
+def _layer_split(model: ModelConfig, moe_layer: bool, t: int, ep: int) -> tuple[float, float]:
+    """One card's share of one layer: (weights split by ``t`` + replicated norms, routed
+    experts split by ``ep``)."""
+    h = model.hidden_size
+    if moe_layer:
+        moe = model.moe
+        split = attention_params(model) + h * moe.num_experts + _ffn_params(model, moe.shared_ffn)
+        return split / t + 2 * h, moe.num_experts / ep * expert_params(model)
+    return (attention_params(model) + _ffn_params(model, model.intermediate_size)) / t + 2 * h, 0.0
+
+
+def _is_moe_layer(model: ModelConfig, layer: int | None) -> bool:
+    moe = model.moe
+    return moe is not None and layer is not None and moe.moe_layers_below(layer + 1) > moe.moe_layers_below(layer)
+
+
+def _mtp_split(model: ModelConfig, t: int, ep: int) -> tuple[float, float]:
+    """One multi-token-prediction layer, per card: a Transformer layer like the last one, the
+    projection of [embedding; hidden] (``2h x h``, split by ``t``) and three norms."""
+    h = model.hidden_size
+    dense, experts = _layer_split(model, _is_moe_layer(model, model.num_layers - 1), t, ep)
+    return dense + 2 * h * h / t + 3 * h, experts
 
 
 def embedding_params(model: ModelConfig) -> int:
@@ -133,33 +185,75 @@ def output_layer_params(model: ModelConfig) -> int:
 
 
 def model_params(model: ModelConfig) -> int:
-    """All parameters of the model (unsharded).
+    """All parameters of the model (unsharded), MTP layers included.
 
-    Example: MindFormers' LLaMA-2 70B config gives about 6.9e10.
+    Example: MindFormers' LLaMA-2 70B config gives about 6.9e10; DeepSeek-V3 about 6.8e11.
     """
-    return model.num_layers * layer_params(model) + embedding_params(model) + output_layer_params(model)
+    moe_layers = 0 if model.moe is None else model.moe.moe_layers_below(model.num_layers)
+    dense, moe = sum(_layer_split(model, False, 1, 1)), sum(_layer_split(model, True, 1, 1)) if moe_layers else 0.0
+    total = (model.num_layers - moe_layers) * dense + moe_layers * moe
+    return int(total + model.mtp_layers * sum(_mtp_split(model, 1, 1))) + embedding_params(model) \
+        + output_layer_params(model)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one card of a pipeline stage holds, before ZeRO sharding: ``dense`` (split
+    by tensor parallel, replicated over data parallel) and ``experts`` (routed experts, split
+    by expert parallel, replicated over ``data_parallel x model_parallel / expert_parallel``)."""
+    dense: int
+    experts: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts
+
+
+def stage_param_split(recipe: Recipe) -> list[StageParams]:
+    """:class:`StageParams` of each pipeline stage.
+
+    Layer weights are split over tensor parallel (norms replicated); routed experts over expert
+    parallel only (MindFormers 2.x shards the expert weights by ``expert_parallel`` alone); the
+    embedding sits on the first stage (split over tensor parallel unless ``vocab_emb_dp``), the
+    output layer and the MTP layers on the last (with MTP and pipeline parallel, also a copy of
+    the embedding, which MTP reads). ``memopt.params`` rescales every stage so the model totals
+    that count.
+    """
+    model, par = recipe.model, recipe.parallel
+    t, ep, p = par.model_parallel, par.expert_parallel, par.pipeline_stage
+    h = model.hidden_size
+    moe = model.moe
+    dense_layer = _layer_split(model, False, t, ep)
+    moe_layer = _layer_split(model, True, t, ep) if moe is not None else dense_layer
+    emb = embedding_params(model) / (1 if par.vocab_emb_dp else t)
+    out = (output_layer_params(model) - h) / t + h
+    chunks = recipe.chunk_layers()
+    counts = []
+    for stage in range(p):
+        dense, experts = 0.0, 0.0
+        for c, row in enumerate(chunks):
+            n = row[stage]
+            first = recipe.chunk_first_layer(stage, c)
+            moe_n = 0 if moe is None else moe.moe_layers_below(first + n) - moe.moe_layers_below(first)
+            dense += (n - moe_n) * dense_layer[0] + moe_n * moe_layer[0]
+            experts += moe_n * moe_layer[1]
+        counts.append([dense, experts])
+    counts[0][0] += emb
+    counts[-1][0] += out
+    if model.mtp_layers:
+        mtp_dense, mtp_experts = _mtp_split(model, t, ep)
+        counts[-1][0] += model.mtp_layers * mtp_dense + (emb if p > 1 else 0)
+        counts[-1][1] += model.mtp_layers * mtp_experts
+    if recipe.memopt.params is not None:
+        scale = recipe.memopt.params / model_params(model)
+        counts = [[d * scale, e * scale] for d, e in counts]
+    return [StageParams(int(round(d)), int(round(e))) for d, e in counts]
 
 
 def stage_params(recipe: Recipe) -> list[int]:
-    """Parameters held by one card of each pipeline stage, before ZeRO sharding.
-
-    Layer weights are split over tensor parallel (norms replicated); the embedding sits on the
-    first stage (split over tensor parallel unless ``vocab_emb_dp``), the output layer on the
-    last. ``memopt.params`` rescales every stage so the model totals that count.
-    """
-    model, t = recipe.model, recipe.parallel.model_parallel
-    norms = 2 * model.hidden_size
-    per_layer = (layer_params(model) - norms) / t + norms
-    emb = embedding_params(model) / (1 if recipe.parallel.vocab_emb_dp else t)
-    out = (output_layer_params(model) - model.hidden_size) / t + model.hidden_size
-    layers = recipe.stage_layers()
-    counts = [n * per_layer for n in layers]
-    counts[0] += emb
-    counts[-1] += out
-    if recipe.memopt.params is not None:
-        scale = recipe.memopt.params / model_params(model)
-        counts = [c * scale for c in counts]
-    return [int(round(c)) for c in counts]
+    """Parameters held by one card of each pipeline stage, before ZeRO sharding
+    (:func:`stage_param_split`, dense and expert together)."""
+    return [s.total for s in stage_param_split(recipe)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,14 +262,16 @@ def stage_params(recipe: Recipe) -> list[int]:
 
 def layer_input_bytes(model: ModelConfig, *, seq: int, micro_batch: int, tensor_parallel: int = 1,
                       sequence_parallel: bool = False) -> int:
-    """What a fully recomputed layer keeps: its input, ``2sbh`` (``/t`` with sequence parallel)."""
-    nbytes = DTYPE_BYTES[model.compute_dtype] * seq * micro_batch * model.hidden_size
+    """What a fully recomputed layer keeps: its input, ``2sbh`` (``/t`` with sequence parallel;
+    ``4sbh`` with ``fp32_residual_connection``)."""
+    width = 4 if model.fp32_residual else DTYPE_BYTES[model.compute_dtype]
+    nbytes = width * seq * micro_batch * model.hidden_size
     return nbytes // tensor_parallel if sequence_parallel else nbytes
 
 
 def layer_activation_bytes(model: ModelConfig, *, seq: int, micro_batch: int, tensor_parallel: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
-                           comm_kept: bool = False) -> int:
+                           comm_kept: bool = False, moe_layer: bool = False) -> int:
     """Activation bytes one layer keeps for one micro-batch on one card.
 
     Korthikanti et al.'s per-element count, generalized to the shapes real configs use; for a
@@ -196,6 +292,15 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, micro_batch: int, te
     input (:func:`layer_input_bytes`). ``comm_kept``: with sequence parallel, the all-gathered
     QKV and FFN inputs are kept whole (no communication recompute), adding ``4h (1 - 1/t)``.
 
+    Attention widths follow the heads: Q and the attention output are ``a x head_dim`` wide
+    (``h`` unless ``head_dim`` says otherwise); with MLA, Q and K are ``a (nope + rope)``, V and
+    the output ``a v_head_dim``, and the low-rank latents (``q_lora_rank``, ``kv_lora_rank +
+    rope``) sit outside the tensor-parallel region. ``moe_layer``: the FFN is the shared experts
+    (inside, their width) plus the routed part, outside the tensor-parallel region (split by t
+    only with sequence parallel): per token ``top_k`` copies of the dispatched input and of the
+    expert output (h each) and the expert's four ``expert_ffn``-wide tensors, and the FP32 router
+    logits and probabilities (8 bytes per expert).
+
     Example (GPT-3 175B layer, s 2048, TP 8 + SP, selective): 34 sbh / t bytes, 102 MiB.
     """
     s, b, t = seq, micro_batch, tensor_parallel
@@ -203,12 +308,27 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, micro_batch: int, te
         return layer_input_bytes(model, seq=s, micro_batch=b, tensor_parallel=t, sequence_parallel=sequence_parallel)
     if recompute not in ("none", "selective"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
-    h, a, f, kv = model.hidden_size, model.num_heads, model.intermediate_size, model.kv_size
+    h, a, kv = model.hidden_size, model.num_heads, model.kv_size
     c = DTYPE_BYTES[model.compute_dtype]
     norm = DTYPE_BYTES[model.layernorm_compute_type]
     masks = 2 * h if model.hidden_dropout else 0
     outside = 2 * norm * h + c * h + c * h + masks
-    inside = c * h + 2 * c * kv + c * h + (4 if model.ffn_gated else 2) * c * f
+    gate = 4 if model.ffn_gated else 2
+    if model.mla is None:
+        q = out = a * model.head_dim
+        k = v = kv
+    else:
+        mla = model.mla
+        q = k = a * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        v = out = a * mla.v_head_dim
+        outside += c * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim)
+    inside = c * (q + k + v + out)
+    moe = model.moe
+    if moe_layer and moe is not None:
+        inside += gate * c * moe.shared_ffn
+        outside += _routed_per_token(model)
+    else:
+        inside += gate * c * model.intermediate_size
     if model.use_flash_attention:
         inside += 4 * a
     elif recompute == "none":
@@ -219,10 +339,68 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, micro_batch: int, te
     return int(round(per_token * s * b))
 
 
+def _routed_per_token(model: ModelConfig) -> int:
+    """Routed bytes one token keeps in a MoE layer: ``top_k`` copies of the dispatched input and
+    of the expert output (h each) and the expert's four ``expert_ffn``-wide tensors, plus the FP32
+    router logits and probabilities (8 bytes per expert)."""
+    moe, c = model.moe, DTYPE_BYTES[model.compute_dtype]
+    return moe.top_k * c * (2 * model.hidden_size + 4 * moe.expert_ffn) + 8 * moe.num_experts
+
+
+def routed_activation_bytes(recipe: Recipe) -> int:
+    """The routed part of one MoE layer's activations for one micro-batch at the balanced load
+    (included in :func:`layer_activation_bytes` with ``moe_layer``); 0 for a dense model."""
+    model, par = recipe.model, recipe.parallel
+    if model.moe is None:
+        return 0
+    tokens = model.seq_length * recipe.train.batch_size
+    if par.use_seq_parallel:
+        tokens /= par.model_parallel
+    return int(round(tokens * _routed_per_token(model)))
+
+
+def stage_moe_layers(recipe: Recipe, stage: int) -> tuple[int, ...]:
+    """Indices (0-based, in execution order: chunk after chunk) of the stage's MoE layers."""
+    model = recipe.model
+    if model.moe is None:
+        return ()
+    out, local = [], 0
+    for c, row in enumerate(recipe.chunk_layers()):
+        first = recipe.chunk_first_layer(stage, c)
+        for j in range(row[stage]):
+            if _is_moe_layer(model, first + j):
+                out.append(local)
+            local += 1
+    return tuple(out)
+
+
 def in_flight_micro_batches(stage: int, pipeline_stages: int, micro_batches: int) -> int:
     """Micro-batches whose activations stage ``stage`` (0-based) holds at its peak under 1F1B:
     ``min(m, p - stage)``; the first stage holds ``p`` (Narayanan et al. 2021)."""
     return max(1, min(micro_batches, pipeline_stages - stage))
+
+
+def in_flight_chunks(stage: int, pipeline_stages: int, micro_batches: int, chunks: int = 1) -> list[int]:
+    """Micro-batches each interleaved chunk of ``stage`` holds at its peak.
+
+    One chunk: :func:`in_flight_micro_batches`. With ``chunks = v > 1`` (interleaved 1F1B,
+    MindFormers' ``pp_interleave_num``), the stage runs ``2 (p - stage - 1) + (v - 1) p + 1``
+    chunk forwards before its first backward (Narayanan et al. 2021, at most ``m v``), ``p`` at
+    a time per chunk in turn; so the first stage holds ``1 + (p - 1)/(p v)`` times the
+    activations of plain 1F1B.
+
+    Example:
+        >>> in_flight_chunks(0, 8, 32, 2)        # 23 chunk forwards, 8 per chunk in turn
+        [15, 8]
+    """
+    p, m, v = pipeline_stages, micro_batches, chunks
+    if v <= 1:
+        return [in_flight_micro_batches(stage, p, m)]
+    forwards = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+    counts = [0] * v
+    for k in range(forwards):
+        counts[(k // p) % v] += 1
+    return counts
 
 
 @dataclass(frozen=True)
@@ -287,46 +465,118 @@ def stage_activation_bytes(recipe: Recipe, stage: int, *, checkpoint_every: int 
     so the sums are counts times those amounts.
     """
     model, par, rc = recipe.model, recipe.parallel, recipe.recompute
-    n = recipe.stage_layers()[stage] if layers is None else layers
     k = checkpoint_every if checkpoint_every is not None else recipe.memopt.checkpoint_every
-    full = RecomputeConfig.layers(rc.recompute, stage, n)
-    selective = RecomputeConfig.layers(rc.select_recompute, stage, n)
-    comm = n if rc.mp_comm_recompute else RecomputeConfig.layers(rc.select_comm_recompute, stage, n)
+    chunk_rows = recipe.chunk_layers()
+    held = in_flight_chunks(stage, par.pipeline_stage, par.micro_batch_num, len(chunk_rows))
     shape = dict(seq=model.seq_length, micro_batch=recipe.train.batch_size,
                  tensor_parallel=par.model_parallel, sequence_parallel=par.use_seq_parallel)
-    # layer j keeps one of four amounts: selective (j < selective) or not, comm inputs kept (j >= comm) or not
-    kept_sum, kept_max, group_max = 0, None, 0
-    for is_selective, selective_range in ((True, (0, selective)), (False, (selective, n))):
-        for is_comm_kept, comm_range in ((True, (comm, n)), (False, (0, comm))):
-            kind = (max(selective_range[0], comm_range[0]), min(selective_range[1], comm_range[1]))
-            if kind[1] <= kind[0]:
-                continue
-            amount = layer_activation_bytes(model, **shape, recompute="selective" if is_selective else "none",
-                                            comm_kept=is_comm_kept)
-            kept_max = amount if kept_max is None else max(kept_max, amount)
-            if _overlap(kind, (full, n)):
-                kept_sum += amount * _overlap(kind, (full, n))
-                group_max = max(group_max, amount)
     inp = layer_input_bytes(model, **shape)
-    m = in_flight_micro_batches(stage, par.pipeline_stage, par.micro_batch_num)
-    grouped = n - full if k is not None else 0
-    if grouped > 0:
-        total = m * full * inp + recompute_group_bytes(grouped, k, group_max, inp, micro_batches=m)
-        recomputed = n
-    else:
-        total = m * (full * inp + kept_sum)
-        if full == n and kept_max is not None:
-            total += kept_max - inp
-        recomputed = full
+    amounts: dict[tuple[bool, bool, bool], int] = {}
+
+    def amount(is_selective: bool, is_comm_kept: bool, is_moe: bool) -> int:
+        key = (is_selective, is_comm_kept, is_moe)
+        if key not in amounts:
+            amounts[key] = layer_activation_bytes(model, **shape, recompute="selective" if is_selective else "none",
+                                                  comm_kept=is_comm_kept, moe_layer=is_moe)
+        return amounts[key]
+
+    total = 0.0
+    regenerate = 0          # what the backward regenerates on top, once (the largest of the chunks)
+    recomputed = selective_total = 0
+    for c, row in enumerate(chunk_rows):
+        n = row[stage]
+        if n <= 0:
+            continue
+        m = held[c]
+        first = recipe.chunk_first_layer(stage, c)
+        full = RecomputeConfig.layers(rc.recompute, stage, n, c)
+        selective = RecomputeConfig.layers(rc.select_recompute, stage, n, c)
+        comm = n if rc.mp_comm_recompute else RecomputeConfig.layers(rc.select_comm_recompute, stage, n, c)
+        # layer j keeps one of eight amounts: selective (j < selective) or not, comm inputs kept
+        # (j >= comm) or not, MoE layer or not; each a range, so the sums are counts x amounts
+        kept_sum, kept_max, group_max = 0, None, 0
+        for is_selective, sel_range in ((True, (0, selective)), (False, (selective, n))):
+            for is_comm_kept, comm_range in ((True, (comm, n)), (False, (0, comm))):
+                kind = (max(sel_range[0], comm_range[0]), min(sel_range[1], comm_range[1]))
+                if kind[1] <= kind[0]:
+                    continue
+                for is_moe in (False, True):
+                    count_in = _moe_count(model, first, kind, is_moe)
+                    if not count_in:
+                        continue
+                    value = amount(is_selective, is_comm_kept, is_moe)
+                    kept_max = value if kept_max is None else max(kept_max, value)
+                    lo, hi = max(kind[0], full), kind[1]
+                    kept = _moe_count(model, first, (lo, hi), is_moe) if hi > lo else 0
+                    if kept:
+                        kept_sum += value * kept
+                        group_max = max(group_max, value)
+        grouped = n - full if k is not None else 0
+        if grouped > 0:
+            total += m * full * inp + recompute_group_bytes(grouped, k, 0, inp, micro_batches=m)
+            regenerate = max(regenerate, min(k, grouped) * group_max)
+            recomputed += n
+        else:
+            total += m * (full * inp + kept_sum)
+            if full == n and kept_max is not None:
+                regenerate = max(regenerate, kept_max - inp)
+            recomputed += full
+        selective_total += selective
+    total += regenerate
     if stage == par.pipeline_stage - 1:
-        logits = model.seq_length * recipe.train.batch_size * model.vocab_size / par.model_parallel
-        total += logits * (DTYPE_BYTES[model.compute_dtype] + 4)
-    return _StageActivations(int(round(total * recipe.memopt.activation_factor)), recomputed, selective)
+        total += logits_bytes(recipe)
+        if model.mtp_layers:       # the MTP layers' own activations, recomputed like the stage's last
+            total += model.mtp_layers * held[-1] * (inp if rc.recompute else amount(False, False, model.moe is not None))
+    return _StageActivations(int(round(total * recipe.memopt.activation_factor)), recomputed, selective_total)
+
+
+def _moe_count(model: ModelConfig, first: int, span: tuple[int, int], is_moe: bool) -> int:
+    """How many layers of the chunk-local range ``span`` (the chunk starting at global layer
+    ``first``) are MoE layers (``is_moe``) or dense ones."""
+    n = span[1] - span[0]
+    if model.moe is None:
+        return 0 if is_moe else n
+    moe = model.moe.moe_layers_below(first + span[1]) - model.moe.moe_layers_below(first + span[0])
+    return moe if is_moe else n - moe
+
+
+def logits_bytes(recipe: Recipe) -> int:
+    """The last stage's LM head output for one micro-batch at the config's sequence length:
+    the logits in the compute dtype, their FP32 cast and the FP32 log-probabilities the loss
+    keeps for its backward, ``s b V / t x (c + 8)``; once more per MTP layer (each has its own
+    head pass and loss).
+
+    Example: Qwen3-32B's last stage (s 4096, V 151,936, t 4, BF16): 2.3 GiB.
+    """
+    model, par = recipe.model, recipe.parallel
+    per = model.seq_length * recipe.train.batch_size * model.vocab_size / par.model_parallel
+    return int(per * (DTYPE_BYTES[model.compute_dtype] + 8) * (1 + model.mtp_layers))
 
 
 # ---------------------------------------------------------------------------------------------
 # communication
 # ---------------------------------------------------------------------------------------------
+
+def routed_tokens(recipe: Recipe) -> int:
+    """Token copies one card sends to routed experts per MoE layer and micro-batch at the
+    balanced (mean) load: ``s b k`` (``/t`` with sequence parallel); 0 for a dense model."""
+    model, par = recipe.model, recipe.parallel
+    if model.moe is None:
+        return 0
+    tokens = model.seq_length * recipe.train.batch_size * model.moe.top_k
+    return tokens // par.model_parallel if par.use_seq_parallel else tokens
+
+
+def alltoall_bytes(recipe: Recipe, tokens: int | None = None) -> int:
+    """The MoE all-to-all's send and receive buffers (dispatch, then combine reuses them):
+    ``2 x tokens x h`` in the compute dtype, ``tokens`` the routed copies
+    (:func:`routed_tokens` unless given: the simulator varies it step to step)."""
+    model = recipe.model
+    if model.moe is None:
+        return 0
+    copies = routed_tokens(recipe) if tokens is None else tokens
+    return 2 * copies * model.hidden_size * DTYPE_BYTES[model.compute_dtype]
+
 
 def communication_bytes(recipe: Recipe, grad_bytes: int) -> dict[str, int]:
     """Communication buffers per card by kind; explicit ``memopt.communication`` values win.
@@ -334,7 +584,8 @@ def communication_bytes(recipe: Recipe, grad_bytes: int) -> dict[str, int]:
     Defaults: with data parallel, one fused gradient bucket of MindSpore's 64 MB fusion
     threshold (no larger than the gradients): AllReduce without ZeRO, ReduceScatter + AllGather
     with it; with pipeline parallel, send and receive buffers for one boundary activation in
-    each direction (``4 sbh`` bytes, ``/t`` with sequence parallel).
+    each direction (``4 sbh`` bytes, ``/t`` with sequence parallel); with MoE, the all-to-all
+    buffers (:func:`alltoall_bytes`).
     """
     par, mem, model = recipe.parallel, recipe.memopt, recipe.model
     cfg = mem.communication
@@ -347,6 +598,7 @@ def communication_bytes(recipe: Recipe, grad_bytes: int) -> dict[str, int]:
         "reduce_scatter_bucket": bucket if dp and mem.zero_stage >= 1 else 0,
         "allgather_bucket": bucket if dp and mem.zero_stage >= 1 else 0,
         "p2p_buffers": 2 * boundary if par.pipeline_stage > 1 else 0,
+        "alltoall_buffers": alltoall_bytes(recipe),
     }
     given = dataclasses.asdict(cfg)
     return {key: (given[key] if given[key] is not None else value) for key, value in defaults.items()}
@@ -439,30 +691,47 @@ def _shard(nbytes: float, ways: int, sharded: bool) -> int:
     return int(math.ceil(nbytes / ways)) if sharded else int(round(nbytes))
 
 
-def _stage_estimate(recipe: Recipe, stage: int, params: int, checkpoint_every: int | None,
+def _stage_estimate(recipe: Recipe, stage: int, params: StageParams, checkpoint_every: int | None,
                     layers: int) -> StageEstimate:
     model, par, mem = recipe.model, recipe.parallel, recipe.memopt
     d, z = par.data_parallel, mem.zero_stage
+    # ZeRO shards a parameter over its replicas: dense weights over data parallel, routed
+    # experts over data_parallel x model_parallel / expert_parallel
+    expert_ways = max(1, d * par.model_parallel // par.expert_parallel)
+
+    def sharded(per_param: float, stage_from: int) -> int:
+        return (_shard(params.dense * per_param, d, z >= stage_from)
+                + _shard(params.experts * per_param, expert_ways, z >= stage_from))
+
     p_dtype = model.param_init_type
-    param_bytes = _shard(params * DTYPE_BYTES[p_dtype], d, z >= 3)
-    grad_bytes = _shard(params * DTYPE_BYTES[mem.grad_dtype], d, z >= 2)
-    master = 4 * params if (mem.master_weights and DTYPE_BYTES[p_dtype] < 4) else 0
-    moment = params * DTYPE_BYTES[mem.optimizer_dtype]
-    states = {"master": _shard(master, d, z >= 1), "m": _shard(moment, d, z >= 1), "v": _shard(moment, d, z >= 1)}
+    # MindSpore's parallel optimizer stores the weights sharded too (gathered for the forward);
+    # its gradients are reduce-scattered to the shard, except the pipeline's accumulation
+    # buffer, which stays whole unless gradient_accumulation_shard
+    po = par.enable_parallel_optimizer
+    param_bytes = sharded(DTYPE_BYTES[p_dtype], 1 if po else 3)
+    grads_split = po and (par.pipeline_stage == 1 or par.gradient_accumulation_shard)
+    grad_bytes = sharded(DTYPE_BYTES[mem.grad_dtype], 1 if grads_split else 2)
+    master = 4 if (mem.master_weights and DTYPE_BYTES[p_dtype] < 4) else 0
+    moment = DTYPE_BYTES[mem.optimizer_dtype]
+    states = {"master": sharded(master, 1), "m": sharded(moment, 1), "v": sharded(moment, 1)}
+    if recipe.train.optimizer_swap:        # optimizer.swap: the states live in host memory
+        states = {name: 0 for name in states}
     acts = stage_activation_bytes(recipe, stage, checkpoint_every=checkpoint_every, layers=layers)
-    comm = communication_bytes(recipe, _shard(params * DTYPE_BYTES[mem.grad_dtype], d, False))
+    comm = communication_bytes(recipe, _shard(params.total * DTYPE_BYTES[mem.grad_dtype], d, False))
     regions = {"parameters": param_bytes, "gradients": grad_bytes, "optimizer": sum(states.values()),
                "activations": acts.bytes, "communication": sum(comm.values()), "workspace": mem.workspace}
     return StageEstimate(stage=stage, layers=layers,
-                         in_flight=in_flight_micro_batches(stage, par.pipeline_stage, par.micro_batch_num),
-                         params=params, recomputed_layers=acts.recomputed_layers, regions=regions,
+                         in_flight=sum(in_flight_chunks(stage, par.pipeline_stage, par.micro_batch_num,
+                                                        model.pp_interleave_num)),
+                         params=params.total, recomputed_layers=acts.recomputed_layers, regions=regions,
                          parameters_by_dtype={p_dtype: param_bytes}, optimizer_states=states,
                          communication=comm)
 
 
 def _stages(recipe: Recipe, checkpoint_every: int | None) -> list[StageEstimate]:
     layers = recipe.stage_layers()
-    return [_stage_estimate(recipe, i, p, checkpoint_every, layers[i]) for i, p in enumerate(stage_params(recipe))]
+    return [_stage_estimate(recipe, i, p, checkpoint_every, layers[i])
+            for i, p in enumerate(stage_param_split(recipe))]
 
 
 def estimate(recipe: Recipe) -> Estimate:
@@ -486,7 +755,13 @@ def estimate(recipe: Recipe) -> Estimate:
     stages = _stages(recipe, None)
     capacity = recipe.capacity
     recommended = None
-    notes: list[str] = []
+    notes: list[str] = list(recipe.notes)
+    if recipe.train.optimizer_swap:
+        host = sum(_stage_estimate(dataclasses.replace(recipe, train=dataclasses.replace(
+            recipe.train, optimizer_swap=False)), s.stage, p, None, s.layers).regions["optimizer"]
+            for s, p in zip(stages[:1], stage_param_split(recipe)[:1]))
+        notes.append(f"optimizer.swap: Adam states in host memory, not counted "
+                     f"({host / 2**30:.1f} GiB per card on stage 0)")
     if capacity is not None:
         unchecked = recipe if recipe.memopt.checkpoint_every is None else dataclasses.replace(
             recipe, memopt=dataclasses.replace(recipe.memopt, checkpoint_every=None))

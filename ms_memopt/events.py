@@ -61,12 +61,13 @@ class Event:
     step: int | None = None
 
     def to_dict(self) -> dict:
-        """The JSONL object: ``None`` fields, stream 0 and size 0 are left out."""
+        """The JSONL object: ``None`` fields, stream 0 and size 0 (but an allocation's) are left out."""
         out = {}
         for name in _FIELDS:
             value = getattr(self, name)
-            if value is None or (name in ("stream", "size") and value == 0):
-                continue
+            if value is None or (value == 0 and (name == "stream" or (name == "size" and self.action not in
+                                                                      ("alloc", "segment_alloc")))):
+                continue    # an alloc keeps size 0: MindSpore's pool is asked for 0 bytes (and gives 512)
             out[name] = value
         return out
 

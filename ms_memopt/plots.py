@@ -21,14 +21,15 @@ from pathlib import Path
 
 from .errors import InputError
 from .jsontext import read_json_lines
+from .units import format_size
 
-__all__ = ["Marker", "plot_fragmentation_timeline", "plot_timeline", "pyplot", "save_figure", "size_unit"]
+__all__ = ["Marker", "forecast_marker", "plot_fragmentation_timeline", "plot_timeline", "pyplot", "save_figure", "size_unit"]
 
 #: one sample: (step, free_total bytes, largest_free bytes, frag_ratio or None when nothing is free)
 Sample = tuple[int, int, int, "float | None"]
 
 _UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
-_MARKER_KINDS = ("compaction", "oom", "predicted_oom")
+_MARKER_KINDS = ("compaction", "oom", "predicted_oom", "forecast")
 
 
 @dataclass
@@ -36,12 +37,27 @@ class Marker:
     """An event on a series' timeline: ``kind`` is ``"compaction"`` (triangle, dotted line),
     ``"oom"`` (cross, dashed line through every panel) or ``"predicted_oom"`` (a watched request
     that would not fit: red cross). ``largest_free`` (bytes) places the symbol on the middle
-    panel; ``None`` puts it at the series' sample of that step (or 0)."""
+    panel: for a compaction the largest hole the scan saw before it, with ``largest_free_after``
+    drawn as the jump it made; ``None`` puts it at the series' last sample at or before that
+    step (no symbol when there is none: never at a made-up 0). ``"forecast"``: the step a
+    watched request of ``largest_free`` bytes is forecast to stop fitting in one piece
+    (:mod:`ms_memopt.forecast`), a triangle with the interval ``low``-``high`` as an error bar
+    (``high`` ``None``: open-ended)."""
 
     series: str
     step: int
     kind: str
     largest_free: int | None = None
+    largest_free_after: int | None = None
+    low: int | None = None
+    high: int | None = None
+
+
+def forecast_marker(series: str, forecast: dict) -> Marker:
+    """The marker of a forecast as scan records and timelines carry it
+    (:func:`ms_memopt.scan.forecast_fields`)."""
+    return Marker(series, forecast["step"], "forecast", forecast.get("request"),
+                  low=forecast.get("earliest_step"), high=forecast.get("latest_step"))
 
 
 def pyplot():
@@ -71,8 +87,16 @@ def size_unit(largest: float) -> tuple[int, str]:
 
 
 def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers: list[Marker] = (),
-                  title: str = "Fragmentation timeline") -> Path:
+                  title: str = "Fragmentation timeline", requests: dict[str, int] | None = None) -> Path:
     """Three panels against the step: ``free_total``, ``largest_free`` and ``frag_ratio``.
+
+    What decides an OOM is drawn first: the largest hole's trend, the per-window minimum of
+    ``largest_free`` (one window per step up to 80 steps, wider beyond), against each watched
+    request's size as a horizontal line. The raw samples stay faint behind the trends (the
+    per-window minimum of ``free_total`` and maximum of ``frag_ratio``). Series are drawn from the
+    widest line to the thinnest, so one that coincides with another (compaction before its first
+    compaction is the baseline) shows as a thin line inside a wide one, and the legend says until
+    which step they coincide.
 
     Args:
         series: label -> samples ``(step, free_total, largest_free, frag_ratio)`` in step order
@@ -81,51 +105,48 @@ def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers:
         markers: compactions, OOMs and predicted OOMs (see :class:`Marker`); a marker of a
             label not in ``series`` gets a colour of its own.
         title: the figure title.
+        requests: watched request name -> size in bytes (the AllReduce bucket), drawn as
+            horizontal lines on the ``largest_free`` panel.
 
     Returns:
         ``path``.
     """
     plt = pyplot()
-    div, unit = size_unit(max((max(s[1], s[2]) for samples in series.values() for s in samples), default=1))
-    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    requests = dict(requests or {})
+    top = max((max(s[1], s[2]) for samples in series.values() for s in samples), default=1)
+    div, unit = size_unit(max([top, *requests.values()]))
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9.5), sharex=True)
+    last_step = max((s[0] for samples in series.values() for s in samples), default=1)
+    window = max(1, -(-last_step // 80))
     colors: dict[str, str] = {}
-    for label, samples in series.items():
+    reference = next(iter(series.values()), [])
+    for rank, (label, samples) in enumerate(series.items()):
+        color = f"C{rank % 10}"
+        colors[label] = color
         steps = [s[0] for s in samples]
+        ratios = [float("nan") if s[3] is None else s[3] for s in samples]
+        width = max(1.0, 3.2 - 1.0 * rank)
+        faint = dict(color=color, linewidth=0.5, alpha=0.25)
+        axes[0].plot(steps, [s[1] / div for s in samples], **faint)
+        axes[1].plot(steps, [s[2] / div for s in samples], **faint)
+        axes[2].plot(steps, ratios, **faint)
+        same = _same_until(reference, samples) if rank else None
+        name = label if same is None else f"{label} (= {next(iter(series))} {same})"
         marker = "." if len(samples) <= 60 else None    # dots only where they can be told apart
-        line, = axes[0].plot(steps, [s[1] / div for s in samples], label=label, linewidth=1, marker=marker)
-        colors[label] = line.get_color()
-        axes[1].plot(steps, [s[2] / div for s in samples], label=label, color=colors[label], linewidth=1,
-                     marker=marker)
-        axes[2].plot(steps, [float("nan") if s[3] is None else s[3] for s in samples], label=label,
-                     color=colors[label], linewidth=1, marker=marker)
-    at_step = {label: {s[0]: s[2] for s in samples} for label, samples in series.items()}
-    groups: dict[tuple[str, str], list[Marker]] = {}
-    for m in markers:
-        if m.kind not in _MARKER_KINDS:
-            raise ValueError(f"unknown marker kind {m.kind!r}; expected one of {', '.join(_MARKER_KINDS)}")
-        groups.setdefault((m.series, m.kind), []).append(m)
-    for (label, kind), group in groups.items():
-        color = colors.setdefault(label, f"C{len(colors) % 10}")
-        xs = [m.step for m in group]
-        ys = [(m.largest_free if m.largest_free is not None else at_step.get(label, {}).get(m.step, 0)) / div
-              for m in group]
-        if kind == "compaction":
-            for ax in axes:
-                for x in xs:
-                    ax.axvline(x, color=color, linestyle=":", linewidth=1)
-            axes[1].scatter(xs, ys, marker="^", s=60, color=color, zorder=3, label=f"{label}: compaction")
-        elif kind == "oom":
-            for ax in axes:
-                for x in xs:
-                    ax.axvline(x, color=color, linestyle="--", linewidth=1)
-            axes[1].scatter(xs, ys, marker="x", s=80, color=color, zorder=3, label=f"{label}: OOM")
-        else:
-            axes[1].scatter(xs, ys, marker="x", s=70, color="red", zorder=3,
-                            label=f"{label}: predicted OOM (watched request)")
-    axes[0].set_ylabel(f"free_total ({unit})")
-    axes[1].set_ylabel(f"largest_free ({unit})")
-    axes[2].set_ylabel("frag_ratio\n(free_total / largest_free - 1)")
-    axes[2].set_xlabel("training step")
+        for ax, column, pick in ((axes[0], 1, min), (axes[1], 2, min), (axes[2], 3, max)):
+            xs, ys = _window_trend(samples, column, window, pick)
+            scale = div if column < 3 else 1
+            ax.plot(xs, [y / scale for y in ys], color=color, linewidth=width, marker=marker,
+                    label=name, solid_capstyle="butt")
+    for name, size in sorted(requests.items(), key=lambda kv: -kv[1]):
+        axes[1].axhline(size / div, color="black", linestyle=(0, (6, 3)), linewidth=1.2, zorder=4,
+                        label=f"{name} request {_both_units(size)}: a smaller hole means OOM")
+    _draw_markers(axes, markers, series, colors, div)
+    per = "per step" if window == 1 else f"per {window} steps"
+    axes[0].set_ylabel(f"free_total ({unit})\nminimum {per}")
+    axes[1].set_ylabel(f"largest_free ({unit})\nminimum {per}")
+    axes[2].set_ylabel(f"frag_ratio, maximum {per}\n(free_total / largest_free - 1)")
+    axes[2].set_xlabel("training step (faint: every sample)")
     for ax in axes:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -134,6 +155,96 @@ def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers:
     fig.suptitle(title)
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def _both_units(size: int) -> str:
+    """``3.91 GiB (4.2 GB)``: binary as everywhere here, decimal as field reports quote it."""
+    text = format_size(size)
+    return f"{text} ({size / 1e9:.1f} GB)" if size >= 10**9 else text
+
+
+def _window_trend(samples: list[Sample], column: int, window: int, pick) -> tuple[list[int], list[float]]:
+    """``pick`` (min or max) of ``column`` over each window of ``window`` steps, at the window's
+    last sampled step; samples without a value (a ``None`` frag ratio) are left out."""
+    xs: list[int] = []
+    ys: list[float] = []
+    current = None
+    for sample in samples:
+        value = sample[column]
+        if value is None:
+            continue
+        key = (sample[0] - 1) // window
+        if key != current:
+            xs.append(sample[0])
+            ys.append(value)
+            current = key
+        else:
+            xs[-1] = sample[0]
+            ys[-1] = pick(ys[-1], value)
+    return xs, ys
+
+
+def _same_until(reference: list[Sample], samples: list[Sample]) -> str | None:
+    """How long ``samples`` coincides with ``reference`` sample for sample: ``"throughout"``,
+    ``"until step N"``, or ``None`` when they part at once (nothing hidden worth naming)."""
+    same = 0
+    for mine, theirs in zip(samples, reference):
+        if mine != theirs:
+            break
+        same += 1
+    if same < 2:
+        return None
+    if same == len(samples) == len(reference):
+        return "throughout"
+    return f"until step {samples[same - 1][0]}"
+
+
+def _draw_markers(axes, markers: list[Marker], series: dict[str, list[Sample]], colors: dict[str, str],
+                  div: int) -> None:
+    groups: dict[tuple[str, str], list[Marker]] = {}
+    for m in markers:
+        if m.kind not in _MARKER_KINDS:
+            raise ValueError(f"unknown marker kind {m.kind!r}; expected one of {', '.join(_MARKER_KINDS)}")
+        groups.setdefault((m.series, m.kind), []).append(m)
+    for (label, kind), group in groups.items():
+        color = colors.setdefault(label, f"C{len(colors) % 10}")
+        line = {"compaction": ":", "oom": "--"}.get(kind)
+        if line:
+            for ax in axes:
+                for m in group:
+                    ax.axvline(m.step, color=color, linestyle=line, linewidth=1)
+        placed = [(m, _marker_value(m, series.get(label, []))) for m in group]
+        placed = [(m, y) for m, y in placed if y is not None]
+        if not placed:
+            continue
+        xs = [m.step for m, _ in placed]
+        ys = [y / div for _, y in placed]
+        if kind == "compaction":
+            for m, y in placed:
+                if m.largest_free_after is not None:
+                    axes[1].annotate("", xy=(m.step, m.largest_free_after / div), xytext=(m.step, y / div),
+                                     arrowprops=dict(arrowstyle="->", color=color, linewidth=1.5), zorder=5)
+            axes[1].scatter(xs, ys, marker="^", s=60, color=color, zorder=5,
+                            label=f"{label}: compaction (arrow: largest hole after)")
+        elif kind == "oom":
+            axes[1].scatter(xs, ys, marker="x", s=80, color=color, zorder=5, label=f"{label}: OOM")
+        elif kind == "forecast":
+            lows = [m.step - (m.low if m.low is not None else m.step) for m, _ in placed]
+            highs = [(m.high if m.high is not None else m.step) - m.step for m, _ in placed]
+            axes[1].errorbar(xs, ys, xerr=[lows, highs], fmt="v", markersize=8, capsize=4, color=color,
+                             zorder=5, label=f"{label}: forecast, watched request stops fitting")
+        else:
+            axes[1].scatter(xs, ys, marker="x", s=70, color="red", zorder=5,
+                            label=f"{label}: predicted OOM (watched request)")
+
+
+def _marker_value(marker: Marker, samples: list[Sample]) -> int | None:
+    """Where the marker sits on the largest_free panel: its own value, else the series' last
+    sample at or before its step."""
+    if marker.largest_free is not None:
+        return marker.largest_free
+    before = [s[2] for s in samples if s[0] <= marker.step]
+    return before[-1] if before else None
 
 
 _REQUIRED = ("policy", "step", "kind", "free_total", "largest_free")
@@ -159,7 +270,8 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
                                 title: str = "Fragmentation timeline") -> Path:
     """Plot a simulation's timeline JSONL (``ms-memopt simulate --out``) with :func:`plot_timeline`:
     one line per policy for one seed (default: the first seed in the file), sampled at scans and
-    before watched requests; compactions and OOMs marked.
+    before watched requests; compactions and OOMs marked, and each policy's last forecast that
+    saw the watched request stop fitting (scan rows' ``forecast``, docs/forecast.md).
 
     Raises:
         InputError: a bad line (names file:line); a torn last line is ignored.
@@ -169,14 +281,71 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
         seed = rows[0].get("seed")
     series: dict[str, list[Sample]] = {}
     markers: list[Marker] = []
+    requests: dict[str, int] = {}
+    last_forecast: dict[str, Marker] = {}
     for row in rows:
         if row.get("seed") != seed:
             continue
+        if row["kind"] == "scan" and isinstance(row.get("forecast"), dict) and row["forecast"].get("step") is not None:
+            last_forecast[row["policy"]] = forecast_marker(row["policy"], row["forecast"])
         policy = row["policy"]
-        if row["kind"] in ("scan", "watch"):
+        kind = row["kind"]
+        if kind in ("scan", "watch"):
             series.setdefault(policy, []).append((row["step"], row["free_total"], row["largest_free"],
                                                   row.get("frag_ratio")))
-        elif row["kind"] in ("compaction", "oom"):
-            markers.append(Marker(policy, row["step"], row["kind"], row["largest_free"]))
-    return plot_timeline(series, out_png, markers=markers,
+            if kind == "watch" and isinstance(row.get("size"), int):
+                requests[str(row.get("tag") or "watched")] = row["size"]
+        elif kind == "compaction":
+            before = row.get("largest_free_before")
+            markers.append(Marker(policy, row["step"], "compaction", before if isinstance(before, int) else None,
+                                  row["largest_free"]))
+        elif kind == "oom":
+            markers.append(Marker(policy, row["step"], "oom", row["largest_free"]))
+    markers += last_forecast.values()
+    return plot_timeline(series, out_png, markers=markers, requests=requests,
                          title=f"{title} (seed {seed}; samples at scans and before watched requests)")
+
+
+def plot_sweep(rows: list[dict], keys: list[str], path: str | Path, *, title: str = "Sweep") -> Path:
+    """The job OOM step per policy over a sweep's grid (:func:`ms_memopt.sweep.sweep_rows`):
+    one group of bars per grid point, one bar per policy; a job that survives every step is a
+    hatched bar to the last simulated step, marked "no OOM"; step 0 ("cannot start") is a
+    pool-mode plan larger than the card.
+
+    Example:
+        >>> rows = [{"hbm": "64GB", "policy": "baseline", "job_oom_step": 120, "steps": 500},
+        ...         {"hbm": "64GB", "policy": "pool", "job_oom_step": None, "steps": 500}]
+        >>> plot_sweep(rows, ["hbm"], "/tmp/sweep.png").name                     # doctest: +SKIP
+        'sweep.png'
+    """
+    plt = pyplot()
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    points = list(dict.fromkeys(tuple(r[k] for k in keys) for r in rows))
+    by = {(tuple(r[k] for k in keys), r["policy"]): r for r in rows}
+    width = 0.8 / max(1, len(policies))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(points) * max(1, len(policies)) ** 0.5 + 2), 4.2))
+    for i, policy in enumerate(policies):
+        color = f"C{i}"
+        for j, point in enumerate(points):
+            row = by.get((point, policy))
+            if row is None:
+                continue
+            x = j + (i - (len(policies) - 1) / 2) * width
+            dead = row["job_oom_step"] is not None
+            height = row["job_oom_step"] if dead else row["steps"]
+            ax.bar(x, height, width * 0.9, color=color if dead else "none", edgecolor=color,
+                   hatch=None if dead else "//", label=policy if j == 0 else None)
+            note = ("cannot start" if height == 0 else str(height)) if dead else "no OOM"
+            ax.annotate(note, (x, height), ha="center", va="bottom",
+                        fontsize=7, rotation=90 if len(points) * len(policies) > 12 else 0)
+    ax.set_xticks(range(len(points)))
+    ax.set_xticklabels(["\n".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, point)) for point in points],
+                       fontsize=8)
+    ax.set_ylabel("job OOM step (first rank)")
+    steps = max((r["steps"] for r in rows), default=1)
+    ax.set_ylim(0, steps * 1.15)
+    ax.axhline(steps, color="grey", lw=0.6, ls=":")
+    ax.set_title(f"{title}\n(hatched: every rank survived {steps} steps)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return save_figure(fig, path)

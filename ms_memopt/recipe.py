@@ -20,6 +20,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from dataclasses import dataclass, field
@@ -28,13 +29,14 @@ from typing import Any, Callable
 
 from .errors import InputError
 from .units import MAX_VALUE, parse_count, parse_size, short_repr
+from . import mfconfig
 from .yamltext import parse_yaml
 
 __all__ = [
     "DTYPE_BYTES", "ModelConfig", "ParallelConfig", "RecomputeConfig", "TrainConfig", "DeviceConfig",
     "CommunicationConfig", "AllocatorConfig", "ShapeCacheConfig", "ExtraAllocsConfig",
     "WorkloadConfig", "StandaloneTrainConfig", "MemoptConfig", "Recipe", "load_recipe",
-    "recipe_from_dict", "llama_ffn_size", "LIMITS",
+    "recipe_from_dict", "llama_ffn_size", "LIMITS", "MoeConfig", "MlaConfig",
 ]
 
 #: bytes per element of the dtypes recipes may name
@@ -59,6 +61,7 @@ LIMITS: dict[str, int] = {
     "intermediate_size": 2**24,
     "micro_batch_num": 100_000,
     "batch_size": 2**20,
+    "num_experts": 2**16,
 }
 #: ``ffn_dim_multiplier`` and ``activation_factor`` beyond this are typos, not configurations
 _MAX_FACTOR = 1000.0
@@ -67,6 +70,45 @@ _MAX_FACTOR = 1000.0
 # ---------------------------------------------------------------------------------------------
 # records
 # ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Mixture of experts: ``num_experts`` routed experts of FFN width ``expert_ffn``, each
+    token sent to ``top_k`` of them, plus ``shared_experts`` always-on experts (their total FFN
+    width ``shared_ffn``). Layer ``i`` is a MoE layer when ``i >= first_dense`` and
+    ``i % layer_freq == 0`` (DeepSeek's ``first_k_dense_replace`` / ``moe_layer_freq``)."""
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    shared_experts: int = 0
+    shared_ffn: int = 0
+    first_dense: int = 0
+    layer_freq: int = 1
+
+    def moe_layers_below(self, end: int) -> int:
+        """How many of the layers ``0 .. end-1`` are MoE layers (closed form).
+
+        Example:
+            >>> MoeConfig(8, 2, 64, first_dense=3).moe_layers_below(10)
+            7
+        """
+        if end <= self.first_dense:
+            return 0
+        first = -(-self.first_dense // self.layer_freq) * self.layer_freq   # first multiple >= first_dense
+        return 0 if end <= first else (end - 1 - first) // self.layer_freq + 1
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through a ``q_lora_rank``
+    bottleneck (0: a plain projection), keys and values through a ``kv_lora_rank`` latent;
+    per head ``qk_nope_head_dim + qk_rope_head_dim`` for Q and K, ``v_head_dim`` for V."""
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -90,11 +132,17 @@ class ModelConfig:
     hidden_dropout: bool = False
     attention_dropout: bool = False
     tie_word_embeddings: bool = False
-    offset: tuple[int, ...] = ()
+    offset: tuple[tuple[int, ...], ...] = ()   # (pp_interleave_num x pipeline_stage); () = none
+    pp_interleave_num: int = 1
+    kv_channels: int | None = None       # per-head width when not hidden_size / num_heads (Qwen3)
+    fp32_residual: bool = False          # fp32_residual_connection: layer inputs kept in FP32
+    moe: MoeConfig | None = None
+    mla: MlaConfig | None = None
+    mtp_layers: int = 0                  # multi-token prediction layers, on the last stage
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.kv_channels or self.hidden_size // self.num_heads
 
     @property
     def kv_size(self) -> int:
@@ -112,6 +160,8 @@ class ParallelConfig:
     use_seq_parallel: bool = False
     vocab_emb_dp: bool = True
     enable_parallel_optimizer: bool = False
+    expert_parallel: int = 1
+    gradient_accumulation_shard: bool = False   # parallel.parallel_optimizer_config (MindFormers' default)
 
     @property
     def cards(self) -> int:
@@ -119,7 +169,7 @@ class ParallelConfig:
 
 
 # A recompute setting is a bool (all layers or none) or a per-pipeline-stage list of layer counts.
-RecomputeSetting = bool | tuple[int, ...]
+RecomputeSetting = bool | tuple[int, ...] | tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -131,11 +181,14 @@ class RecomputeConfig:
     mp_comm_recompute: bool = True
 
     @staticmethod
-    def layers(setting: RecomputeSetting, stage: int, stage_layers: int) -> int:
-        """Number of the stage's layers a setting covers (bool: all or none; list: its entry)."""
+    def layers(setting: RecomputeSetting, stage: int, stage_layers: int, chunk: int = 0) -> int:
+        """Number of a stage's layers (of its ``chunk``-th interleaved part) a setting covers:
+        bool: all or none; a per-stage list: its entry (every chunk); a per-chunk list of
+        per-stage lists (MindFormers' ``[[14, 14], [14, 14]]`` with ``pp_interleave_num``)."""
         if isinstance(setting, bool):
             return stage_layers if setting else 0
-        return min(setting[stage], stage_layers)
+        entry = setting[stage] if not isinstance(setting[0], tuple) else setting[min(chunk, len(setting) - 1)][stage]
+        return min(entry, stage_layers)
 
 
 @dataclass(frozen=True)
@@ -145,6 +198,7 @@ class TrainConfig:
     optimizer_type: str | None = None   # optimizer.type; None: mixed-precision Adam, FP32 states
     max_device_memory: int | None = None  # context.max_device_memory, bytes (GiB-based)
     seed: int = 0
+    optimizer_swap: bool = False        # optimizer.swap: Adam states kept in host memory
 
 
 @dataclass(frozen=True)
@@ -161,6 +215,7 @@ class CommunicationConfig:
     reduce_scatter_bucket: int | None = None
     allgather_bucket: int | None = None
     p2p_buffers: int | None = None
+    alltoall_buffers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +259,7 @@ class WorkloadConfig:
     shape_cache: ShapeCacheConfig = field(default_factory=ShapeCacheConfig)
     extra_allocs: ExtraAllocsConfig = field(default_factory=ExtraAllocsConfig)
     comm_jitter: float = 0.0
+    moe_load_cv: float | None = None    # MoE routing load variation; None: 0.2 for MoE models
 
 
 @dataclass(frozen=True)
@@ -250,6 +306,7 @@ class Recipe:
     train: TrainConfig
     memopt: MemoptConfig
     source: str = "<recipe>"
+    notes: tuple[str, ...] = ()     # how MindFormers keys were read (defaults used, ...)
 
     @property
     def capacity(self) -> int | None:
@@ -258,18 +315,37 @@ class Recipe:
             return self.memopt.device.hbm
         return self.train.max_device_memory
 
-    def stage_layers(self) -> list[int]:
-        """Transformer layers on each pipeline stage.
+    def chunk_layers(self) -> list[list[int]]:
+        """Layers of each interleaved chunk (``pp_interleave_num``) on each stage: ``[chunk][stage]``.
 
-        Even split; the remainder goes to the last stages (they hold fewer micro-batches in
-        flight under 1F1B); a MindFormers ``offset`` list moves layers between stages.
+        With a MindFormers ``offset``, MindFormers' rule: ``num_layers // (stages x chunks)``
+        plus the offset of that (chunk, stage); without, an even split with the remainder on
+        the last virtual stages (they hold fewer micro-batches in flight under 1F1B).
+
+        Example:
+            >>> r = recipe_from_dict({"model": {"model_config": {"num_layers": 10, "hidden_size": 64,
+            ...     "num_heads": 4, "seq_length": 32, "vocab_size": 256, "offset": [1, -1]}},
+            ...     "parallel_config": {"pipeline_stage": 2, "micro_batch_num": 2}})
+            >>> r.chunk_layers(), r.stage_layers()
+            ([[6, 4]], [6, 4])
         """
-        p = self.parallel.pipeline_stage
-        base, extra = divmod(self.model.num_layers, p)
-        layers = [base + (1 if i >= p - extra else 0) for i in range(p)]
+        p, v = self.parallel.pipeline_stage, self.model.pp_interleave_num
+        base, extra = divmod(self.model.num_layers, p * v)
         if self.model.offset:
-            layers = [n + o for n, o in zip(layers, self.model.offset)]
-        return layers
+            return [[base + self.model.offset[c][s] for s in range(p)] for c in range(v)]
+        return [[base + (1 if c * p + s >= p * v - extra else 0) for s in range(p)] for c in range(v)]
+
+    def stage_layers(self) -> list[int]:
+        """Transformer layers on each pipeline stage (all its interleaved chunks)."""
+        chunks = self.chunk_layers()
+        return [sum(row[s] for row in chunks) for s in range(self.parallel.pipeline_stage)]
+
+    def chunk_first_layer(self, stage: int, chunk: int) -> int:
+        """Global index of the first layer of ``chunk`` on ``stage`` (virtual stage
+        ``chunk x stages + stage``; layers are consecutive along virtual stages)."""
+        chunks = self.chunk_layers()
+        p = self.parallel.pipeline_stage
+        return sum(chunks[i // p][i % p] for i in range(chunk * p + stage))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,16 +378,19 @@ def recipe_from_dict(data: Any, *, source: str = "<recipe>") -> Recipe:
         data = {}
     if not isinstance(data, dict):
         raise InputError(f"expected a mapping at the top level, got {type(data).__name__}", source=source)
+    reason = mfconfig.not_a_training_config(data)
+    if reason is not None:
+        raise InputError(reason, source=source, key="run_mode" if "run_mode" in data else None)
     r = _Reader(source)
-    model = _read_model(r, data)
-    parallel = _read_parallel(r, data)
+    notes: list[str] = []
+    model = _read_model(r, data, notes)
+    parallel, zero_stage = _read_parallel(r, data)
     recompute = _read_recompute(r, data, parallel.pipeline_stage)
     train = _read_train(r, data)
-    memopt = _read_memopt(r, data, model, parallel, train)
+    memopt = _read_memopt(r, data, model, parallel, train, zero_stage)
     recipe = Recipe(model=model, parallel=parallel, recompute=recompute, train=train,
-                    memopt=memopt, source=source)
-    _check_consistency(r, recipe)
-    return recipe
+                    memopt=memopt, source=source, notes=tuple(notes))
+    return _check_consistency(r, recipe)
 
 
 def llama_ffn_size(hidden_size: int, ffn_dim_multiplier: float | None = None,
@@ -462,6 +541,9 @@ class _Reader:
                 return True   # a list of op-name patterns: selective recompute on every layer
             if isinstance(value, dict):
                 return True
+            if isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) for v in value):
+                # one per-stage list per interleaved chunk (pp_interleave_num)
+                return tuple(conv(row, f"{path}[{c}]") for c, row in enumerate(value))
             if isinstance(value, (list, tuple)):
                 counts = []
                 for i, item in enumerate(value):
@@ -472,6 +554,19 @@ class _Reader:
                 return tuple(counts)
             raise self.fail(path, value, "a bool or a per-pipeline-stage list of layer counts")
         return conv
+
+    def typos(self, data: dict, path: str, known: set[str], absent: set[str] | None = None) -> None:
+        """In a MindFormers section (whose other keys we ignore), refuse a key that is a near
+        miss of a key we read and that is absent (``pipline_stage`` for ``pipeline_stage``):
+        ignoring it would plan silently with the default. ``absent``: the known keys whose
+        setting is missing (default: the known keys not in ``data``)."""
+        absent = sorted(absent if absent is not None else (k for k in known if k not in data))
+        for key in data:
+            if not isinstance(key, str) or key in known:
+                continue
+            hint = difflib.get_close_matches(key, absent, n=1, cutoff=_TYPO_CUTOFF)
+            if hint:
+                raise InputError(f"unknown key; did you mean {hint[0]}?", source=self.source, key=f"{path}.{key}")
 
     def strict(self, data: dict, path: str, known: set[str]) -> None:
         """Reject keys of our own sections that we do not know, with a did-you-mean."""
@@ -484,6 +579,19 @@ class _Reader:
 
 
 _DEVICE_NAMES = {"cpu": "CPU", "ascend": "Ascend", "gpu": "GPU"}
+#: how close (difflib ratio) an unknown MindFormers key must be to a key we read to be a typo;
+#: high, because MindFormers' sections hold many keys we do not read (none of its 2.0.0 and
+#: 1.3.2 configs trips it)
+_TYPO_CUTOFF = 0.88
+#: the keys read from each MindFormers section (the typo check's vocabulary)
+_SECTION_KEYS = {
+    "parallel_config": {"data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "use_seq_parallel",
+                        "vocab_emb_dp", "expert_parallel"},
+    "recompute_config": {"recompute", "select_recompute", "select_comm_recompute", "mp_comm_recompute"},
+    "runner_config": {"batch_size"},
+    "context": {"max_device_memory"},
+    "parallel": {"enable_parallel_optimizer", "parallel_optimizer_config"},
+}
 
 
 def _integer_from_text(text: str) -> int | None:
@@ -525,67 +633,152 @@ def _bounds_text(minimum: int | None, maximum: int | None) -> str:
 # sections
 # ---------------------------------------------------------------------------------------------
 
-def _read_model(r: _Reader, data: dict) -> ModelConfig:
+def _read_model(r: _Reader, data: dict, notes: list[str]) -> ModelConfig:
     model = r.section(data, "model", "model")
-    mc = r.section(model, "model_config", "model.model_config")
-    p = "model.model_config"
+    if "model_config" in model:
+        r.section(model, "model_config", "model.model_config")
+    mc, found = mfconfig.model_mapping(data, source=r.source)
+    notes.extend(found)
+    p = mc.pop("__base__", "model.model_config")
     pos = r.integer(minimum=1)
     if not mc:
         raise InputError("missing section: the model's shape (num_layers, hidden_size, num_heads, "
                          "seq_length, vocab_size) is required", source=r.source, key=p)
-    num_layers = r.get(mc, "num_layers", f"{p}.num_layers", _limited(r, "num_layers"))
-    hidden = r.get(mc, "hidden_size", f"{p}.hidden_size", _limited(r, "hidden_size"))
-    heads = r.get(mc, "num_heads", f"{p}.num_heads", _limited(r, "num_heads"))
-    kv_heads = r.get(mc, "n_kv_heads", f"{p}.n_kv_heads", pos, heads)
-    seq = r.get(mc, "seq_length", f"{p}.seq_length", _limited(r, "seq_length"))
-    vocab = r.get(mc, "vocab_size", f"{p}.vocab_size", _limited(r, "vocab_size"))
-    if hidden % heads:
+
+    absent = {name for key, names in mfconfig.ALIASES.items() if mfconfig.pick(mc, key) is None for name in names}
+    r.typos(mc, p, {name for names in mfconfig.ALIASES.values() for name in names} | _MODEL_KEYS,
+            absent | {k for k in _MODEL_KEYS if k not in mc})
+
+    def get(key: str, conv: Callable[[Any, str], Any], default: Any = _MISSING) -> Any:
+        """The value of ``key`` under any MindFormers spelling, the message naming that spelling;
+        a missing required key names a close typo (``num_layerz``) as a did-you-mean."""
+        hit = mfconfig.pick(mc, key)
+        if hit is None:
+            if default is _MISSING:
+                typo = mfconfig.close_key(mc, key)
+                hint = f"; did you mean {key}? ({p}.{typo} is not a key plan reads)" if typo else ""
+                spellings = mfconfig.ALIASES.get(key, (key,))
+                also = f" (or {', '.join(spellings[1:])})" if len(spellings) > 1 else ""
+                raise InputError(f"missing required key{also}{hint}", source=r.source, key=f"{p}.{key}")
+            return default
+        return conv(hit[1], f"{p}.{hit[0]}")
+
+    num_layers = get("num_layers", _limited(r, "num_layers"))
+    hidden = get("hidden_size", _limited(r, "hidden_size"))
+    heads = get("num_heads", _limited(r, "num_heads"))
+    kv_heads = get("n_kv_heads", pos, heads)
+    if mc.get("multi_query_attention") is False or mc.get("multi_latent_attention") is True:
+        kv_heads = heads      # GLM ignores the group count then; MLA has a key and a value per head
+    seq = get("seq_length", _limited(r, "seq_length"))
+    vocab = get("vocab_size", _limited(r, "vocab_size"))
+    kv_channels = get("head_dim", pos, None)
+    if kv_channels is None and hidden % heads:
         raise r.fail(f"{p}.num_heads", heads, f"a divisor of hidden_size ({hidden})")
     if heads % kv_heads:
         raise r.fail(f"{p}.n_kv_heads", kv_heads, f"a divisor of num_heads ({heads})")
 
     act = r.get(mc, "hidden_act", f"{p}.hidden_act", r.string, None)
     if act is not None:
-        act_l = act.lower()
+        act_l = act.lower().removeprefix("fused")
         if act_l not in _GATED_ACTS | _PLAIN_ACTS:
             raise r.fail(f"{p}.hidden_act", act, "one of " + ", ".join(sorted(_GATED_ACTS | _PLAIN_ACTS)))
         gated = act_l in _GATED_ACTS
     else:
         gated = True   # LLaMA-style SwiGLU unless told otherwise
+    gated = r.get(mc, "gated_linear_unit", f"{p}.gated_linear_unit", r.boolean, gated)
     multiplier = r.get(mc, "ffn_dim_multiplier", f"{p}.ffn_dim_multiplier",
                        r.number(minimum=0, maximum=_MAX_FACTOR, exclusive_min=True), None)
     multiple_of = r.get(mc, "multiple_of", f"{p}.multiple_of", pos, 256)
     default_ffn = llama_ffn_size(hidden, multiplier, multiple_of) if gated else 4 * hidden
-    ffn = r.get(mc, "intermediate_size", f"{p}.intermediate_size", _limited(r, "intermediate_size"), default_ffn)
+    ffn = get("intermediate_size", _limited(r, "intermediate_size"), default_ffn)
 
     compute = r.get(mc, "compute_dtype", f"{p}.compute_dtype", r.dtype, "bfloat16")
-    param_dtype = r.get(mc, "param_init_type", f"{p}.param_init_type", r.dtype, compute)
-    norm_dtype = r.get(mc, "layernorm_compute_type", f"{p}.layernorm_compute_type", r.dtype, "float32")
-    flash = r.get(mc, "use_flash_attention", f"{p}.use_flash_attention", r.boolean, False)
+    param_dtype = get("param_init_type", r.dtype, compute)
+    norm_dtype = get("layernorm_compute_type", r.dtype, "float32")
+    # MindFormers 2.x's models (use_legacy: false, the PyNative layout) default to flash attention
+    mcore = data.get("use_legacy") is False or p == "model"
+    flash = r.get(mc, "use_flash_attention", f"{p}.use_flash_attention", r.boolean, mcore)
     rate = r.number(minimum=0, maximum=1)
-    hidden_drop = r.get(mc, "hidden_dropout_rate", f"{p}.hidden_dropout_rate", rate, 0.0) > 0
-    attn_drop = r.get(mc, "attention_dropout_rate", f"{p}.attention_dropout_rate", rate, 0.0) > 0
+    hidden_drop = get("hidden_dropout_rate", rate, 0.0) > 0
+    attn_drop = get("attention_dropout_rate", rate, 0.0) > 0
     tie = r.get(mc, "tie_word_embeddings", f"{p}.tie_word_embeddings", r.boolean, False)
-    offset: tuple[int, ...] = ()
-    raw_offset = mc.get("offset")
-    if isinstance(raw_offset, (list, tuple)):
-        offset = tuple(r.integer(minimum=None)(v, f"{p}.offset[{i}]") for i, v in enumerate(raw_offset))
-    elif raw_offset not in (None, 0) and not (isinstance(raw_offset, int) and not isinstance(raw_offset, bool)):
-        raise r.fail(f"{p}.offset", raw_offset, "0 or a per-stage list of layer offsets")
+    if "untie_embeddings_and_output_weights" in mc:
+        tie = not r.get(mc, "untie_embeddings_and_output_weights",
+                        f"{p}.untie_embeddings_and_output_weights", r.boolean, True)
+    fp32_residual = r.get(mc, "fp32_residual_connection", f"{p}.fp32_residual_connection", r.boolean, False)
+    interleave = r.get(mc, "pp_interleave_num", f"{p}.pp_interleave_num", pos, 1)
+    offset = _read_offset(r, mc.get("offset"), f"{p}.offset")
     return ModelConfig(num_layers=num_layers, hidden_size=hidden, num_heads=heads, n_kv_heads=kv_heads,
                        seq_length=seq, vocab_size=vocab, intermediate_size=ffn, ffn_gated=gated,
                        compute_dtype=compute, param_init_type=param_dtype,
                        layernorm_compute_type=norm_dtype, use_flash_attention=flash,
                        hidden_dropout=hidden_drop, attention_dropout=attn_drop,
-                       tie_word_embeddings=tie, offset=offset)
+                       tie_word_embeddings=tie, offset=offset, pp_interleave_num=interleave,
+                       kv_channels=kv_channels, fp32_residual=fp32_residual,
+                       moe=_read_moe(r, mc, p, get, hidden, ffn), mla=_read_mla(r, mc, p),
+                       mtp_layers=get("mtp_layers", r.integer(minimum=0, maximum=LIMITS["num_layers"]), 0))
 
 
-def _read_parallel(r: _Reader, data: dict) -> ParallelConfig:
-    pc = r.section(data, "parallel_config", "parallel_config")
-    par = r.section(data, "parallel", "parallel")
-    p = "parallel_config"
+#: model_config keys read under one spelling only (the others are in mfconfig.ALIASES)
+_MODEL_KEYS = {"hidden_act", "gated_linear_unit", "ffn_dim_multiplier", "multiple_of", "compute_dtype",
+               "use_flash_attention", "tie_word_embeddings", "untie_embeddings_and_output_weights",
+               "fp32_residual_connection", "pp_interleave_num", "offset", "multi_latent_attention", "q_lora_rank",
+               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "multi_query_attention"}
+
+
+def _read_offset(r: _Reader, raw: Any, path: str) -> tuple[tuple[int, ...], ...]:
+    """``0``/absent -> ``()``; a per-stage list -> one row; a per-chunk list of per-stage lists."""
+    if raw is None or (isinstance(raw, int) and not isinstance(raw, bool) and raw == 0):
+        return ()
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise r.fail(path, raw, "0, a per-stage list of layer offsets, or one such list per interleaved chunk")
+    rows = raw if isinstance(raw[0], (list, tuple)) else [raw]
+    out = []
+    for c, row in enumerate(rows):
+        if not isinstance(row, (list, tuple)):
+            raise r.fail(path, raw, "a list of per-stage lists (one per pp_interleave_num chunk)")
+        where = f"{path}[{c}]" if rows is raw else path
+        out.append(tuple(r.integer(minimum=None, maximum=LIMITS["num_layers"])(v, f"{where}[{i}]")
+                         for i, v in enumerate(row)))
+    return tuple(out)
+
+
+def _read_moe(r: _Reader, mc: dict, p: str, get: Callable, hidden: int, ffn: int) -> MoeConfig | None:
+    experts = get("num_experts", r.integer(minimum=0, maximum=LIMITS["num_experts"]), 0)
+    if experts <= 1:
+        return None
+    expert_ffn = get("moe_intermediate_size", _limited(r, "intermediate_size"), ffn)
+    shared = get("n_shared_experts", r.integer(minimum=0, maximum=LIMITS["num_experts"]), 0)
+    shared_ffn = get("moe_shared_expert_intermediate_size", _limited(r, "intermediate_size"), shared * expert_ffn)
+    top_k = get("num_experts_per_tok", r.integer(minimum=1, maximum=experts), min(2, experts))
+    first_dense = get("first_k_dense_replace", r.integer(minimum=0, maximum=LIMITS["num_layers"]), 0)
+    freq = get("moe_layer_freq", r.integer(minimum=1, maximum=LIMITS["num_layers"]), 1)
+    return MoeConfig(num_experts=experts, top_k=top_k, expert_ffn=expert_ffn, shared_experts=shared,
+                     shared_ffn=shared_ffn if shared else 0, first_dense=first_dense, layer_freq=freq)
+
+
+def _read_mla(r: _Reader, mc: dict, p: str) -> MlaConfig | None:
+    if not r.get(mc, "multi_latent_attention", f"{p}.multi_latent_attention", r.boolean, False):
+        return None
+    width = r.integer(minimum=0, maximum=LIMITS["hidden_size"])
+    return MlaConfig(
+        q_lora_rank=r.get(mc, "q_lora_rank", f"{p}.q_lora_rank", width, 0),
+        kv_lora_rank=r.get(mc, "kv_lora_rank", f"{p}.kv_lora_rank", width, 512),
+        qk_nope_head_dim=r.get(mc, "qk_nope_head_dim", f"{p}.qk_nope_head_dim", width, 128),
+        qk_rope_head_dim=r.get(mc, "qk_rope_head_dim", f"{p}.qk_rope_head_dim", width, 64),
+        v_head_dim=r.get(mc, "v_head_dim", f"{p}.v_head_dim", width, 128))
+
+
+def _read_parallel(r: _Reader, data: dict) -> tuple[ParallelConfig, int | None]:
+    """The parallel layout, and the ZeRO stage the 2.x PyNative layout's FSDP strategy implies."""
+    pc, par, p = mfconfig.parallel_mapping(data)
+    if p == "parallel_config":
+        pc = r.section(data, "parallel_config", "parallel_config")
+        par = r.section(data, "parallel", "parallel")
+        r.typos(pc, "parallel_config", _SECTION_KEYS["parallel_config"])
+        r.typos(par, "parallel", _SECTION_KEYS["parallel"])
     pos = r.integer(minimum=1)
-    return ParallelConfig(
+    config = ParallelConfig(
         data_parallel=r.get(pc, "data_parallel", f"{p}.data_parallel", pos, 1),
         model_parallel=r.get(pc, "model_parallel", f"{p}.model_parallel", pos, 1),
         pipeline_stage=r.get(pc, "pipeline_stage", f"{p}.pipeline_stage", pos, 1),
@@ -594,12 +787,24 @@ def _read_parallel(r: _Reader, data: dict) -> ParallelConfig:
         vocab_emb_dp=r.get(pc, "vocab_emb_dp", f"{p}.vocab_emb_dp", r.boolean, True),
         enable_parallel_optimizer=r.get(par, "enable_parallel_optimizer",
                                         "parallel.enable_parallel_optimizer", r.boolean, False),
+        expert_parallel=r.get(pc, "expert_parallel", f"{p}.expert_parallel", pos, 1),
+        gradient_accumulation_shard=r.get(
+            r.section(par, "parallel_optimizer_config", "parallel.parallel_optimizer_config"),
+            "gradient_accumulation_shard", "parallel.parallel_optimizer_config.gradient_accumulation_shard",
+            r.boolean, False),
     )
+    return config, par.get("__zero_stage__")
 
 
 def _read_recompute(r: _Reader, data: dict, stages: int) -> RecomputeConfig:
+    pynative = data.get("recompute")
+    if "recompute_config" not in data and isinstance(pynative, dict):
+        # 2.x PyNative layout: recompute: {mode: None | full | select}
+        mode = r.get(pynative, "mode", "recompute.mode", r.choice("none", "full", "select"), "none")
+        return RecomputeConfig(recompute=mode == "full", select_recompute=mode == "select")
     rc = r.section(data, "recompute_config", "recompute_config")
     p = "recompute_config"
+    r.typos(rc, p, _SECTION_KEYS[p])
     setting = r.recompute_setting(stages)
     return RecomputeConfig(
         recompute=r.get(rc, "recompute", f"{p}.recompute", setting, False),
@@ -613,11 +818,17 @@ def _read_train(r: _Reader, data: dict) -> TrainConfig:
     runner = r.section(data, "runner_config", "runner_config")
     opt = r.section(data, "optimizer", "optimizer")
     ctx = r.section(data, "context", "context")
+    r.typos(runner, "runner_config", _SECTION_KEYS["runner_config"])
+    r.typos(ctx, "context", _SECTION_KEYS["context"])
+    # the 2.x PyNative layout's ContextConfig defaults max_device_memory to 59GB
+    device_default = 59 * 2**30 if isinstance(data.get("parallelism"), dict) else None
     return TrainConfig(
         batch_size=r.get(runner, "batch_size", "runner_config.batch_size", _limited(r, "batch_size"), 1),
         optimizer_type=r.get(opt, "type", "optimizer.type", r.string, None),
-        max_device_memory=r.get(ctx, "max_device_memory", "context.max_device_memory", r.mindspore_size, None),
+        max_device_memory=r.get(ctx, "max_device_memory", "context.max_device_memory", r.mindspore_size,
+                                device_default),
         seed=r.get(data, "seed", "seed", r.integer(minimum=0), 0),
+        optimizer_swap=r.get(opt, "swap", "optimizer.swap", r.boolean, False),
     )
 
 
@@ -626,11 +837,13 @@ _MEMOPT_KEYS = {"device", "params", "zero_stage", "grad_dtype", "master_weights"
                 "compact_when_frag_above", "watch", "communication", "workspace", "allocator",
                 "workload", "train"}
 _DEVICE_KEYS = {"name", "hbm", "cards"}
-_COMM_KEYS = {"allreduce_bucket", "reduce_scatter_bucket", "allgather_bucket", "p2p_buffers"}
+_COMM_KEYS = {"allreduce_bucket", "reduce_scatter_bucket", "allgather_bucket", "p2p_buffers",
+              "alltoall_buffers"}
 _ALLOCATOR_KEYS = {"name", "increase_size", "pregrow", "init_size", "align"}
 _ALLOCATOR_NAMES = ("mindspore", "mindspore_vmm", "torch", "torch_expandable", "pool")
 _WORKLOAD_KEYS = {"enabled", "seed", "steps", "dynamic_seq", "seq_distribution", "seq_min", "seq_max",
-                  "seq_buckets", "seq_align", "long_tail", "shape_cache", "extra_allocs", "comm_jitter"}
+                  "seq_buckets", "seq_align", "long_tail", "shape_cache", "extra_allocs", "comm_jitter",
+                  "moe_load_cv"}
 _SHAPE_CACHE_KEYS = {"bytes_per_shape", "max_shapes"}
 _EXTRA_KEYS = {"probability", "size", "lifetime_steps"}
 _TRAIN_KEYS = {"steps", "learning_rate", "batch_size", "seed", "dataset", "device", "checkpoint_every_steps"}
@@ -645,7 +858,7 @@ def _default_optimizer_dtype(optimizer_type: str | None, param_dtype: str) -> st
 
 
 def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelConfig,
-                 train: TrainConfig) -> MemoptConfig:
+                 train: TrainConfig, zero_stage: int | None = None) -> MemoptConfig:
     m = r.section(data, "memopt", "memopt")
     r.strict(m, "memopt", _MEMOPT_KEYS)
     pos = r.integer(minimum=1)
@@ -694,7 +907,7 @@ def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelC
         checkpoint_every_steps=r.get(tr, "checkpoint_every_steps", "memopt.train.checkpoint_every_steps", pos, None),
     )
 
-    zero_default = 1 if parallel.enable_parallel_optimizer else 0
+    zero_default = zero_stage if zero_stage is not None else (1 if parallel.enable_parallel_optimizer else 0)
     # Gradients take the compute dtype, except that FP32 parameters get FP32 gradients
     # (the cast's backward casts them back to the parameter's dtype).
     grad_default = "float32" if model.param_init_type == "float32" else model.compute_dtype
@@ -757,6 +970,7 @@ def _read_workload(r: _Reader, w: dict, train: TrainConfig, model: ModelConfig) 
             size=r.get(ea, "size", f"{p}.extra_allocs.size", r.size(), 64 * 2**20),
             lifetime_steps=r.get(ea, "lifetime_steps", f"{p}.extra_allocs.lifetime_steps", pos, 1)),
         comm_jitter=r.get(w, "comm_jitter", f"{p}.comm_jitter", fraction, 0.0),
+        moe_load_cv=r.get(w, "moe_load_cv", f"{p}.moe_load_cv", r.number(minimum=0, maximum=10), None),
     )
     if workload.seq_max > model.seq_length:
         raise r.fail(f"{p}.seq_max", workload.seq_max,
@@ -769,7 +983,8 @@ def _read_workload(r: _Reader, w: dict, train: TrainConfig, model: ModelConfig) 
     return workload
 
 
-def _check_consistency(r: _Reader, recipe: Recipe) -> None:
+def _check_consistency(r: _Reader, recipe: Recipe) -> Recipe:
+    """Cross-key checks; returns the recipe with its offsets broadcast to every chunk."""
     model, par, mem = recipe.model, recipe.parallel, recipe.memopt
     t, pp = par.model_parallel, par.pipeline_stage
     if model.num_heads % t:
@@ -785,12 +1000,38 @@ def _check_consistency(r: _Reader, recipe: Recipe) -> None:
         raise r.fail("parallel_config.pipeline_stage", pp,
                      f"at most model.model_config.num_layers ({model.num_layers})")
     if model.offset:
-        if len(model.offset) != pp:
-            raise r.fail("model.model_config.offset", list(model.offset),
-                         f"a list of {pp} per-stage offsets")
-        if sum(model.offset) != 0 or min(recipe.stage_layers()) < 1:
-            raise r.fail("model.model_config.offset", list(model.offset),
-                         "offsets that sum to 0 and leave at least one layer on every stage")
+        v = model.pp_interleave_num
+        rows = model.offset
+        if len(rows) == 1 and v > 1:        # one per-stage row applies to every chunk (MindFormers broadcasts)
+            rows = rows * v
+        if len(rows) != v or any(len(row) != pp for row in rows):
+            raise r.fail("model.model_config.offset", [list(row) for row in model.offset],
+                         f"a list of {pp} per-stage offsets" + (f" (or {v} such lists, one per "
+                                                                 f"pp_interleave_num chunk)" if v > 1 else ""))
+        model = dataclasses.replace(model, offset=tuple(rows))
+        recipe = dataclasses.replace(recipe, model=model)
+        remainder = model.num_layers % (pp * v)
+        total = sum(sum(row) for row in rows)
+        shown = model.offset if len(model.offset) > 1 else model.offset[0]
+        shown = [list(row) for row in shown] if len(model.offset) > 1 else list(shown)
+        if total != remainder:
+            raise r.fail("model.model_config.offset", shown,
+                         f"offsets that sum to num_layers % (pipeline_stage x pp_interleave_num) = "
+                         f"{model.num_layers} % {pp * v} = {remainder} (MindFormers' rule)")
+        if min(min(row) for row in recipe.chunk_layers()) < 0 or min(recipe.stage_layers()) < 1:
+            raise r.fail("model.model_config.offset", shown,
+                         "offsets that leave no chunk negative and at least one layer on every stage")
+    elif model.num_layers % (pp * model.pp_interleave_num) and pp * model.pp_interleave_num > 1:
+        remainder = model.num_layers % (pp * model.pp_interleave_num)
+        recipe = dataclasses.replace(recipe, notes=recipe.notes + (
+            f"no offset: MindFormers asks for offsets summing to num_layers % (stages x chunks) = {remainder}; "
+            f"planned with one more layer on each of the last {remainder} (virtual) stages",))
+    moe = model.moe
+    if moe is not None:
+        ep = par.expert_parallel
+        if moe.num_experts % ep:
+            raise r.fail("parallel_config.expert_parallel", ep,
+                         f"a divisor of the routed experts ({moe.num_experts})")
     if mem.device.cards is not None and mem.device.cards != par.cards:
         raise r.fail("memopt.device.cards", mem.device.cards,
                      f"data_parallel x model_parallel x pipeline_stage = {par.data_parallel} x {t} x {pp}"
@@ -807,3 +1048,4 @@ def _check_consistency(r: _Reader, recipe: Recipe) -> None:
             and mem.allocator.init_size > recipe.capacity):
         raise r.fail("memopt.allocator.init_size", mem.allocator.init_size,
                      f"at most the card's capacity ({recipe.capacity} bytes)")
+    return recipe

@@ -32,7 +32,7 @@ from .events import Trace
 from .layout import DEVICE_ADDRESS_LIMIT, Layout
 from .metrics import LayoutMetrics, measure
 
-__all__ = ["ReplayResult", "replay", "check_bounds", "DEVICE_ADDRESS_LIMIT"]
+__all__ = ["ReplayResult", "replay", "same_layout", "check_bounds", "DEVICE_ADDRESS_LIMIT"]
 
 #: every size and address of a replayed trace ends below this (bytes)
 
@@ -57,7 +57,12 @@ class ReplayResult:
     address_match: float | None
     events_per_s: float
     samples: int
+    #: events per second of this process's CPU time in the model (what a busy machine does not skew)
+    cpu_events_per_s: float = 0.0
     final_layout: Layout = field(repr=False, default_factory=Layout)
+    #: True when the model ends with the recorded blocks and live buffers, address for address
+    #: (``None``: the trace recorded no final state)
+    final_layout_match: bool | None = None
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "final_layout"}
@@ -123,7 +128,7 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
     allocs = known = matched = 0
     frag_max: float | None = None
     samples = 0
-    model_seconds = 0.0
+    model_seconds = cpu_seconds = 0.0
     oom_seen = 0
 
     def sample(index: int) -> None:
@@ -136,17 +141,33 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
             on_sample(index, m)
 
     malloc, free = model.malloc, model.free
-    chunk_start = time.perf_counter()
-    for index, event in enumerate(events):
+    # a model with a compiled fast path (ms_memopt.allocators.fast) runs stretches of allocs and
+    # frees in one call; the other events, and every event of the other models, run here
+    batch = getattr(model, "_run", None)
+    index, count = 0, len(events)
+    chunk_start, cpu_start = time.perf_counter(), time.process_time()
+    while index < count:
+        if batch is not None:
+            stop = count if not sample_every else min(count, index - index % sample_every + sample_every)
+            index, batch_allocs, batch_known, batch_matched, oom = batch(events, index, stop, address_of, None, True)
+            allocs += batch_allocs
+            known += batch_known
+            matched += batch_matched
+            if not oom and index == stop:
+                if sample_every and stop % sample_every == 0:
+                    model_seconds += time.perf_counter() - chunk_start
+                    cpu_seconds += time.process_time() - cpu_start
+                    sample(stop - 1)
+                    chunk_start, cpu_start = time.perf_counter(), time.process_time()
+                continue
+        event = events[index]
         action = event.action
-        if action == "alloc":
+        if batch is not None and action == "alloc":
+            pass                      # the fast path served it and recorded an OOM
+        elif action == "alloc":
             allocs += 1
             addr = malloc(event.size, stream=event.stream, pool=event.pool, tag=event.tag)
-            if addr is None:
-                if len(model.ooms) > oom_seen:
-                    model.ooms[-1].event_index = index
-                    oom_seen = len(model.ooms)
-            else:
+            if addr is not None:
                 address_of[event.id] = addr
                 if event.addr is not None:
                     known += 1
@@ -163,11 +184,17 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
             model.empty_cache()
         elif action == "mark":
             model.note_mark(event.tag, event.size)
+        if len(model.ooms) > oom_seen:
+            model.ooms[-1].event_index = index
+            oom_seen = len(model.ooms)
         if sample_every and (index % sample_every == sample_every - 1 or action == "step"):
             model_seconds += time.perf_counter() - chunk_start
+            cpu_seconds += time.process_time() - cpu_start
             sample(index)
-            chunk_start = time.perf_counter()
+            chunk_start, cpu_start = time.perf_counter(), time.process_time()
+        index += 1
     model_seconds += time.perf_counter() - chunk_start
+    cpu_seconds += time.process_time() - cpu_start
 
     final_layout = model.layout()
     end = measure(final_layout)
@@ -190,5 +217,23 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
         address_match=(matched / known) if known else None,
         events_per_s=len(events) / model_seconds if model_seconds > 0 else float("inf"),
         samples=samples,
+        cpu_events_per_s=len(events) / cpu_seconds if cpu_seconds > 0 else float("inf"),
         final_layout=final_layout,
+        final_layout_match=None if trace.final is None else same_layout(final_layout, trace.final),
     )
+
+
+def same_layout(replayed: Layout, recorded: Layout) -> bool:
+    """True when both have the same segments (address, size) and the same live blocks
+    (address, size); free ranges follow from those, since pools merge idle neighbours.
+
+    Example:
+        >>> from ms_memopt.layout import Block, Segment
+        >>> a = Layout([Segment(0, 1024, [Block(0, 512, True), Block(512, 512, False)])])
+        >>> same_layout(a, a), same_layout(a, Layout([Segment(0, 1024, [Block(0, 1024, False)])]))
+        (True, False)
+    """
+    def shape(layout: Layout) -> tuple[list, list]:
+        return (sorted((s.addr, s.size) for s in layout.segments),
+                sorted((b.addr, b.size) for b in layout.live_blocks()))
+    return shape(replayed) == shape(recorded)

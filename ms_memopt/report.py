@@ -34,7 +34,8 @@ from .errors import InputError
 from .layout import DEVICE_ADDRESS_LIMIT, Block, Layout, Segment
 from .jsontext import read_json_lines
 from .metrics import measure
-from .plots import Marker, plot_fragmentation_timeline, plot_timeline, pyplot, save_figure, size_unit
+from .plots import (Marker, forecast_marker, plot_fragmentation_timeline, plot_timeline, pyplot, save_figure,
+                    size_unit)
 from .units import format_size
 
 __all__ = ["LayoutSnapshot", "layout_to_dict", "layout_from_dict", "read_layouts", "write_layouts",
@@ -320,20 +321,31 @@ def _scan_logs(directory: Path) -> dict[int, list[dict]]:
 def plot_scan_timeline(scans: dict[int, list[dict]], path: str | Path, *,
                        title: str = "Layout scans") -> Path:
     """``free_total``, ``largest_free`` and ``frag_ratio`` against the step from scan logs, one line
-    per rank, compactions and predicted OOMs (a watched request that would not fit) marked; drawn
+    per rank, compactions, predicted OOMs (a watched request that would not fit) and the latest
+    forecast of when a watched request stops fitting (docs/forecast.md) marked; drawn
     by :func:`ms_memopt.plots.plot_timeline`, the figure simulations use too."""
     series: dict[str, list] = {}
     markers: list[Marker] = []
+    requests: dict[str, int] = {}
     for rank, lines in scans.items():
         label = f"rank {rank}"
         scanned = [l for l in lines if l.get("kind", "scan") == "scan" and l.get("free_total") is not None]
         series[label] = [(l["step"], l["free_total"], l.get("largest_free") or 0, l.get("frag_ratio"))
                          for l in scanned]
-        markers += [Marker(label, l["step"], "compaction", l.get("largest_free_after"))
+        markers += [Marker(label, l["step"], "compaction", l.get("largest_free_before"), l.get("largest_free_after"))
                     for l in lines if l.get("kind") == "compaction"]
         markers += [Marker(label, l["step"], "predicted_oom", l.get("largest_free") or 0) for l in scanned
                     if any(not w.get("fits", True) for w in (l.get("watch") or {}).values())]
-    return plot_timeline(series, path, markers=markers, title=title)
+        for l in scanned:
+            for name, check in (l.get("watch") or {}).items():
+                if isinstance(check, dict) and isinstance(check.get("size"), int):
+                    requests[name] = check["size"]
+        forecasts = [w["forecast"] for w in (scanned[-1].get("watch") or {}).values()
+                     if isinstance(w, dict) and isinstance(w.get("forecast"), dict)
+                     and w["forecast"].get("step") is not None] if scanned else []
+        if forecasts:       # the latest scan's soonest forecast
+            markers.append(forecast_marker(label, min(forecasts, key=lambda f: f["step"])))
+    return plot_timeline(series, path, markers=markers, title=title, requests=requests)
 
 
 # --- the report ------------------------------------------------------------------------------------
@@ -362,6 +374,47 @@ def _pick(items: list, n: int) -> list:
         return list(items)
     idx = sorted({round(i * (len(items) - 1) / (n - 1)) for i in range(n)})
     return [items[i] for i in idx]
+
+
+def _nothing_fragmented(scans: dict[int, list[dict]]) -> str | None:
+    """A plain sentence when no rank's scans ever changed (so the flat timeline is not mistaken
+    for a broken one), else ``None``."""
+    readings = {(l.get("free_total"), l.get("largest_free")) for ls in scans.values() for l in ls
+                if l.get("kind", "scan") == "scan" and l.get("free_total") is not None}
+    if len(readings) != 1:
+        return None
+    free_total, largest = readings.pop()
+    count = sum(1 for ls in scans.values() for l in ls if l.get("kind", "scan") == "scan")
+    if count < 2:
+        return None
+    return (f"**Nothing fragmented in this run:** all {count} scans saw the same pool ({format_size(free_total)} "
+            f"free, largest hole {format_size(largest)}). The workload requested the same sizes in the same "
+            f"order every step, so each step's frees left exactly the holes the next step filled again; "
+            f"fragmentation needs sizes or lifetimes that change from step to step (varying sequence "
+            f"lengths, dynamic shapes, buffers that outlive a step).")
+
+
+def _real_pool_note(scans: dict[int, list[dict]]) -> str | None:
+    """What scans of the real CPU pool (source ``pool-log``) can and cannot show, in figures."""
+    real = [l for ls in scans.values() for l in ls if l.get("kind", "scan") == "scan" and l.get("source") == "pool-log"]
+    if not real:
+        return None
+    ratios = [l["frag_ratio"] for l in real if l.get("frag_ratio") is not None]
+    peak = max(l.get("allocated") or 0 for l in real)
+    reserved = max(l.get("reserved") or 0 for l in real)
+    holes = max(len(l.get("hole_histogram") or {}) for l in real)
+    text = (f"**The real pool:** these scans read MindSpore's own CPU pool, buffer by buffer, from its "
+            f"log. Across {len(real)} scans the largest hole moved from {format_size(real[0]['largest_free'])} "
+            f"to {format_size(real[-1]['largest_free'])} and free memory from {format_size(real[0]['free_total'])} "
+            f"to {format_size(real[-1]['free_total'])}; frag ratio at most {max(ratios, default=0):.4f}.")
+    if reserved and peak * 100 < reserved and max(ratios, default=0) < 0.05:
+        text += (f" It stays near 0 because the CPU pool grows in 1 GiB blocks ({format_size(reserved)} "
+                 f"reserved) while this model holds at most {format_size(peak)}: the holes that changing "
+                 f"sequence lengths leave (up to {holes} size classes of them) sit at the start of a block "
+                 f"whose untouched rest stays one free range. A fragmentation OOM needs a pool filled close "
+                 f"to its capacity, which is what `ms-memopt simulate` and `ms-memopt replay --capacity` "
+                 f"on a recording show.")
+    return text
 
 
 def build_report(directory: str | Path, *, title: str | None = None, plan: dict | None = None,
@@ -431,6 +484,12 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
         sources = {line["extra"]["source_description"] for ls in scans.values() for line in ls
                    if isinstance(line.get("extra"), dict) and line["extra"].get("source_description")}
         lines += ["", *(f"Scan source: {text}." for text in sorted(sources))]
+        still = _nothing_fragmented(scans)
+        if still:
+            lines += ["", still]
+        real = _real_pool_note(scans)
+        if real:
+            lines += ["", real]
         compactions = [(r, line) for r, ls in scans.items() for line in ls if line.get("kind") == "compaction"]
         if compactions:
             lines += ["", f"Compactions: {len(compactions)} (" + ", ".join(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -35,14 +36,17 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from .errors import InputError
+from .forecast import Forecast, Forecaster
 from .jsontext import parse_json, read_json_lines
 from .layout import Layout
 from .metrics import LayoutMetrics, frag_ratio, hole_histogram, measure
 from .units import format_size, parse_size
 
 __all__ = ["ScanRecord", "Reading", "Source", "LayoutSource", "ScanLog", "Scanner",
-           "parse_watch", "check_watch", "read_scan_log", "SCAN_LOG_NAME"]
+           "parse_watch", "check_watch", "read_scan_log", "forecast_fields", "SCAN_LOG_NAME"]
 
+#: set by ``ms-memopt record``: each scanned run's step ends are printed for the recording
+_RECORDING = bool(os.environ.get("MS_MEMOPT_RECORD"))
 logger = logging.getLogger("ms_memopt.scan")
 
 SCAN_LOG_NAME = "scan.jsonl"
@@ -102,6 +106,14 @@ class ScanRecord:
     def predicted_oom(self) -> bool:
         """True when some watched request would not fit."""
         return any(not w["fits"] for w in self.watch.values())
+
+    @property
+    def forecast_step(self) -> int | None:
+        """The soonest step at which the forecast sees a watched request stop fitting in one
+        piece (``None`` without such a forecast)."""
+        steps = [w["forecast"]["step"] for w in self.watch.values()
+                 if (w.get("forecast") or {}).get("step") is not None]
+        return min(steps, default=None)
 
 
 def parse_watch(watch: Mapping[str, object] | None) -> dict[str, int]:
@@ -274,21 +286,28 @@ class Scanner:
         every: scan when ``step % every == 0`` (and at the first step seen).
         watch: watched requests, ``{"allreduce": "4.2GB"}``.
         frag_warn: warn when ``frag_ratio`` exceeds this.
+        forecast_within: warn when the forecast (:mod:`ms_memopt.forecast`, from this scanner's
+            samples: ``largest_free`` and, as long-lived memory, ``allocated`` at each scan) says
+            a watched request may stop fitting in one piece within this many steps; ``None``:
+            forecasts are recorded (``watch.NAME.forecast``) but never warn.
         rank: written into every record.
         source_reason: why the first source was picked (``source="auto"``), for the first record.
 
     Raises:
-        InputError: ``every <= 0``, a bad watch size, a negative ``frag_warn``, no source.
+        InputError: ``every <= 0``, a bad watch size, a negative ``frag_warn`` or
+            ``forecast_within``, no source.
     """
 
     def __init__(self, sources: list[Source], *, log: ScanLog | None = None, every: int = 100,
                  watch: Mapping[str, object] | None = None, frag_warn: float | None = 3.0,
-                 rank: int = 0, source_reason: str | None = None, keep: int = 1000) -> None:
+                 rank: int = 0, source_reason: str | None = None, keep: int = 1000,
+                 forecast_within: int | None = None) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
             raise InputError(f"every must be a positive integer, got {every!r}", key="every")
         if frag_warn is not None and (isinstance(frag_warn, bool) or not isinstance(frag_warn, (int, float))
                                       or frag_warn < 0):
             raise InputError(f"frag_warn must be a number >= 0 or None, got {frag_warn!r}", key="frag_warn")
+        check_forecast_within(forecast_within)
         if not sources:
             raise InputError("no memory source available", key="source")
         self.sources = list(sources)
@@ -296,6 +315,9 @@ class Scanner:
         self.every = every
         self.watch = parse_watch(watch)
         self.frag_warn = frag_warn
+        self.forecast_within = forecast_within
+        # one sample per scan: a window is one scan interval
+        self.forecasters = {name: Forecaster(size, window=every) for name, size in self.watch.items()}
         self.rank = rank
         self.source_reason = source_reason
         self.records: list[ScanRecord] = []
@@ -304,6 +326,18 @@ class Scanner:
         self._keep = keep
         self._first = True
         self._last_scanned: int | None = None
+
+    def forecast(self) -> Forecast | None:
+        """The latest forecast of the watched request that stops fitting first (``None``
+        without watched requests or a forecast)."""
+        made = [f.forecast() for f in self.forecasters.values()]
+        made = [f for f in made if f.step is not None]
+        return min(made, key=lambda f: (f.earliest_step, f.step), default=None)
+
+    def reset_forecast(self, step: int) -> None:
+        """Forget the samples before ``step`` (a compaction there: the old trend is gone)."""
+        for forecaster in self.forecasters.values():
+            forecaster.reset(step)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is a scan step."""
@@ -314,6 +348,8 @@ class Scanner:
 
         Never raises for a failing source: the failure is logged once and the source skipped.
         """
+        if _RECORDING:   # under `ms-memopt record`: a step event in the recorded pool log
+            print(f"ms-memopt step {step}", file=sys.stderr, flush=True)
         try:
             if not force and not self.due(step):
                 return None
@@ -368,6 +404,13 @@ class Scanner:
         histogram = reading.hole_histogram
         warnings = []
         for name, result in watch.items():
+            forecaster = self.forecasters.get(name)
+            if forecaster is not None:
+                forecaster.add(step, reading.largest_free, long_lived=reading.allocated)
+                fc = forecaster.forecast()
+                result["forecast"] = forecast_fields(fc)
+                if self.forecast_within is not None and fc.status == "declining" and fc.warns(self.forecast_within):
+                    warnings.append(f"forecast: {fc.describe(name)}")
             if not result["fits"]:
                 warnings.append(
                     f"predicted OOM: watched request {name!r} ({format_size(result['size'])}) would not fit: "
@@ -405,6 +448,19 @@ class Scanner:
                 logger.debug("closing source %s failed", source.name, exc_info=True)
         if self.log is not None:
             self.log.close()
+
+
+def check_forecast_within(value, key: str = "forecast_within") -> None:
+    """``None`` or an integer number of steps >= 0, else :class:`InputError` naming ``key``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise InputError(f"{key} must be a number of steps >= 0 or None, got {value!r}", key=key)
+
+
+def forecast_fields(fc: Forecast) -> dict:
+    """A forecast as scan records and simulation timelines carry it (steps, bytes, confidence)."""
+    return {"status": fc.status, "step": fc.step, "earliest_step": fc.earliest_step,
+            "latest_step": fc.latest_step, "steps_left": fc.steps_left,
+            "confidence": round(fc.confidence, 4), "request": fc.request}
 
 
 def _fmt(size: int | None) -> str:

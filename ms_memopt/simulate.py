@@ -13,11 +13,15 @@ never a full layout, so a sample costs microseconds; layouts are built only to c
 Policies:
 
 ``baseline``  the allocator alone.
-``compact``   after the optimizer step every ``compact_every`` steps, and at a scan whose
-              window saw a watched request with less than ``(1 + watch_margin)`` times its
-              size free in one piece, the layout is compacted (every live block moved to the
-              lowest addresses of its segment, :mod:`ms_memopt.compaction`), and the model
-              restarts from the compacted layout (``restore``).
+``compact``   after the optimizer step every ``compact_every`` steps, and at a scan that warns,
+              the layout is compacted (every live block moved to the lowest addresses of its
+              segment, :mod:`ms_memopt.compaction`), and the model restarts from the compacted
+              layout (``restore``). A scan warns (``compact_trigger``) when the forecast
+              (:mod:`ms_memopt.forecast`, fed the samples before the watched request and the
+              memory in use after each optimizer step) says the request may stop fitting in one
+              piece within ``forecast_within`` steps (``"forecast"``, the default), or when its
+              window saw the request with less than ``(1 + watch_margin)`` times its size free in
+              one piece (``"margin"``, the earlier rule).
 ``pool``      pool mode: fixed regions by purpose (:class:`~ms_memopt.allocators.pool.PoolModeAllocator`).
 
 A job dies at its first failed request: ``oom_step`` is that step (``None`` when none).
@@ -52,8 +56,10 @@ from typing import IO
 from .allocators import create
 from .allocators.base import AllocatorModel
 from .events import Event
+from .forecast import Forecast, Forecaster
 from .layout import Layout
 from .metrics import frag_ratio, measure
+from .scan import forecast_fields
 from .workload import WATCH_TAG, StepWorkload, WorkloadSpec
 
 __all__ = [
@@ -69,6 +75,7 @@ __all__ = [
 ]
 
 POLICIES = ("baseline", "compact", "pool")
+COMPACT_TRIGGERS = ("forecast", "margin")
 
 
 @dataclass
@@ -77,7 +84,11 @@ class SimConfig:
 
     ``allocator`` and ``allocator_options`` create the model of ``baseline`` and ``compact``
     (``pool`` always uses pool mode); ``watch`` maps request tags to sizes (the sizes only
-    matter for the early warning); ``watch_margin`` is the compaction trigger's margin.
+    matter for the early warning). ``compact_trigger`` picks the ``compact`` policy's warning:
+    ``"forecast"`` (compact at a scan whose forecast warns within ``forecast_within`` steps;
+    ``None``: ``scan_every``, i.e. before the next scan could act) or ``"margin"`` (the largest
+    free block seen before a watched request fell below ``1 + watch_margin`` times it).
+    ``forecast_window`` is the forecast's window in steps (:class:`~ms_memopt.forecast.Forecaster`).
     """
 
     steps: int = 1000
@@ -88,7 +99,22 @@ class SimConfig:
     compact_every: int | None = 500
     watch: dict[str, int] = field(default_factory=lambda: {WATCH_TAG: 4_200_000_000})
     watch_margin: float = 0.5
+    compact_trigger: str = "forecast"
+    forecast_within: int | None = None
+    forecast_window: int = 10
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.compact_trigger not in COMPACT_TRIGGERS:
+            raise ValueError(f"unknown compact_trigger {self.compact_trigger!r}; expected one of "
+                             f"{', '.join(COMPACT_TRIGGERS)}")
+
+    @property
+    def forecast_horizon(self) -> int:
+        """Steps ahead a forecast must see the crossing to warn (``forecast_within`` or ``scan_every``)."""
+        if self.forecast_within is not None:
+            return self.forecast_within
+        return self.scan_every or 100
 
 
 @dataclass
@@ -103,6 +129,9 @@ class PolicyResult:
     inside one segment (pool block) right after a compaction (what compaction can reach in one
     contiguous range). ``largest_free_by_window`` is the smallest ``largest_free``
     seen in each ``scan_every``-step window (at scans and before watched requests).
+    ``forecast_warned_at`` is the first scan whose forecast of the watched request warned within
+    ``SimConfig.forecast_horizon`` steps, ``forecast_step_at_warning`` the crossing step it
+    estimated then (both ``None`` without a warning).
     """
 
     policy: str
@@ -125,6 +154,8 @@ class PolicyResult:
     largest_free_after_compaction_min: int | None = None
     frag_after_compaction_segment_max: float | None = None
     bytes_moved: int = 0
+    forecast_warned_at: int | None = None
+    forecast_step_at_warning: int | None = None
     peak_allocated: int = 0
     peak_reserved: int = 0
     region_frag_max: float | None = None
@@ -313,6 +344,8 @@ class _Run:
         self.watch = dict(cfg.watch)
         self.watch_need = max(self.watch.values(), default=0)
         self.compacting = policy == "compact"
+        # one forecast, of the largest watched request: it is the first to stop fitting
+        self.forecaster = Forecaster(self.watch_need, window=cfg.forecast_window) if self.watch_need else None
         self.region_metrics = getattr(self.model, "region_metrics", None)
         self.drain = getattr(self.model, "drain_evicted", None)
         self.addr_of: dict[int, int] = {}
@@ -335,18 +368,34 @@ class _Run:
         tag_of = self.tag_of if on_watch is not None else None
         note_mark = model.note_mark
         malloc, free = model.malloc, model.free
-        for event in batch:
+        # a model with a compiled fast path serves the stretches of allocs and frees between
+        # marks and watched requests in one call; nothing per event to record then
+        fast = record is None and tag_of is None
+        fast_run = getattr(model, "_run", None) if fast else None
+        index, count = 0, len(batch)
+        while index < count:
+            if fast_run is not None:
+                index, _, _, _, oom = fast_run(batch, index, count, addr_of, watch, False)
+                if oom:
+                    self._fail(batch[index], step)
+                    break
+                if index == count:
+                    break
+            event = batch[index]
+            index += 1
             action = event.action
             if action == "alloc":
                 tag = event.tag
                 if tag in watch:
-                    extra = {"tag": tag}
+                    extra = {"tag": tag, "size": event.size}
                     if region_metrics is not None:
                         extra["region_frag"] = _note_regions(result, region_metrics())
                     lf = model.largest_free()
                     track.sample(step, "watch", _free_total(model), lf, extra)
                     if track.watch_min is None or lf < track.watch_min:
                         track.watch_min = lf
+                    if self.forecaster is not None:
+                        self.forecaster.add(step, lf)
                     if on_watch is not None:
                         on_watch(WatchPoint(result.policy, result.seed, step, "watch", event, model, self))
                 addr = malloc(event.size, pool=event.pool, tag=tag)
@@ -377,24 +426,35 @@ class _Run:
                 note_mark(event.tag, event.size)
             elif action == "mark":
                 scan = cfg.scan_every and step % cfg.scan_every == 0
+                forecaster = self.forecaster
+                if forecaster is not None:      # long-lived memory: what stays after the optimizer step
+                    forecaster.add(step, None, long_lived=model.allocated)
+                fc = None
                 if scan:
-                    extra = None
+                    extra = {"allocated": model.allocated}
                     if region_metrics is not None:
-                        extra = {"region_frag": _note_regions(result, region_metrics())}
+                        extra["region_frag"] = _note_regions(result, region_metrics())
+                    if forecaster is not None:
+                        fc = forecaster.forecast()
+                        extra["forecast"] = forecast_fields(fc)
+                        if result.forecast_warned_at is None and fc.warns(cfg.forecast_horizon):
+                            result.forecast_warned_at, result.forecast_step_at_warning = step, fc.step
                     track.last_scan_frag = track.sample(step, "scan", _free_total(model),
                                                         model.largest_free(), extra)
                 if self.compacting:
                     periodic = cfg.compact_every and step % cfg.compact_every == 0
-                    warned = scan and track.watch_min is not None and \
-                        track.watch_min < self.watch_need * (1.0 + cfg.watch_margin)
+                    warned = scan and self._warned(fc)
                     if periodic or warned:
                         model, before, after, moves = _compact(model, addr_of, cfg)
                         self.model = model
                         malloc, free = model.malloc, model.free
+                        fast_run = getattr(model, "_run", None) if fast else None
                         if record is not None:
                             _record_moves(record, moves, step)
                         _note_compaction(result, track, step, before, after, sum(m.size for m in moves),
                                          "periodic" if periodic else "warning")
+                        if forecaster is not None:
+                            forecaster.reset(step)      # the trend described the layout just compacted
                 if scan:
                     track.watch_min = None
                     track.close_window()
@@ -402,6 +462,13 @@ class _Run:
             result.events += len(batch)
         self.seconds += time.perf_counter() - started
         return not self.dead
+
+    def _warned(self, fc: Forecast | None) -> bool:
+        """The ``compact`` policy's warning at a scan (see :class:`SimConfig` ``compact_trigger``)."""
+        if self.cfg.compact_trigger == "margin":
+            low = self.track.watch_min
+            return low is not None and low < self.watch_need * (1.0 + self.cfg.watch_margin)
+        return fc is not None and fc.warns(self.cfg.forecast_horizon)
 
     def _forget(self, addrs: list[int], step: int) -> None:
         """Drop the tensors a pool-mode cache evicted (their later frees must not hit new blocks)."""

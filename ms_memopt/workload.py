@@ -112,6 +112,15 @@ class WorkloadSpec:
       moment of the step, freed at the start of the step ``extra_lifetime_steps`` later.
     * ``comm_jitter`` (0 = off): the AllReduce buffer is requested before one of the last
       ``comm_jitter`` share of the step's backward layer passes instead of after the backward.
+    * ``moe_load_cv`` (0 = off; needs ``moe_layers``): MoE routing. The layers listed in
+      ``moe_layers`` exchange tokens by all-to-all: per pass, a dispatch receive buffer and a
+      combine buffer (``alltoall_bytes`` in all, at the balanced load) live for the layer, and
+      the routed activations (``expert_activation_bytes``) are kept for the backward, which
+      takes the same buffers again. Each is scaled by the card's routed load: its
+      ``moe_local_experts`` of ``moe_experts`` experts receive the share
+      ``Beta(a L, a (E - L))`` of the tokens (the marginal of a Dirichlet over the experts
+      with per-expert load coefficient of variation ``moe_load_cv``, ``a = 1/cv^2``), drawn
+      per micro-batch and MoE layer, times ``E / L`` (1 at the balanced load).
     """
 
     layers: int = 15
@@ -148,6 +157,12 @@ class WorkloadSpec:
     extra_size: int = 256 * 2**20
     extra_lifetime_steps: int = 1
     comm_jitter: float = 0.2
+    moe_layers: tuple[int, ...] = ()
+    alltoall_bytes: int = 0
+    expert_activation_bytes: int = 0
+    moe_experts: int = 1
+    moe_local_experts: int = 1
+    moe_load_cv: float = 0.0
 
     def __post_init__(self) -> None:
         if self.input_bytes <= 0:
@@ -157,9 +172,11 @@ class WorkloadSpec:
         self.seq_buckets = tuple(sorted(self.seq_buckets))
 
     #: the switchable mechanisms and the value that switches each off
-    OFF: ClassVar[dict] = {"dynamic_seq": False, "shape_cache": 0, "extra_allocs": 0.0, "comm_jitter": 0.0}
+    OFF: ClassVar[dict] = {"dynamic_seq": False, "shape_cache": 0, "extra_allocs": 0.0, "comm_jitter": 0.0,
+                           "moe_routing": 0.0}
     _FIELD: ClassVar[dict] = {"dynamic_seq": "dynamic_seq", "shape_cache": "cache_bytes_per_shape",
-              "extra_allocs": "extra_probability", "comm_jitter": "comm_jitter"}
+              "extra_allocs": "extra_probability", "comm_jitter": "comm_jitter",
+              "moe_routing": "moe_load_cv"}
 
     def mechanisms(self) -> dict[str, bool]:
         """Which variation mechanisms are on (all ``False`` when ``enabled`` is off)."""
@@ -199,6 +216,7 @@ class StepWorkload:
         self._extras_due: dict[int, list[int]] = {}                # step -> ids to free then
         self.shapes_seen: set[int] = set()
         self._events: list[Event] = []
+        self._moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
 
     # ids and emitters --------------------------------------------------------------------
     # positional Event(action, id, size, addr, stream, pool, time, tag, step): the hot path
@@ -234,22 +252,23 @@ class StepWorkload:
             self._free(tid)
         # every draw of the step happens here, in a fixed order, so that a seed fixes the stream
         lengths = [self._sequence_length() for _ in range(s.micro_batches)]
+        loads = self._routed_loads()
         passes = s.micro_batches * s.layers
         allreduce_at = self._allreduce_moment(passes)
         extra_at = self._extra_moment(2 * passes)
         saved: dict[int, list[list[int]]] = {}
         counters = {"pass": 0, "backward": 0}
         hooks = {"allreduce_at": allreduce_at, "extra_at": extra_at, "allreduce_id": None,
-                 "step": step}
+                 "step": step, "loads": loads}
         for phase, m in _one_f_one_b(s.micro_batches, s.in_flight):
             # a named moment per pass: pool mode places a micro-batch's activations by it
             if phase == "F":
                 self._events.append(Event("mark", tag=f"forward:{m}", size=self._kept_bytes(lengths[m]),
                                           step=step))
-                saved[m] = self._forward(lengths[m], counters, hooks)
+                saved[m] = self._forward(lengths[m], counters, hooks, m)
             else:
                 self._events.append(Event("mark", tag=f"backward:{m}", step=step))
-                self._backward(saved.pop(m), lengths[m], counters, hooks)
+                self._backward(saved.pop(m), lengths[m], counters, hooks, m)
         if hooks["allreduce_id"] is None:
             hooks["allreduce_id"] = self._alloc(s.allreduce_bytes, WATCH_TAG)
         self._communicate(hooks["allreduce_id"])
@@ -274,6 +293,29 @@ class StepWorkload:
             return next((b for b in s.seq_buckets if b >= length), s.seq_buckets[-1])
         align = max(1, s.seq_align)
         return max(align, length // align * align)
+
+    def _routed_loads(self) -> np.ndarray | None:
+        """``moe_routing``: the card's routed load per micro-batch and MoE layer, relative to
+        the balanced load (mean 1); ``None`` when the mechanism is off or no layer is MoE."""
+        s = self.spec
+        if not s.moe_layers or not s.alltoall_bytes and not s.expert_activation_bytes:
+            return None
+        if not self._mech["moe_routing"]:
+            return np.ones((s.micro_batches, len(s.moe_layers)))
+        a = 1.0 / (s.moe_load_cv ** 2)
+        local, experts = s.moe_local_experts, max(s.moe_experts, s.moe_local_experts + 1)
+        share = self.rng.beta(a * local, a * (experts - local), size=(s.micro_batches, len(s.moe_layers)))
+        return share * experts / local
+
+    def _moe_sizes(self, hooks: dict, micro_batch: int, layer: int, scale: float) -> tuple[int, int] | None:
+        """(all-to-all buffer, routed activations) of one MoE layer pass; ``None`` for a dense layer."""
+        loads = hooks["loads"]
+        index = self._moe_index.get(layer)
+        if loads is None or index is None:
+            return None
+        load = loads[micro_batch, index] * scale
+        s = self.spec
+        return _aligned(s.alltoall_bytes / 2 * load), _aligned(s.expert_activation_bytes * load)
 
     def _cache_shape(self, length: int, part: int) -> None:
         """``shape_cache``: a new shape allocates its cached tensors, which stay live; they are
@@ -351,7 +393,7 @@ class StepWorkload:
         k = self.spec.recompute_every
         return -(-self.spec.layers // k) * inp if k else self.spec.layers * sum(acts)
 
-    def _forward(self, length: int, counters: dict, hooks: dict) -> list[list[int]]:
+    def _forward(self, length: int, counters: dict, hooks: dict, micro_batch: int = 0) -> list[list[int]]:
         """One micro-batch forward; returns the saved tensor ids per layer."""
         s = self.spec
         scale = length / s.seq_length
@@ -372,6 +414,15 @@ class StepWorkload:
                 saved.append([self._alloc(inp, "checkpoint_input")])
             else:
                 saved.append([])
+            moe = self._moe_sizes(hooks, micro_batch, layer, scale)
+            if moe is not None:
+                # dispatch receive and combine buffers live for the layer; without recompute the
+                # routed activations are kept for the backward
+                buffers = [self._alloc(moe[0], "alltoall") for _ in range(2)]
+                if not k:
+                    saved[-1].append(self._alloc(moe[1], "expert_activation"))
+                for tid in reversed(buffers):
+                    self._free(tid)
             for tid in reversed(ws):
                 self._free(tid)
             if layer == 0:
@@ -379,7 +430,8 @@ class StepWorkload:
         self._free(self._alloc(_aligned(s.p2p_bytes * scale), "p2p"))
         return saved
 
-    def _backward(self, saved: list[list[int]], length: int, counters: dict, hooks: dict) -> None:
+    def _backward(self, saved: list[list[int]], length: int, counters: dict, hooks: dict,
+                  micro_batch: int = 0) -> None:
         """One micro-batch backward, last layer first; may request the AllReduce buffer."""
         s = self.spec
         scale = length / s.seq_length
@@ -401,8 +453,14 @@ class StepWorkload:
             ws = [self._alloc(size, "grad_workspace") for size in wss]
             for part in cache_at.get(back_index, ()):
                 self._cache_shape(length, part)
+            moe = self._moe_sizes(hooks, micro_batch, layer, scale)
+            buffers = [self._alloc(moe[0], "alltoall") for _ in range(2)] if moe is not None else []
+            if moe is not None and k:        # recompute regenerates the routed activations
+                buffers.append(self._alloc(moe[1], "expert_activation"))
             wgrad = self._alloc(grad_size, "weight_grad")   # BF16, cast-added into the FP32 buffer
             self._free(wgrad)
+            for tid in reversed(buffers):
+                self._free(tid)
             for tid in reversed(ws):
                 self._free(tid)
             if k:
@@ -454,7 +512,8 @@ def events_per_step(spec: WorkloadSpec) -> int:
         True
     """
     per_layer = 4 * len(spec.workspace_split) + 2 * len(spec.activation_split) + 8
-    return (spec.micro_batches * (spec.layers * per_layer + 12) + 4 * spec.optimizer_groups
+    moe = 14 * len(spec.moe_layers)           # all-to-all buffers and routed activations, both passes
+    return (spec.micro_batches * (spec.layers * per_layer + moe + 12) + 4 * spec.optimizer_groups
             + 2 * spec.buckets + 20)
 
 
@@ -488,14 +547,15 @@ def iter_events(spec: WorkloadSpec, steps: int, seed: int = 0) -> Iterator[Event
         yield from gen.step(step)
 
 
-def spec_from_recipe(recipe, *, stage: int = 0) -> WorkloadSpec:
+def spec_from_recipe(recipe, *, stage: int = 0, plan=None) -> WorkloadSpec:
     """The :class:`WorkloadSpec` of one pipeline stage of a recipe (default: the first, which
-    holds the most micro-batches in flight), sizes from :mod:`ms_memopt.estimate`."""
+    holds the most micro-batches in flight), sizes from :mod:`ms_memopt.estimate` (``plan``:
+    the recipe's :func:`~ms_memopt.estimate.estimate`, when the caller has it already)."""
     from . import estimate as est
 
     model, par, mem = recipe.model, recipe.parallel, recipe.memopt
     w = mem.workload
-    stage_est = est.estimate(recipe).stages[stage]
+    stage_est = (plan or est.estimate(recipe)).stages[stage]
     regions = stage_est.regions
     layers = stage_est.layers
     shape = dict(seq=model.seq_length, micro_batch=recipe.train.batch_size,
@@ -540,4 +600,22 @@ def spec_from_recipe(recipe, *, stage: int = 0) -> WorkloadSpec:
         extra_size=w.extra_allocs.size,
         extra_lifetime_steps=w.extra_allocs.lifetime_steps,
         comm_jitter=w.comm_jitter,
+        **_moe_fields(recipe, stage, factor, w.moe_load_cv),
     )
+
+
+def _moe_fields(recipe, stage: int, factor: float, load_cv: float | None) -> dict:
+    """The MoE routing part of a stage's spec (nothing for a dense model): its MoE layers,
+    all-to-all buffers and routed activations (:mod:`ms_memopt.estimate`), the experts on one
+    card, and the routing load variation (``memopt.workload.moe_load_cv``; default 0.2)."""
+    from . import estimate as est
+
+    moe = recipe.model.moe
+    if moe is None:
+        return {}
+    return {"moe_layers": est.stage_moe_layers(recipe, stage),
+            "alltoall_bytes": est.alltoall_bytes(recipe),
+            "expert_activation_bytes": int(est.routed_activation_bytes(recipe) * factor),
+            "moe_experts": moe.num_experts,
+            "moe_local_experts": max(1, moe.num_experts // recipe.parallel.expert_parallel),
+            "moe_load_cv": 0.2 if load_cv is None else load_cv}

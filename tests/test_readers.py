@@ -246,7 +246,8 @@ def test_explicit_format(tmp_path):
         load_trace(DATA / "events.jsonl", format="csv")
     with pytest.raises(InputError, match="memory_block.csv header"):
         load_trace(DATA / "events.jsonl", format="mindspore-memory-block")
-    assert set(FORMATS) == {"torch-snapshot", "jsonl", "mindspore-memory-block", "msmemscope", "instances"}
+    assert set(FORMATS) == {"torch-snapshot", "jsonl", "mindspore-memory-block", "msmemscope", "instances",
+                            "mindspore-pool-log"}
 
 
 # --- pool debug dump and layouts ------------------------------------------------------------------

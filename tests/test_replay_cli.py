@@ -181,6 +181,7 @@ def test_model_that_cannot_restore_exits_2(capsys, monkeypatch):
 
     # the real pool model with the base class's restore, which refuses a recorded starting state
     monkeypatch.setattr(MindSporePool, "restore", AllocatorModel.restore)
+    monkeypatch.setattr("ms_memopt.allocators.fast.AVAILABLE", False)   # the reference class, not its C twin
     monkeypatch.setattr("ms_memopt.traces.load_trace",
                         lambda path, format=None: Trace([], source=str(path), format="torch-snapshot",
                                                         initial=Layout([])))

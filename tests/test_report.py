@@ -184,7 +184,7 @@ def test_report_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_demo_memory_map_layouts_come_from_the_simulated_workload():
-    from ms_memopt.demo import simulated_layouts
+    from ms_memopt.memory_map import simulated_layouts
     from ms_memopt.metrics import measure
     from ms_memopt.recipe import load_recipe
 
@@ -200,3 +200,13 @@ def test_demo_memory_map_layouts_come_from_the_simulated_workload():
         assert None not in tags                               # every live block knows its purpose
         assert "parameter" in {_category(t)[0] for t in tags}
     assert {s.pool for s in snaps[-1].layout.segments} >= {"parameters", "activations"}   # one segment per region
+
+
+def test_a_run_whose_scans_never_change_says_plainly_that_nothing_fragmented(tmp_path):
+    (tmp_path / "rank_0").mkdir()
+    flat = [_scan(0, s, 2 * MiB, MiB) for s in (1, 5, 10)]
+    (tmp_path / "rank_0" / "scan.jsonl").write_text("".join(json.dumps(l) + "\n" for l in flat))
+    text = build_report(tmp_path).read_text()
+    assert "Nothing fragmented in this run:** all 3 scans saw the same pool (2.00 MiB free, largest hole 1.00 MiB)" in text
+    _two_rank_run(tmp_path / "moving")
+    assert "Nothing fragmented" not in build_report(tmp_path / "moving").read_text()

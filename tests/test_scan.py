@@ -68,8 +68,10 @@ def test_scan_record_has_every_field_and_round_trips(tmp_path):
     assert first["frag_ratio"] == pytest.approx(5120 / 4096 - 1)
     assert first["hole_histogram"] == {"1024": 1, "4096": 1}
     assert first["device_free"] == (1 << 20) - first["reserved"]
+    forecasts = {name: w.pop("forecast") for name, w in first["watch"].items()}
     assert first["watch"]["bucket"] == {"size": 2048, "fits": True, "in_hole": True}
     assert first["watch"]["big"] == {"size": 2 * MiB, "fits": False, "in_hole": False}
+    assert forecasts["bucket"]["status"] == "too_few_samples"      # docs/forecast.md
     assert first["extra"]["source_reason"] == "test" and "source_reason" not in records[1]["extra"]
     assert any("predicted OOM" in w and "'big'" in w for w in first["warnings"])
 

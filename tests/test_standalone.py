@@ -160,7 +160,9 @@ def test_export_memory_viz_writes_the_last_scanned_layout(tmp_path):
     result = RunResult(out=str(tmp_path), device="CPU", start_step=1, steps=5)
     path = _export_memory_viz(tmp_path, str(tmp_path / "viz.pickle"), result)
     trace = read_torch_snapshot(path)
-    assert [(e.action, e.addr, e.size) for e in trace.events] == [("alloc", 1 << 21, 1024)]
+    assert [(e.action, e.addr, e.size) for e in trace.events] == [("segment_alloc", 1 << 21, 4096),
+                                                                   ("alloc", 1 << 21, 1024)]
+    assert [e.tag for e in trace.events][-1] == "parameter"    # the block's frame names it
     assert not result.notes
     empty = tmp_path / "empty"
     empty.mkdir()

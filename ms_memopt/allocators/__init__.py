@@ -2,11 +2,17 @@
 
 ==================  ==========================================================================
 ``mindspore``        MindSpore's dynamic memory pool (best fit, blocks grown by doubling)
+``mindspore-bestfit`` MindSpore's older pool ``DynamicMemPoolBestFit`` (the CPU pool): same
+                     rules, equal sizes taken in the order they became idle
 ``mindspore-vmm``    MindSpore's VMM pool (virtual range, 2 MB physical chunks on demand)
 ``torch``            PyTorch's CUDA caching allocator (torch_npu's NPUCachingAllocator)
 ``torch-expandable`` PyTorch with ``expandable_segments:True``
 ``pool``             ms-memopt pool mode: fixed regions by purpose, activation ring
 ==================  ==========================================================================
+
+Models with a compiled fast path (:mod:`ms_memopt.allocators.fast`) are created as such when
+it is built; ``create(..., fast=False)`` or ``MS_MEMOPT_PURE_PYTHON=1`` gives the pure-Python
+reference.
 
 Example:
     >>> model = create("mindspore", capacity=2**30)   # doctest: +SKIP
@@ -24,6 +30,7 @@ __all__ = ["AllocatorModel", "OOMRecord", "MODELS", "create"]
 # name -> (module, class); imported on first use so one model's cost is not every model's
 MODELS: dict[str, tuple[str, str]] = {
     "mindspore": ("ms_memopt.allocators.mindspore", "MindSporePool"),
+    "mindspore-bestfit": ("ms_memopt.allocators.mindspore", "MindSporeBestFitPool"),
     "mindspore-vmm": ("ms_memopt.allocators.mindspore_vmm", "MindSporeVMMPool"),
     "torch": ("ms_memopt.allocators.torch", "TorchCachingAllocator"),
     "torch-expandable": ("ms_memopt.allocators.torch_expandable", "TorchExpandableAllocator"),
@@ -31,14 +38,24 @@ MODELS: dict[str, tuple[str, str]] = {
 }
 
 
-def create(name: str, capacity: int | None = None, **options) -> AllocatorModel:
+def create(name: str, capacity: int | None = None, *, fast: bool | None = None, **options) -> AllocatorModel:
     """Create the allocator model called ``name`` with a device ``capacity`` in bytes.
+
+    ``fast``: ``None`` (default) takes the compiled fast path when the model has one and it is
+    built; ``False`` the pure-Python reference; ``True`` insists on the fast path.
 
     Raises:
         InputError: unknown model name.
     """
     if name not in MODELS:
         raise InputError(f"unknown allocator {name!r}; expected one of {', '.join(MODELS)}", key="--allocator")
+    if fast or fast is None:
+        from .fast import AVAILABLE, FAST_MODELS
+        if name in FAST_MODELS and (AVAILABLE or fast):
+            return FAST_MODELS[name](capacity=capacity, **options)
+        if fast:
+            raise InputError(f"allocator {name!r} has no compiled fast path here "
+                             f"(built: {', '.join(FAST_MODELS) or 'none'})", key="--allocator")
     module_name, class_name = MODELS[name]
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls(capacity=capacity, **options)

@@ -13,7 +13,10 @@ names below are MindSpore's):
   ``small_pool`` (default off, as in MindSpore).
 * **Best fit**: free buffers of an allocator are ordered by ``(size, address)``
   (``MemBufComparator``); a request takes the first one >= its size (``lower_bound``), i.e.
-  the smallest, lowest address on ties.
+  the smallest, lowest address on ties. The older ``DynamicMemPoolBestFit`` (the CPU pool,
+  and Ascend's with ``MS_ALLOC_CONF=older_pool:True``) keeps them in a ``std::multimap``
+  keyed by size alone: among equal sizes the buffer that became idle *first* wins (option
+  ``tie="idle_order"``; :class:`MindSporeBestFitPool`).
 * **Split**: when the remainder is >= 512 B the buffer is split; the request takes the low
   part (``MapAndSplitMemBuf``). A remainder below 512 B cannot occur after alignment.
 * **Merge**: a freed buffer merges with idle neighbours in the same pool block (segment);
@@ -39,9 +42,11 @@ names below are MindSpore's):
   MindSpore gives *two* half-capacity blocks, not one.
 
 Data structures (what makes it fast): each allocator keeps its free buffers as one sorted
-Python list of integer keys ``size << 64 | addr`` searched with :func:`bisect.bisect_left`
-(best fit is one bisect, one pop); buffers are small lists ``[addr, size, used, prev, next,
-segment]`` doubly linked inside their block and found by address in one dict, so a free and
+Python list of integer keys ``size << 64 | tie`` searched with :func:`bisect.bisect_left`
+(best fit is one bisect, one pop); ``tie`` is the address (``tie="address"``) or the
+buffer's turn in the order buffers became idle (``tie="idle_order"``); buffers are small
+lists ``[addr, size, used, prev, next, segment, tie]`` doubly linked inside their block and
+found by address in one dict (by ``tie`` in a second dict for ``idle_order``), so a free and
 its merges are O(1) apart from the sorted-list insert/remove (memmove, fast for the
 thousands of free buffers real pools hold).
 
@@ -59,7 +64,7 @@ from collections import deque
 from ..layout import Block, Layout, Segment
 from .base import AllocatorModel
 
-__all__ = ["MindSporePool", "ALIGN", "SMALL_SIZE", "align_size"]
+__all__ = ["MindSporePool", "MindSporeBestFitPool", "ALIGN", "SMALL_SIZE", "TIE_RULES", "align_size"]
 
 ALIGN = 512                 # kDynamicMemAlignSize
 SMALL_SIZE = 1 << 20        # kSmallSize: largest request of the (opt-in) small pool
@@ -67,9 +72,12 @@ _SHIFT = 64
 _MASK = (1 << _SHIFT) - 1
 _BASE_ADDR = 1 << 32        # where simulated device addresses start
 _SEG_ALIGN = 2 << 20        # device blocks start on 2 MiB boundaries
+#: how equal-size free buffers are ordered: by address (``AbstractDynamicMemPool``'s
+#: ``MemBufComparator``) or by when they became idle (``DynamicMemPoolBestFit``'s multimap)
+TIE_RULES = ("address", "idle_order")
 
 # buffer fields (a list per buffer: cheaper than objects in the hot loop)
-_ADDR, _SIZE, _USED, _PREV, _NEXT, _SEG = range(6)
+_ADDR, _SIZE, _USED, _PREV, _NEXT, _SEG, _TIE = range(7)
 
 
 def align_size(size: int) -> int:
@@ -128,17 +136,22 @@ class MindSporePool(AllocatorModel):
         pregrow: shorthand for ``init_size=capacity``.
         grow: ``"double"`` (PyNative / kernel-by-kernel, the default) or ``"add"`` (graph sink).
         small_pool: model ``MS_ALLOC_CONF=enable_small_pool:True``.
+        tie: which of several equal-size free buffers a request takes: ``"address"`` (the
+            lowest; ``AbstractDynamicMemPool``) or ``"idle_order"`` (the one idle longest;
+            ``DynamicMemPoolBestFit``).
     """
 
     name = "mindspore"
+    default_tie = "address"
 
     def __init__(self, capacity: int | None = None, increase_size: int = 1 << 30, init_size: int = 0,
-                 pregrow: bool = False, grow: str = "double", small_pool: bool = False) -> None:
+                 pregrow: bool = False, grow: str = "double", small_pool: bool = False,
+                 tie: str | None = None) -> None:
         super().__init__(capacity)
-        if increase_size <= 0:
-            raise ValueError(f"increase_size must be > 0, got {increase_size}")
-        if grow not in ("double", "add"):
-            raise ValueError(f"grow must be 'double' or 'add', got {grow!r}")
+        self.tie = tie = check_options(increase_size, grow, tie or self.default_tie)
+        # idle_order: free buffers by their turn (the key's low half); address: by address (_bufs)
+        self._idle_by_turn: dict[int, list] | None = {} if tie == "idle_order" else None
+        self._turn = 0
         self.increase_size = int(increase_size)
         self.grow = grow
         self.small_pool = small_pool
@@ -146,12 +159,8 @@ class MindSporePool(AllocatorModel):
         self._bufs: dict[int, list] = {}        # every buffer (live or idle) by address
         self._next_addr = _BASE_ADDR
         self._recorded_addrs: deque[int] = deque()
-        if pregrow:
-            if capacity is None:
-                raise ValueError("pregrow needs a capacity")
-            init_size = capacity
-        if init_size:
-            half = align_size(init_size >> 1)
+        half = initial_block(capacity, init_size, pregrow)
+        if half:
             for persistent in (True, False):
                 allocator = self._allocator(0, persistent, False)
                 self._new_segment(allocator, min(half, self._device_free()))
@@ -196,7 +205,7 @@ class MindSporePool(AllocatorModel):
         free_keys = buf[_SEG].owner.free_keys
         prev = buf[_PREV]
         if prev is not None and not prev[_USED]:
-            del free_keys[bisect_left(free_keys, (prev[_SIZE] << _SHIFT) | prev[_ADDR])]
+            self._unindex(prev, free_keys)
             prev[_SIZE] += buf[_SIZE]
             nxt = buf[_NEXT]
             prev[_NEXT] = nxt
@@ -206,14 +215,14 @@ class MindSporePool(AllocatorModel):
             buf = prev
         nxt = buf[_NEXT]
         if nxt is not None and not nxt[_USED]:
-            del free_keys[bisect_left(free_keys, (nxt[_SIZE] << _SHIFT) | nxt[_ADDR])]
+            self._unindex(nxt, free_keys)
             buf[_SIZE] += nxt[_SIZE]
             after = nxt[_NEXT]
             buf[_NEXT] = after
             if after is not None:
                 after[_PREV] = buf
             del self._bufs[nxt[_ADDR]]
-        insort(free_keys, (buf[_SIZE] << _SHIFT) | buf[_ADDR])
+        self._index(buf, free_keys)
 
     def empty_cache(self) -> None:
         """``ReleaseFreeBlocks``: give back every block that is one whole idle buffer."""
@@ -246,21 +255,9 @@ class MindSporePool(AllocatorModel):
             allocator.segments.append(seg)
             self.reserved += segment.size
             self.segment_allocs += 1
-            pieces: list[tuple[int, int, bool]] = []
-            cursor = segment.addr
-            for block in sorted(segment.blocks, key=lambda b: b.addr):
-                if block.addr > cursor:
-                    pieces.append((cursor, block.addr - cursor, False))
-                pieces.append((block.addr, block.size, block.live))
-                cursor = block.addr + block.size
-            if cursor < segment.end:
-                pieces.append((cursor, segment.end - cursor, False))
             prev = None
-            for addr, size, live in pieces:
-                if prev is not None and not live and not prev[_USED]:
-                    prev[_SIZE] += size
-                    continue
-                buf = [addr, size, live, prev, None, seg]
+            for addr, size, live in restore_pieces(segment):
+                buf = [addr, size, live, prev, None, seg, addr]
                 if prev is None:
                     seg.head = buf
                 else:
@@ -272,7 +269,7 @@ class MindSporePool(AllocatorModel):
             buf = seg.head
             while buf is not None:
                 if not buf[_USED]:
-                    insort(allocator.free_keys, (buf[_SIZE] << _SHIFT) | buf[_ADDR])
+                    self._index(buf, allocator.free_keys)
                 buf = buf[_NEXT]
             self._next_addr = max(self._next_addr, _round_up(segment.end, _SEG_ALIGN))
         self._note_usage()
@@ -320,7 +317,9 @@ class MindSporePool(AllocatorModel):
         index = bisect_left(free_keys, size << _SHIFT)
         if index == len(free_keys):
             return None
-        buf = self._bufs[free_keys.pop(index) & _MASK]
+        tie = free_keys.pop(index) & _MASK
+        idle_by_turn = self._idle_by_turn
+        buf = self._bufs[tie] if idle_by_turn is None else idle_by_turn.pop(tie)
         return self._split(buf, size, free_keys)
 
     def _split(self, buf: list, size: int, free_keys: list[int]) -> list:
@@ -328,13 +327,13 @@ class MindSporePool(AllocatorModel):
         if remaining >= ALIGN:
             addr = buf[_ADDR] + size
             nxt = buf[_NEXT]
-            rest = [addr, remaining, False, buf, nxt, buf[_SEG]]
+            rest = [addr, remaining, False, buf, nxt, buf[_SEG], addr]
             if nxt is not None:
                 nxt[_PREV] = rest
             buf[_NEXT] = rest
             buf[_SIZE] = size
             self._bufs[addr] = rest
-            insort(free_keys, (remaining << _SHIFT) | addr)
+            self._index(rest, free_keys)
         buf[_USED] = True
         return buf
 
@@ -360,17 +359,17 @@ class MindSporePool(AllocatorModel):
             return None
         seg = self._new_segment(allocator, block)
         buf = self._bufs[seg.addr]
-        del allocator.free_keys[bisect_left(allocator.free_keys, (buf[_SIZE] << _SHIFT) | buf[_ADDR])]
+        self._unindex(buf, allocator.free_keys)
         return self._split(buf, size, allocator.free_keys)
 
     def _new_segment(self, allocator: _Allocator, size: int) -> _Segment:
         addr = self._place(size)
         seg = _Segment(addr, size, allocator.stream, allocator.pool_name, allocator)
-        buf = [addr, size, False, None, None, seg]
+        buf = [addr, size, False, None, None, seg, addr]
         seg.head = buf
         self._bufs[addr] = buf
         allocator.segments.append(seg)
-        insort(allocator.free_keys, (size << _SHIFT) | addr)
+        self._index(buf, allocator.free_keys)
         self.reserved += size
         self.segment_allocs += 1
         if self.reserved > self.peak_reserved:
@@ -396,11 +395,90 @@ class MindSporePool(AllocatorModel):
         head = seg.head
         if head is None or head[_USED] or head[_NEXT] is not None:
             return
-        free_keys = seg.owner.free_keys
-        del free_keys[bisect_left(free_keys, (head[_SIZE] << _SHIFT) | head[_ADDR])]
+        self._unindex(head, seg.owner.free_keys)
         del self._bufs[head[_ADDR]]
         seg.owner.segments.remove(seg)
         self.reserved -= seg.size
+
+
+    def _index(self, buf: list, free_keys: list[int]) -> None:
+        """Put an idle ``buf`` in its allocator's best-fit order (its tie key set here)."""
+        idle_by_turn = self._idle_by_turn
+        if idle_by_turn is not None:
+            # a multimap inserts after its equal keys: the newest idle buffer is tried last
+            self._turn += 1
+            buf[_TIE] = self._turn
+            idle_by_turn[self._turn] = buf
+        insort(free_keys, (buf[_SIZE] << _SHIFT) | buf[_TIE])
+
+    def _unindex(self, buf: list, free_keys: list[int]) -> None:
+        """Take an idle ``buf`` out of the best-fit order (before its size changes)."""
+        del free_keys[bisect_left(free_keys, (buf[_SIZE] << _SHIFT) | buf[_TIE])]
+        if self._idle_by_turn is not None:
+            del self._idle_by_turn[buf[_TIE]]
+
+
+class MindSporeBestFitPool(MindSporePool):
+    """``DynamicMemPoolBestFit``: the CPU pool (and Ascend's with ``older_pool:True``).
+
+    The rules of :class:`MindSporePool` with the ``std::multimap`` tie rule: among free
+    buffers of the same size a request takes the one that became idle first. Replayed from a
+    recording (``ms-memopt record``, the ``VLOG_v=12906`` pool log) its blocks sit at the
+    recorded ``malloc`` bases (``segment_alloc`` events), so addresses compare one to one. On
+    CPU the unit stays 1 GiB whatever ``set_memory(increase_size=)`` says.
+
+    Example:
+        >>> pool = MindSporeBestFitPool()
+        >>> a, b, c, d = (pool.malloc(4096) for _ in range(4))
+        >>> pool.free(c); pool.free(a)           # c idle first, then a
+        >>> pool.malloc(4096) == c               # the address rule would give a
+        True
+    """
+
+    name = "mindspore-bestfit"
+    default_tie = "idle_order"
+
+
+def check_options(increase_size: int, grow: str, tie: str) -> str:
+    """Raise ``ValueError`` on a bad option of the MindSpore pool models; the tie rule."""
+    if increase_size <= 0:
+        raise ValueError(f"increase_size must be > 0, got {increase_size}")
+    if grow not in ("double", "add"):
+        raise ValueError(f"grow must be 'double' or 'add', got {grow!r}")
+    if tie not in TIE_RULES:
+        raise ValueError(f"tie must be one of {TIE_RULES}, got {tie!r}")
+    return tie
+
+
+def initial_block(capacity: int | None, init_size: int, pregrow: bool) -> int:
+    """Bytes of each of the two blocks ``set_memory(init_size=)`` makes (0: none)."""
+    if pregrow:
+        if capacity is None:
+            raise ValueError("pregrow needs a capacity")
+        init_size = capacity
+    return align_size(init_size >> 1) if init_size else 0
+
+
+def restore_pieces(segment: Segment) -> list[tuple[int, int, bool]]:
+    """``(addr, size, live)`` tiling a recorded segment: its blocks by address, the gaps
+    between them and idle neighbours merged into one idle piece."""
+    pieces: list[tuple[int, int, bool]] = []
+    cursor = segment.addr
+
+    def add(addr: int, size: int, live: bool) -> None:
+        if pieces and not live and not pieces[-1][2]:
+            pieces[-1] = (pieces[-1][0], pieces[-1][1] + size, False)
+        else:
+            pieces.append((addr, size, live))
+
+    for block in sorted(segment.blocks, key=lambda b: b.addr):
+        if block.addr > cursor:
+            add(cursor, block.addr - cursor, False)
+        add(block.addr, block.size, block.live)
+        cursor = block.addr + block.size
+    if cursor < segment.end:
+        add(cursor, segment.end - cursor, False)
+    return pieces
 
 
 def _round_up(value: int, unit: int) -> int:

@@ -19,9 +19,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("ms_memopt.cli.replay_cmd", "replay a recorded trace through an allocator model"),
     "plan": ("ms_memopt.cli.plan_cmd", "per-card memory by region for a recipe"),
     "simulate": ("ms_memopt.cli.simulate_cmd", "many-step simulation of a recipe under policies"),
+    "sweep": ("ms_memopt.cli.sweep_cmd", "the job simulation over a grid of recipe settings"),
     "pack": ("ms_memopt.cli.pack_cmd", "static placement of buffers with known lifetimes"),
     "run": ("ms_memopt.cli.run_cmd", "standalone training on one device with all callbacks"),
     "report": ("ms_memopt.cli.report_cmd", "plots and a summary from a run's or simulation's logs"),
+    "record": ("ms_memopt.cli.record_cmd", "run a MindSpore command and record its real memory pool as events"),
 }
 
 

@@ -2,8 +2,11 @@
 
 Reads an ``id,lower,upper,size`` CSV (or, when the file is not one, an event trace through
 :func:`ms_memopt.traces.load_trace`), packs it with :func:`ms_memopt.planner.pack`, checks
-the result and prints the arena, the lower bound and their ratio. Exit 1 when ``--capacity``
-is given and the placement does not fit, 2 on bad input.
+the result and prints the arena, the lower bound, their ratio, whether the arena is proven
+optimal and, if not, by how much it could still be off (the gap to the best proven lower
+bound). The search stops early when it stagnates (``--stall``) and shows a progress bar on
+stderr when it runs for more than a second. Exit 1 when ``--capacity`` is given and the
+placement does not fit, 2 on bad input.
 
 Example:
     ms-memopt pack A.1048576.csv --capacity 1048576 --time-limit 60 --out offsets.csv
@@ -16,7 +19,7 @@ import os
 from pathlib import Path
 
 from ..errors import InputError
-from ..planner import DEFAULT_TIME_LIMIT, Buffer, pack
+from ..planner import DEFAULT_STALL, DEFAULT_TIME_LIMIT, Buffer, pack
 from ..planner.problem import buffers_from_events
 from ..traces import load_trace
 from ..traces.instances import looks_like_instance, read_instance, write_offsets
@@ -33,6 +36,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds for the whole packing (default {DEFAULT_TIME_LIMIT:g})")
     parser.add_argument("--gap", type=float, default=0.0,
                         help="stop once arena <= lower bound x (1 + GAP) (default 0: aim for the bound)")
+    parser.add_argument("--stall", type=float, default=None, metavar="S",
+                        help="stop improving after S seconds without progress (default "
+                             f"{DEFAULT_STALL:.0%} of the time limit, at least 1 s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", metavar="OFFSETS.csv", help="write id,offset rows here")
 
@@ -57,6 +64,19 @@ def load_buffers(path: str | os.PathLike) -> list[Buffer]:
     return buffers
 
 
+def _optimality(solution) -> str:
+    """"yes, proven" or how far above the optimum the arena could still be."""
+    if solution.optimal:
+        how = "equals the lower bound" if solution.arena <= solution.lower_bound else \
+            "the search ruled out every smaller arena"
+        return f"yes, proven ({how})"
+    bound = solution.best_bound
+    stronger = "" if bound == solution.lower_bound else \
+        f", raised from the peak {solution.lower_bound} B by exhausted searches"
+    return (f"not proven: at most {solution.arena - bound} B ({solution.gap * 100:.2g} %) above the optimum "
+            f"(best lower bound {bound} B{stronger})")
+
+
 def _first_line(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as handle:
@@ -76,8 +96,11 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"expected seconds >= 0, got {args.time_limit}", source="--time-limit")
     if not args.gap >= 0:
         raise InputError(f"expected a gap >= 0, got {args.gap}", source="--gap")
+    if args.stall is not None and not args.stall >= 0:
+        raise InputError(f"expected seconds >= 0, got {args.stall}", source="--stall")
     buffers = load_buffers(args.instance)
-    solution = pack(buffers, capacity=capacity, time_limit=args.time_limit, gap=args.gap)
+    solution = pack(buffers, capacity=capacity, time_limit=args.time_limit, gap=args.gap,
+                    stall=args.stall, progress=not args.no_progress)
     if args.out:
         ordered = {b.id: solution.offsets[b.id] for b in buffers}
         write_offsets(ordered, args.out)
@@ -91,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         "fits": solution.fits,
         "valid": solution.valid,
         "optimal": solution.optimal,
+        "proven_bound": solution.best_bound,
+        "gap": round(solution.gap, 9),
+        "stopped": solution.stopped,
         "method": solution.method,
         "seconds": round(solution.seconds, 3),
     }
@@ -106,11 +132,12 @@ def run(args: argparse.Namespace) -> int:
             ("lower bound", f"{solution.lower_bound} B ({format_size(solution.lower_bound)}), peak live bytes"),
             ("arena", f"{solution.arena} B ({format_size(solution.arena)})"),
             ("ratio", f"{solution.ratio:.6f}" + ("  (optimal)" if solution.optimal else "")),
+            ("optimal", _optimality(solution)),
             ("capacity", "-" if capacity is None else
              f"{capacity} B ({format_size(capacity)}): {'fits' if solution.fits else 'DOES NOT FIT'}"),
             ("valid", "yes (no overlap in time x address)" if solution.valid else
              "NO: " + "; ".join(solution.problems[:3])),
-            ("method", solution.method),
+            ("method", solution.method + (f" (stopped: {solution.stopped})" if solution.stopped else "")),
             ("seconds", f"{solution.seconds:.3f}"),
         ]
         if args.out:

@@ -15,9 +15,10 @@ import json
 import math
 
 from ..errors import InputError
+from ..traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
 from ..units import format_size, parse_size
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "default_allocator"]
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +29,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="trace file (format detected from its content)")
     parser.add_argument("--allocator", metavar="NAME", default=None,
                         help=f"allocator model: {', '.join(MODELS)} (default: torch for PyTorch snapshots, "
-                             "mindspore otherwise)")
+                             "mindspore-bestfit for MindSpore pool logs and their recordings, mindspore "
+                             "otherwise)")
     parser.add_argument("--capacity", metavar="SIZE", default=None,
                         help="device memory the pool may reserve, e.g. 64GB, 96GiB (default: unbounded)")
     parser.add_argument("--format", default=None, choices=list(FORMATS), help="skip format detection")
@@ -36,6 +38,18 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when any request ran out of memory")
     parser.add_argument("--export-memory-viz", metavar="FILE", default=None,
                         help="also write the trace and final layout for PyTorch's memory_viz viewer")
+    parser.add_argument("--export-instances", metavar="FILE.csv", default=None,
+                        help="also write the trace's buffers as an id,lower,upper,size instance for `ms-memopt pack`")
+
+
+def default_allocator(trace) -> str:
+    """The model that recorded ``trace``: PyTorch's for its snapshots, ``DynamicMemPoolBestFit``
+    for MindSpore pool logs (CPU) and ``ms-memopt record`` files, else MindSpore's default pool."""
+    if trace.format == "torch-snapshot":
+        return "torch"
+    if trace.meta.get("pool") == POOL_NAME:
+        return "mindspore-bestfit"
+    return "mindspore"
 
 
 def _finite(value):
@@ -62,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
         if capacity <= 0:
             raise InputError(f"expected a positive size, got {args.capacity!r}", source="--capacity")
     trace = load_trace(args.trace, format=args.format)
-    name = args.allocator or ("torch" if trace.format == "torch-snapshot" else "mindspore")
+    name = args.allocator or default_allocator(trace)
+    if trace.final is None and trace.meta.get("pool") in (POOL_NAME, ASCEND_POOL_NAME):
+        trace.final = recorded_final_layout(trace.events)
     if name == "pool":
         # the pool model splits memory into regions sized from a recipe's memopt.pool section;
         # a trace alone does not say how big each region is
@@ -81,10 +97,17 @@ def run(args: argparse.Namespace) -> int:
         from ..traces.memory_viz import write_memory_viz
 
         write_memory_viz(args.export_memory_viz, trace, result.final_layout)
+    if args.export_instances:
+        from ..traces.instances import write_instance
+        from ..traces.instances_events import trace_to_instances
+
+        write_instance(trace_to_instances(trace), args.export_instances)
 
     out = {"trace": trace.source, "format": trace.format, "capacity": capacity}
     out.update(result.to_dict())
     out["oom_count"] = len(result.ooms)
+    if "pool_log" in trace.meta:      # what the pool-log reader skipped or inferred
+        out["pool_log"] = trace.meta["pool_log"]
     out = {key: _finite(value) for key, value in out.items()}
     if args.json:
         print(json.dumps(out))
@@ -116,7 +139,15 @@ def _human(out: dict, result) -> str:
     lines += [
         f"free at end      {format_size(out['free_total_end'])}, largest hole {format_size(out['largest_free_end'])}",
         f"frag ratio       {_ratio(out['frag_ratio_end'])} at end, max {_ratio(out['frag_ratio_max'])}",
-        f"address match    {_percent(out['address_match'])}",
+        f"address match    {_percent(out['address_match'])}"
+        + ("" if out.get("final_layout_match") is None else
+           f", final layout {'identical' if out['final_layout_match'] else 'differs'}"),
         "speed            " + (f"{out['events_per_s']:,.0f} events/s" if out['events_per_s'] else "n/a"),
     ]
+    log = out.get("pool_log")
+    if log:
+        lines.append(f"pool log         {log['pool_lines']:,} pool lines of process {log['pid']}; skipped "
+                     f"{log['skipped_lines']} torn, {log['unmatched_frees']} frees of unknown addresses, "
+                     f"{log['inferred_frees']} frees inferred"
+                     + (f" (first skipped at line {log['skipped_at_lines'][0]})" if log['skipped_at_lines'] else ""))
     return "\n".join(lines)

@@ -43,6 +43,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     parser.add_argument("--export-memory-viz", metavar="FILE.pickle",
                         help="also write the scanned layout in PyTorch's memory snapshot format")
+    parser.add_argument("--no-pool-log", action="store_true",
+                        help="on CPU, scan the shadow model instead of the real pool (whose log, "
+                             "OUT/pool.log, is followed live by default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-report", action="store_true", help="skip report.md and its figures")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -148,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
         if on_cpu and not check.fits:
             raise _refuse(recipe, check)
 
+    if not args.no_pool_log and (args.device == "cpu" or (args.device == "auto" and not _ascend_possible())):
+        from .. import poolcapture
+
+        poolcapture.start(Path(args.out) / poolcapture.LOG_NAME)   # before MindSpore is imported
     from ..mindspore.standalone import run_standalone   # imports MindSpore (seconds)
 
     result = run_standalone(recipe, args.out, device=args.device, steps=args.steps, resume=args.resume,

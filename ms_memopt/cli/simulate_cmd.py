@@ -1,12 +1,21 @@
-"""``ms-memopt simulate RECIPE``: many training steps of one card under memory policies.
+"""``ms-memopt simulate RECIPE``: many training steps of a whole job under memory policies.
 
-Prints one line per policy (or, with ``--json``, one JSON object: per policy the figures of
-:class:`ms_memopt.simulate.PolicyResult`; with ``--seeds N``, each policy holds ``seeds`` and
-``median_oom_step``). ``--out DIR`` receives ``timeline.jsonl`` (streamed while running) and
-``fragmentation.png``. ``--export-memory-viz FILE.pickle`` writes the first seed's simulated
-events with the model's addresses and its final layout in PyTorch's memory snapshot format
-(pytorch.org/memory_viz): with one policy to ``FILE.pickle``, with several one file per policy,
-``FILE.<policy>.pickle``. Exit code 0, or 1 with ``--fail-on-oom`` when a policy OOMs.
+Every distinct card stream of the recipe (pipeline stages x data-parallel groups; tensor-parallel
+peers share a stream), or a ``--ranks N`` sample, runs through the simulator
+(:mod:`ms_memopt.job`) on local processes, or on a Dask or Ray cluster with ``--executor``.
+The job dies at its first rank. Prints one line per policy (or, with ``--json``, one JSON
+object: per policy ``job_oom_step``, ``job_oom_rank``, ``job_oom_stage``, ``ranks``, the
+``distribution`` across ranks, ``first_rank`` (the failing rank's
+:class:`ms_memopt.simulate.PolicyResult` figures) and ``rank_results``; with ``--seeds N``,
+each policy holds ``seeds`` (one job each) and ``median_job_oom_step``). ``--out DIR``
+receives ``timeline.jsonl`` (every rank's samples, stamped with ``rank`` and ``stage``),
+and for the rank the job is judged by (its first failing rank, or the closest call, run once
+more in-process) ``layouts.jsonl`` (its pool at each policy's OOM, or at its worst moment when
+it survives) and ``report.md`` with ``fragmentation.png`` and ``memory_map.png``.
+``--export-memory-viz FILE.pickle`` writes that rank's simulated events with the model's addresses and its final
+layout in PyTorch's memory snapshot format (pytorch.org/memory_viz): with one policy to
+``FILE.pickle``, with several one file per policy, ``FILE.<policy>.pickle``. Exit code 0, or 1
+with ``--fail-on-oom`` when a policy lets the job OOM.
 """
 from __future__ import annotations
 
@@ -17,98 +26,166 @@ from pathlib import Path
 from ..errors import InputError
 from ..units import format_size
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_job_arguments", "add_parser", "configure_job", "parse_policies", "parse_stages", "run"]
 
 
 def add_parser(parser) -> None:
     parser.add_argument("recipe", help="recipe YAML (MindFormers keys + memopt section)")
+    add_job_arguments(parser)
+    parser.add_argument("--seeds", type=int, default=None, help="run job seeds 0..N-1 and report the median")
+    parser.add_argument("--out", default=None, help="directory for timeline.jsonl and plots")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--export-memory-viz", default=None, metavar="FILE.pickle",
+                        help="write the events of the rank the job is judged by (model addresses) and final layout as a "
+                             "PyTorch memory snapshot for pytorch.org/memory_viz; several policies: "
+                             "FILE.<policy>.pickle")
+    parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when a policy lets the job OOM")
+
+
+def add_job_arguments(parser) -> None:
+    """The options of a job simulation, shared by ``simulate`` and ``sweep``."""
+    from ..executors import EXECUTORS
+
     parser.add_argument("--steps", type=int, default=None, help="steps to simulate (default: memopt.workload.steps)")
     parser.add_argument("--policy", default="baseline,compact,pool",
                         help="comma-separated policies: baseline, compact, pool")
     parser.add_argument("--allocator", default=None, help="allocator model (default: memopt.allocator.name)")
     parser.add_argument("--allocator-option", action="append", default=[], metavar="KEY=VALUE",
                         help="allocator model option, e.g. pregrow=true or increase_size=8GiB (repeatable)")
-    parser.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 and report the median")
-    parser.add_argument("--seed", type=int, default=None, help="the one seed (default: memopt.workload.seed)")
-    parser.add_argument("--out", default=None, help="directory for timeline.jsonl and plots")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--export-memory-viz", default=None, metavar="FILE.pickle",
-                        help="write the first seed's events (model addresses) and final layout as a PyTorch "
-                             "memory snapshot for pytorch.org/memory_viz; several policies: FILE.<policy>.pickle")
-    parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when a policy OOMs")
+    parser.add_argument("--seed", type=int, default=None, help="the job seed (default: memopt.workload.seed)")
+    parser.add_argument("--ranks", type=int, default=None, metavar="N",
+                        help="simulate a sample of N rank streams (default: every stage x data-parallel group)")
+    parser.add_argument("--stages", default=None, metavar="S,S",
+                        help="only these pipeline stages, e.g. 0 or 0,1 (default: all)")
+    parser.add_argument("--executor", default="local", choices=EXECUTORS,
+                        help="where rank streams run: local processes (default), a Dask or a Ray cluster")
+    parser.add_argument("--address", default=None,
+                        help="the cluster for --executor dask|ray (default: the engine's local mode)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="worker processes for local runs (default: every core)")
 
 
 def run(args) -> int:
+    from ..job import job_from_recipe, median_job_oom_step, simulate_jobs
     from ..recipe import load_recipe
-    from ..simulate import POLICIES, PlacedRun, config_from_recipe, simulate
-    from ..workload import spec_from_recipe
+    from ..simulate import POLICIES
 
-    policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
-    bad = [p for p in policies if p not in POLICIES]
-    if bad or not policies:
-        raise InputError(f"unknown policy {', '.join(bad) or '(none)'}; expected some of {', '.join(POLICIES)}",
-                         key="--policy")
+    policies = parse_policies(args.policy, POLICIES)
     if args.steps is not None and args.steps < 1:
         raise InputError(f"expected a positive number of steps, got {args.steps}", key="--steps")
     if args.seeds is not None and args.seeds < 1:
         raise InputError(f"expected a positive number of seeds, got {args.seeds}", key="--seeds")
     recipe = load_recipe(args.recipe)
-    spec = spec_from_recipe(recipe)
-    cfg = config_from_recipe(recipe, steps=args.steps, allocator=args.allocator, seed=args.seed)
-    from ..allocators import MODELS
-    if cfg.allocator not in MODELS:
-        raise InputError(f"unknown allocator {cfg.allocator!r}; expected one of {', '.join(MODELS)}",
-                         key="--allocator")
-    if args.allocator and args.allocator != recipe.memopt.allocator.name:
-        cfg.allocator_options = {}
-    cfg.allocator_options.update(_options(args.allocator_option))
-    seeds = list(range(args.seeds)) if args.seeds else [cfg.seed]
-    viz_paths = _viz_paths(args.export_memory_viz, policies) if args.export_memory_viz else {}
-    placed = {policy: PlacedRun() for policy in viz_paths}
+    seeds = list(range(args.seeds)) if args.seeds else [recipe.memopt.workload.seed if args.seed is None
+                                                          else args.seed]
+    jobs = [configure_job(job_from_recipe(recipe, policies=policies, seed=seed, ranks=args.ranks,
+                                          stages=parse_stages(args.stages), steps=args.steps),
+                          recipe, args) for seed in seeds]
+    cfg = jobs[0].cfg
 
     out_dir = Path(args.out) if args.out else None
     timeline = None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         timeline = open(out_dir / "timeline.jsonl", "w", encoding="utf-8")
-    bar = None
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.steps * len(seeds) * len(policies), unit="step", desc="simulate", leave=False)
     try:
-        results = simulate(spec, cfg, policies=policies, seeds=seeds, timeline=timeline,
-                           on_step=_progress(bar, len(policies)) if bar is not None else None,
-                           placed=placed or None)
+        results = simulate_jobs(jobs, executor=args.executor, address=args.address, workers=args.workers,
+                                progress=sys.stderr.isatty(), timeline=timeline)
     finally:
         if timeline is not None:
             timeline.close()
-        if bar is not None:
-            bar.close()
-    if out_dir is not None:
-        from ..plots import plot_fragmentation_timeline
-        plot_fragmentation_timeline(out_dir / "timeline.jsonl", out_dir / "fragmentation.png",
-                                    seed=seeds[0], title=f"{Path(args.recipe).name}")
-
-    if viz_paths:
-        from ..traces.memory_viz import write_memory_viz
-        for policy, path in viz_paths.items():
-            write_memory_viz(path, placed[policy].events, placed[policy].final)
-            print(f"memory viz ({policy}, seed {seeds[0]}): {path}", file=sys.stderr)
+    shown = next(iter(results[0].values())).closest
+    if out_dir is not None or args.export_memory_viz:
+        _rerun_shown_rank(jobs[0], shown, out_dir, args)
 
     if args.json:
         out = {"recipe": str(args.recipe), "steps": cfg.steps, "allocator": cfg.allocator,
                "allocator_options": cfg.allocator_options, "capacity": cfg.capacity,
-               "scan_every": cfg.scan_every, "compact_every": cfg.compact_every, "policies": {}}
-        for policy, summary in results.items():
+               "scan_every": cfg.scan_every, "compact_every": cfg.compact_every,
+               "executor": args.executor, "ranks": len(jobs[0].streams), "policies": {}}
+        for policy in policies:
+            per_seed = [job[policy] for job in results]
             if args.seeds:
-                out["policies"][policy] = summary.to_dict()
+                out["policies"][policy] = {"policy": policy, "median_job_oom_step": median_job_oom_step(per_seed),
+                                           "seeds": [r.to_dict() for r in per_seed]}
             else:
-                out["policies"][policy] = summary.seeds[0].to_dict()
+                out["policies"][policy] = per_seed[0].to_dict()
         print(json.dumps(out))
     else:
-        _print_table(results, cfg, bool(args.seeds))
-    any_oom = any(r.oom_step is not None for s in results.values() for r in s.seeds)
+        _print_table(results, policies, cfg, bool(args.seeds))
+    any_oom = any(job[p].job_oom_step is not None for job in results for p in policies)
     return 1 if (args.fail_on_oom and any_oom) else 0
+
+
+def parse_policies(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    """``--policy a,b``: the named policies, or an :class:`InputError` naming ``--policy``."""
+    policies = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in policies if p not in known]
+    if bad or not policies:
+        raise InputError(f"unknown policy {', '.join(bad) or '(none)'}; expected some of {', '.join(known)}",
+                         key="--policy")
+    return policies
+
+
+def parse_stages(text: str | None) -> list[int] | None:
+    """``--stages 0,1``: pipeline stage numbers (checked against the recipe later)."""
+    if text is None:
+        return None
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise InputError(f"expected comma-separated stage numbers, got {text!r}", key="--stages") from None
+
+
+def configure_job(job, recipe, args):
+    """Apply ``--allocator`` and ``--allocator-option`` to a job's simulator settings."""
+    from ..allocators import MODELS
+
+    cfg = job.cfg
+    if args.allocator:
+        if args.allocator not in MODELS:
+            raise InputError(f"unknown allocator {args.allocator!r}; expected one of {', '.join(MODELS)}",
+                             key="--allocator")
+        if args.allocator != recipe.memopt.allocator.name:
+            cfg.allocator_options = {}
+        cfg.allocator = args.allocator
+    cfg.allocator_options.update(_options(args.allocator_option))
+    return job
+
+
+def _rerun_shown_rank(job, shown, out_dir: Path | None, args) -> None:
+    """Run the rank the job is judged by (its first failing rank, or the closest call) once more
+    in this process, where hooks can see inside it: ``--out`` gets ``layouts.jsonl`` (its pool at
+    each policy's OOM or worst moment), ``report.md`` and ``fragmentation.png`` of that rank;
+    ``--export-memory-viz`` its placed events."""
+    from ..simulate import PlacedRun, simulate
+
+    stream = shown.stream if shown is not None else job.streams[0]
+    viz_paths = _viz_paths(args.export_memory_viz, job.policies) if args.export_memory_viz else {}
+    placed = {policy: PlacedRun() for policy in viz_paths}
+    collector = None
+    if out_dir is not None:
+        from ..memory_map import LayoutCollector
+
+        collector = LayoutCollector([], policies=job.policies, seed=stream.seed)
+    simulate(job.specs[stream.stage], job.cfg, policies=job.policies, seeds=[stream.seed],
+             placed=placed or None, on_watch=collector)
+    if out_dir is not None:
+        from ..plots import plot_fragmentation_timeline
+        from ..report import build_report, write_layouts
+
+        name = Path(args.recipe).name
+        where = f"rank {stream.rank} (stage {stream.stage}, seed {stream.seed})"
+        write_layouts(out_dir / "layouts.jsonl", collector.snapshots())
+        build_report(out_dir, title=f"Simulation of {name}: {job.cfg.steps} steps, {len(job.streams)} rank streams",
+                     memory_map_title=f"{name}, {where}: the pool at each policy's OOM, or its worst moment")
+        # the report draws the first stream in the file; show the rank the job is judged by
+        plot_fragmentation_timeline(out_dir / "timeline.jsonl", out_dir / "fragmentation.png",
+                                    seed=stream.seed, title=f"{name}, {where}")
+    from ..traces.memory_viz import write_memory_viz
+    for policy, path in viz_paths.items():
+        write_memory_viz(path, placed[policy].events, placed[policy].final)
+        print(f"memory viz ({policy}, rank {stream.rank}, seed {stream.seed}): {path}", file=sys.stderr)
 
 
 def _viz_paths(path: str, policies: tuple[str, ...]) -> dict[str, Path]:
@@ -119,20 +196,6 @@ def _viz_paths(path: str, policies: tuple[str, ...]) -> dict[str, Path]:
     suffix = path.suffix or ".pickle"
     return {policy: path.with_name(f"{path.stem if path.suffix else path.name}.{policy}{suffix}")
             for policy in policies}
-
-
-def _progress(bar, per_step: int):
-    """``on_step`` for :func:`~ms_memopt.simulate.simulate`: the policies of a seed run in lock
-    step, so one step advances the bar by the number of policies."""
-    last = {"step": 0}
-
-    def on_step(step: int) -> None:
-        if step < last["step"]:      # a new seed started
-            last["step"] = 0
-        bar.update((step - last["step"]) * per_step)
-        last["step"] = step
-
-    return on_step
 
 
 def _options(items: list[str]) -> dict:
@@ -152,18 +215,27 @@ def _options(items: list[str]) -> dict:
     return out
 
 
-def _print_table(results, cfg, many: bool) -> None:
+def _dash(value) -> str:
+    """A table cell: ``-`` for ``None`` (0 is a step like any other)."""
+    return "-" if value is None else str(value)
+
+
+def _print_table(results, policies, cfg, many: bool) -> None:
     print(f"{cfg.steps} steps, allocator {cfg.allocator} {cfg.allocator_options or ''}, "
           f"capacity {format_size(cfg.capacity)}, scan every {cfg.scan_every}, compact every {cfg.compact_every}")
-    header = f"{'policy':<9} {'seed':>4} {'oom_step':>8} {'oom_kind':<13} {'free@oom':>10} {'lf_min':>10} " \
-             f"{'frag_max':>8} {'compactions':>11} {'frag_after':>10} {'peak':>10}"
-    print(header)
-    for policy, summary in results.items():
-        for r in summary.seeds:
-            frag_after = "-" if r.frag_after_compaction is None else f"{r.frag_after_compaction:.2f}"
-            frag_max = "-" if r.frag_ratio_max is None else f"{r.frag_ratio_max:.2f}"
-            print(f"{policy:<9} {r.seed:>4} {r.oom_step or '-'!s:>8} {(r.oom_kind or '-'):<13} "
-                  f"{format_size(r.free_total_at_oom):>10} {format_size(r.largest_free_min):>10} "
-                  f"{frag_max:>8} {r.compactions:>11} {frag_after:>10} {format_size(r.peak_allocated):>10}")
+    print(f"{'policy':<9} {'seed':>4} {'ranks':>5} {'job_oom':>7} {'rank':>5} {'stage':>5} {'oom_kind':<13} "
+          f"{'free@oom':>10} {'oom_ranks':>9} {'median':>7} {'lf_min':>10} {'compactions':>11} {'peak':>10}")
+    for policy in policies:
+        for job in results:
+            r = job[policy]
+            d, first = r.distribution(), r.closest
+            fr = first.result if first else None
+            print(f"{policy:<9} {r.seed:>4} {d['ranks']:>5} {_dash(r.job_oom_step):>7} "
+                  f"{(first.stream.rank if r.first else '-')!s:>5} {(first.stream.stage if r.first else '-')!s:>5} "
+                  f"{((fr.oom_kind if fr else None) or '-'):<13} "
+                  f"{format_size(fr.free_total_at_oom if fr else None):>10} {d['oom_ranks']:>9} "
+                  f"{_dash(d['oom_step_median']):>7} {format_size(fr.largest_free_min if fr else None):>10} "
+                  f"{(fr.compactions if fr else 0):>11} {format_size(fr.peak_allocated if fr else None):>10}")
         if many:
-            print(f"{policy:<9} median oom_step: {summary.median_oom_step}")
+            from ..job import median_job_oom_step
+            print(f"{policy:<9} median job_oom_step: {median_job_oom_step([job[policy] for job in results])}")

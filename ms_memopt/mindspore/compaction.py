@@ -56,8 +56,13 @@ from mindspore.train import Callback
 
 from ..arena import Arena
 from ..metrics import measure
+<<<<<<< HEAD
 from ..scan import SCAN_LOG_NAME, ScanLog
 from .cells import training_parts
+=======
+from ..errors import InputError
+from ..scan import SCAN_LOG_NAME, ScanLog, check_forecast_within
+>>>>>>> main
 
 __all__ = ["live_compact", "LiveCompactionReport", "register", "unregister", "registered",
            "long_lived_tensors", "CompactionCallback", "StoreBarrier", "BarrierTimeout",
@@ -428,6 +433,15 @@ class CompactionCallback(Callback):
             reading exceeds it. ``None``: always.
         frag_fn: returns the last scan's frag ratio (``None`` when unknown), e.g. from a
             ``LayoutScanCallback``.
+        when_forecast_within: compact only when the forecast says a watched request may stop
+            fitting in one piece within this many steps (:meth:`Forecast.warns
+            <ms_memopt.forecast.Forecast.warns>`); with ``when_frag_above`` too, either one
+            suffices. Checked at every due step, so pair it with a small ``every`` (e.g. the
+            scan interval). ``None``: not a condition.
+        forecast_from: where the forecast comes from: a ``LayoutScanCallback`` or a
+            :class:`~ms_memopt.scan.Scanner` (anything with ``forecast()`` and
+            ``reset_forecast(step)``; reset after each compaction, the old trend being gone).
+            Required with ``when_forecast_within``.
         arenas: :class:`~ms_memopt.arena.Arena` objects to compact too.
         layout_fn: returns the device pool's current :class:`~ms_memopt.layout.Layout` (e.g. a
             scan source's); when given, the record's before/after figures are measured on it,
@@ -449,15 +463,23 @@ class CompactionCallback(Callback):
     """
 
     def __init__(self, every: int = 500, when_frag_above: float | None = None, *,
-                 frag_fn: Callable[[], float | None] | None = None, arenas: Sequence[Arena] = (),
+                 frag_fn: Callable[[], float | None] | None = None,
+                 when_forecast_within: int | None = None, forecast_from: Any = None,
+                 arenas: Sequence[Arena] = (),
                  layout_fn: Callable[[], Any] | None = None,
                  live: bool = True, tensors: Sequence[Parameter] = (), log_dir: str | os.PathLike | None = None,
                  barrier_timeout: float = 60.0, barrier: Any = "auto", verify: bool = True) -> None:
         super().__init__()
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
+        check_forecast_within(when_forecast_within, "when_forecast_within")
+        if when_forecast_within is not None and not callable(getattr(forecast_from, "forecast", None)):
+            raise InputError("when_forecast_within needs forecast_from: a LayoutScanCallback or Scanner "
+                             "with watched requests", key="forecast_from")
         self.every = every
         self.when_frag_above = when_frag_above
+        self.when_forecast_within = when_forecast_within
+        self.forecast_from = forecast_from
         self.frag_fn = frag_fn
         self.arenas = list(arenas)
         self.layout_fn = layout_fn
@@ -491,12 +513,30 @@ class CompactionCallback(Callback):
         ratios = [r for r in ratios if r is not None]
         return max(ratios) if ratios else None
 
+<<<<<<< HEAD
     def step(self, step: int, *, network: Any = None, optimizer: Any = None) -> dict | None:
+=======
+    def _want(self) -> bool:
+        """This rank's vote at a due step: no condition given -> compact; else any condition."""
+        if self.when_frag_above is None and self.when_forecast_within is None:
+            return True
+        if self.when_frag_above is not None:
+            frag = self._frag()
+            if frag is not None and frag > self.when_frag_above:
+                return True
+        if self.when_forecast_within is not None:
+            fc = self.forecast_from.forecast()
+            if fc is not None and fc.warns(self.when_forecast_within):
+                logger.info("compaction: forecast %s", fc.describe())
+                return True
+        return False
+
+    def step_end(self, step: int, *, network: Any = None, optimizer: Any = None) -> dict | None:
+>>>>>>> main
         """Compact if ``step`` is due; returns the scan-log record, or ``None``."""
         if step % self.every:
             return None
-        frag = self._frag()
-        want = self.when_frag_above is None or (frag is not None and frag > self.when_frag_above)
+        want = self._want()
         rank, _ = _rank_and_world()
         barrier = self.barrier
         if barrier is not None:
@@ -505,6 +545,9 @@ class CompactionCallback(Callback):
         if not want:
             return None
         record = self._compact(step, rank, network, optimizer)
+        reset = getattr(self.forecast_from, "reset_forecast", None)
+        if reset is not None:
+            reset(step)
         if barrier is not None:
             barrier.agree(step, True)  # nobody starts the next step while a peer still moves memory
         return record

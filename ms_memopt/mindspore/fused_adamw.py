@@ -7,14 +7,22 @@ A drop-in for ``nn.AdamWeightDecay``. The layout:
   parameters with the same learning rate and weight decay are adjacent: a *bucket*;
 * **optimizer region**: per bucket, flat float32 ``Parameter``s ``m`` and ``v`` (and, for
   fp16/bf16 parameters, a float32 ``master``), in the order of the parameter region;
-* **gradient region**: each step's gradients of one dtype in one flat buffer (padded like the
-  parameter region): on a device, combined by ``combine_tensor_list_contiguous`` into a fresh
-  buffer each step; on CPU, where tensors are host memory, copied by address into two
-  persistent sets of per-bucket buffers used in turn (``_copy_gradients``).
+* **gradient region** (graph path): each step's gradients of one dtype in one flat buffer
+  (padded like the parameter region): on a device, combined by
+  ``combine_tensor_list_contiguous`` into a fresh buffer each step; on CPU without the
+  compiled kernel, copied by address into two persistent sets of per-bucket buffers used in
+  turn (``_copy_gradients``). The compiled CPU step needs none: it reads the gradients in place.
 
-One step: per dtype, gather the gradients into the gradient region, then one
-compiled graph (``ms.jit``, a single launch from Python) does, per bucket over its whole
-range: cast the gradient to float32 (fp16/bf16), decay the float32 weights in place
+One step on CPU with float32 parameters (the library :mod:`ms_memopt.native` built, as
+``pip install`` does with a C compiler): one compiled AdamW pass over host memory
+(:func:`ms_memopt.native.adamw_f32`), straight on the parameter region, ``m``, ``v`` and each
+gradient where the backward pass left it: decay, moments and update read each buffer once
+and write each once, in the calling thread, with no graph launch and no gradient copy.
+MindSpore's own CPU kernels cannot do that pass vectorised on this AMD CPU (see below).
+
+One step elsewhere (devices, fp16/bf16 parameters, or no compiled library): per dtype,
+gather the gradients into the gradient region, then one compiled graph (``ms.jit``, a single
+launch from Python) does, per bucket over its whole range: cast the gradient to float32 (fp16/bf16), decay the float32 weights in place
 (``ApplyGradientDescent`` with the weights as their own delta: ``w -= lr * wd * w``), one
 ``ops.Adam`` kernel (m, v and weights in place), and for low-precision parameters write the
 cast master into the parameter region once. For fp32 parameters the weights are the region
@@ -59,6 +67,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.hal.contiguous_tensors_handle import combine_tensor_list_contiguous
+
+from .. import native
 
 __all__ = ["FusedAdamW", "Bucket"]
 
@@ -111,11 +121,13 @@ class DtypeRegion:
     handle: object = None
     flat: Tensor | None = None
     data_ptrs: list[int] = field(default_factory=list)
-    # host gradient region (CPU): two sets of per-bucket buffers used in turn, and where each
-    # parameter's gradient goes: (bucket position in the region, byte offset in it)
+    # where each parameter sits in its bucket: (bucket position in the region, byte offset in
+    # it); the same offsets hold in the bucket's m, v and gradient buffers
+    grad_targets: list[tuple[int, int]] = field(default_factory=list)
+    # host gradient region (CPU without the compiled kernel): two sets of per-bucket buffers
+    # used in turn
     grad_buffers: list[list[Tensor]] = field(default_factory=list)
     grad_buffer_ptrs: list[list[int]] = field(default_factory=list)
-    grad_targets: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def itemsize(self) -> int:
@@ -167,6 +179,9 @@ class FusedAdamW(nn.Optimizer):
         self._decay = ops.ApplyGradientDescent()
         self.regions: list[DtypeRegion] = self._make_regions()
         self.buckets: list[Bucket] = [b for r in self.regions for b in r.buckets]
+        # CPU, float32 only: the whole step is one compiled AdamW pass on host memory
+        self._native = (_native_kernel() and all(r.dtype == ms.float32 for r in self.regions)
+                        and self.global_step.dtype == ms.int32)
         for region in self.regions:
             self._combine(region)
         zeros = lambda n: Tensor(np.zeros(n, np.float32))
@@ -184,6 +199,8 @@ class FusedAdamW(nn.Optimizer):
                                          requires_grad=False))
         self.masters = ms.ParameterTuple(masters)
         self._plan = self._step_plan()
+        if self._native:
+            self._pieces = self._native_pieces()
         # the graph output of the last step that read each set of host gradient buffers
         self._pending: list[Tensor | None] = [None, None]
         self._host_step = 0
@@ -236,20 +253,20 @@ class FusedAdamW(nn.Optimizer):
         for bucket in region.buckets:
             bucket.view = region.handle[bucket.start:bucket.end]
         region.data_ptrs = [p.data_ptr() for p in params]
-        if _host_memory():
-            self._make_host_gradient_region(region, ends)
+        region.grad_targets = []
+        for k, bucket in enumerate(region.buckets):
+            for j in range(bucket.first, bucket.first + bucket.count):
+                region.grad_targets.append((k, (int(ends[j]) - bucket.start) * region.itemsize))
+        if _host_memory() and not self._native:
+            self._make_host_gradient_region(region)
 
     @staticmethod
-    def _make_host_gradient_region(region: DtypeRegion, ends) -> None:
+    def _make_host_gradient_region(region: DtypeRegion) -> None:
         """CPU: device memory is host memory, so each step's gradients can be copied straight
         into persistent buffers laid out like the parameter region (one bucket each), which
         costs ~0.1 ms where ``combine_tensor_list_contiguous`` costs ~0.8 ms for the demo
         model's 101 gradients. Two sets are used in turn: a step writes one set while the
         previous step's graph, still running asynchronously, may read the other."""
-        region.grad_targets = []
-        for k, bucket in enumerate(region.buckets):
-            for j in range(bucket.first, bucket.first + bucket.count):
-                region.grad_targets.append((k, (int(ends[j]) - bucket.start) * region.itemsize))
         region.grad_buffers = [[mint.zeros((b.numel,), dtype=b.dtype) for b in region.buckets] for _ in range(2)]
         region.grad_buffer_ptrs = [[t.data_ptr() for t in buffers] for buffers in region.grad_buffers]
 
@@ -315,6 +332,8 @@ class FusedAdamW(nn.Optimizer):
     def construct(self, gradients):
         if not self._grad_dtypes_checked:
             self._check_grad_dtypes(gradients)
+        if self._native:
+            return self._native_step(gradients)
         # The gradient regions first: gathering waits for the backward pass anyway, and once
         # it is done the data-pointer checks below no longer wait on pending kernels.
         host = all(region.grad_buffers for region in self.regions)
@@ -335,6 +354,57 @@ class FusedAdamW(nn.Optimizer):
                             Tensor(b1p, ms.float32), Tensor(b2p, ms.float32), Tensor(eps, ms.float32))
         if host:
             self._pending[turn] = done
+        return True
+
+    # -- the CPU step: one compiled AdamW pass ------------------------------------------------
+    def _native_pieces(self) -> dict:
+        """Per parameter, in region order (one *piece* each): its gradient's index, its bucket
+        (position in ``self.buckets``), its byte offset in the bucket, its element count."""
+        order, bucket_of, offset, numel = [], [], [], []
+        first_bucket = 0
+        for region in self.regions:
+            for i, (k, byte_offset) in zip(region.param_indices, region.grad_targets):
+                order.append(i)
+                bucket_of.append(first_bucket + k)
+                offset.append(byte_offset)
+                numel.append(int(np.prod(self._parameters[i].shape, dtype=np.int64)))
+            first_bucket += len(region.buckets)
+        lr_of_bucket = [b.lr_index for b in self.buckets]
+        return {"order": order, "bucket": np.array(bucket_of, np.int64), "offset": np.array(offset, np.int64),
+                "numel": np.array(numel, np.int64), "lr_index": sorted(set(lr_of_bucket)),
+                "bucket_lr": lr_of_bucket, "bucket_wd": [float(b.weight_decay) for b in self.buckets]}
+
+    def _host_learning_rates(self) -> dict[int, float]:
+        """This step's learning rate per index used by a bucket (before ``global_step`` moves)."""
+        lrs = self.get_lr()
+        if not self.is_group_lr:
+            lrs = (lrs,)
+        return {i: float(lrs[i].asnumpy().reshape(-1)[0]) for i in self._pieces["lr_index"]}
+
+    def _native_step(self, gradients) -> bool:
+        """CPU, float32: ``ms_memopt.native.adamw_f32`` straight on the parameters, moments and
+        gradients (host memory), one pass, in the calling thread. ``data_ptr()`` of the
+        gradients waits for the backward pass (the whole pipeline), so nothing still running
+        reads the weights when they are rewritten."""
+        pieces = self._pieces
+        keep = [gradients[i] if gradients[i].is_contiguous() else gradients[i].contiguous() for i in pieces["order"]]
+        grad_ptrs = [g.data_ptr() for g in keep]
+        self._ensure_regions()
+        self._sync_step()
+        lrs = self._host_learning_rates()
+        self._host_step += 1
+        b1p, b2p, eps = self._bias_terms(self._host_step)
+        correction = math.sqrt(1.0 - b2p) / (1.0 - b1p)
+        f32 = np.float32
+        decay = np.array([f32(lrs[lr]) * f32(wd) for lr, wd in zip(pieces["bucket_lr"], pieces["bucket_wd"])], f32)
+        step = np.array([lrs[lr] * correction for lr in pieces["bucket_lr"]], f32)
+        bucket = pieces["bucket"]
+        m_base = np.array([m.data_ptr() for m in self.moments1], np.int64)
+        v_base = np.array([v.data_ptr() for v in self.moments2], np.int64)
+        weights = [ptr for region in self.regions for ptr in region.data_ptrs]
+        native.adamw_f32(weights, m_base[bucket] + pieces["offset"], v_base[bucket] + pieces["offset"], grad_ptrs,
+                         pieces["numel"], decay[bucket], step[bucket], self.beta1, self.beta2, eps)
+        ctypes.c_int32.from_address(self.global_step.data_ptr()).value = self._host_step
         return True
 
     def _copy_gradients(self, gradients, turn: int) -> tuple:
@@ -400,6 +470,12 @@ class FusedAdamW(nn.Optimizer):
         return combine_tensor_list_contiguous(
             [g if g.is_contiguous() else g.contiguous() for g in (gradients[i] for i in region.param_indices)],
             True)
+
+
+def _native_kernel() -> bool:
+    """Whether the step can be the compiled host AdamW pass (:func:`ms_memopt.native.adamw_f32`):
+    tensors in host memory and the library built."""
+    return _host_memory() and native.available()
 
 
 def _host_memory() -> bool:

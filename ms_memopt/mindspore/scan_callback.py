@@ -31,6 +31,7 @@ from mindspore.train import Callback
 
 from .. import scan as _scan
 from ..errors import InputError
+from ..forecast import Forecast
 from ..scan import ScanLog, ScanRecord, Source, parse_watch
 from .cells import training_parts
 from .sources import SOURCES, DeviceMemoryAPI, make_sources
@@ -71,6 +72,8 @@ class Scanner(_scan.Scanner):
         source: ``"auto"``, ``"device"``, ``"model"``, ``"arena"`` or :class:`Source` objects.
         watch: requests to check, ``{"allreduce": "4.2GB"}``.
         frag_warn: warn when the frag ratio exceeds this.
+        forecast_within: warn (log and record) when the forecast says a watched request may
+            stop fitting in one piece within this many steps (see :class:`ms_memopt.scan.Scanner`).
         rank: defaults to :func:`detect_rank`.
         capacity: device memory for the shadow model, bytes or ``"64GB"``.
         arenas: objects with ``layout()`` (ms-memopt arenas, pool mode regions).
@@ -82,7 +85,8 @@ class Scanner(_scan.Scanner):
                  source: str | Source | Iterable[Source] = "auto", watch: Mapping[str, object] | None = None,
                  frag_warn: float | None = 3.0, rank: int | None = None, capacity: int | str | None = None,
                  arenas: Sequence = (), device_api: DeviceMemoryAPI | None = None,
-                 model_options: dict | None = None, device_options: dict | None = None) -> None:
+                 model_options: dict | None = None, device_options: dict | None = None,
+                 forecast_within: int | None = None) -> None:
         _validate_source(source)
         parse_watch(watch)
         if isinstance(capacity, str):
@@ -95,14 +99,18 @@ class Scanner(_scan.Scanner):
         if log_dir is not None:
             log = ScanLog(Path(log_dir) / f"rank_{rank}" / _scan.SCAN_LOG_NAME)
         super().__init__(sources, log=log, every=every, watch=watch, frag_warn=frag_warn, rank=rank,
-                         source_reason=reason)
+                         source_reason=reason, forecast_within=forecast_within)
 
 
 class LayoutScanCallback(Callback):
     """``Model.train`` callback: a layout scan every ``every`` steps (see :class:`Scanner`).
 
     With ``stop_on_predicted_oom=True`` a scan that finds a watched request that would not fit
-    calls ``run_context.request_stop()`` and logs why.
+    calls ``run_context.request_stop()`` and logs why. With ``forecast_within=N`` a scan whose
+    forecast sees a watched request stop fitting in one piece within ``N`` steps logs a warning
+    with the estimated step (also in the record's ``warnings``; every record carries the
+    forecast in ``watch.NAME.forecast``). :meth:`forecast` gives the latest forecast to a
+    :class:`~ms_memopt.mindspore.compaction.CompactionCallback` (``when_forecast_within``).
     """
 
     def __init__(self, every: int = 100, log_dir: str | Path | None = "memlog", source="auto",
@@ -110,7 +118,7 @@ class LayoutScanCallback(Callback):
                  stop_on_predicted_oom: bool = False, *, rank: int | None = None,
                  capacity: int | str | None = None, arenas: Sequence = (),
                  device_api: DeviceMemoryAPI | None = None, model_options: dict | None = None,
-                 device_options: dict | None = None) -> None:
+                 device_options: dict | None = None, forecast_within: int | None = None) -> None:
         super().__init__()
         # validate everything now, before training starts
         if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
@@ -120,11 +128,13 @@ class LayoutScanCallback(Callback):
         if frag_warn is not None and (isinstance(frag_warn, bool) or not isinstance(frag_warn, (int, float))
                                       or frag_warn < 0):
             raise InputError(f"frag_warn must be a number >= 0 or None, got {frag_warn!r}", key="frag_warn")
+        _scan.check_forecast_within(forecast_within)
         if isinstance(capacity, str):
             capacity = _scan.parse_size(capacity, key="capacity")
         self._options = dict(every=every, log_dir=log_dir, source=source, watch=watch, frag_warn=frag_warn,
                              rank=rank, capacity=capacity, arenas=arenas, device_api=device_api,
-                             model_options=model_options, device_options=device_options)
+                             model_options=model_options, device_options=device_options,
+                             forecast_within=forecast_within)
         self.stop_on_predicted_oom = stop_on_predicted_oom
         self.scanner: Scanner | None = None
         self.stop_message: str | None = None
@@ -134,6 +144,16 @@ class LayoutScanCallback(Callback):
     def records(self) -> list[ScanRecord]:
         """The scans of the current (or last) ``train`` call."""
         return self._records
+
+    def forecast(self) -> Forecast | None:
+        """The latest forecast of the watched request that stops fitting first (``None`` before
+        training, without watched requests or without a forecast yet)."""
+        return self.scanner.forecast() if self.scanner is not None else None
+
+    def reset_forecast(self, step: int) -> None:
+        """Start the forecast afresh at ``step`` (called by ``CompactionCallback`` after compacting)."""
+        if self.scanner is not None:
+            self.scanner.reset_forecast(step)
 
     def on_train_begin(self, run_context) -> None:
         if self.scanner is not None:

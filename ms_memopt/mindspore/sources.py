@@ -43,7 +43,7 @@ __all__ = ["DeviceMemoryAPI", "MindSporeDeviceAPI", "DeviceSource", "ShadowModel
 
 logger = logging.getLogger("ms_memopt.scan")
 
-SOURCES = ("auto", "device", "model", "arena")
+SOURCES = ("auto", "device", "model", "arena", "pool-log")
 MiB = 1 << 20
 
 
@@ -687,14 +687,28 @@ class ArenaSource(Source):
 
 
 # --- choosing -----------------------------------------------------------------------------------
+def _pool_log():
+    """A source on this process's pool log when :mod:`ms_memopt.poolcapture` follows it."""
+    from .. import poolcapture
+    from .pool_log_source import PoolLogSource
+    return PoolLogSource() if poolcapture.active() is not None else None
+
+
+def _pool_log_missing() -> str:
+    from .. import poolcapture
+    return poolcapture.unavailable_reason()
+
+
 def make_sources(source: str | Source | Iterable[Source] = "auto", *, network=None, optimizer=None,
                  arenas: Sequence = (), device_api: DeviceMemoryAPI | None = None,
                  capacity: int | None = None, model_options: dict | None = None,
                  device_options: dict | None = None) -> tuple[list[Source], str]:
     """The sources to try, best first, and why the first was chosen.
 
-    ``auto``: the device pool on Ascend/GPU; else the arenas when some are given; else the
-    shadow model. The shadow model is always appended as a fallback when a network is known.
+    ``auto``: the device pool on Ascend/GPU; else the arenas when some are given; else (CPU)
+    the real pool followed live from its log when :func:`ms_memopt.poolcapture.start` ran
+    before ``import mindspore`` (``ms-memopt run`` and ``make demo`` do); else the shadow
+    model. The shadow model is always appended as a fallback when a network is known.
 
     Raises:
         InputError: unknown source name, or a named source that cannot work here.
@@ -719,6 +733,12 @@ def make_sources(source: str | Source | Iterable[Source] = "auto", *, network=No
         return [device()], "source='device'"
     if source == "arena":
         return [ArenaSource(arenas)], "source='arena'"
+    if source == "pool-log":
+        from .pool_log_source import PoolLogSource
+        try:
+            return [PoolLogSource()], "source='pool-log'"
+        except ValueError as exc:
+            raise InputError(str(exc), key="source") from None
     if source == "model":
         if network is None:
             raise InputError("the model source needs the network", key="source")
@@ -735,8 +755,12 @@ def make_sources(source: str | Source | Iterable[Source] = "auto", *, network=No
     elif arenas:
         chosen.append(ArenaSource(arenas))
         reason = f"auto: device target {target} has no pool statistics; ms-memopt arenas report exact layouts"
+    elif (real_pool := _pool_log()) is not None:
+        chosen.append(real_pool)
+        reason = f"auto: device target {target}; the real pool, followed live from its log (VLOG_v=12906)"
     else:
-        reason = f"auto: device target {target} has no pool statistics; shadow allocator model"
+        reason = (f"auto: device target {target} has no pool statistics and the real pool's log is not "
+                  f"captured ({_pool_log_missing()}); shadow allocator model")
     if network is not None:
         chosen.append(shadow())
     if not chosen:

@@ -47,7 +47,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 import mindspore as ms
@@ -65,7 +65,8 @@ from .model import GPT, GPTConfig, GPTWithLoss, synthetic_batches
 from .pool_mode import enable_pool_mode
 from .scan_callback import LayoutScanCallback
 
-__all__ = ["RunResult", "select_device", "gpt_config_from_recipe", "token_batches", "run_standalone",
+__all__ = ["RunResult", "select_device", "gpt_config_from_recipe", "token_batches", "sequence_lengths",
+           "run_standalone",
            "latest_checkpoint", "TRAIN_LOG_NAME", "RUN_META_NAME"]
 
 logger = logging.getLogger("ms_memopt.standalone")
@@ -207,23 +208,51 @@ def _load_token_file(path: str, seq_length: int, vocab_size: int) -> np.ndarray:
 
 
 def token_batches(config, dataset: str, batch_size: int, steps: int, seed: int = 0,
-                  start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                  start: int = 0, seq_lengths: Sequence[int] | None = None
+                  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Batches ``start .. steps-1`` as ``(input_ids, labels)`` int32 arrays of shape (B, S).
 
     ``dataset`` is ``"synthetic"`` or a ``.npy`` path (see the module docstring); a file's
     samples are used in order and wrap around. Batch ``i`` does not depend on ``start``.
+    ``seq_lengths[i]`` (when given) cuts batch ``i`` to that many tokens: a dynamic-shape run.
     """
+    def cut(index: int, inputs: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if seq_lengths is None:
+            return inputs, labels
+        length = seq_lengths[index % len(seq_lengths)]
+        return inputs[:, :length], labels[:, :length]
+
     if dataset == "synthetic":
 
         for index, batch in enumerate(synthetic_batches(config, batch_size, steps, seed)):
             if index >= start:
-                yield batch
+                yield cut(index, *batch)
         return
     windows = _load_token_file(dataset, config.seq_length, config.vocab_size)
     n = len(windows)
     for index in range(start, steps):
         rows = windows[[(index * batch_size + j) % n for j in range(batch_size)]]
-        yield rows[:, :-1], rows[:, 1:]
+        yield cut(index, rows[:, :-1], rows[:, 1:])
+
+
+def sequence_lengths(recipe: Recipe, steps: int, seq_length: int) -> list[int] | None:
+    """Per-step sequence lengths for a run whose recipe asks for dynamic shapes
+    (``memopt.workload.dynamic_seq``): uniform multiples of ``seq_align`` in
+    ``[seq_min, min(seq_max, seq_length)]``, seeded by ``memopt.workload.seed``; ``None`` for
+    fixed shapes. (The simulator draws from ``seq_distribution``; training keeps to uniform.)
+
+    Example:
+        >>> sequence_lengths(load_recipe("recipes/demo_cpu.yaml"), 4, 32)   # doctest: +SKIP
+        [20, 8, 32, 12]
+    """
+    w = recipe.memopt.workload
+    if not w.dynamic_seq or w.seq_distribution == "fixed":
+        return None
+    align = max(1, w.seq_align)
+    low = max(align, -(-w.seq_min // align) * align)
+    high = max(low, min(w.seq_max, seq_length) // align * align)
+    rng = np.random.default_rng(w.seed)
+    return [int(v) for v in rng.integers(low // align, high // align + 1, steps) * align]
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
@@ -503,7 +532,12 @@ def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_
         if start >= total:
             notes.append(f"checkpoint at step {start} already reaches --steps {total}: nothing to train")
     # fail on a bad dataset before building the model
-    batches = token_batches(cfg, tr.dataset, tr.batch_size, total, seed=tr.seed, start=start)
+    seq_lengths = sequence_lengths(recipe, total, cfg.seq_length)
+    if seq_lengths is not None:
+        notes.append(f"dynamic shapes (memopt.workload.dynamic_seq): sequence lengths {min(seq_lengths)}.."
+                     f"{max(seq_lengths)} tokens, a new one each step")
+    batches = token_batches(cfg, tr.dataset, tr.batch_size, total, seed=tr.seed, start=start,
+                            seq_lengths=seq_lengths)
     if tr.dataset != "synthetic":
         _load_token_file(tr.dataset, cfg.seq_length, cfg.vocab_size)
 

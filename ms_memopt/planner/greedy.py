@@ -21,9 +21,9 @@ import numpy as np
 
 from .problem import Buffer
 
-__all__ = ["ORDERS", "greedy_place", "order_buffers"]
+__all__ = ["ORDERS", "greedy_place", "live_peak_per_buffer", "order_buffers"]
 
-def _live_peak_per_buffer(buffers: Sequence[Buffer]) -> np.ndarray:
+def live_peak_per_buffer(buffers: Sequence[Buffer]) -> np.ndarray:
     """For each buffer, the largest live-bytes total during its lifetime (its "breadth")."""
     times = np.unique(np.fromiter((t for b in buffers for t in (b.lower, b.upper)), dtype=np.int64))
     lowers = np.searchsorted(times, [b.lower for b in buffers])
@@ -49,12 +49,12 @@ def _live_peak_per_buffer(buffers: Sequence[Buffer]) -> np.ndarray:
 
 
 def _keys_breadth(buffers: Sequence[Buffer]) -> list[tuple]:
-    peak = _live_peak_per_buffer(buffers)
+    peak = live_peak_per_buffer(buffers)
     return [(-int(peak[i]), -b.size, -b.lifetime) for i, b in enumerate(buffers)]
 
 
 def _keys_breadth_lifetime(buffers: Sequence[Buffer]) -> list[tuple]:
-    peak = _live_peak_per_buffer(buffers)
+    peak = live_peak_per_buffer(buffers)
     return [(-int(peak[i]), -b.lifetime, -b.size) for i, b in enumerate(buffers)]
 
 

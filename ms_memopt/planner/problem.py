@@ -68,6 +68,10 @@ class Solution:
             search exhausted every smaller arena).
         capacity: the capacity asked for, if any; ``fits`` says whether ``arena <= capacity``.
         problems: what :func:`validate` found wrong (empty when valid).
+        proven_bound: the best lower bound proven: ``lower_bound``, or more when the exact
+            search ruled every smaller arena out (0 means "not computed": use ``lower_bound``).
+        stopped: why the search stopped ("bound reached", "proven optimal", "gap reached",
+            "stalled", "time limit"), empty when no search ran.
     """
 
     offsets: dict[str, int]
@@ -80,6 +84,25 @@ class Solution:
     optimal: bool = False
     capacity: int | None = None
     problems: list[str] = field(default_factory=list)
+    proven_bound: int = 0
+    stopped: str = ""
+
+    @property
+    def best_bound(self) -> int:
+        """The strongest lower bound known: ``max(lower_bound, proven_bound)``."""
+        return max(self.lower_bound, self.proven_bound)
+
+    @property
+    def gap(self) -> float:
+        """How much above the optimum the arena could still be: ``arena / best_bound - 1``
+        (0.0 when proven optimal).
+
+        Example:
+            >>> Solution({}, 1001, 1000, 1.001, True, 0.0, "greedy").gap
+            0.001
+        """
+        bound = self.best_bound
+        return self.arena / bound - 1.0 if bound else 0.0
 
     @property
     def fits(self) -> bool | None:

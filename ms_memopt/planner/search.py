@@ -1,27 +1,30 @@
-"""Exact search: fill memory bottom-up, branching on which buffer sits at the lowest floor.
+"""Exact search for a placement within a capacity, after MiniMalloc (Moffitt, ASPLOS 2023).
 
-The idea follows MiniMalloc (Moffitt, ASPLOS 2023): it is enough to search *canonical*
-placements, where every buffer rests at address 0 or directly on a buffer alive at the same
-time (any placement can be pushed down into one without growing). Time is cut into sections
-(:mod:`.sections`); each has a *floor*, a lower bound on the address of every buffer not yet
-placed that is alive there. At each node the search looks at the *run* of neighbouring
-sections at the lowest floor ``f``. A section of the run where no unplaced buffer can sit at
-``f`` is raised at once (a forced move). Otherwise it branches on the section ``s`` of the run
-with the fewest candidates (fail first):
+The method, as the paper describes it; the implementation (numpy state over buffers and time
+sections, undo records, Python recursion) is this project's own:
 
-* *place u*: some buffer sits at ``f`` in ``s``; it must be one whose whole lifetime lies in the
-  run of sections at floor ``f`` around ``s`` (a *candidate*); placing it lifts the floors of
-  its sections by its size. Candidates tried earlier at this node are then forbidden at ``f``
-  (a per-buffer minimum offset), so no placement is reached twice;
-* *skip*: nothing sits at ``f`` in ``s``; the lowest buffer there then rests on a buffer not yet
-  placed (so at least ``f + smallest size``) or lies above a neighbouring floor; the floor of
-  ``s`` is raised to the smallest such bound.
+* **Canonical solutions.** It is enough to search placements where every buffer rests at
+  address 0 or directly on a buffer alive at the same time, and to place buffers in order of
+  non-decreasing offset (ties by a fixed *preorder* rank). So a buffer's only possible offset is
+  its *minimum offset*: the highest end among the placed buffers it overlaps in time. A node
+  branches on which unplaced buffer comes next; buffers are tried by (minimum offset, rank),
+  and only those after the last placed one in that order (no placement is reached twice).
+* **Dominance.** Placing a buffer at offset ``x`` is skipped when some unplaced buffer could
+  end at or below ``x`` (``min offset + size <= x``): that buffer would be left below a gap it
+  could fill, and the branch where it is placed first is at least as good.
+* **Inference (section bounds).** Time is cut into sections between consecutive lifetime
+  endpoints. Each section keeps a *floor* (no unplaced buffer alive there can go lower: the top
+  of the last buffer placed there, the smallest minimum offset of its unplaced buffers, and the
+  offset just placed, since offsets never decrease) and the bytes of its unplaced buffers. A
+  node is pruned when floor + unplaced bytes exceeds the capacity in any section.
+* **Dynamic decomposition.** When no unplaced buffer crosses a section boundary any more, the
+  two sides are independent: each is solved on its own, and if one has no solution the node
+  fails at once (no search over combinations of the two sides).
+* **Restarts.** :func:`search_place` runs with one preorder; callers restart with each of
+  :data:`PREORDERS` under a node limit that doubles per round (MiniMalloc's round robin).
 
-Pruning: in every section, floor + bytes of the unplaced buffers alive there must stay within
-the capacity. Placing a buffer leaves that slack unchanged, so only raises need the check.
-The search is complete: when it ends without a placement, none exists within the capacity.
-The implementation (numpy arrays over buffers and sections, so a node costs a few vector
-operations; an explicit stack with undo records instead of recursion) is this project's own.
+When the search ends without a placement and without hitting a limit, none exists within the
+capacity (``SearchResult.exhausted``): the tests check this against brute force.
 
 Example:
     >>> from ms_memopt.planner.problem import Buffer
@@ -29,28 +32,39 @@ Example:
     >>> result = search_place(bufs, capacity=8)
     >>> result.offsets is not None and result.exhausted is False
     True
+    >>> search_place(bufs, capacity=7).exhausted
+    True
 """
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
+from . import _native
+from .greedy import live_peak_per_buffer
 from .problem import Buffer
 from .sections import Sections
 
-__all__ = ["PREFERENCES", "SearchResult", "search_place"]
+__all__ = ["PREORDERS", "SearchResult", "search_place"]
 
-# name -> key: candidates at a node are tried smallest key first
-PREFERENCES: dict[str, Callable[[Buffer], tuple]] = {
-    "size": lambda b: (-b.size, -b.lifetime),
-    "lifetime": lambda b: (-b.lifetime, -b.size),
-    "area": lambda b: (-b.area, -b.size),
+# name -> key per buffer (smallest first): T = the largest unplaced-bytes total of a section in
+# its lifetime ("breadth"), A = area, W = width (lifetime); the letters say which key comes first
+PREORDERS: dict[str, Callable[[Buffer, int], tuple]] = {
+    "TAW": lambda b, total: (-total, -b.area, -b.lifetime),
+    "WAT": lambda b, total: (-b.lifetime, -b.area, -total),
+    "TWA": lambda b, total: (-total, -b.lifetime, -b.area),
 }
 
-_FORCED_PER_NODE = 256  # forced raises applied together in one node (bounds the work per node)
+# The floor of a section may also be raised to the smallest minimum offset of its unplaced
+# buffers; that needs a section -> buffers table, skipped when it would exceed this many entries
+_MAX_INCIDENCE = 4_000_000
+
+_FOUND, _NONE, _ABORT = 0, 1, 2
 
 
 @dataclass
@@ -69,172 +83,254 @@ class SearchResult:
 
 
 def search_place(buffers: Sequence[Buffer], capacity: int, *, deadline: float | None = None,
-                 prefer: str = "size", node_limit: int | None = None) -> SearchResult:
+                 prefer: str = "TAW", node_limit: int | None = None, engine: str = "auto") -> SearchResult:
     """Find offsets with every buffer ending at or below ``capacity`` bytes, or prove there are none.
 
     Args:
         buffers: the instance (zero-size buffers get offset 0 and take no part).
         capacity: bytes available.
         deadline: ``time.perf_counter()`` value after which the search gives up (not exhausted).
-        prefer: candidate order, a key of :data:`PREFERENCES`.
+        prefer: the preorder, a key of :data:`PREORDERS`.
         node_limit: give up after this many nodes.
+        engine: ``"python"`` (this module), ``"native"`` (the compiled twin, ``_search.c``; raises
+            RuntimeError when it cannot be built) or ``"auto"`` (native when it can be built).
+            Both visit the same nodes and return the same offsets.
     """
-    return _Search(buffers, capacity, prefer).run(deadline, node_limit)
+    if engine not in ("auto", "python", "native"):
+        raise ValueError(f"engine must be 'auto', 'python' or 'native', got {engine!r}")
+    solver = _Solver(buffers, capacity, prefer)
+    lib = None if engine == "python" else _native.library()
+    if lib is None and engine == "native":
+        raise RuntimeError(f"the compiled search is unavailable: {_native.unavailable_reason()}")
+    if lib is not None:
+        return solver.run_native(lib, deadline, node_limit)
+    return solver.run(deadline, node_limit)
 
 
-class _Search:
+class _Solver:
+    """State of one search: numpy arrays over the positive-size buffers and their sections."""
+
     def __init__(self, buffers: Sequence[Buffer], capacity: int, prefer: str) -> None:
-        self.buffers = buffers
-        self.capacity = capacity
+        self.ids = [b.id for b in buffers]
         self.index = [i for i, b in enumerate(buffers) if b.size > 0]
         sub = [buffers[i] for i in self.index]
-        self.sizes = [b.size for b in sub]
-        self.sec = Sections.of(sub)
-        key = PREFERENCES[prefer]
-        order = sorted(range(len(sub)), key=lambda i: (key(sub[i]), i))
-        rank = [0] * len(sub)
-        for r, i in enumerate(order):
-            rank[i] = r
-        self.rank = rank
-        self.min_size = min(self.sizes, default=1)
+        self.capacity = capacity
+        n = self.n = len(sub)
+        if n == 0:
+            return
+        sec = Sections.of(sub)
+        count = self.count = sec.count
+        first = self.first = np.asarray(sec.first, dtype=np.int64)
+        last = self.last = np.asarray(sec.last, dtype=np.int64)
+        size = self.size = np.fromiter((b.size for b in sub), dtype=np.int64, count=n)
+        delta = np.zeros(count + 1, dtype=np.int64)
+        np.add.at(delta, first, size)
+        np.add.at(delta, last, -size)
+        self.total = np.cumsum(delta)[:-1]  # unplaced bytes per section
+        # cuts[k]: buffers crossing the boundary between sections k and k + 1
+        delta[:] = 0
+        np.add.at(delta, first, 1)
+        np.add.at(delta, last - 1, -1)
+        self.cuts = np.cumsum(delta)[:count - 1] if count > 1 else np.zeros(0, dtype=np.int64)
+        peak = live_peak_per_buffer(sub)
+        key = PREORDERS[prefer]
+        order = sorted(range(n), key=lambda i: (key(sub[i], int(peak[i])), i))
+        self.rank = np.empty(n, dtype=np.int64)
+        self.rank[order] = np.arange(n)
+        self.overlaps = self._overlaps()
+        self.incidence = self._incidence()
+        self.floor = np.zeros(count, dtype=np.int64)
+        self.min_off = np.zeros(n, dtype=np.int64)
+        self.placed = np.zeros(n, dtype=bool)
+        self.offset = np.zeros(n, dtype=np.int64)
+        self.nodes = 0
+
+    def _overlaps(self) -> list[np.ndarray]:
+        """Per buffer, the indices of the other buffers alive at some common time."""
+        first, last = self.first, self.last
+        by_first = np.argsort(first, kind="stable")
+        sorted_first = first[by_first]
+        result = []
+        for i in range(self.n):
+            # only buffers starting before i ends can overlap it
+            stop = int(np.searchsorted(sorted_first, last[i], side="left"))
+            cand = by_first[:stop]
+            cand = cand[last[cand] > first[i]]
+            result.append(cand[cand != i])
+        return result
+
+    def _incidence(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Section -> buffers table (flat buffer indices, section start pointers), or None."""
+        spans = self.last - self.first
+        entries = int(spans.sum())
+        if entries > _MAX_INCIDENCE:
+            return None
+        owners = np.repeat(np.arange(self.n), spans)
+        starts = np.repeat(np.cumsum(spans) - spans, spans)
+        sections = self.first[owners] + (np.arange(entries) - starts)
+        order = np.argsort(sections, kind="stable")
+        pointers = np.searchsorted(sections[order], np.arange(self.count + 1))
+        return owners[order], pointers
+
+    # ------------------------------------------------------------------ search
 
     def run(self, deadline: float | None, node_limit: int | None) -> SearchResult:
-        n = len(self.sizes)
-        ids = [b.id for b in self.buffers]
-        if n == 0:
-            return SearchResult({i: 0 for i in ids}, False, 0)
-        capacity = self.capacity
-        if max(self.sizes) > capacity:
+        if self.n == 0:
+            return SearchResult({i: 0 for i in self.ids}, False, 0)
+        if int(self.size.max()) > self.capacity or int(self.total.max()) > self.capacity:
             return SearchResult(None, True, 0)
-        count = self.sec.count
-        sizes = np.asarray(self.sizes, dtype=np.int64)
-        first = np.asarray(self.sec.first, dtype=np.int64)
-        last = np.asarray(self.sec.last, dtype=np.int64)
-        delta = np.zeros(count + 1, dtype=np.int64)
-        np.add.at(delta, first, 1)
-        np.add.at(delta, last, -1)
-        remaining = np.cumsum(delta)[:-1]  # unplaced buffers alive in each section
-        delta[:] = 0
-        np.add.at(delta, first, sizes)
-        np.add.at(delta, last, -sizes)
-        rem_bytes = np.cumsum(delta)[:-1]  # their bytes
-        if int(rem_bytes.max()) > capacity:
-            return SearchResult(None, True, 0)
-        big = capacity + 1  # the key of a section where nothing is left to place
-        key = np.where(remaining > 0, 0, big).astype(np.int64)  # the floor, or big when done
-        rank = self.rank
-        placed = np.zeros(n, dtype=bool)
-        min_off = np.zeros(n, dtype=np.int64)
-        offset = [0] * n
-        firsts, lasts, size_list = self.sec.first, self.sec.last, self.sizes
-        min_size = self.min_size
-        left = n
-        nodes = 0
+        self.deadline = deadline
+        self.node_limit = node_limit
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 4 * self.n + 1000))  # one frame per placed buffer
+        try:
+            status = _FOUND
+            for lo, hi in self._split(0, self.count):
+                members = np.flatnonzero((self.first < hi) & (self.last > lo))
+                status = self._search(members, lo, hi, -1, -1)
+                if status != _FOUND:
+                    break
+        finally:
+            sys.setrecursionlimit(limit)
+        if status == _FOUND:
+            return self._result()
+        return SearchResult(None, status == _NONE, self.nodes)
 
-        def expand() -> list:
-            """The node's frame: [f, candidates, raises, next choice, undo record].
+    def run_native(self, lib, deadline: float | None, node_limit: int | None) -> SearchResult:
+        """:meth:`run` in the compiled twin (same nodes, same offsets)."""
+        if self.n == 0 or int(self.size.max()) > self.capacity or int(self.total.max()) > self.capacity:
+            return self.run(deadline, node_limit)
+        ov_ptr = np.zeros(self.n + 1, dtype=np.int64)
+        ov_ptr[1:] = np.cumsum([len(o) for o in self.overlaps])
+        ov_idx = np.ascontiguousarray(np.concatenate(self.overlaps) if self.n else [], dtype=np.int64)
+        if self.incidence is None:
+            inc_owner = inc_ptr = None
+        else:
+            inc_owner, inc_ptr = (np.ascontiguousarray(x, dtype=np.int64) for x in self.incidence)
+        total, cuts = self.total.copy(), np.ascontiguousarray(self.cuts.copy())
+        offset = np.zeros(self.n, dtype=np.int64)
+        nodes = ctypes.c_int64(0)
+        seconds = -1.0 if deadline is None else max(0.0, deadline - time.perf_counter())
 
-            In the run of sections at the lowest floor ``f``, a section where no unplaced buffer
-            can sit at ``f`` is raised at once (a forced move, no candidates); otherwise the
-            section with the fewest candidates is branched on (fail first), with raising it
-            (the skip branch) as its last branch. ``raises`` is empty for a dead end.
-            """
-            f = int(key.min())
-            s = int(key.argmin())
-            off_floor = key != f
-            before = np.flatnonzero(off_floor[:s])
-            lo = int(before[-1]) + 1 if before.size else 0
-            after = np.flatnonzero(off_floor[s:])
-            hi = s + int(after[0]) if after.size else count
-            left_wall = int(key[lo - 1]) if lo > 0 else big
-            right_wall = int(key[hi]) if hi < count else big
-            unplaced = ~placed
-            inside = (first >= lo) & (last <= hi)
-            candidate = unplaced & inside & (min_off <= f)
-            # lowest address each unplaced buffer could take if nothing sits at f where it is
-            crossing = np.maximum(np.where(first < lo, left_wall, 0), np.where(last > hi, right_wall, 0))
-            bound = np.where(inside, np.maximum(min_off, f + min_size), np.maximum(crossing, min_off))
-            width = hi - lo
-            per_section = np.cumsum(np.bincount(first[candidate] - lo, minlength=width + 1)
-                                    - np.bincount(last[candidate] - lo, minlength=width + 1))[:width]
-            busy = remaining[lo:hi] > 0
-            empty = np.flatnonzero(busy & (per_section == 0))
-            if empty.size:
-                forced = []
-                for t in (lo + empty[:_FORCED_PER_NODE]).tolist():
-                    covering = unplaced & (first <= t) & (last > t)
-                    target = int(bound[covering].min())
-                    if target + int(rem_bytes[t]) > capacity:
-                        return [f, (), (), 0, None]  # dead end: the section cannot hold its buffers
-                    forced.append((t, target))
-                return [f, (), forced, 0, None]
-            t = lo + int(np.argmin(np.where(busy, per_section, n + 1)))
-            covering = unplaced & (first <= t) & (last > t)
-            chosen = np.flatnonzero(candidate & covering)
-            candidates = sorted(chosen.tolist(), key=rank.__getitem__)
-            target = int(bound[covering].min())
-            raises = ((t, target),) if target + int(rem_bytes[t]) <= capacity else ()
-            return [f, candidates, raises, 0, None]
+        def ptr(array):
+            return None if array is None else array.ctypes.data_as(ctypes.c_void_p)
 
-        stack = [expand()]
-        while stack:
-            frame = stack[-1]
-            f, candidates, raises, choice, undo = frame
-            if undo is not None:  # take back the previous branch of this node
-                u, old_mins = undo
-                for v, m in old_mins:
-                    min_off[v] = m
-                if u >= 0:
-                    a, b = firsts[u], lasts[u]
-                    remaining[a:b] += 1
-                    rem_bytes[a:b] += size_list[u]
-                    key[a:b] = f
-                    placed[u] = False
-                    left += 1
-                else:
-                    for t, _ in raises:
-                        key[t] = f
-                frame[4] = None
-            nodes += 1
-            if deadline is not None and time.perf_counter() > deadline:
-                return SearchResult(None, False, nodes)
-            if node_limit is not None and nodes > node_limit:
-                return SearchResult(None, False, nodes)
-            if choice < len(candidates):
-                u = candidates[choice]
-                frame[3] = choice + 1
-                old_mins = []
-                for v in candidates[:choice]:  # tried before at this floor: not here again
-                    old_mins.append((v, int(min_off[v])))
-                    min_off[v] = f + 1
-                top = f + size_list[u]
-                a, b = firsts[u], lasts[u]
-                remaining[a:b] -= 1
-                rem_bytes[a:b] -= size_list[u]
-                key[a:b] = np.where(remaining[a:b] > 0, top, big)
-                placed[u] = True
-                offset[u] = f
-                left -= 1
-                frame[4] = (u, old_mins)
-                if top > capacity:
-                    continue
-                if left == 0:
-                    offsets = {i: 0 for i in ids}
-                    for j, original in enumerate(self.index):
-                        offsets[ids[original]] = offset[j]
-                    return SearchResult(offsets, False, nodes)
-                stack.append(expand())
+        status = lib.ms_memopt_search(self.n, self.count, self.capacity, ptr(self.first), ptr(self.last),
+                                      ptr(self.size), ptr(self.rank), ptr(ov_ptr), ptr(ov_idx),
+                                      ptr(inc_ptr), ptr(inc_owner), ptr(total), ptr(cuts), ptr(offset),
+                                      -1 if node_limit is None else int(node_limit), seconds,
+                                      ctypes.byref(nodes))
+        self.nodes = int(nodes.value)
+        if status == _FOUND:
+            self.offset = offset
+            return self._result()
+        return SearchResult(None, status == _NONE, self.nodes)
+
+    def _result(self) -> SearchResult:
+        offsets = {i: 0 for i in self.ids}
+        for j, original in enumerate(self.index):
+            offsets[self.ids[original]] = int(self.offset[j])
+        return SearchResult(offsets, False, self.nodes)
+
+    def _split(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Section ranges of [lo, hi) between boundaries that no unplaced buffer crosses."""
+        zero = lo + 1 + np.flatnonzero(self.cuts[lo:hi - 1] == 0)
+        points = [lo, *zero.tolist(), hi]
+        return [(a, b) for a, b in zip(points[:-1], points[1:])]
+
+    def _search(self, members: np.ndarray, lo: int, hi: int, last_off: int, last_rank: int) -> int:
+        """Place the unplaced ``members`` (all alive only within sections [lo, hi))."""
+        self.nodes += 1
+        if self.node_limit is not None and self.nodes > self.node_limit:
+            return _ABORT
+        if self.deadline is not None and (self.nodes & 63) == 0 and time.perf_counter() > self.deadline:
+            return _ABORT
+        unplaced = members[~self.placed[members]]
+        if unplaced.size == 0:
+            return _FOUND
+        min_off, size, rank = self.min_off[unplaced], self.size[unplaced], self.rank[unplaced]
+        order = np.lexsort((rank, min_off))
+        min_height = int((min_off + size).min())
+        offs, ranks = min_off[order], rank[order]
+        # canonical: strictly after the last placement in (offset, rank) order; dominance:
+        # below the lowest possible top of any unplaced buffer
+        # inference: an offset above cap - (unplaced bytes) of some section empties nothing there
+        highest = self.capacity - int(self.total[lo:hi].max())
+        start = int(np.searchsorted(offs, last_off, side="left"))
+        stop = int(np.searchsorted(offs, min(min_height, highest + 1), side="left"))
+        for k in range(start, stop):
+            off = int(offs[k])
+            if off == last_off and int(ranks[k]) < last_rank:
                 continue
-            if choice == len(candidates) and raises:
-                frame[3] = choice + 1
-                old_mins = []
-                for v in candidates:
-                    old_mins.append((v, int(min_off[v])))
-                    min_off[v] = f + 1
-                for t, target in raises:
-                    key[t] = target
-                frame[4] = (-1, old_mins)
-                stack.append(expand())
+            status = self._place_and_recurse(int(unplaced[order[k]]), off, int(ranks[k]), members, lo, hi)
+            if status != _NONE:
+                return status
+        return _NONE
+
+    def _place_and_recurse(self, u: int, off: int, rank: int, members: np.ndarray, lo: int, hi: int) -> int:
+        size = int(self.size[u])
+        top = off + size
+        a, b = int(self.first[u]), int(self.last[u])
+        floor, total, min_off, placed = self.floor, self.total, self.min_off, self.placed
+        # place u; raise the minimum offset of the unplaced buffers it overlaps
+        placed[u] = True
+        self.offset[u] = off
+        neighbours = self.overlaps[u]
+        neighbours = neighbours[~placed[neighbours]]
+        raised = neighbours[min_off[neighbours] < top]
+        old_min = min_off[raised]
+        min_off[raised] = top
+        # floors: u's sections now start at its top; sections of raised buffers at their
+        # lowest unplaced minimum offset
+        span_lo, span_hi = a, b
+        if raised.size and self.incidence is not None:
+            span_lo = min(a, int(self.first[raised].min()))
+            span_hi = max(b, int(self.last[raised].max()))
+        old_floor = floor[span_lo:span_hi].copy()
+        floor[a:b] = top
+        total[a:b] -= size
+        if raised.size and self.incidence is not None:
+            self._raise_to_unplaced_min(span_lo, span_hi)
+        if b - a > 1:
+            self.cuts[a:b - 1] -= 1
+        status = _NONE
+        view = slice(lo, hi)
+        if not (np.maximum(floor[view], off) + total[view] > self.capacity).any():
+            if b - a > 1 and (self.cuts[a:b - 1] == 0).any():
+                status = self._decompose(members, lo, hi, off, rank)
+            else:
+                status = self._search(members, lo, hi, off, rank)
+        # undo
+        if b - a > 1:
+            self.cuts[a:b - 1] += 1
+        total[a:b] += size
+        floor[span_lo:span_hi] = old_floor
+        min_off[raised] = old_min
+        placed[u] = False
+        return status
+
+    def _raise_to_unplaced_min(self, lo: int, hi: int) -> None:
+        """floor[s] = max(floor[s], smallest minimum offset of an unplaced buffer alive in s)."""
+        owners, pointers = self.incidence
+        begin, end = int(pointers[lo]), int(pointers[hi])
+        if begin == end:
+            return
+        segment = owners[begin:end]
+        # placed buffers count as the capacity: a section with none unplaced is not raised past it
+        values = np.where(self.placed[segment], self.capacity, self.min_off[segment])
+        # a range of sections spanned by buffers holds a buffer in each section: no empty segment
+        mins = np.minimum.reduceat(values, pointers[lo:hi] - begin)
+        np.maximum(self.floor[lo:hi], np.minimum(mins, self.capacity), out=self.floor[lo:hi])
+
+    def _decompose(self, members: np.ndarray, lo: int, hi: int, off: int, rank: int) -> int:
+        """Solve each independent part of [lo, hi) on its own; all must succeed."""
+        unplaced = members[~self.placed[members]]
+        first, last = self.first[unplaced], self.last[unplaced]
+        for part_lo, part_hi in self._split(lo, hi):
+            inside = unplaced[(first < part_hi) & (last > part_lo)]
+            if inside.size == 0:
                 continue
-            stack.pop()
-        return SearchResult(None, True, nodes)
+            status = self._search(inside, part_lo, part_hi, -1, -1)
+            if status != _FOUND:
+                return status
+        return _FOUND

@@ -9,6 +9,9 @@
 ``mindspore-memory-block``  MindSpore memory tracker ``memory_block.csv``
 ``msmemscope``              Huawei msMemScope dump CSV
 ``instances``               offline placement instances ``id,lower,upper,size``
+``mindspore-pool-log``      a stderr capture of a run with ``VLOG_v=12906`` (MindSpore's pool
+                            log; unrelated lines allowed; ``.gz`` too), read by
+                            :mod:`ms_memopt.traces.ms_pool_log`
 ==========================  =================================================================
 
 Empty, binary, unreadable and unknown files raise :class:`~ms_memopt.errors.InputError` naming
@@ -40,9 +43,12 @@ FORMATS: dict[str, tuple[str, str]] = {
                                "ms_memopt.traces.memory_block:read_memory_block"),
     "msmemscope": ("msMemScope dump CSV", "ms_memopt.traces.msmemscope:read_msmemscope"),
     "instances": ("placement instances id,lower,upper,size", "ms_memopt.traces.instances_events:read_instances_trace"),
+    "mindspore-pool-log": ("stderr of a MindSpore run with VLOG_v=12906 (the pool's log)",
+                           "ms_memopt.traces.ms_pool_log:read_pool_log"),
 }
 _EXPECTED = ("a PyTorch snapshot pickle, an ms-memopt JSONL log, a MindSpore memory_block.csv, "
-             "an msMemScope CSV or an id,lower,upper,size instance CSV")
+             "an msMemScope CSV, an id,lower,upper,size instance CSV or the stderr of a MindSpore "
+             "run with VLOG_v=12906")
 _SNIFF_BYTES = 65536
 
 
@@ -64,6 +70,12 @@ def detect_format(path: str | Path) -> str:
         raise InputError(f"empty file; expected {_EXPECTED}", source=source)
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
         return "torch-snapshot"
+    if head[:2] == b"\x1f\x8b":
+        from .ms_pool_log import looks_like_pool_log, read_head
+
+        if looks_like_pool_log(read_head(path, _SNIFF_BYTES)):
+            return "mindspore-pool-log"
+        raise InputError(f"gzip data of no known format; expected {_EXPECTED}", source=source)
     text = head.decode("utf-8", errors="replace")
     if b"\x00" in head or text.count("\ufffd") > max(2, len(text) // 100):
         raise InputError(f"binary data of no known format; expected {_EXPECTED}", source=source)
@@ -71,6 +83,7 @@ def detect_format(path: str | Path) -> str:
     from .instances import is_instance_header
     from .memory_block import looks_like_memory_block
     from .ms_debug_dump import looks_like_pool_debug_dump
+    from .ms_pool_log import looks_like_pool_log
     from .msmemscope import looks_like_msmemscope
 
     if first_line.startswith("{"):
@@ -88,6 +101,8 @@ def detect_format(path: str | Path) -> str:
         return "msmemscope"
     if is_instance_header(first_line):
         return "instances"
+    if looks_like_pool_log(text):     # a raw stderr capture: the first line may be anything
+        return "mindspore-pool-log"
     if looks_like_pool_debug_dump(first_line):
         raise InputError("a MindSpore pool debug dump (MemoryDebugInfo*.txt) is a layout, not an event "
                          "trace; read it with ms_memopt.traces.ms_debug_dump.read_pool_debug_dump",

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Iterable
 
 from ..events import Event, Trace
+from ..planner.problem import Buffer
 from .instances import is_instance_header as looks_like_instances
 from .instances import read_instance
 
-__all__ = ["FORMAT", "looks_like_instances", "instances_to_trace", "read_instances_trace"]
+__all__ = ["FORMAT", "looks_like_instances", "instances_to_trace", "trace_to_instances", "read_instances_trace"]
 
 FORMAT = "instances"
 
@@ -48,3 +49,34 @@ def read_instances_trace(path: str | Path) -> Trace:
         InputError: whatever the instances reader rejects (it names file and line).
     """
     return instances_to_trace(read_instance(path), source=str(path))
+
+
+def trace_to_instances(trace: Trace) -> list[Buffer]:
+    """The buffers of a trace as a placement instance: the inverse of :func:`instances_to_trace`.
+
+    Time is the position among the trace's ``alloc`` and ``free`` events, so a buffer freed
+    just before another is allocated may share its memory. A buffer never freed lives to the
+    end (``upper`` = one past the last event). Ids are the trace's event ids. Packing the result
+    (``ms-memopt pack``) shows how little memory the same requests need when every lifetime is
+    known ahead, against what the dynamic allocator reserved.
+
+    Example:
+        >>> t = Trace([Event("alloc", id=1, size=8), Event("alloc", id=2, size=4), Event("free", id=1)])
+        >>> trace_to_instances(t)
+        [Buffer(id='1', lower=0, upper=2, size=8), Buffer(id='2', lower=1, upper=3, size=4)]
+    """
+    open_buffers: dict[int, tuple[int, int]] = {}
+    buffers: list[tuple[int, Buffer]] = []
+    time = 0
+    for event in trace.events:
+        if event.action == "alloc":
+            open_buffers[event.id] = (time, event.size)
+        elif event.action == "free" and event.id in open_buffers:
+            lower, size = open_buffers.pop(event.id)
+            buffers.append((lower, Buffer(str(event.id), lower, time, size)))
+        else:
+            continue
+        time += 1
+    buffers.extend((lower, Buffer(str(key), lower, time, size)) for key, (lower, size) in open_buffers.items())
+    buffers.sort(key=lambda item: item[0])
+    return [buf for _, buf in buffers if buf.size > 0]

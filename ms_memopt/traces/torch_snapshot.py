@@ -188,7 +188,7 @@ def _final_layout(segments: list, device: int, source: str) -> Layout:
             if baddr != cursor or size == 0:
                 raise InputError(f"{bwhere}: blocks must tile the segment (expected address {cursor:#x})",
                                  source=source)
-            blocks.append(Block(baddr, size, state in LIVE_STATES))
+            blocks.append(Block(baddr, size, state in LIVE_STATES, tag=_our_tag(raw)))
             cursor += size
         if cursor != addr + total:
             raise InputError(f"{where}: blocks cover {cursor - addr} bytes, segment has {total}", source=source)
@@ -253,6 +253,17 @@ def reconstruct_initial(events: list[Event], final: Layout, pre_live: dict[int, 
     return Layout(out)
 
 
+def _our_tag(entry: dict) -> str | None:
+    """The tag ms-memopt's own export wrote as the one frame of a block or event
+    (:mod:`ms_memopt.traces.memory_viz`); ``None`` for anything else, real stacks included."""
+    frames = entry.get("frames")
+    if isinstance(frames, list) and len(frames) == 1 and isinstance(frames[0], dict) \
+            and frames[0].get("filename") == "ms-memopt" and isinstance(frames[0].get("name"), str):
+        name = frames[0]["name"]
+        return None if name == "untagged" else name
+    return None
+
+
 def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     """Read a PyTorch / torch_npu ``_dump_snapshot`` pickle as a :class:`Trace` for ``device``.
 
@@ -302,7 +313,8 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
             raise InputError(f"{where}: expected an integer 'stream', got {short_repr(stream)}", source=source)
         time = _time_seconds(entry.get("time_us"), where, source)
         if action == "alloc":
-            events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time))
+            events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time,
+                                tag=_our_tag(entry)))
             live_id[addr] = next_id
             live_size[addr] = size
             next_id += 1

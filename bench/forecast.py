@@ -1,0 +1,266 @@
+"""Benchmark: does the forecast warn earlier, and falsely less often, than the two alarms?
+
+Runs many seeds of the 100B recipe and of its sensitivity variants under the ``baseline``
+policy — some that OOM (the reference, more shape variety, more micro-batches, +4 GiB) and
+some that never do (all variation off, bounded variation, +8 GiB) — and replays each run's
+samples through three warning rules, checked every ``--check-every`` steps (a scan):
+
+(a) ``frag_ratio``: some sample since the last check has a frag ratio above a threshold
+    (``LayoutScanCallback``'s ``frag_warn``, 3.0 by default);
+(b) ``margin``: the smallest ``largest_free`` seen before the watched request since the last
+    check is below ``(1 + margin)`` times it (the ``compact`` policy's earlier trigger, 0.5);
+(c) ``forecast``: :class:`ms_memopt.forecast.Forecaster` fed the same samples (and the memory
+    in use after each optimizer step) warns within ``H`` steps at confidence ``level``.
+
+For each rule: the share of OOM runs warned in time (a first warning at least one check before
+the OOM), the median lead in steps (OOM step - first warning), the false-alarm rate (runs that
+never OOM with a warning at a step <= steps - ``--censor``: a warning in the last ``--censor``
+steps might be right about an OOM after the run's end, so it counts for no rule), and for the
+forecast the median error of the crossing step it estimated at its first warning.
+
+Calibration and evaluation use different seeds (``--calib-seeds`` 0-2, the seeds looked at
+while the method was designed; ``--eval-seeds`` 10-13 by default). On the calibration seeds
+each rule's parameter is picked to maximise ``warned_share - false_alarm_rate`` (ties: the
+longer median lead); the evaluation seeds are then scored with it. Rules (a) and (b) are also
+scored at today's defaults (3.0, 0.5), which is what the JSON's ``rules`` holds for them.
+
+Usage: nice -n 10 python bench/forecast.py [--steps 600] [--workers 2] [--full]
+
+``--full`` is the full study: 1000 steps, 10 evaluation and 5 calibration seeds, more variants
+(about an hour on 2 cores). The last line is one JSON object
+``{"rules": {"frag_ratio": R, "margin": R, "forecast": R}, ...}``, each
+``R = {"warned_share", "median_lead_steps", "false_alarm_rate", "runs"}``.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ms_memopt.forecast import Forecaster
+from ms_memopt.recipe import load_recipe
+from ms_memopt.simulate import config_from_recipe, simulate
+from ms_memopt.workload import spec_from_recipe
+
+GiB = 2**30
+FRAG_THRESHOLDS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0)
+MARGINS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+LEVELS = (0.8, 0.9, 0.95)
+HORIZONS = (25, 50, 100, 150, 200)
+TODAY = {"frag_ratio": 3.0, "margin": 0.5}
+
+
+def variants(full: bool) -> list[tuple[str, dict, dict, bool]]:
+    """(label, spec changes, config changes, deterministic) of every run family."""
+    out = [("reference", {}, {}, False),
+           ("seq_align / 2", {"seq_align": 2}, {}, False),
+           ("micro_batches x 1.5", {"micro_batches": 24}, {}, False),
+           ("capacity +4 GiB", {}, {"capacity_plus": 4 * GiB}, False),
+           ("capacity +8 GiB", {}, {"capacity_plus": 8 * GiB}, False),
+           ("bounded variation", {"seq_buckets": (2048, 4096, 6144, 8192), "cache_max_shapes": 64}, {}, False),
+           ("control: all off", {"enabled": False}, {}, True)]
+    if full:
+        out += [("capacity +16 GiB", {}, {"capacity_plus": 16 * GiB}, False),
+                ("ablation: no shape_cache", {"cache_bytes_per_shape": 0}, {}, False),
+                ("ablation: no extra_allocs", {"extra_probability": 0.0}, {}, False)]
+    return out
+
+
+# --- one run (worker) ----------------------------------------------------------------------------
+def _one(job: tuple) -> dict:
+    """Simulate one variant and seed (baseline), replay its samples through every rule setting."""
+    label, recipe_path, spec_changes, cfg_changes, seed, steps, check_every = job
+    recipe = load_recipe(recipe_path)
+    spec = replace(spec_from_recipe(recipe), **spec_changes)
+    cfg = config_from_recipe(recipe, steps=steps, scan_every=check_every, compact_every=None)
+    cfg.capacity += cfg_changes.get("capacity_plus", 0)
+    buf = io.StringIO()
+    started = time.perf_counter()
+    result = simulate(spec, cfg, policies=("baseline",), seeds=[seed], timeline=buf)["baseline"].seeds[0]
+    seconds = time.perf_counter() - started
+    rows = [json.loads(line) for line in buf.getvalue().splitlines()]
+    request = max(cfg.watch.values())
+    first, predicted = _replay(rows, request, check_every, steps)
+    return {"label": label, "seed": seed, "steps": steps, "oom_step": result.oom_step, "oom_tag": result.oom_tag,
+            "first_warning": first, "predicted": predicted, "seconds": seconds,
+            "largest_free_min_gib": round((result.largest_free_min or 0) / GiB, 2)}
+
+
+def _replay(rows: list[dict], request: int, check_every: int, steps: int) -> tuple[dict, dict]:
+    """First warning step of every rule setting, checked at each scan (every ``check_every``
+    steps) on the samples since the previous one; for the forecast also the crossing step it
+    estimated at that first warning."""
+    first: dict[str, int | None] = {}
+    predicted: dict[str, int | None] = {}
+    forecasters = {level: Forecaster(request, level=level) for level in LEVELS}
+    frag_max, watch_min = None, None
+
+    def warn(key: str, step: int, when: bool, estimate: int | None = None) -> None:
+        if when and first.get(key) is None:
+            first[key], predicted[key] = step, estimate
+
+    for row in rows:
+        step, kind = row["step"], row["kind"]
+        if kind == "oom":
+            break
+        ratio = row.get("frag_ratio")
+        if ratio is not None:
+            frag_max = ratio if frag_max is None else max(frag_max, ratio)
+        if kind == "watch":
+            watch_min = row["largest_free"] if watch_min is None else min(watch_min, row["largest_free"])
+            for f in forecasters.values():
+                f.add(step, row["largest_free"])
+        if kind != "scan":
+            continue
+        for f in forecasters.values():
+            f.add(step, None, long_lived=row["allocated"])
+        for threshold in FRAG_THRESHOLDS:
+            warn(f"frag_ratio:{threshold}", step, frag_max is not None and frag_max > threshold)
+        for margin in MARGINS:
+            warn(f"margin:{margin}", step, watch_min is not None and watch_min < request * (1 + margin))
+        for level, f in forecasters.items():
+            fc = f.forecast()
+            for horizon in HORIZONS:
+                warn(f"forecast:{level}:{horizon}", step, fc.warns(horizon), fc.step)
+        frag_max, watch_min = None, None
+    return first, predicted
+
+
+# --- scoring ---------------------------------------------------------------------------------------
+def score(runs: list[dict], key: str, *, min_lead: int, censor: int) -> dict:
+    """warned_share, median_lead_steps, false_alarm_rate (and the counts) of one rule setting."""
+    ooms = [r for r in runs if r["oom_step"] is not None]
+    safe = [r for r in runs if r["oom_step"] is None]
+    leads, errors = [], []
+    for r in ooms:
+        w = r["first_warning"].get(key)
+        if w is not None and r["oom_step"] - w >= min_lead:
+            leads.append(r["oom_step"] - w)
+            if r["predicted"].get(key) is not None and key.startswith("forecast"):
+                errors.append(r["predicted"][key] - r["oom_step"])
+    alarms = [r for r in safe if (w := r["first_warning"].get(key)) is not None and w <= r["steps"] - censor]
+    out = {"warned_share": round(len(leads) / len(ooms), 3) if ooms else None,
+           "median_lead_steps": statistics.median(leads) if leads else None,
+           "false_alarm_rate": round(len(alarms) / len(safe), 3) if safe else None,
+           "runs": len(runs), "oom_runs": len(ooms), "safe_runs": len(safe), "warned": len(leads),
+           "false_alarms": len(alarms)}
+    if errors:
+        out["median_crossing_error_steps"] = statistics.median(errors)
+        out["median_abs_crossing_error_steps"] = statistics.median(abs(e) for e in errors)
+    return out
+
+
+def _objective(s: dict) -> tuple:
+    return ((s["warned_share"] or 0.0) - (s["false_alarm_rate"] or 0.0), s["median_lead_steps"] or 0)
+
+
+def calibrate(runs: list[dict], rule: str, keys: list[str], **kw) -> str:
+    """The setting of ``rule`` with the best ``warned_share - false_alarm_rate`` on ``runs``."""
+    return max(keys, key=lambda k: _objective(score(runs, k, **kw)))
+
+
+def _run_all(jobs: list[tuple], workers: int) -> list[dict]:
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    started = time.perf_counter()
+    out = []
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(_one, job) for job in jobs]
+        for future in as_completed(futures):
+            r = future.result()
+            out.append(r)
+            print(f"# {time.perf_counter() - started:5.0f} s  {r['label']:<22} seed {r['seed']:>3}: "
+                  f"OOM {r['oom_step']} ({r['oom_tag']}), smallest largest_free {r['largest_free_min_gib']} GiB, "
+                  f"{r['seconds']:.0f} s", file=sys.stderr, flush=True)
+    return sorted(out, key=lambda r: (r["label"], r["seed"]))
+
+
+def _fmt(s: dict) -> str:
+    share = "-" if s["warned_share"] is None else f"{s['warned_share']:.2f} ({s['warned']}/{s['oom_runs']})"
+    lead = "-" if s["median_lead_steps"] is None else f"{s['median_lead_steps']:g}"
+    fa = "-" if s["false_alarm_rate"] is None else f"{s['false_alarm_rate']:.2f} ({s['false_alarms']}/{s['safe_runs']})"
+    err = s.get("median_crossing_error_steps")
+    return f"{share:>14} {lead:>10} {fa:>14} {('-' if err is None else f'{err:+g}'):>12}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default=str(ROOT / "recipes" / "dense_100b_1024x910c.yaml"))
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 600; --full 1000)")
+    parser.add_argument("--calib-seeds", default=None, help="comma-separated (default 0,1,2; --full 0-4)")
+    parser.add_argument("--eval-seeds", default=None, help="comma-separated (default 10-13; --full 10-19)")
+    parser.add_argument("--check-every", type=int, default=10, help="steps between checks (scans)")
+    parser.add_argument("--censor", type=int, default=150,
+                        help="a warning in a run's last CENSOR steps is no false alarm (default 150)")
+    parser.add_argument("--min-lead", type=int, default=10, help="a warning in time comes this many steps early")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--full", action="store_true", help="the full study (1000 steps, more seeds and variants)")
+    args = parser.parse_args()
+    steps = args.steps or (1000 if args.full else 600)
+    calib = [int(s) for s in (args.calib_seeds or ("0,1,2,3,4" if args.full else "0,1,2")).split(",")]
+    evals = [int(s) for s in (args.eval_seeds or (",".join(map(str, range(10, 20))) if args.full
+                                                 else "10,11,12,13")).split(",")]
+    if set(calib) & set(evals):
+        parser.error("calibration and evaluation seeds must differ")
+    started = time.perf_counter()
+    jobs = []
+    for label, spec_changes, cfg_changes, deterministic in variants(args.full):
+        for seed in (calib[:1] + evals[:1]) if deterministic else calib + evals:
+            jobs.append((label, args.recipe, spec_changes, cfg_changes, seed, steps, args.check_every))
+    runs = _run_all(jobs, args.workers)
+    calib_runs = [r for r in runs if r["seed"] in calib]
+    eval_runs = [r for r in runs if r["seed"] in evals]
+    kw = {"min_lead": args.min_lead, "censor": args.censor}
+
+    chosen = {"frag_ratio": calibrate(calib_runs, "frag_ratio", [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS], **kw),
+              "margin": calibrate(calib_runs, "margin", [f"margin:{m}" for m in MARGINS], **kw),
+              "forecast": calibrate(calib_runs, "forecast",
+                                    [f"forecast:{l}:{h}" for l in LEVELS for h in HORIZONS], **kw)}
+    today = {rule: f"{rule}:{value}" for rule, value in TODAY.items()}
+
+    print(f"{len(runs)} runs of {steps} steps, checks every {args.check_every} steps; calibration seeds {calib}, "
+          f"evaluation seeds {evals}; in time = >= {args.min_lead} steps before the OOM; false alarms counted "
+          f"up to step {steps - args.censor}")
+    print("\nruns (evaluation seeds): OOM steps per variant")
+    for label, *_ in variants(args.full):
+        mine = [r for r in eval_runs if r["label"] == label]
+        print(f"  {label:<26} " + ", ".join(f"{r['oom_step'] or '-'}" for r in mine))
+    print(f"\n{'rule (setting)':<34} {'seeds':<6} {'warned share':>14} {'lead':>10} {'false alarms':>14} "
+          f"{'xing err':>12}")
+    table = {}
+    for rule in ("frag_ratio", "margin", "forecast"):
+        settings = [("calibrated", chosen[rule])] + ([("today", today[rule])] if rule in today else [])
+        for name, key in settings:
+            for seeds_name, subset in (("calib", calib_runs), ("eval", eval_runs)):
+                s = score(subset, key, **kw)
+                table[f"{key} [{seeds_name}]"] = s
+                print(f"{key + ' (' + name + ')':<34} {seeds_name:<6} {_fmt(s)}")
+    print(f"\nsweep on the evaluation seeds (for reference; the settings above were chosen on calibration seeds)")
+    for key in [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS] + [f"margin:{m}" for m in MARGINS] + \
+               [f"forecast:{l}:{h}" for l in LEVELS for h in HORIZONS]:
+        print(f"  {key:<32} {_fmt(score(eval_runs, key, **kw))}")
+    seconds = time.perf_counter() - started
+    print(f"\n{len(runs)} runs in {seconds:.0f} s")
+    rules = {"frag_ratio": score(eval_runs, today["frag_ratio"], **kw),
+             "margin": score(eval_runs, today["margin"], **kw),
+             "forecast": score(eval_runs, chosen["forecast"], **kw)}
+    print(json.dumps({"rules": rules,
+                      "settings": {"frag_ratio": today["frag_ratio"], "margin": today["margin"],
+                                   "forecast": chosen["forecast"]},
+                      "calibrated_baselines": {rule: {"setting": chosen[rule], **score(eval_runs, chosen[rule], **kw)}
+                                               for rule in ("frag_ratio", "margin")},
+                      "calibration_seeds": calib, "evaluation_seeds": evals, "steps": steps,
+                      "check_every": args.check_every, "censor": args.censor, "min_lead": args.min_lead,
+                      "runs": len(runs), "seconds": round(seconds, 1)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,818 @@
+/* Compiled fast path of the MindSpore pool model (ms_memopt/allocators/mindspore.py).
+ *
+ * The pure-Python MindSporePool is the readable reference; this file repeats its rules in C so
+ * that replay and simulate run at millions of events per second. tests/test_fastpool.py holds
+ * the two to identical addresses, counters and layouts on random traces and on every recorded
+ * trace. When the rules change in mindspore.py they must change here too (the test fails
+ * until they do).
+ *
+ * Data structures:
+ *   - buffers: one array of records {addr, size, tie, prev, next, seg, used}, doubly linked
+ *     inside their segment (pool block); recycled through a free-slot list;
+ *   - address -> buffer: open-addressing hash table, linear probing, backward-shift deletion;
+ *   - free buffers of an allocator: a sorted array of (size, tie, buffer) searched by binary
+ *     search (best fit = one lower_bound); tie = address (AbstractDynamicMemPool) or the turn
+ *     the buffer became idle (DynamicMemPoolBestFit's multimap);
+ *   - allocators: a small array keyed by (stream, persistent, small).
+ * Sizes and addresses are unsigned 64-bit integers (the replay engine refuses >= 2**48).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint64_t u64;
+typedef int64_t i64;
+
+#define ALIGN 512ULL
+#define SMALL_SIZE (1ULL << 20)
+#define SEG_ALIGN (2ULL << 20)
+#define BASE_ADDR (1ULL << 32)
+#define UNBOUNDED_FREE (1ULL << 62)
+
+typedef struct {
+    u64 addr, size, tie;
+    int32_t prev, next, seg;
+    int32_t used;          /* 1 used, 0 idle; -1 slot free */
+} Buf;
+
+typedef struct {
+    u64 size, tie;
+    int32_t buf;
+} Key;
+
+typedef struct {
+    u64 addr, size;
+    i64 stream;
+    int32_t alloc, head;
+    int alive;
+} Seg;
+
+typedef struct {
+    i64 stream;
+    int persistent, small;
+    int32_t *segs; Py_ssize_t nsegs, capsegs;
+    Key *keys; Py_ssize_t nkeys, capkeys;
+} Alloc;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *dict;
+    /* counters, visible from Python (AllocatorModel's attributes) */
+    long long reserved, allocated, peak_reserved, peak_allocated, segment_allocs;
+    /* configuration */
+    int bounded; u64 capacity; u64 increase_size;
+    int grow_add, small_pool, idle_order;
+    u64 turn, next_addr;
+    /* buffers */
+    Buf *bufs; Py_ssize_t nbufs, capbufs; int32_t free_slot;
+    /* address -> buffer */
+    u64 *hkeys; int32_t *hvals; Py_ssize_t hcap, hcount;
+    /* segments, allocators */
+    Seg *segs; Py_ssize_t nsegs, capsegs;
+    Alloc *allocs; Py_ssize_t nallocs;
+    /* recorded segment addresses (a queue) */
+    u64 *rec; Py_ssize_t rec_head, rec_tail, rec_cap;
+} Core;
+
+#define EMPTY_KEY (~0ULL)
+
+static int grow_array(void **ptr, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
+    if (need <= *cap) return 0;
+    Py_ssize_t n = *cap ? *cap : 16;
+    while (n < need) n *= 2;
+    void *p = PyMem_Realloc(*ptr, (size_t)n * item);
+    if (!p) { PyErr_NoMemory(); return -1; }
+    *ptr = p; *cap = n;
+    return 0;
+}
+
+/* ---- address -> buffer ------------------------------------------------------------------- */
+static inline Py_ssize_t h_slot(u64 addr, Py_ssize_t cap) {
+    return (Py_ssize_t)(((addr >> 9) * 0x9E3779B97F4A7C15ULL) >> 20) & (cap - 1);
+}
+
+static int h_resize(Core *c, Py_ssize_t cap) {
+    u64 *keys = PyMem_Malloc(sizeof(u64) * cap);
+    int32_t *vals = PyMem_Malloc(sizeof(int32_t) * cap);
+    if (!keys || !vals) { PyMem_Free(keys); PyMem_Free(vals); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < cap; i++) keys[i] = EMPTY_KEY;
+    for (Py_ssize_t i = 0; i < c->hcap; i++) {
+        if (c->hkeys[i] == EMPTY_KEY) continue;
+        Py_ssize_t j = h_slot(c->hkeys[i], cap);
+        while (keys[j] != EMPTY_KEY) j = (j + 1) & (cap - 1);
+        keys[j] = c->hkeys[i]; vals[j] = c->hvals[i];
+    }
+    PyMem_Free(c->hkeys); PyMem_Free(c->hvals);
+    c->hkeys = keys; c->hvals = vals; c->hcap = cap;
+    return 0;
+}
+
+static inline int32_t h_get(Core *c, u64 addr) {
+    Py_ssize_t mask = c->hcap - 1, j = h_slot(addr, c->hcap);
+    for (;;) {
+        u64 k = c->hkeys[j];
+        if (k == addr) return c->hvals[j];
+        if (k == EMPTY_KEY) return -1;
+        j = (j + 1) & mask;
+    }
+}
+
+static int h_put(Core *c, u64 addr, int32_t buf) {
+    if ((c->hcount + 1) * 2 > c->hcap && h_resize(c, c->hcap * 2) < 0) return -1;
+    Py_ssize_t mask = c->hcap - 1, j = h_slot(addr, c->hcap);
+    while (c->hkeys[j] != EMPTY_KEY && c->hkeys[j] != addr) j = (j + 1) & mask;
+    if (c->hkeys[j] == EMPTY_KEY) c->hcount++;
+    c->hkeys[j] = addr; c->hvals[j] = buf;
+    return 0;
+}
+
+static void h_del(Core *c, u64 addr) {
+    Py_ssize_t mask = c->hcap - 1, j = h_slot(addr, c->hcap);
+    while (c->hkeys[j] != addr) {
+        if (c->hkeys[j] == EMPTY_KEY) return;
+        j = (j + 1) & mask;
+    }
+    /* backward-shift deletion keeps probe chains intact without tombstones */
+    Py_ssize_t hole = j;
+    for (;;) {
+        j = (j + 1) & mask;
+        u64 k = c->hkeys[j];
+        if (k == EMPTY_KEY) break;
+        Py_ssize_t home = h_slot(k, c->hcap);
+        if (((j - home) & mask) >= ((j - hole) & mask)) {
+            c->hkeys[hole] = k; c->hvals[hole] = c->hvals[j]; hole = j;
+        }
+    }
+    c->hkeys[hole] = EMPTY_KEY;
+    c->hcount--;
+}
+
+/* ---- buffers -------------------------------------------------------------------------------- */
+static int32_t buf_new(Core *c, u64 addr, u64 size, int used, int32_t prev, int32_t next, int32_t seg) {
+    int32_t i;
+    if (c->free_slot >= 0) {
+        i = c->free_slot;
+        c->free_slot = c->bufs[i].next;
+    } else {
+        if (grow_array((void **)&c->bufs, &c->capbufs, c->nbufs + 1, sizeof(Buf)) < 0) return -1;
+        i = (int32_t)c->nbufs++;
+    }
+    Buf *b = &c->bufs[i];
+    b->addr = addr; b->size = size; b->tie = addr; b->prev = prev; b->next = next; b->seg = seg; b->used = used;
+    if (h_put(c, addr, i) < 0) return -1;
+    return i;
+}
+
+static void buf_drop(Core *c, int32_t i) {
+    h_del(c, c->bufs[i].addr);
+    c->bufs[i].used = -1;
+    c->bufs[i].next = c->free_slot;
+    c->free_slot = i;
+}
+
+/* ---- free keys (sorted by size, tie) -------------------------------------------------------- */
+static inline int key_less(u64 s1, u64 t1, u64 s2, u64 t2) { return s1 < s2 || (s1 == s2 && t1 < t2); }
+
+static inline Py_ssize_t lower_bound(Alloc *a, u64 size, u64 tie) {
+    Py_ssize_t lo = 0, hi = a->nkeys;
+    Key *k = a->keys;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) >> 1;
+        if (key_less(k[mid].size, k[mid].tie, size, tie)) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+static int index_buf(Core *c, int32_t i) {
+    Buf *b = &c->bufs[i];
+    Alloc *a = &c->allocs[c->segs[b->seg].alloc];
+    if (c->idle_order) b->tie = ++c->turn;
+    if (grow_array((void **)&a->keys, &a->capkeys, a->nkeys + 1, sizeof(Key)) < 0) return -1;
+    b = &c->bufs[i];
+    Py_ssize_t at = lower_bound(a, b->size, b->tie);
+    memmove(&a->keys[at + 1], &a->keys[at], (size_t)(a->nkeys - at) * sizeof(Key));
+    a->keys[at].size = b->size; a->keys[at].tie = b->tie; a->keys[at].buf = i;
+    a->nkeys++;
+    return 0;
+}
+
+static void unindex_buf(Core *c, int32_t i) {
+    Buf *b = &c->bufs[i];
+    Alloc *a = &c->allocs[c->segs[b->seg].alloc];
+    Py_ssize_t at = lower_bound(a, b->size, b->tie);
+    memmove(&a->keys[at], &a->keys[at + 1], (size_t)(a->nkeys - at - 1) * sizeof(Key));
+    a->nkeys--;
+}
+
+/* ---- allocators, segments ------------------------------------------------------------------- */
+static Py_ssize_t get_alloc(Core *c, i64 stream, int persistent, int small) {
+    for (Py_ssize_t i = 0; i < c->nallocs; i++) {
+        Alloc *a = &c->allocs[i];
+        if (a->stream == stream && a->persistent == persistent && a->small == small) return i;
+    }
+    Alloc *p = PyMem_Realloc(c->allocs, sizeof(Alloc) * (c->nallocs + 1));
+    if (!p) { PyErr_NoMemory(); return -1; }
+    c->allocs = p;
+    Alloc *a = &c->allocs[c->nallocs];
+    memset(a, 0, sizeof(Alloc));
+    a->stream = stream; a->persistent = persistent; a->small = small;
+    return c->nallocs++;
+}
+
+static inline u64 round_up(u64 v, u64 unit) { return (v + unit - 1) / unit * unit; }
+
+static u64 device_free(Core *c) {
+    if (!c->bounded) return UNBOUNDED_FREE;
+    return c->capacity > (u64)c->reserved ? c->capacity - (u64)c->reserved : 0;
+}
+
+static int overlaps(Core *c, u64 addr, u64 size) {
+    u64 end = addr + size;
+    for (Py_ssize_t i = 0; i < c->nsegs; i++) {
+        Seg *s = &c->segs[i];
+        if (s->alive && s->addr < end && addr < s->addr + s->size) return 1;
+    }
+    return 0;
+}
+
+static u64 place(Core *c, u64 size) {
+    while (c->rec_head < c->rec_tail) {
+        u64 addr = c->rec[c->rec_head++];
+        if (!overlaps(c, addr, size)) {
+            u64 next = round_up(addr + size, SEG_ALIGN);
+            if (next > c->next_addr) c->next_addr = next;
+            return addr;
+        }
+    }
+    u64 addr = c->next_addr;
+    c->next_addr = round_up(addr + size, SEG_ALIGN);
+    return addr;
+}
+
+/* a new segment (pool block) of allocator ``ai``, indexed as one idle buffer; -1 on error */
+static int32_t new_segment_at(Core *c, Py_ssize_t ai, u64 addr, u64 size, int index) {
+    if (grow_array((void **)&c->segs, &c->capsegs, c->nsegs + 1, sizeof(Seg)) < 0) return -1;
+    Alloc *a = &c->allocs[ai];
+    if (grow_array((void **)&a->segs, &a->capsegs, a->nsegs + 1, sizeof(int32_t)) < 0) return -1;
+    int32_t si = (int32_t)c->nsegs++;
+    Seg *s = &c->segs[si];
+    s->addr = addr; s->size = size; s->stream = a->stream; s->alloc = (int32_t)ai; s->head = -1; s->alive = 1;
+    a->segs[a->nsegs++] = si;
+    if (index) {
+        int32_t b = buf_new(c, addr, size, 0, -1, -1, si);
+        if (b < 0) return -1;
+        c->segs[si].head = b;
+        if (index_buf(c, b) < 0) return -1;
+    }
+    c->reserved += (long long)size;
+    c->segment_allocs += 1;
+    if (c->reserved > c->peak_reserved) c->peak_reserved = c->reserved;
+    return si;
+}
+
+static int32_t new_segment(Core *c, Py_ssize_t ai, u64 size) {
+    return new_segment_at(c, ai, place(c, size), size, 1);
+}
+
+/* split ``b`` so that it holds ``size`` bytes, mark it used; -1 on error */
+static int split(Core *c, int32_t b, u64 size) {
+    u64 remaining = c->bufs[b].size - size;
+    if (remaining >= ALIGN) {
+        u64 addr = c->bufs[b].addr + size;
+        int32_t nxt = c->bufs[b].next;
+        int32_t rest = buf_new(c, addr, remaining, 0, b, nxt, c->bufs[b].seg);
+        if (rest < 0) return -1;
+        if (nxt >= 0) c->bufs[nxt].prev = rest;
+        c->bufs[b].next = rest;
+        c->bufs[b].size = size;
+        if (index_buf(c, rest) < 0) return -1;
+    }
+    c->bufs[b].used = 1;
+    return 0;
+}
+
+static u64 block_size(Core *c, u64 size) {
+    u64 dfree = device_free(c);
+    if (dfree < size) return 0;
+    u64 unit = c->increase_size, block = unit;
+    if (c->grow_add) { while (block < size) block += unit; }
+    else { while (block < size) block *= 2; }
+    return block < dfree ? block : dfree;
+}
+
+/* MallocExpandBlock: -2 when no block can be made, -1 on error, else the buffer */
+static int32_t expand(Core *c, Py_ssize_t ai, u64 size) {
+    u64 block = block_size(c, size);
+    if (block < size) return -2;
+    int32_t si = new_segment(c, ai, block);
+    if (si < 0) return -1;
+    int32_t b = c->segs[si].head;
+    unindex_buf(c, b);
+    if (split(c, b, size) < 0) return -1;
+    return b;
+}
+
+/* MemBufAllocator::Malloc: -2 when nothing fits, -1 on error, else the buffer */
+static int32_t take(Core *c, Py_ssize_t ai, u64 size) {
+    Alloc *a = &c->allocs[ai];
+    if (a->nsegs == 0) return expand(c, ai, size);
+    Py_ssize_t at = lower_bound(a, size, 0);
+    if (at == a->nkeys) return -2;
+    int32_t b = a->keys[at].buf;
+    memmove(&a->keys[at], &a->keys[at + 1], (size_t)(a->nkeys - at - 1) * sizeof(Key));
+    a->nkeys--;
+    if (split(c, b, size) < 0) return -1;
+    return b;
+}
+
+static void release_if_idle(Core *c, int32_t si) {
+    Seg *s = &c->segs[si];
+    if (!s->alive) return;
+    int32_t h = s->head;
+    if (h < 0 || c->bufs[h].used || c->bufs[h].next >= 0) return;
+    unindex_buf(c, h);
+    buf_drop(c, h);
+    Alloc *a = &c->allocs[s->alloc];
+    for (Py_ssize_t k = 0; k < a->nsegs; k++) {
+        if (a->segs[k] == si) {
+            memmove(&a->segs[k], &a->segs[k + 1], (size_t)(a->nsegs - k - 1) * sizeof(int32_t));
+            a->nsegs--;
+            break;
+        }
+    }
+    s->alive = 0;
+    c->reserved -= (long long)s->size;
+}
+
+/* ---- Python methods ------------------------------------------------------------------------- */
+static PyObject *str_stream, *str_pool, *str_tag, *str_persistent, *str_record_oom;
+
+static int get_u64(PyObject *obj, u64 *out, const char *what) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_ValueError, "%s must be an integer in [0, 2**64), got %R", what, obj);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* the whole malloc of the reference: the address, or -2 after recording an OOM, -1 on error */
+static long long core_malloc(Core *c, long long raw, i64 stream, PyObject *pool, PyObject *tag) {
+    u64 size = raw <= 0 ? ALIGN : ((u64)raw + ALIGN - 1) & ~(ALIGN - 1);
+    int persistent = 0;
+    if (pool != Py_None) {
+        if (pool == str_persistent) persistent = 1;
+        else if (PyUnicode_Check(pool)) persistent = PyUnicode_Compare(pool, str_persistent) == 0;
+    }
+    int small = c->small_pool && !persistent && size <= SMALL_SIZE;
+    Py_ssize_t ai = get_alloc(c, stream, persistent, small);
+    if (ai < 0) return -1;
+    int32_t b = take(c, ai, size);
+    if (b == -2) {
+        if (persistent) {
+            Py_ssize_t common = get_alloc(c, stream, 0, 0);
+            if (common < 0) return -1;
+            b = take(c, common, size);
+            ai = common;
+        }
+        if (b == -2) {
+            b = expand(c, ai, size);
+            if (b == -2 && !persistent) {
+                Py_ssize_t other = get_alloc(c, stream, 1, 0);
+                if (other < 0) return -1;
+                b = take(c, other, size);
+            }
+            if (b == -2) {
+                PyObject *s = PyLong_FromUnsignedLongLong(size), *st = PyLong_FromLongLong(stream);
+                PyObject *r = (s && st) ? PyObject_CallMethodObjArgs((PyObject *)c, str_record_oom, s, st, tag, NULL) : NULL;
+                Py_XDECREF(s); Py_XDECREF(st);
+                if (!r) return -1;
+                Py_DECREF(r);
+                return -2;
+            }
+        }
+    }
+    if (b < 0) return -1;
+    c->allocated += (long long)c->bufs[b].size;
+    if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
+    return (long long)c->bufs[b].addr;
+}
+
+static PyObject *Core_malloc(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *stream_obj = NULL, *pool = Py_None, *tag = Py_None;
+    if (nargs != 1) { PyErr_SetString(PyExc_TypeError, "malloc(size, *, stream=0, pool=None, tag=None)"); return NULL; }
+    if (kwnames) {
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t i = 0; i < nk; i++) {
+            PyObject *name = PyTuple_GET_ITEM(kwnames, i), *value = args[nargs + i];
+            if (name == str_pool || PyUnicode_Compare(name, str_pool) == 0) pool = value;
+            else if (name == str_tag || PyUnicode_Compare(name, str_tag) == 0) tag = value;
+            else if (name == str_stream || PyUnicode_Compare(name, str_stream) == 0) stream_obj = value;
+            else { PyErr_Format(PyExc_TypeError, "malloc() got an unexpected keyword argument %R", name); return NULL; }
+        }
+    }
+    long long raw = PyLong_AsLongLong(args[0]);
+    if (raw == -1 && PyErr_Occurred()) return NULL;
+    i64 stream = 0;
+    if (stream_obj && stream_obj != Py_None) {
+        stream = PyLong_AsLongLong(stream_obj);
+        if (stream == -1 && PyErr_Occurred()) return NULL;
+    }
+    long long addr = core_malloc(c, raw, stream, pool, tag);
+    if (addr == -1) return NULL;
+    if (addr == -2) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong((u64)addr);
+}
+
+/* free the live buffer at ``addr`` (nothing when there is none); -1 on error */
+static int core_free(Core *c, u64 addr) {
+    int32_t b = h_get(c, addr);
+    if (b < 0 || c->bufs[b].used != 1) return 0;
+    Buf *bufs = c->bufs;
+    c->allocated -= (long long)bufs[b].size;
+    bufs[b].used = 0;
+    int32_t prev = bufs[b].prev;
+    if (prev >= 0 && !bufs[prev].used) {
+        unindex_buf(c, prev);
+        bufs[prev].size += bufs[b].size;
+        int32_t nxt = bufs[b].next;
+        bufs[prev].next = nxt;
+        if (nxt >= 0) bufs[nxt].prev = prev;
+        buf_drop(c, b);
+        b = prev;
+    }
+    int32_t nxt = bufs[b].next;
+    if (nxt >= 0 && !bufs[nxt].used) {
+        unindex_buf(c, nxt);
+        bufs[b].size += bufs[nxt].size;
+        int32_t after = bufs[nxt].next;
+        bufs[b].next = after;
+        if (after >= 0) bufs[after].prev = b;
+        buf_drop(c, nxt);
+    }
+    return index_buf(c, b);
+}
+
+static PyObject *Core_free(Core *c, PyObject *arg) {
+    unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
+    if (addr == (unsigned long long)-1 && PyErr_Occurred()) {
+        /* not an address this model handed out: nothing to free (as the reference) */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (core_free(c, addr) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *str_action, *str_id, *str_size, *str_addr, *str_alloc, *str_free;
+
+static int is_action(PyObject *action, PyObject *name) {
+    return action == name || (PyUnicode_Check(action) && PyUnicode_Compare(action, name) == 0);
+}
+
+/* Event fields read straight from the slots of ms_memopt.events.Event (a slots dataclass):
+ * the cheap event encoding is no encoding at all. Other objects go through getattr. */
+enum { F_ACTION, F_ID, F_SIZE, F_ADDR, F_STREAM, F_POOL, F_TAG, F_COUNT };
+typedef struct { PyTypeObject *type; Py_ssize_t offset[F_COUNT]; PyObject *name[F_COUNT]; } Fields;
+
+static void fields_init(Fields *f, PyObject *sample) {
+    f->name[F_ACTION] = str_action; f->name[F_ID] = str_id; f->name[F_SIZE] = str_size;
+    f->name[F_ADDR] = str_addr; f->name[F_STREAM] = str_stream; f->name[F_POOL] = str_pool; f->name[F_TAG] = str_tag;
+    f->type = NULL;
+    if (!sample) return;
+    PyTypeObject *type = Py_TYPE(sample);
+    for (int k = 0; k < F_COUNT; k++) {
+        PyObject *descr = _PyType_Lookup(type, f->name[k]);      /* borrowed */
+        if (!descr || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) return;
+        PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
+        if (m->type != T_OBJECT_EX && m->type != T_OBJECT) return;
+        f->offset[k] = m->offset;
+    }
+    f->type = type;
+}
+
+/* a new reference to field ``k`` of ``ev``, or NULL with an exception */
+static inline PyObject *field(Fields *f, PyObject *ev, int k) {
+    if (Py_TYPE(ev) == f->type) {
+        PyObject *v = *(PyObject **)((char *)ev + f->offset[k]);
+        if (v) { Py_INCREF(v); return v; }
+    }
+    return PyObject_GetAttr(ev, f->name[k]);
+}
+
+/* The replay/simulate hot loop: events[start:stop] while they are allocs and frees.
+ * run(events, start, stop, address_of, watch, use_stream) -> (index, allocs, known, matched, oom)
+ * ``index`` is the first event not handled: a non-alloc/free event, an alloc whose tag is a key
+ * of ``watch`` (not served), or with ``oom`` true an alloc that failed (OOM recorded). ``known``
+ * and ``matched`` count allocs with a recorded address and those placed there. */
+static PyObject *Core_run(Core *c, PyObject *args) {
+    PyObject *events, *address_of, *watch;
+    Py_ssize_t start, stop;
+    int use_stream;
+    if (!PyArg_ParseTuple(args, "O!nnO!Op", &PyList_Type, &events, &start, &stop, &PyDict_Type, &address_of,
+                          &watch, &use_stream)) return NULL;
+    if (watch != Py_None && !PyDict_Check(watch)) { PyErr_SetString(PyExc_TypeError, "watch must be a dict or None"); return NULL; }
+    if (stop > PyList_GET_SIZE(events)) stop = PyList_GET_SIZE(events);
+    long long allocs = 0, known = 0, matched = 0;
+    int oom = 0;
+    Py_ssize_t i;
+    Fields f;
+    fields_init(&f, start < stop ? PyList_GET_ITEM(events, start) : NULL);
+    for (i = start; i < stop; i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i);
+        PyObject *action = field(&f, ev, F_ACTION);
+        if (!action) return NULL;
+        int alloc = is_action(action, str_alloc), freeing = !alloc && is_action(action, str_free);
+        Py_DECREF(action);
+        if (freeing) {
+            PyObject *id = field(&f, ev, F_ID);
+            if (!id) return NULL;
+            PyObject *addr = PyDict_GetItemWithError(address_of, id);
+            if (addr) {
+                Py_INCREF(addr);
+                if (PyDict_DelItem(address_of, id) < 0) { Py_DECREF(addr); Py_DECREF(id); return NULL; }
+            }
+            Py_DECREF(id);
+            if (!addr && PyErr_Occurred()) return NULL;
+            if (addr) {
+                unsigned long long a = PyLong_AsUnsignedLongLong(addr);
+                Py_DECREF(addr);
+                if (a == (unsigned long long)-1 && PyErr_Occurred()) PyErr_Clear();
+                else if (core_free(c, a) < 0) return NULL;
+            }
+            continue;
+        }
+        if (!alloc) break;
+        PyObject *tag = field(&f, ev, F_TAG);
+        if (!tag) return NULL;
+        if (watch != Py_None && tag != Py_None) {
+            int hit = PyDict_Contains(watch, tag);
+            if (hit) { Py_DECREF(tag); if (hit < 0) return NULL; break; }
+        }
+        PyObject *size_obj = field(&f, ev, F_SIZE);
+        PyObject *pool = field(&f, ev, F_POOL);
+        PyObject *stream_obj = use_stream ? field(&f, ev, F_STREAM) : NULL;
+        long long raw = size_obj ? PyLong_AsLongLong(size_obj) : -1;
+        i64 stream = stream_obj ? PyLong_AsLongLong(stream_obj) : 0;
+        Py_XDECREF(size_obj); Py_XDECREF(stream_obj);
+        if (!size_obj || !pool || (use_stream && !stream_obj) || PyErr_Occurred()) { Py_DECREF(tag); Py_XDECREF(pool); return NULL; }
+        allocs++;
+        long long addr = core_malloc(c, raw, stream, pool, tag);
+        Py_DECREF(tag); Py_DECREF(pool);
+        if (addr == -1) return NULL;
+        if (addr == -2) { oom = 1; break; }
+        PyObject *id = field(&f, ev, F_ID);
+        PyObject *addr_obj = PyLong_FromUnsignedLongLong((u64)addr);
+        if (!id || !addr_obj || PyDict_SetItem(address_of, id, addr_obj) < 0) { Py_XDECREF(id); Py_XDECREF(addr_obj); return NULL; }
+        Py_DECREF(id); Py_DECREF(addr_obj);
+        PyObject *rec = field(&f, ev, F_ADDR);
+        if (!rec) return NULL;
+        if (rec != Py_None) {
+            known++;
+            unsigned long long r = PyLong_AsUnsignedLongLong(rec);
+            if (r == (unsigned long long)-1 && PyErr_Occurred()) PyErr_Clear();
+            else matched += r == (u64)addr;
+        }
+        Py_DECREF(rec);
+    }
+    return Py_BuildValue("(nLLLO)", i, allocs, known, matched, oom ? Py_True : Py_False);
+}
+
+static PyObject *Core_empty_cache(Core *c, PyObject *unused) {
+    for (Py_ssize_t ai = 0; ai < c->nallocs; ai++) {
+        /* a copy: releasing edits the allocator's list */
+        Alloc *a = &c->allocs[ai];
+        Py_ssize_t n = a->nsegs;
+        int32_t *copy = PyMem_Malloc(sizeof(int32_t) * (n ? n : 1));
+        if (!copy) return PyErr_NoMemory();
+        memcpy(copy, a->segs, sizeof(int32_t) * n);
+        for (Py_ssize_t k = 0; k < n; k++) release_if_idle(c, copy[k]);
+        PyMem_Free(copy);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_note_segment_alloc(Core *c, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"addr", "size", "stream", NULL};
+    PyObject *addr_obj, *size_obj = NULL, *stream_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO", names, &addr_obj, &size_obj, &stream_obj)) return NULL;
+    u64 addr;
+    if (get_u64(addr_obj, &addr, "addr") < 0) return NULL;
+    if (c->rec_tail == c->rec_cap) {
+        if (c->rec_head > 0) {
+            memmove(c->rec, c->rec + c->rec_head, sizeof(u64) * (c->rec_tail - c->rec_head));
+            c->rec_tail -= c->rec_head; c->rec_head = 0;
+        }
+        if (grow_array((void **)&c->rec, &c->rec_cap, c->rec_tail + 1, sizeof(u64)) < 0) return NULL;
+    }
+    c->rec[c->rec_tail++] = addr;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_release_segment(Core *c, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"addr", "size", "stream", NULL};
+    PyObject *addr_obj, *size_obj = NULL, *stream_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO", names, &addr_obj, &size_obj, &stream_obj)) return NULL;
+    u64 addr;
+    if (get_u64(addr_obj, &addr, "addr") < 0) return NULL;
+    for (Py_ssize_t ai = 0; ai < c->nallocs; ai++) {
+        Alloc *a = &c->allocs[ai];
+        for (Py_ssize_t k = 0; k < a->nsegs; k++) {
+            if (c->segs[a->segs[k]].addr == addr) {
+                release_if_idle(c, a->segs[k]);
+                Py_RETURN_NONE;
+            }
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_largest_free(Core *c, PyObject *unused) {
+    u64 best = 0;
+    for (Py_ssize_t ai = 0; ai < c->nallocs; ai++) {
+        Alloc *a = &c->allocs[ai];
+        if (a->nkeys && a->keys[a->nkeys - 1].size > best) best = a->keys[a->nkeys - 1].size;
+    }
+    return PyLong_FromUnsignedLongLong(best);
+}
+
+static const char *pool_name(Alloc *a) { return a->persistent ? "persistent" : (a->small ? "small" : "common"); }
+
+/* [(addr, size, stream, pool, [(addr, size, used), ...]), ...] for every segment, allocator order */
+static PyObject *Core_segments(Core *c, PyObject *unused) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (Py_ssize_t ai = 0; ai < c->nallocs; ai++) {
+        Alloc *a = &c->allocs[ai];
+        for (Py_ssize_t k = 0; k < a->nsegs; k++) {
+            Seg *s = &c->segs[a->segs[k]];
+            PyObject *blocks = PyList_New(0);
+            if (!blocks) goto fail;
+            for (int32_t b = s->head; b >= 0; b = c->bufs[b].next) {
+                PyObject *t = Py_BuildValue("(KKO)", c->bufs[b].addr, c->bufs[b].size,
+                                            c->bufs[b].used ? Py_True : Py_False);
+                if (!t || PyList_Append(blocks, t) < 0) { Py_XDECREF(t); Py_DECREF(blocks); goto fail; }
+                Py_DECREF(t);
+            }
+            PyObject *seg = Py_BuildValue("(KKLsN)", s->addr, s->size, (long long)s->stream, pool_name(a), blocks);
+            if (!seg || PyList_Append(out, seg) < 0) { Py_XDECREF(seg); goto fail; }
+            Py_DECREF(seg);
+        }
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* restore one recorded segment: add_segment(addr, size, stream, persistent, small, pieces)
+ * with ``pieces`` [(addr, size, live), ...] tiling it, idle neighbours already merged */
+static PyObject *Core_add_segment(Core *c, PyObject *args) {
+    unsigned long long addr, size;
+    long long stream;
+    int persistent, small;
+    PyObject *pieces;
+    if (!PyArg_ParseTuple(args, "KKLppO", &addr, &size, &stream, &persistent, &small, &pieces)) return NULL;
+    Py_ssize_t ai = get_alloc(c, stream, persistent, small);
+    if (ai < 0) return NULL;
+    int32_t si = new_segment_at(c, ai, addr, size, 0);
+    if (si < 0) return NULL;
+    PyObject *seq = PySequence_Fast(pieces, "pieces must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int32_t prev = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long paddr, psize;
+        int live;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKp", &paddr, &psize, &live)) { Py_DECREF(seq); return NULL; }
+        int32_t b = buf_new(c, paddr, psize, live, prev, -1, si);
+        if (b < 0) { Py_DECREF(seq); return NULL; }
+        if (prev < 0) c->segs[si].head = b; else c->bufs[prev].next = b;
+        if (live) c->allocated += (long long)psize;
+        prev = b;
+    }
+    Py_DECREF(seq);
+    for (int32_t b = c->segs[si].head; b >= 0; b = c->bufs[b].next)
+        if (!c->bufs[b].used && index_buf(c, b) < 0) return NULL;
+    u64 next = round_up(addr + size, SEG_ALIGN);
+    if (next > c->next_addr) c->next_addr = next;
+    Py_RETURN_NONE;
+}
+
+/* set_memory(init_size=): two blocks of ``half`` bytes (persistent, then common, stream 0) */
+static PyObject *Core_pregrow(Core *c, PyObject *arg) {
+    u64 half;
+    if (get_u64(arg, &half, "half") < 0) return NULL;
+    for (int persistent = 1; persistent >= 0; persistent--) {
+        Py_ssize_t ai = get_alloc(c, 0, persistent, 0);
+        if (ai < 0) return NULL;
+        u64 dfree = device_free(c);
+        if (new_segment(c, ai, half < dfree ? half : dfree) < 0) return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- type ----------------------------------------------------------------------------------- */
+static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"capacity", "increase_size", "grow_add", "small_pool", "idle_order", NULL};
+    PyObject *capacity = Py_None;
+    unsigned long long increase = 1ULL << 30;
+    int grow_add = 0, small_pool = 0, idle_order = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OKppp", names, &capacity, &increase, &grow_add,
+                                     &small_pool, &idle_order)) return -1;
+    c->bounded = capacity != Py_None;
+    if (c->bounded) {
+        long long cap = PyLong_AsLongLong(capacity);
+        if (cap == -1 && PyErr_Occurred()) return -1;
+        c->capacity = cap > 0 ? (u64)cap : 0;
+    }
+    if (increase == 0) { PyErr_SetString(PyExc_ValueError, "increase_size must be > 0"); return -1; }
+    c->increase_size = increase;
+    c->grow_add = grow_add; c->small_pool = small_pool; c->idle_order = idle_order;
+    c->next_addr = BASE_ADDR;
+    c->free_slot = -1;
+    if (!c->hkeys && h_resize(c, 1024) < 0) return -1;
+    return 0;
+}
+
+static void Core_dealloc(Core *c) {
+    PyObject_GC_UnTrack(c);
+    Py_CLEAR(c->dict);
+    for (Py_ssize_t i = 0; i < c->nallocs; i++) { PyMem_Free(c->allocs[i].segs); PyMem_Free(c->allocs[i].keys); }
+    PyMem_Free(c->allocs); PyMem_Free(c->segs); PyMem_Free(c->bufs);
+    PyMem_Free(c->hkeys); PyMem_Free(c->hvals); PyMem_Free(c->rec);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int Core_traverse(Core *c, visitproc visit, void *arg) { Py_VISIT(c->dict); return 0; }
+static int Core_clear(Core *c) { Py_CLEAR(c->dict); return 0; }
+
+static PyMethodDef Core_methods[] = {
+    {"malloc", (PyCFunction)(void (*)(void))Core_malloc, METH_FASTCALL | METH_KEYWORDS,
+     "malloc(size, *, stream=0, pool=None, tag=None): the block's address, or None (OOM recorded)"},
+    {"free", (PyCFunction)Core_free, METH_O, "free(addr): free the live buffer at addr"},
+    {"empty_cache", (PyCFunction)Core_empty_cache, METH_NOARGS, "ReleaseFreeBlocks"},
+    {"note_segment_alloc", (PyCFunction)(void (*)(void))Core_note_segment_alloc, METH_VARARGS | METH_KEYWORDS,
+     "place the next new block at addr if it is free"},
+    {"release_segment", (PyCFunction)(void (*)(void))Core_release_segment, METH_VARARGS | METH_KEYWORDS,
+     "release the block at addr if it is idle"},
+    {"_run", (PyCFunction)Core_run, METH_VARARGS,
+     "_run(events, start, stop, address_of, watch, use_stream) -> (index, allocs, known, matched, oom)"},
+    {"largest_free", (PyCFunction)Core_largest_free, METH_NOARGS, "the largest idle buffer, bytes"},
+    {"_segments", (PyCFunction)Core_segments, METH_NOARGS, "every segment with its buffers"},
+    {"_add_segment", (PyCFunction)Core_add_segment, METH_VARARGS, "restore one recorded segment"},
+    {"_pregrow", (PyCFunction)Core_pregrow, METH_O, "set_memory(init_size=2*half)"},
+    {NULL}
+};
+
+static PyMemberDef Core_members[] = {
+    {"reserved", T_LONGLONG, offsetof(Core, reserved), 0, "bytes held from the device"},
+    {"allocated", T_LONGLONG, offsetof(Core, allocated), 0, "bytes in live buffers"},
+    {"peak_reserved", T_LONGLONG, offsetof(Core, peak_reserved), 0, "largest reserved, bytes"},
+    {"peak_allocated", T_LONGLONG, offsetof(Core, peak_allocated), 0, "largest allocated, bytes"},
+    {"segment_allocs", T_LONGLONG, offsetof(Core, segment_allocs), 0, "blocks taken from the device"},
+    {NULL}
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ms_memopt.allocators._fastpool.MindSporePoolCore",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "MindSpore pool model state and hot path in C (see ms_memopt/allocators/fast.py)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Core_init,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_traverse = (traverseproc)Core_traverse,
+    .tp_clear = (inquiry)Core_clear,
+    .tp_methods = Core_methods,
+    .tp_members = Core_members,
+    .tp_dictoffset = offsetof(Core, dict),
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fastpool", "Compiled fast path of the allocator models.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fastpool(void) {
+    str_stream = PyUnicode_InternFromString("stream");
+    str_pool = PyUnicode_InternFromString("pool");
+    str_tag = PyUnicode_InternFromString("tag");
+    str_persistent = PyUnicode_InternFromString("persistent");
+    str_record_oom = PyUnicode_InternFromString("_record_oom");
+    str_action = PyUnicode_InternFromString("action");
+    str_id = PyUnicode_InternFromString("id");
+    str_size = PyUnicode_InternFromString("size");
+    str_addr = PyUnicode_InternFromString("addr");
+    str_alloc = PyUnicode_InternFromString("alloc");
+    str_free = PyUnicode_InternFromString("free");
+    if (PyType_Ready(&CoreType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "MindSporePoolCore", (PyObject *)&CoreType) < 0) { Py_DECREF(&CoreType); Py_DECREF(m); return NULL; }
+    return m;
+}

@@ -1,0 +1,121 @@
+"""``ms-memopt record [--out FILE.jsonl] -- COMMAND ...``: record the real MindSpore pool of a run.
+
+Runs ``COMMAND`` with ``VLOG_v=12906`` (MindSpore's pool log, docs/traces.md) and reads its
+stderr as it comes: pool lines become the project's JSONL events (real addresses, blocks as
+``segment_alloc`` events, ``step`` events when the run has a ``LayoutScanCallback``), written
+line by line so a killed run leaves a readable file; every other stderr line is passed through.
+The header's ``meta`` names the pool (``DynamicMemPoolBestFit`` on CPU), the command, and the
+pool counters last logged. ``ms-memopt replay FILE.jsonl`` then replays it through the model of
+that pool.
+
+The recorded run is slower: MindSpore formats one ~300-byte line per pool call (docs/traces.md
+gives the measured slowdown). Exit code: the command's own (128 + N when a signal N ended it;
+127 when it cannot be started); 2 for bad arguments.
+
+Example:
+    ms-memopt record --out mlp.jsonl -- python train.py --steps 10
+    ms-memopt replay mlp.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..errors import InputError
+
+__all__ = ["add_parser", "run", "record"]
+
+_NOISE = "[V12906]"    # the pool's other log lines (merges, block usage): not passed through
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``ms-memopt record``."""
+    parser.add_argument("--out", default="memopt-record.jsonl", metavar="FILE.jsonl",
+                        help="event file to write (default: memopt-record.jsonl)")
+    parser.add_argument("--raw", default=None, metavar="FILE",
+                        help="also keep the raw pool log lines (the reader reads it too)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the run to record")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command; returns its exit code."""
+    command = list(args.argv)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise InputError("expected a command to record after --, e.g. ms-memopt record -- python train.py",
+                         key="COMMAND")
+    return record(command, args.out, raw=args.raw, progress=not args.no_progress)
+
+
+def record(command: list[str], out: str | Path, *, raw: str | Path | None = None, progress: bool = True) -> int:
+    """Run ``command`` with the pool log on and write its events to ``out``; returns its exit code."""
+    from tqdm import tqdm
+
+    from ..events import EventWriter
+    from ..traces.ms_pool_log import PoolLogParser
+
+    env = dict(os.environ, VLOG_v="12906", MS_MEMOPT_RECORD="1")
+    try:
+        proc = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)
+    except OSError as exc:
+        print(f"ms-memopt record: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127
+    parser = PoolLogParser(source=str(out))
+    writer: EventWriter | None = None
+    raw_file = open(raw, "w", encoding="utf-8") if raw else None
+    started = time.perf_counter()
+    bar = tqdm(total=None, unit=" events", desc="recording", file=sys.stderr, disable=not progress or None,
+               mininterval=0.5, dynamic_ncols=True)
+    try:
+        for chunk in proc.stderr:
+            line = chunk.decode("utf-8", errors="replace").rstrip("\r\n")
+            events = parser.feed(line)
+            if events:
+                if writer is None:     # the first pool line says which pool this is
+                    writer = EventWriter(out, meta={"pool": parser.pool, "source": "ms-memopt record",
+                                                    "command": command}, flush_every=512)
+                writer.write_all(events)
+                bar.update(len(events))
+            if raw_file is not None and _NOISE in line:
+                raw_file.write(line + "\n")
+            if not events and _NOISE not in line:
+                bar.write(line, file=sys.stderr)
+    except KeyboardInterrupt:      # the command got the same Ctrl-C; wait for it below
+        pass
+    finally:
+        code = proc.wait()
+        bar.close()
+        if raw_file is not None:
+            raw_file.close()
+        if writer is not None:
+            writer.close()
+            _rewrite_header(Path(out), parser.meta())
+    seconds = time.perf_counter() - started
+    meta = parser.meta()
+    if writer is None:
+        print(f"ms-memopt record: no MindSpore pool line in the command's stderr; nothing written to {out} "
+              "(does it import mindspore and run tensors on the CPU or Ascend?)", file=sys.stderr)
+    else:
+        print(f"ms-memopt record: {meta['pool_lines']:,} pool lines -> {out} in {seconds:.1f} s"
+              + (f"; skipped {meta['skipped_lines']} torn lines" if meta["skipped_lines"] else ""),
+              file=sys.stderr)
+    return code if code >= 0 else 128 - code
+
+
+def _rewrite_header(path: Path, pool_log: dict) -> None:
+    """Put the final counts (what the reader skipped, the last pool counters) into the header."""
+    import json
+
+    with open(path, "r+b") as handle:
+        header = json.loads(handle.readline())
+        rest = handle.read()
+        header.setdefault("meta", {})["pool_log"] = pool_log
+        handle.seek(0)
+        handle.write(json.dumps(header).encode() + b"\n" + rest)
+        handle.truncate()

@@ -1,0 +1,85 @@
+"""``ms-memopt sweep RECIPE --set KEY=V1,V2 [--set ...]``: the job simulation over a grid.
+
+Every combination of the ``--set`` values is a recipe (validated as any recipe; a bad key or
+value exits 2 naming it), simulated as a job (``ms-memopt simulate``'s options: ``--ranks``,
+``--stages``, ``--steps``, ``--policy``, ``--executor``/``--address`` ...). All grid points'
+rank streams run in one pool. Writes ``sweep.csv``, ``sweep.json`` (the rows and the settings)
+and ``sweep.png`` (job OOM step per policy over the grid) into ``--out`` (default
+``out/sweep``); prints the table, or with ``--json`` one JSON object. Exit code 0, or 1 with
+``--fail-on-oom`` when some point's job dies under some policy.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(parser) -> None:
+    from .simulate_cmd import add_job_arguments
+
+    parser.add_argument("recipe", help="recipe YAML (MindFormers keys + memopt section)")
+    parser.add_argument("--set", action="append", default=[], required=True, metavar="KEY=V1,V2",
+                        help="a recipe key and its values, e.g. memopt.device.hbm=64GB,96GB,128GB (repeatable: "
+                             "the grid is every combination)")
+    add_job_arguments(parser)
+    parser.add_argument("--out", default="out/sweep", help="directory for sweep.csv, sweep.json, sweep.png")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when a job dies at some point")
+
+
+def run(args) -> int:
+    from ..errors import InputError
+    from ..job import job_from_recipe, simulate_jobs
+    from ..plots import plot_sweep
+    from ..simulate import POLICIES
+    from ..sweep import parse_settings, sweep_recipes, sweep_rows
+    from .simulate_cmd import configure_job, parse_policies, parse_stages
+
+    policies = parse_policies(args.policy, POLICIES)
+    if args.steps is not None and args.steps < 1:
+        raise InputError(f"expected a positive number of steps, got {args.steps}", key="--steps")
+    grid = parse_settings(args.set)
+    points = sweep_recipes(args.recipe, grid)
+    stages = parse_stages(args.stages)
+    jobs = [configure_job(job_from_recipe(p.recipe, policies=policies, seed=args.seed, ranks=args.ranks,
+                                          stages=stages, steps=args.steps, label=p.label), p.recipe, args)
+            for p in points]
+    results = simulate_jobs(jobs, executor=args.executor, address=args.address, workers=args.workers,
+                            progress=sys.stderr.isatty())
+    rows = sweep_rows(points, results)
+    keys = list(grid)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "sweep.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
+    doc = {"recipe": str(args.recipe), "grid": grid, "policies": list(policies),
+           "steps": jobs[0].cfg.steps, "executor": args.executor, "rows": rows}
+    (out_dir / "sweep.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    plot_sweep(rows, keys, out_dir / "sweep.png", title=f"{Path(args.recipe).name}: job OOM step per policy")
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        _print_rows(rows, keys)
+        print(f"wrote {out_dir / 'sweep.csv'}, {out_dir / 'sweep.json'}, {out_dir / 'sweep.png'}", file=sys.stderr)
+    died = any(r["job_oom_step"] is not None for r in rows)
+    return 1 if (args.fail_on_oom and died) else 0
+
+
+def _print_rows(rows: list[dict], keys: list[str]) -> None:
+    from .simulate_cmd import _dash
+
+    names = [k.rsplit(".", 1)[-1] for k in keys]
+    widths = [max(len(n), 8) for n in names]
+    print(" ".join(f"{n:<{w}}" for n, w in zip(names, widths))
+          + f" {'policy':<9} {'ranks':>5} {'job_oom':>7} {'rank':>5} {'stage':>5} {'oom_ranks':>9}")
+    for r in rows:
+        print(" ".join(f"{str(r[k]):<{w}}" for k, w in zip(keys, widths))
+              + f" {r['policy']:<9} {r['ranks']:>5} {_dash(r['job_oom_step']):>7} "
+                f"{'-' if r['job_oom_rank'] is None else r['job_oom_rank']!s:>5} "
+                f"{'-' if r['job_oom_stage'] is None else r['job_oom_stage']!s:>5} {r['oom_ranks']:>9}")

@@ -1,0 +1,207 @@
+/* Compiled twin of ms_memopt/planner/search.py (_Solver._search and what it calls).
+ *
+ * The Python module is the readable reference; this file follows it step by step so that both
+ * visit the same nodes in the same order and return the same offsets (a property test holds
+ * them to it). Loaded through ctypes by ms_memopt/planner/_native.py, which compiles it with
+ * the system C compiler on first use. All sizes and offsets are int64 bytes.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum { FOUND = 0, NONE = 1, ABORT = 2 };
+
+typedef struct {
+    int64_t n, count, capacity;
+    const int64_t *first, *last, *size, *rank;
+    const int64_t *ov_ptr, *ov_idx;     /* overlaps: buffers alive at a common time */
+    const int64_t *inc_ptr, *inc_owner; /* section -> buffers, or NULL */
+    int64_t *total, *cuts, *floor, *min_off, *offset;
+    char *placed;
+    int64_t nodes, node_limit;          /* node_limit < 0: none */
+    double deadline;                    /* CLOCK_MONOTONIC seconds; < 0: none */
+} Solver;
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int search(Solver *s, const int64_t *members, int64_t m, int64_t lo, int64_t hi,
+                  int64_t last_off, int64_t last_rank);
+
+/* sort keys of the unplaced buffers of a node: (min offset, rank) */
+typedef struct { int64_t off, rank, buffer; } Key;
+
+static int compare_keys(const void *pa, const void *pb) {
+    const Key *a = (const Key *)pa, *b = (const Key *)pb;
+    if (a->off != b->off) return a->off < b->off ? -1 : 1;
+    if (a->rank != b->rank) return a->rank < b->rank ? -1 : 1;
+    return 0;
+}
+
+static int decompose(Solver *s, const int64_t *members, int64_t m, int64_t lo, int64_t hi) {
+    int64_t *inside = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m > 0 ? m : 1));
+    int status = FOUND;
+    int64_t part_lo = lo;
+    for (int64_t k = lo; k < hi && status == FOUND; ++k) {
+        /* a part ends at hi or at a boundary that no unplaced buffer crosses */
+        int64_t part_hi;
+        if (k + 1 < hi && s->cuts[k] != 0) continue;
+        part_hi = k + 1;
+        int64_t count = 0;
+        for (int64_t j = 0; j < m; ++j) {
+            int64_t v = members[j];
+            if (!s->placed[v] && s->first[v] < part_hi && s->last[v] > part_lo) inside[count++] = v;
+        }
+        if (count > 0) status = search(s, inside, count, part_lo, part_hi, -1, -1);
+        part_lo = part_hi;
+    }
+    free(inside);
+    return status;
+}
+
+static int place_and_recurse(Solver *s, int64_t u, int64_t off, int64_t rank,
+                             const int64_t *members, int64_t m, int64_t lo, int64_t hi) {
+    const int64_t size = s->size[u], top = off + size;
+    const int64_t a = s->first[u], b = s->last[u];
+    int64_t *min_off = s->min_off, *floor = s->floor, *total = s->total;
+    char *placed = s->placed;
+    placed[u] = 1;
+    s->offset[u] = off;
+    /* raise the minimum offset of the unplaced buffers u overlaps */
+    const int64_t ov_begin = s->ov_ptr[u], ov_end = s->ov_ptr[u + 1];
+    int64_t *raised = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)(ov_end - ov_begin + 1));
+    int64_t n_raised = 0, span_lo = a, span_hi = b;
+    for (int64_t j = ov_begin; j < ov_end; ++j) {
+        int64_t v = s->ov_idx[j];
+        if (!placed[v] && min_off[v] < top) {
+            raised[2 * n_raised] = v;
+            raised[2 * n_raised + 1] = min_off[v];
+            ++n_raised;
+            min_off[v] = top;
+        }
+    }
+    const int use_incidence = n_raised > 0 && s->inc_ptr != NULL;
+    if (use_incidence) {
+        for (int64_t j = 0; j < n_raised; ++j) {
+            int64_t v = raised[2 * j];
+            if (s->first[v] < span_lo) span_lo = s->first[v];
+            if (s->last[v] > span_hi) span_hi = s->last[v];
+        }
+    }
+    int64_t *old_floor = (int64_t *)malloc(sizeof(int64_t) * (size_t)(span_hi - span_lo));
+    memcpy(old_floor, floor + span_lo, sizeof(int64_t) * (size_t)(span_hi - span_lo));
+    for (int64_t t = a; t < b; ++t) {
+        floor[t] = top;
+        total[t] -= size;
+    }
+    if (use_incidence) {
+        for (int64_t t = span_lo; t < span_hi; ++t) {
+            int64_t lowest = s->capacity;
+            for (int64_t j = s->inc_ptr[t]; j < s->inc_ptr[t + 1]; ++j) {
+                int64_t v = s->inc_owner[j];
+                if (!placed[v] && min_off[v] < lowest) lowest = min_off[v];
+            }
+            if (lowest > floor[t]) floor[t] = lowest;
+        }
+    }
+    int split = 0;
+    for (int64_t t = a; t + 1 < b; ++t) {
+        if (--s->cuts[t] == 0) split = 1;
+    }
+    int status = NONE, fits = 1;
+    for (int64_t t = lo; t < hi; ++t) {
+        int64_t base = floor[t] > off ? floor[t] : off;
+        if (base + total[t] > s->capacity) { fits = 0; break; }
+    }
+    if (fits) {
+        status = split ? decompose(s, members, m, lo, hi) : search(s, members, m, lo, hi, off, rank);
+    }
+    for (int64_t t = a; t + 1 < b; ++t) ++s->cuts[t];
+    for (int64_t t = a; t < b; ++t) total[t] += size;
+    memcpy(floor + span_lo, old_floor, sizeof(int64_t) * (size_t)(span_hi - span_lo));
+    for (int64_t j = n_raised - 1; j >= 0; --j) min_off[raised[2 * j]] = raised[2 * j + 1];
+    placed[u] = 0;
+    free(old_floor);
+    free(raised);
+    return status;
+}
+
+static int search(Solver *s, const int64_t *members, int64_t m, int64_t lo, int64_t hi,
+                  int64_t last_off, int64_t last_rank) {
+    s->nodes += 1;
+    if (s->node_limit >= 0 && s->nodes > s->node_limit) return ABORT;
+    if (s->deadline >= 0 && (s->nodes & 63) == 0 && now_seconds() > s->deadline) return ABORT;
+    Key *keys = (Key *)malloc(sizeof(Key) * (size_t)(m > 0 ? m : 1));
+    int64_t count = 0, min_height = INT64_MAX, highest_total = 0;
+    for (int64_t j = 0; j < m; ++j) {
+        int64_t v = members[j];
+        if (s->placed[v]) continue;
+        keys[count].off = s->min_off[v];
+        keys[count].rank = s->rank[v];
+        keys[count].buffer = v;
+        if (s->min_off[v] + s->size[v] < min_height) min_height = s->min_off[v] + s->size[v];
+        ++count;
+    }
+    if (count == 0) {
+        free(keys);
+        return FOUND;
+    }
+    qsort(keys, (size_t)count, sizeof(Key), compare_keys);
+    for (int64_t t = lo; t < hi; ++t) {
+        if (s->total[t] > highest_total) highest_total = s->total[t];
+    }
+    const int64_t highest = s->capacity - highest_total;
+    int status = NONE;
+    for (int64_t k = 0; k < count; ++k) {
+        const int64_t off = keys[k].off;
+        if (off < last_off) continue;
+        if (off >= min_height || off > highest) break;
+        if (off == last_off && keys[k].rank < last_rank) continue;
+        status = place_and_recurse(s, keys[k].buffer, off, keys[k].rank, members, m, lo, hi);
+        if (status != NONE) break;
+    }
+    free(keys);
+    return status;
+}
+
+/* Entry point: returns FOUND / NONE / ABORT; offsets and the node count are written back. */
+int ms_memopt_search(int64_t n, int64_t count, int64_t capacity,
+                     const int64_t *first, const int64_t *last, const int64_t *size,
+                     const int64_t *rank, const int64_t *ov_ptr, const int64_t *ov_idx,
+                     const int64_t *inc_ptr, const int64_t *inc_owner,
+                     int64_t *total, int64_t *cuts, int64_t *offset,
+                     int64_t node_limit, double seconds, int64_t *nodes_out) {
+    Solver s;
+    s.n = n; s.count = count; s.capacity = capacity;
+    s.first = first; s.last = last; s.size = size; s.rank = rank;
+    s.ov_ptr = ov_ptr; s.ov_idx = ov_idx; s.inc_ptr = inc_ptr; s.inc_owner = inc_owner;
+    s.total = total; s.cuts = cuts; s.offset = offset;
+    s.floor = (int64_t *)calloc((size_t)(count > 0 ? count : 1), sizeof(int64_t));
+    s.min_off = (int64_t *)calloc((size_t)(n > 0 ? n : 1), sizeof(int64_t));
+    s.placed = (char *)calloc((size_t)(n > 0 ? n : 1), 1);
+    s.nodes = 0;
+    s.node_limit = node_limit;
+    s.deadline = seconds >= 0 ? now_seconds() + seconds : -1.0;
+    int64_t *members = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+    int status = FOUND;
+    int64_t part_lo = 0;
+    for (int64_t k = 0; k < count && status == FOUND; ++k) {
+        if (k + 1 < count && cuts[k] != 0) continue;
+        int64_t part_hi = k + 1, m = 0;
+        for (int64_t v = 0; v < n; ++v) {
+            if (first[v] < part_hi && last[v] > part_lo) members[m++] = v;
+        }
+        status = search(&s, members, m, part_lo, part_hi, -1, -1);
+        part_lo = part_hi;
+    }
+    *nodes_out = s.nodes;
+    free(members);
+    free(s.floor);
+    free(s.min_off);
+    free(s.placed);
+    return status;
+}

@@ -1,0 +1,411 @@
+"""MindSpore's pool log (``VLOG_v=12906``) -> :class:`~ms_memopt.events.Trace`.
+
+With the environment variable ``VLOG_v=12906`` set before ``import mindspore``, MindSpore's
+device-memory pool logs every call to stderr while it holds the pool's lock, so the order of
+the lines is the pool's own order, across threads. In MindSpore 2.10 (CPU, seen here) the
+lines are::
+
+    [V12906] PRE_ACT(PID,TID,python):TIME [.../mem_dynamic_allocator.cc:504] AddMemBlockAndMemBuf] CalMemBlockAllocSize return : 1024, alloc_mem_size : 1073741824
+    [V12906] PRE_ACT(PID,TID,python):TIME [.../mem_dynamic_allocator.cc:260] AllocTensorMem] Alloc memory details, name:Unknown, persistent_mem:0, stream id: 0, address:0x7fb667fff010, size:1024B, total allocated mem:1073741824B, peak used mem:1024B, in used mem:1024B, used by event mem:0B, actual peak used mem:1024B, total idle mem:1073740800B.
+    [V12906] PRE_ACT(PID,TID,python):TIME [.../mem_dynamic_allocator.cc:811] FreeTensorMemInner] Free memory details, name:Unknown, address:0x7fb667fffc10, total allocated mem:..., in used mem:3072B, ..., total idle mem:...B.
+
+Ascend's default pool (``AbstractDynamicMemPool``) switches to its logging wrapper
+``DefaultEnhancedAscendMemoryPool`` whenever the memory VLOG is on, which writes (read in
+MindSpore's source, ``plugin/res_manager/ascend/mem_manager/ascend_memory_pool.cc``; not yet
+seen on a device)::
+
+    ... AllocTensorMem] Allocate tensor mem, size : 1000, align_size : 1024, from_persistent_mem : 0, need_recycle : 0, stream_id : 0.
+    ... AllocTensorMem] Allocate tensor mem, return : {"addr_":0x12c0...,"size_":1024,"stream_id_":0,"status_":used,...}, stat info : {"used_size_":...,"peak_size_":...,"alloc_size_":...,"idle_size_":...,"used_by_event_size_":...,"eager_free_size_":...}.
+    ... DoFreeTensorMem] Do free tensor mem : 0x12c0..., return : 1.
+
+The request line is written before the pool's lock is taken, so it is paired with the return
+line of the same thread (TID in the prefix); ``return : 0`` (a buffer still awaited by a
+stream event) is not a free: the pool frees it later and logs again. Such a recording has
+``meta["pool"] == "AbstractDynamicMemPool"`` and replays through ``mindspore``; with
+``MS_ALLOC_CONF=older_pool:True`` Ascend writes the CPU lines below and replays through
+``mindspore-bestfit``.
+
+Facts the reader relies on (checked on MindSpore 2.10.0 CPU):
+
+* ``size`` is the size *requested* (before rounding up to 512 B); a free names only the
+  address, so frees are paired with the live allocation at that address.
+* ``total allocated mem`` is the pool's reserved total: when it grows, the allocation on that
+  line opened a new block and took its low end, so its address is the block's base (on CPU a
+  plain ``malloc`` of 1 GiB, not 2 MiB aligned). That gives the ``segment_alloc`` event.
+
+A raw stderr capture may hold anything else (warnings, prints, progress bars): only lines
+carrying one of the pool messages count. A line that carries a pool message but does not
+parse in full (torn by a crash, interleaved with another writer) is **skipped and counted**,
+never guessed at; so is a free of an address with no live allocation (its allocation was on a
+skipped line). An allocation at an address still live in the log means its free was on a
+skipped line: the reader then frees the old one first (the pool must have) and counts it.
+``trace.meta["pool_log"]`` holds the counts, the pool counters last logged, and the line
+numbers of the first skipped lines. Lines of several processes are told apart by the PID in
+the prefix; the process with the most pool lines is read (``meta["pool_log"]["pids"]``).
+
+A line ``ms-memopt step N`` (written by :class:`ms_memopt.mindspore.LayoutScanCallback`
+under ``ms-memopt record``) becomes a ``step`` event.
+
+Example:
+    >>> parser = PoolLogParser()
+    >>> line = ("[V12906] PRE_ACT(7,7f,python):T [a.cc:260] AllocTensorMem] Alloc memory details, "
+    ...         "name:Unknown, persistent_mem:0, stream id: 0, address:0x1000, size:100B, total "
+    ...         "allocated mem:1073741824B, peak used mem:512B, in used mem:512B, used by event "
+    ...         "mem:0B, actual peak used mem:512B, total idle mem:1073741312B.")
+    >>> [(e.action, e.addr, e.size) for e in parser.feed(line)]
+    [('segment_alloc', 4096, 1073741824), ('alloc', 4096, 100)]
+"""
+from __future__ import annotations
+
+import gzip
+import re
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from ..errors import InputError
+from ..events import Event, Trace
+from ..layout import Block, Layout, Segment
+
+__all__ = ["FORMAT", "POOL_NAME", "ASCEND_POOL_NAME", "PoolLogParser", "looks_like_pool_log", "read_pool_log", "read_head",
+           "recorded_final_layout", "STEP_LINE"]
+
+FORMAT = "mindspore-pool-log"
+#: ``trace.meta["pool"]`` of a CPU recording: replay picks the ``mindspore-bestfit`` model
+POOL_NAME = "DynamicMemPoolBestFit"
+#: ``trace.meta["pool"]`` of a recording of Ascend's default pool: replay picks ``mindspore``
+ASCEND_POOL_NAME = "AbstractDynamicMemPool"
+#: what LayoutScanCallback prints at a step end while recorded (``ms-memopt step 12``)
+STEP_LINE = "ms-memopt step"
+_ALIGN = 512
+
+# the message markers: a line holding one of these is a pool line and must parse in full
+_ALLOC_MARK = "Alloc memory details"          # DynamicMemPoolBestFit (CPU; Ascend older_pool)
+_ALLOC_FUNCTION = "AllocTensorMem] "           # a line torn inside the message still names its function
+_FREE_MARK = "Free memory details"
+_ASCEND_REQUEST_MARK = "Allocate tensor mem, size :"     # Ascend's enhanced pool (AbstractDynamicMemPool)
+_ASCEND_RETURN_MARK = "Allocate tensor mem, return :"
+_ASCEND_FREE_MARK = "Do free tensor mem :"
+_PREFIX = r"\[(?:V12906|DEBUG)\] [A-Z_]+\((?P<pid>\d+),(?P<tid>[0-9a-fA-F]+),[^)]*\):\S+ \[[^\]]*\] \w+\] "
+_COUNTERS = (r"total allocated mem:(?P<total>\d+)B, peak used mem:(?P<peak>\d+)B, in used mem:(?P<in_use>\d+)B, "
+             r"(?:used by event mem:(?P<by_event>\d+)B, )?(?:actual peak used mem:\d+B, )?"
+             r"total idle mem:(?P<idle>\d+)B\.")
+# 2.10 writes persistent_mem and stream id; older releases (MS_LOG(DEBUG), GLOG_v=0) neither
+_ALLOC = re.compile(_PREFIX + r"Alloc memory details, name:(?P<name>[^,]*), (?:persistent_mem:(?P<persistent>[01]), )?"
+                    r"(?:stream id: (?P<stream>\d+), )?address:(?P<addr>0x[0-9a-fA-F]+), size:(?P<size>\d+)B, "
+                    + _COUNTERS)
+_FREE = re.compile(_PREFIX + r"Free memory details, name:(?P<name>[^,]*), address:(?P<addr>0x[0-9a-fA-F]+), "
+                   + _COUNTERS)
+# DefaultEnhancedAscendMemoryPool (ascend_memory_pool.cc), the pool Ascend uses whenever the
+# memory VLOG is on: a request line (before the lock), a return line and a free line (inside it)
+_ASCEND_REQUEST = re.compile(_PREFIX + r"Allocate tensor mem, size : (?P<size>\d+), align_size : \d+, "
+                             r"from_persistent_mem : (?P<persistent>[01]|true|false), need_recycle : \w+, "
+                             r"stream_id : (?P<stream>\d+)\.")
+_ASCEND_RETURN = re.compile(_PREFIX + r'Allocate tensor mem, return : \{"addr_":(?P<addr>0x[0-9a-fA-F]+),'
+                            r'"size_":(?P<aligned>\d+),"stream_id_":(?P<stream>\d+),.*\}, stat info : '
+                            r'\{"used_size_":(?P<in_use>\d+),"peak_size_":(?P<peak>\d+),"alloc_size_":(?P<total>\d+),'
+                            r'"idle_size_":(?P<idle>\d+),"used_by_event_size_":(?P<by_event>\d+),'
+                            r'"eager_free_size_":\d+\}\.\s*$')
+_ASCEND_FREE = re.compile(_PREFIX + r"Do free tensor mem : (?P<addr>0x[0-9a-fA-F]+), return : (?P<ok>[01]|true|false)\.")
+_STEP = re.compile(r"^ms-memopt step (?P<step>\d+)\s*$")
+_MAX_NOTED = 20             # line numbers of skipped lines kept for the report
+_SNIFF_LINES = 2000
+
+
+def looks_like_pool_log(text: str) -> bool:
+    """True when ``text`` (the head of a file) holds a complete pool detail line."""
+    for line in text.splitlines()[:_SNIFF_LINES]:
+        if ((_ALLOC_MARK in line and _ALLOC.search(line)) or (_FREE_MARK in line and _FREE.search(line))
+                or (_ASCEND_RETURN_MARK in line and _ASCEND_RETURN.search(line))):
+            return True
+    return False
+
+
+def _align(size: int) -> int:
+    return max(_ALIGN, (size + _ALIGN - 1) & ~(_ALIGN - 1))
+
+
+@dataclass
+class _Live:
+    id: int
+    size: int               # aligned, bytes
+
+
+@dataclass
+class _Counts:
+    """What the reader skipped or inferred; every number is a count of lines or events."""
+
+    pool_lines: int = 0
+    skipped_lines: int = 0
+    unmatched_frees: int = 0
+    inferred_frees: int = 0
+    counter_mismatches: int = 0
+    other_pid_lines: int = 0
+    skipped_at: list[int] = field(default_factory=list)
+
+
+class PoolLogParser:
+    """Turns pool log lines into events, one line at a time (files, pipes, a live capture).
+
+    ``feed(line)`` returns the events the line means (often none). The parser keeps the live
+    allocations by address, the blocks, and the pool counters, so :meth:`layout` gives the
+    real pool's layout at the current moment (scans of the real pool).
+
+    Args:
+        pid: read only this process's lines (``None``: the first process seen).
+        source: file name for messages.
+    """
+
+    def __init__(self, *, pid: int | None = None, source: str = "") -> None:
+        self.pid = pid
+        self.source = source
+        self.counts = _Counts()
+        self.counters: dict[str, int] = {}
+        self.segments: dict[int, tuple[int, str]] = {}        # base -> (size, pool)
+        self.live: dict[int, _Live] = {}                        # address -> allocation
+        self.allocated = 0
+        self._next_id = 0
+        self._reserved = 0
+        self._line = 0
+        self._other_pids: dict[int, int] = {}
+        self._requests: dict[str, tuple[int, bool]] = {}       # thread -> (size, persistent) asked
+        self.pool = POOL_NAME
+
+    # --- lines ---------------------------------------------------------------------------
+    def feed(self, line: str) -> list[Event]:
+        """The events ``line`` means; unrelated lines give none."""
+        self._line += 1
+        if _ALLOC_MARK in line or _ALLOC_FUNCTION in line:
+            if _ASCEND_REQUEST_MARK in line:
+                return self._ascend_request(_ASCEND_REQUEST.search(line))
+            if _ASCEND_RETURN_MARK in line:
+                match = _ASCEND_RETURN.search(line)
+                return self._ascend_alloc(match) if match and self._ours(match) else self._torn(match)
+            match = _ALLOC.search(line)
+            if match and self._ours(match):
+                self.pool = POOL_NAME
+                persistent = match.group("persistent") == "1"
+                return self._alloc(match, int(match.group("size")), int(match.group("stream") or 0), persistent,
+                                   match.group("name"))
+            return self._torn(match)
+        if _FREE_MARK in line:
+            match = _FREE.search(line)
+            if match and self._ours(match):
+                return self._free(int(match.group("addr"), 16), match)
+            return self._torn(match)
+        if _ASCEND_FREE_MARK in line:
+            match = _ASCEND_FREE.search(line)
+            if match and self._ours(match):
+                # return 0: still awaited by a stream event; its later free logs again with 1
+                return self._free(int(match.group("addr"), 16), None) if match.group("ok") in ("1", "true") else []
+            return self._torn(match)
+        if line.startswith(STEP_LINE):
+            step = _STEP.match(line)
+            if step:
+                return [Event("step", step=int(step.group("step")))]
+        return []
+
+    def feed_all(self, lines: Iterable[str]) -> Iterator[Event]:
+        for line in lines:
+            yield from self.feed(line)
+
+    def _ours(self, match: re.Match) -> bool:
+        pid = int(match.group("pid"))
+        if self.pid is None:
+            self.pid = pid
+        if pid != self.pid:
+            self._other_pids[pid] = self._other_pids.get(pid, 0) + 1
+            self.counts.other_pid_lines += 1
+            return False
+        self.counts.pool_lines += 1
+        return True
+
+    def _torn(self, match: re.Match | None) -> list[Event]:
+        if match is None:   # a marker without its whole line: never guessed at
+            self.counts.skipped_lines += 1
+            if len(self.counts.skipped_at) < _MAX_NOTED:
+                self.counts.skipped_at.append(self._line)
+        return []
+
+    def _note_counters(self, match: re.Match) -> None:
+        self.counters = {"reserved": int(match.group("total")), "in_use": int(match.group("in_use")),
+                         "peak_used": int(match.group("peak")), "used_by_event": int(match.group("by_event") or 0),
+                         "idle": int(match.group("idle"))}
+        if self.counters["in_use"] != self.allocated:
+            self.counts.counter_mismatches += 1
+
+    def _ascend_request(self, match: re.Match | None) -> list[Event]:
+        if match is None:
+            return self._torn(None)
+        if self._ours(match):   # the requested size, paired with the return line of the same thread
+            self._requests[match.group("tid")] = (int(match.group("size")),
+                                                  match.group("persistent") in ("1", "true"))
+        return []
+
+    def _ascend_alloc(self, match: re.Match) -> list[Event]:
+        self.pool = ASCEND_POOL_NAME
+        aligned = int(match.group("aligned"))
+        size, persistent = self._requests.pop(match.group("tid"), (aligned, False))
+        if _align(size) != aligned:      # the request line was another call's: keep what is sure
+            size, persistent = aligned, False
+        return self._alloc(match, size, int(match.group("stream")), persistent, "Unknown")
+
+    def _alloc(self, match: re.Match, size: int, stream: int, persistent: bool, name: str) -> list[Event]:
+        events: list[Event] = []
+        addr = int(match.group("addr"), 16)
+        pool = "persistent" if persistent else None
+        reserved = int(match.group("total"))
+        if reserved > self._reserved:
+            # the pool grew for this request: it took the low end of the new block
+            block = reserved - self._reserved
+            self.segments[addr] = (block, pool or "common")
+            events.append(Event("segment_alloc", size=block, addr=addr, stream=stream, pool=pool))
+        self._reserved = reserved
+        old = self.live.pop(addr, None)
+        if old is not None:     # its free was on a skipped line; the pool freed it before reuse
+            self.counts.inferred_frees += 1
+            self.allocated -= old.size
+            events.append(Event("free", id=old.id))
+        self._next_id += 1
+        aligned = _align(size)
+        self.live[addr] = _Live(self._next_id, aligned)
+        self.allocated += aligned
+        events.append(Event("alloc", id=self._next_id, size=size, addr=addr, stream=stream, pool=pool,
+                            tag=None if name == "Unknown" else name))
+        self._note_counters(match)
+        return events
+
+    def _free(self, addr: int, match: re.Match | None) -> list[Event]:
+        live = self.live.pop(addr, None)
+        if match is not None:
+            self._reserved = int(match.group("total"))
+        if live is None:
+            self.counts.unmatched_frees += 1
+        else:
+            self.allocated -= live.size
+        if match is not None:
+            self._note_counters(match)
+        return [] if live is None else [Event("free", id=live.id)]
+
+    # --- state ---------------------------------------------------------------------------
+    def layout(self) -> Layout:
+        """The real pool now: each block tiled by its live buffers and the idle ranges between
+        them (the pool merges idle neighbours, so the gaps are its idle buffers)."""
+        return _tile(self.segments, ((addr, live.size, live.id) for addr, live in self.live.items()))
+
+    def meta(self) -> dict:
+        """What the parse skipped or inferred, and the last pool counters (bytes)."""
+        counts = self.counts
+        pids = {} if self.pid is None else {self.pid: counts.pool_lines}
+        pids.update(self._other_pids)
+        return {"pool_lines": counts.pool_lines, "skipped_lines": counts.skipped_lines,
+                "skipped_at_lines": list(counts.skipped_at), "unmatched_frees": counts.unmatched_frees,
+                "inferred_frees": counts.inferred_frees, "counter_mismatches": counts.counter_mismatches,
+                "pid": self.pid, "pids": {str(k): v for k, v in pids.items()}, "counters": dict(self.counters)}
+
+
+def _tile(segments: dict[int, tuple[int, str]], live: Iterable[tuple[int, int, int | None]]) -> Layout:
+    by_segment: dict[int, list[tuple[int, int, int | None]]] = {base: [] for base in segments}
+    bases = sorted(segments)
+    for addr, size, ident in live:
+        owner = next((b for b in bases if b <= addr < b + segments[b][0]), None)
+        if owner is not None:
+            by_segment[owner].append((addr, size, ident))
+    out = []
+    for base in bases:
+        seg_size, pool = segments[base]
+        blocks: list[Block] = []
+        cursor = base
+        for addr, size, ident in sorted(by_segment[base]):
+            if addr > cursor:
+                blocks.append(Block(cursor, addr - cursor, False))
+            blocks.append(Block(addr, size, True, id=ident))
+            cursor = addr + size
+        if cursor < base + seg_size:
+            blocks.append(Block(cursor, base + seg_size - cursor, False))
+        out.append(Segment(base, seg_size, blocks, pool=pool))
+    return Layout(out)
+
+
+def recorded_final_layout(events: Iterable[Event]) -> Layout | None:
+    """The layout a recording ends in, rebuilt from its events: blocks from ``segment_alloc``
+    and live allocations at their recorded addresses (aligned to 512 B). ``None`` when an
+    allocation has no recorded address (nothing to compare a replay with).
+
+    Example:
+        >>> ev = [Event("segment_alloc", addr=0, size=4096), Event("alloc", id=1, size=10, addr=512)]
+        >>> [(b.addr, b.size, b.live) for b in recorded_final_layout(ev).segments[0].blocks]
+        [(0, 512, False), (512, 512, True), (1024, 3072, False)]
+    """
+    segments: dict[int, tuple[int, str]] = {}
+    live: dict[int, tuple[int, int, int | None]] = {}
+    for event in events:
+        if event.action == "alloc":
+            if event.addr is None:
+                return None
+            live[event.id] = (event.addr, _align(event.size), event.id)
+        elif event.action == "free":
+            live.pop(event.id, None)
+        elif event.action == "segment_alloc":
+            segments[event.addr] = (event.size, event.pool or "common")
+        elif event.action == "segment_free":
+            segments.pop(event.addr, None)
+    return _tile(segments, live.values())
+
+
+def read_pool_log(path: str | Path, *, pid: int | None = None) -> Trace:
+    """Read a stderr capture holding MindSpore's ``VLOG_v=12906`` pool lines.
+
+    Args:
+        path: the capture (any other lines in it are ignored).
+        pid: the process to read; default: the one with the most pool lines.
+
+    Raises:
+        InputError: unreadable, or no complete pool line in it (names the file).
+    """
+    source = str(path)
+    text = _read_text(path)
+    lines = text.splitlines()
+    if pid is None:
+        pid = _busiest_pid(lines)
+    parser = PoolLogParser(pid=pid, source=source)
+    events = list(parser.feed_all(lines))
+    if not any(e.action == "alloc" for e in events):
+        raise InputError("no complete MindSpore pool line (\"Alloc memory details, ...\"); expected a stderr "
+                         "capture of a run with VLOG_v=12906", source=source)
+    meta = {"pool": parser.pool, "pool_log": parser.meta()}
+    return Trace(events, source=source, format=FORMAT, final=parser.layout(), meta=meta)
+
+
+def _read_text(path: str | Path, limit: int = -1) -> str:
+    """The file's text (gunzipped when it is gzip), undecodable bytes replaced."""
+    source = str(path)
+    try:
+        with open(path, "rb") as raw:
+            gzipped = raw.read(2) == b"\x1f\x8b"
+        with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as handle:
+            data = handle.read(limit)
+    except OSError as exc:    # gzip.BadGzipFile is an OSError
+        raise InputError(f"cannot read: {exc.strerror or exc}", source=source) from None
+    except (EOFError, zlib.error) as exc:
+        if limit < 0:
+            raise InputError(f"truncated or corrupt gzip data ({exc})", source=source) from None
+        data = b""
+    return data.decode("utf-8", errors="replace")
+
+
+def read_head(path: str | Path, size: int) -> str:
+    """The first ``size`` bytes of the (possibly gzipped) file as text, for format detection."""
+    return _read_text(path, size)
+
+
+def _busiest_pid(lines: list[str]) -> int | None:
+    counts: dict[int, int] = {}
+    for line in lines:
+        if _ALLOC_MARK in line or _ASCEND_RETURN_MARK in line:
+            match = _ALLOC.search(line) or _ASCEND_RETURN.search(line)
+            if match:
+                pid = int(match.group("pid"))
+                counts[pid] = counts.get(pid, 0) + 1
+    return max(counts, key=counts.get) if counts else None

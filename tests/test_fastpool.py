@@ -1,0 +1,176 @@
+"""The compiled fast path (ms_memopt.allocators.fast) against the pure-Python reference models:
+identical addresses, OOMs, counters and layouts on random traces (hypothesis) and on every
+recorded trace (the committed fixtures, the shared PyTorch snapshots and placement instances)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ms_memopt.allocators import create
+from ms_memopt.allocators import fast
+from ms_memopt.errors import InputError
+from ms_memopt.events import Event, Trace
+from ms_memopt.replay import replay
+from ms_memopt.traces import load_trace
+
+pytestmark = pytest.mark.skipif(not fast.FAST_MODELS, reason="the compiled fast path is not built "
+                                "(`pip install -e .` builds it; see ms_memopt/allocators/fast.py)")
+
+MiB = 2**20
+ROOT = Path(__file__).resolve().parent
+SHARED = ROOT.parents[1] / "shared" / "data"
+FIXTURES = sorted(p for p in (ROOT / "data").rglob("*") if p.is_file() and p.name != "README.md")
+SHARED_TRACES = sorted(p for p in SHARED.rglob("*") if p.suffix in (".pickle", ".csv")) if SHARED.exists() else []
+
+# (model name, options): every option the fast models take, small capacities so OOMs happen
+CONFIGS = [
+    ("mindspore", dict(capacity=256 * MiB, increase_size=16 * MiB)),
+    ("mindspore", dict(capacity=256 * MiB, increase_size=16 * MiB, pregrow=True)),
+    ("mindspore", dict(capacity=200 * MiB, increase_size=8 * MiB, grow="add", small_pool=True)),
+    ("mindspore", dict(increase_size=8 * MiB, init_size=40 * MiB)),
+    ("mindspore-bestfit", dict(capacity=256 * MiB, increase_size=16 * MiB)),
+    ("mindspore-bestfit", dict(capacity=256 * MiB, increase_size=16 * MiB, pregrow=True, small_pool=True)),
+]
+
+
+def _state(model):
+    return (model.reserved, model.allocated, model.peak_reserved, model.peak_allocated, model.segment_allocs,
+            model.largest_free(), [o.to_dict() for o in model.ooms], model.layout())
+
+
+_sizes = st.one_of(st.integers(0, 4096), st.integers(0, 3 * MiB), st.sampled_from([512, MiB, 2 * MiB, 16 * MiB]),
+                   st.integers(0, 80 * MiB))
+_ops = st.lists(st.one_of(
+    st.tuples(st.just("malloc"), _sizes, st.sampled_from([None, "persistent", "small"]), st.integers(0, 1)),
+    st.tuples(st.just("free"), st.integers(0, 10**6)),
+    st.tuples(st.just("empty_cache")),
+    st.tuples(st.just("note_segment_alloc"), st.integers(0, 40).map(lambda k: (1 << 32) + k * 8 * MiB)),
+    st.tuples(st.just("release_segment"), st.integers(0, 40).map(lambda k: (1 << 32) + k * 8 * MiB)),
+), max_size=200)
+
+
+@pytest.mark.parametrize("name,options", CONFIGS)
+@settings(max_examples=20)
+@given(ops=_ops)
+def test_random_calls_give_identical_addresses(name, options, ops):
+    ref, quick = create(name, fast=False, **options), create(name, fast=True, **options)
+    assert type(quick) is fast.FAST_MODELS[name]
+    live: list[int] = []
+    for op in ops:
+        if op[0] == "malloc":
+            _, size, pool, stream = op
+            got = quick.malloc(size, stream=stream, pool=pool, tag="t")
+            assert got == ref.malloc(size, stream=stream, pool=pool, tag="t")
+            if got is not None:
+                live.append(got)
+        elif op[0] == "free":
+            if live:
+                addr = live.pop(op[1] % len(live))
+                ref.free(addr)
+                quick.free(addr)
+        elif op[0] == "empty_cache":
+            ref.empty_cache()
+            quick.empty_cache()
+        else:
+            getattr(ref, op[0])(op[1], 8 * MiB)
+            getattr(quick, op[0])(op[1], 8 * MiB)
+    assert _state(quick) == _state(ref)
+
+
+def _same_replay(trace: Trace, name: str, options: dict, sample_every: int | None = 0) -> None:
+    results = [replay(trace, create(name, fast=f, **options), sample_every=sample_every) for f in (False, True)]
+    ref, quick = (r.to_dict() for r in results)
+    for speed in ("events_per_s", "cpu_events_per_s"):
+        ref.pop(speed), quick.pop(speed)
+    assert quick == ref
+    assert results[1].final_layout == results[0].final_layout
+
+
+@pytest.mark.parametrize("name,options", CONFIGS)
+@settings(max_examples=12)
+@given(data=st.data())
+def test_random_traces_replay_identically(name, options, data):
+    """Random event streams through the replay engine (the fast path's batch loop, its stops
+    at other events and at sample boundaries)."""
+    events, live, next_id = [], [], 0
+    for _ in range(data.draw(st.integers(0, 300))):
+        kind = data.draw(st.sampled_from(["alloc", "alloc", "free", "free", "mark", "step", "segment_alloc",
+                                          "empty_cache", "free_unknown"]))
+        if kind == "alloc":
+            next_id += 1
+            live.append(next_id)
+            events.append(Event("alloc", id=next_id, size=data.draw(_sizes), tag="a",
+                                pool=data.draw(st.sampled_from([None, "persistent"])),
+                                addr=data.draw(st.sampled_from([None, 1 << 32]))))
+        elif kind == "free" and live:
+            events.append(Event("free", id=live.pop(data.draw(st.integers(0, len(live) - 1)))))
+        elif kind == "free_unknown":
+            events.append(Event("free", id=10**9))
+        elif kind == "segment_alloc":
+            events.append(Event("segment_alloc", size=16 * MiB, addr=(1 << 32) + 64 * MiB))
+        elif kind != "free":
+            events.append(Event(kind, tag="forward:0"))
+    _same_replay(Trace(events), name, options, sample_every=data.draw(st.sampled_from([0, 1, 7, None])))
+
+
+def _recorded(path: Path) -> Trace:
+    try:
+        return load_trace(path)
+    except InputError as exc:
+        pytest.skip(f"{path.name}: not a trace ({exc})")
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.name)
+@pytest.mark.parametrize("name", ["mindspore", "mindspore-bestfit"])
+def test_committed_traces_replay_identically(path, name):
+    trace = _recorded(path)
+    _same_replay(trace, name, {})
+    _same_replay(trace, name, dict(capacity=64 * MiB, increase_size=4 * MiB), sample_every=None)
+
+
+@pytest.mark.skipif(not SHARED_TRACES, reason="../shared/data (recorded traces) is absent")
+@pytest.mark.parametrize("path", SHARED_TRACES, ids=lambda p: p.name)
+@pytest.mark.parametrize("name", ["mindspore", "mindspore-bestfit"])
+def test_shared_traces_replay_identically(path, name):
+    trace = _recorded(path)
+    _same_replay(trace, name, {})
+    _same_replay(trace, name, dict(capacity=2**30, increase_size=64 * MiB), sample_every=None)
+
+
+def test_create_picks_the_fast_path_and_falls_back():
+    assert type(create("mindspore")) is fast.FAST_MODELS["mindspore"]
+    assert type(create("mindspore", fast=False)).__module__ == "ms_memopt.allocators.mindspore"
+    assert type(create("torch")).__module__ == "ms_memopt.allocators.torch"     # no fast path yet
+    with pytest.raises(InputError, match="no compiled fast path"):
+        create("pool", fast=True)
+
+
+def test_fast_model_errors_match_the_reference():
+    for options in (dict(grow="triple"), dict(increase_size=0), dict(tie="random"), dict(pregrow=True)):
+        with pytest.raises(ValueError) as ref:
+            create("mindspore", fast=False, **options)
+        with pytest.raises(ValueError) as quick:
+            create("mindspore", fast=True, **options)
+        assert str(quick.value) == str(ref.value)
+
+
+@pytest.mark.parametrize("allocator,options", [("mindspore", {"pregrow": True}), ("mindspore", {}),
+                                               ("mindspore-bestfit", {"increase_size": 16 * MiB})])
+def test_simulate_gives_identical_results(allocator, options):
+    """The simulator's batch loop (stops at marks, watched requests and the OOM) and a
+    compaction's restore, fast path against reference, all three policies."""
+    from ms_memopt.simulate import POLICIES, simulate
+    from test_simulate import small_cfg, small_spec
+
+    results = []
+    for use_fast in (False, True):
+        cfg = small_cfg(allocator=allocator, allocator_options=dict(options, fast=use_fast), steps=40)
+        out = simulate(small_spec(), cfg, policies=POLICIES, seeds=[0, 1])
+        results.append({p: [{k: v for k, v in r.to_dict().items() if k != "seconds"} for r in s.seeds]
+                        for p, s in out.items()})
+    assert results[1] == results[0]
+    assert any(r["oom_step"] for runs in results[0].values() for r in runs) or \
+        any(r["compactions"] for runs in results[0].values() for r in runs)
