@@ -56,13 +56,9 @@ from mindspore.train import Callback
 
 from ..arena import Arena
 from ..metrics import measure
-<<<<<<< HEAD
-from ..scan import SCAN_LOG_NAME, ScanLog
-from .cells import training_parts
-=======
 from ..errors import InputError
 from ..scan import SCAN_LOG_NAME, ScanLog, check_forecast_within
->>>>>>> main
+from .cells import training_parts
 
 __all__ = ["live_compact", "LiveCompactionReport", "register", "unregister", "registered",
            "long_lived_tensors", "CompactionCallback", "StoreBarrier", "BarrierTimeout",
@@ -513,9 +509,6 @@ class CompactionCallback(Callback):
         ratios = [r for r in ratios if r is not None]
         return max(ratios) if ratios else None
 
-<<<<<<< HEAD
-    def step(self, step: int, *, network: Any = None, optimizer: Any = None) -> dict | None:
-=======
     def _want(self) -> bool:
         """This rank's vote at a due step: no condition given -> compact; else any condition."""
         if self.when_frag_above is None and self.when_forecast_within is None:
@@ -531,8 +524,7 @@ class CompactionCallback(Callback):
                 return True
         return False
 
-    def step_end(self, step: int, *, network: Any = None, optimizer: Any = None) -> dict | None:
->>>>>>> main
+    def step(self, step: int, *, network: Any = None, optimizer: Any = None) -> dict | None:
         """Compact if ``step`` is due; returns the scan-log record, or ``None``."""
         if step % self.every:
             return None
