@@ -11,8 +11,9 @@ here and handed to ``Trainer(model=...)``):
 
 * ``plain``: MindFormers' AdamW, no ms-memopt;
 * ``callbacks``: + ``LayoutScanCallback`` and ``CompactionCallback`` (every 2 steps);
-* ``pool``: + ``enable_pool_mode`` (recompute every layer, contiguous parameters);
-* ``fused_plain``: ``FusedAdamW`` instead of AdamW, no ms-memopt otherwise;
+* ``pool``: + ``enable_pool_mode`` (recompute every layer, contiguous parameters) and both callbacks;
+* ``fused_plain``: ``FusedAdamW`` instead of AdamW, no ms-memopt otherwise (PyNative only:
+  FusedAdamW refuses graph mode);
 * ``fused_pool``: ``FusedAdamW`` + pool mode + both callbacks.
 
 ``entry`` does what MindFormers' ``run_mindformer.py`` does with ``--register_path``
@@ -130,8 +131,7 @@ def train_run(name: str, mode: int, out: Path) -> dict:
 
 
 def main_trainer(mode: int, out: Path) -> None:
-    names = sys.argv[4].split(",") if len(sys.argv) > 4 else ["plain", "callbacks", "pool", "fused_plain",
-                                                               "fused_pool"]
+    names = sys.argv[4].split(",")
     from mindformers.core.context import build_context
     build_context(load_config(mode, out))
     results = {}
@@ -140,6 +140,7 @@ def main_trainer(mode: int, out: Path) -> None:
             results[name] = train_run(name, mode, out)
         except Exception as exc:  # reported to the test, which names the run
             results[name] = {"name": name, "error": f"{type(exc).__name__}: {exc}"[:4000]}
+            print(f"run {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         (out / "result.json").write_text(json.dumps(results, default=str))
 
 
