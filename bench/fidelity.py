@@ -4,9 +4,10 @@ Each workload in ``bench/workloads/`` runs twice, alternating: plain, then under
 ``ms-memopt record`` (``VLOG_v=12906``). The recording is replayed through
 ``mindspore-bestfit`` (``DynamicMemPoolBestFit``'s multimap tie rule) and ``mindspore``
 (``AbstractDynamicMemPool``'s address tie rule); the table gives the address match, whether
-the final layout is identical, and ``slowdown`` = recorded wall time / plain wall time (whole
-process, import and compile included; both on the same loaded machine, so a ratio, not a
-time). Last line: one JSON object.
+the final layout is identical, ``slowdown`` = recorded wall time / plain wall time, and
+``cpu_slowdown`` = the same for the CPU time of the processes (whole process, import and
+compile included, the recorder's own parsing too; on a shared machine the CPU ratio is the
+steadier one). Last line: one JSON object.
 
 Usage:
     python bench/fidelity.py                  # all workloads, default steps
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -59,13 +61,18 @@ def _command(name: str, steps: int | None, tmp: str) -> list[str]:
     return [sys.executable, *args, str(steps)]
 
 
-def _timed(command: list[str]) -> float:
+def _timed(command: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the child processes): on a shared machine the CPU time is
+    the steadier figure (waiting for a core does not count)."""
     t0 = time.perf_counter()
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(command, cwd=_REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True)
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return time.perf_counter() - t0
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    return time.perf_counter() - t0, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or WORKLOADS:
         with tempfile.TemporaryDirectory() as tmp:
             command = _command(name, args.steps, tmp)
-            plain = _timed(command)
+            plain, plain_cpu = _timed(command)
         with tempfile.TemporaryDirectory() as tmp:
             events = out_dir / f"{name}.jsonl"
-            recorded = _timed([sys.executable, "-m", "ms_memopt", "record", "--no-progress", "--out", str(events),
+            recorded, recorded_cpu = _timed([sys.executable, "-m", "ms_memopt", "record", "--no-progress", "--out", str(events),
                                "--", *_command(name, args.steps, tmp)])
         trace = read_jsonl(events)
         trace.final = recorded_final_layout(trace.events)
@@ -91,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                "allocs": sum(e.action == "alloc" for e in trace.events),
                "skipped_lines": trace.meta.get("pool_log", {}).get("skipped_lines"),
                "plain_s": round(plain, 2), "recorded_s": round(recorded, 2),
-               "slowdown": round(recorded / plain, 3)}
+               "plain_cpu_s": round(plain_cpu, 2), "recorded_cpu_s": round(recorded_cpu, 2),
+               "slowdown": round(recorded / plain, 3), "cpu_slowdown": round(recorded_cpu / plain_cpu, 3)}
         for model in ("mindspore-bestfit", "mindspore"):
             result = replay(trace, create(model))
             row[model] = {"address_match": result.address_match, "final_layout_match": result.final_layout_match,
@@ -102,13 +110,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{'same' if row['mindspore-bestfit']['final_layout_match'] else 'DIFF'}  "
               f"address-rule {100 * row['mindspore']['address_match']:6.2f}% "
               f"{'same' if row['mindspore']['final_layout_match'] else 'diff'}  "
-              f"slowdown {row['slowdown']:.2f}x ({plain:.1f} s -> {recorded:.1f} s)", flush=True)
+              f"slowdown wall {row['slowdown']:.2f}x ({plain:.1f} s -> {recorded:.1f} s), CPU "
+              f"{row['cpu_slowdown']:.2f}x ({plain_cpu:.1f} s -> {recorded_cpu:.1f} s)", flush=True)
     total = sum(r["events"] for r in rows)
     allocs = sum(r["allocs"] for r in rows)
     matched = sum(r["allocs"] * r["mindspore-bestfit"]["address_match"] for r in rows)
     summary = {"events": total, "allocs": allocs, "bestfit_address_match": matched / allocs if allocs else None,
                "bestfit_final_layouts_identical": all(r["mindspore-bestfit"]["final_layout_match"] for r in rows),
-               "slowdown": {r["workload"]: r["slowdown"] for r in rows}, "rows": rows,
+               "slowdown": {r["workload"]: r["slowdown"] for r in rows},
+               "cpu_slowdown": {r["workload"]: r["cpu_slowdown"] for r in rows}, "rows": rows,
                "recordings": str(out_dir)}
     print(f"total {total:,} events, {allocs:,} allocations; mindspore-bestfit address match "
           f"{100 * summary['bestfit_address_match']:.3f}%")

@@ -7,6 +7,9 @@ the machine is shared and noisy):
    same model (the demo model, 101 parameter tensors), same gradients, median of interleaved
    rounds; ``fused_step_ratio_min`` compares the fastest rounds (least disturbed by other
    processes), and ``fused_step_ratio_by_model`` adds a model with 293 smaller tensors.
+   On CPU FusedAdamW's step is the compiled host AdamW pass (``ms_memopt.native``) when the
+   library is built (``fused_step_path``); the graph path (``ms.jit`` graph of decay +
+   ``ops.Adam``, the device path) is timed in the same rounds as ``fused_graph_step_ratio``.
 2. ``activation_ratio``: activation bytes with ``checkpoint_every=k`` / without recompute, by
    the estimator (per-layer ``ms_memopt.estimate`` formulas composed for the largest recompute
    group by ``ms_memopt.mindspore.pool_mode``) and measured as the
@@ -59,10 +62,22 @@ def _sync(params) -> None:
 
 def optimizer_step_times(cfg: GPTConfig, rounds: int, per_round: int) -> dict:
     """Median seconds per optimizer step, both optimizers interleaved round by round."""
+    import ms_memopt.mindspore.fused_adamw as fused
+
+    def graph_path(ps):
+        """FusedAdamW as built without the compiled library (the device path, on CPU)."""
+        compiled = fused._native_kernel
+        fused._native_kernel = lambda: False
+        try:
+            return FusedAdamW(ps, 1e-3, weight_decay=0.01)
+        finally:
+            fused._native_kernel = compiled
+
     rng = np.random.default_rng(1)
     setups = {}
     for name, make in (("AdamWeightDecay", lambda ps: nn.AdamWeightDecay(ps, 1e-3, weight_decay=0.01)),
-                       ("FusedAdamW", lambda ps: FusedAdamW(ps, 1e-3, weight_decay=0.01))):
+                       ("FusedAdamW", lambda ps: FusedAdamW(ps, 1e-3, weight_decay=0.01)),
+                       ("FusedAdamW_graph", graph_path)):
         params = GPT(cfg).trainable_params()
         grads = tuple(Tensor(rng.normal(size=p.shape).astype(np.float32) * 1e-2) for p in params)
         opt = make(params)
@@ -78,7 +93,9 @@ def optimizer_step_times(cfg: GPTConfig, rounds: int, per_round: int) -> dict:
             _sync(params)
             times.append((time.perf_counter() - start) / per_round)
     n_tensors = len(setups["FusedAdamW"][2])
-    return {"n_tensors": n_tensors, "n_elements": int(sum(p.size for p in setups["FusedAdamW"][2])),
+    ratios = np.array(setups["FusedAdamW"][3]) / np.array(setups["AdamWeightDecay"][3])
+    return {"n_tensors": n_tensors, "path": "native" if setups["FusedAdamW"][0]._native else "graph",
+            "round_ratio_quartiles": [float(q) for q in np.percentile(ratios, [25, 50, 75])], "n_elements": int(sum(p.size for p in setups["FusedAdamW"][2])),
             **{name: float(np.median(s[3])) for name, s in setups.items()},
             **{f"{name}_min": float(np.min(s[3])) for name, s in setups.items()}}
 
@@ -226,12 +243,17 @@ def main() -> int:
         times = optimizer_step_times(cfg, rounds=rounds, per_round=per_round)
         times["ratio_median"] = times["FusedAdamW"] / times["AdamWeightDecay"]
         times["ratio_min"] = times["FusedAdamW_min"] / times["AdamWeightDecay_min"]
+        times["graph_ratio_median"] = times["FusedAdamW_graph"] / times["AdamWeightDecay"]
         opt_by_model[label] = times
         print(f"optimizer step, {label} model: {times['n_tensors']} tensors, {times['n_elements']} elements "
               f"(median / min of {rounds} interleaved rounds)")
         print(f"  nn.AdamWeightDecay  {times['AdamWeightDecay'] * 1e3:8.2f} / {times['AdamWeightDecay_min'] * 1e3:6.2f} ms")
-        print(f"  FusedAdamW          {times['FusedAdamW'] * 1e3:8.2f} / {times['FusedAdamW_min'] * 1e3:6.2f} ms"
-              f"   ratio {times['ratio_median']:.3f} / {times['ratio_min']:.3f}")
+        low, mid, high = times["round_ratio_quartiles"]
+        print(f"  FusedAdamW ({times['path']:<6})  {times['FusedAdamW'] * 1e3:8.2f} / {times['FusedAdamW_min'] * 1e3:6.2f} ms"
+              f"   ratio {times['ratio_median']:.3f} / {times['ratio_min']:.3f}"
+              f"   (per-round ratios: quartiles {low:.3f} {mid:.3f} {high:.3f})")
+        print(f"  FusedAdamW (graph)   {times['FusedAdamW_graph'] * 1e3:8.2f} / {times['FusedAdamW_graph_min'] * 1e3:6.2f} ms"
+              f"   ratio {times['graph_ratio_median']:.3f}")
     opt_times = opt_by_model["demo"]
     fused_ratio = opt_times["ratio_median"]
 
@@ -298,9 +320,14 @@ def main() -> int:
         "adamweightdecay_step_ms": round(opt_times["AdamWeightDecay"] * 1e3, 3),
         "n_param_tensors": opt_times["n_tensors"],
         "fused_step_ratio_min": round(opt_times["ratio_min"], 4),
+        "fused_step_path": opt_times["path"],
+        "fused_step_round_ratio_quartiles": [round(q, 4) for q in opt_times["round_ratio_quartiles"]],
+        "fused_graph_step_ratio": round(opt_times["graph_ratio_median"], 4),
+        "fused_graph_step_ms": round(opt_times["FusedAdamW_graph"] * 1e3, 3),
         "fused_step_ratio_by_model": {label: {"n_tensors": t["n_tensors"], "n_elements": t["n_elements"],
                                               "ratio_median": round(t["ratio_median"], 4),
-                                              "ratio_min": round(t["ratio_min"], 4)}
+                                              "ratio_min": round(t["ratio_min"], 4),
+                                              "graph_ratio_median": round(t["graph_ratio_median"], 4)}
                                       for label, t in opt_by_model.items()},
         "checkpoint_every": k,
         "activation_ratio": round(est_with / est_without, 4),

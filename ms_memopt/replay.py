@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .allocators.base import AllocatorModel, OOMRecord
+from .allocators.fast import batch_runner
 from .errors import InputError
 from .events import Trace
 from .layout import DEVICE_ADDRESS_LIMIT, Layout
@@ -63,6 +64,8 @@ class ReplayResult:
     #: True when the model ends with the recorded blocks and live buffers, address for address
     #: (``None``: the trace recorded no final state)
     final_layout_match: bool | None = None
+    #: what a what-if policy did (:mod:`ms_memopt.whatif`): its name and figures
+    policy: dict | None = None
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "final_layout"}
@@ -99,7 +102,8 @@ def check_bounds(trace: Trace) -> None:
 
 
 def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = None,
-           on_sample: Callable[[int, LayoutMetrics], None] | None = None) -> ReplayResult:
+           on_sample: Callable[[int, LayoutMetrics], None] | None = None,
+           on_step: Callable[[int, AllocatorModel, dict[int, int]], AllocatorModel] | None = None) -> ReplayResult:
     """Replay ``trace`` through ``model``.
 
     Args:
@@ -109,6 +113,9 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
             event) for ``frag_ratio_max``; ``None`` picks about 200 samples, ``0`` disables
             sampling (pure event throughput, for benchmarks).
         on_sample: called with ``(event_index, metrics)`` at each sample.
+        on_step: called at each ``step`` event with ``(step, model, addresses)`` (trace id ->
+            the model's address; the hook may update it) and returns the model to go on with:
+            a policy such as compaction at step ends (:mod:`ms_memopt.whatif`).
 
     Returns:
         A :class:`ReplayResult`. ``events_per_s`` counts only the time spent in the model.
@@ -143,7 +150,7 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
     malloc, free = model.malloc, model.free
     # a model with a compiled fast path (ms_memopt.allocators.fast) runs stretches of allocs and
     # frees in one call; the other events, and every event of the other models, run here
-    batch = getattr(model, "_run", None)
+    batch = batch_runner(model)
     index, count = 0, len(events)
     chunk_start, cpu_start = time.perf_counter(), time.process_time()
     while index < count:
@@ -184,6 +191,10 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
             model.empty_cache()
         elif action == "mark":
             model.note_mark(event.tag, event.size)
+        elif action == "step" and on_step is not None:
+            model = on_step(event.step or 0, model, address_of)
+            malloc, free = model.malloc, model.free
+            batch = getattr(model, "_run", None)
         if len(model.ooms) > oom_seen:
             model.ooms[-1].event_index = index
             oom_seen = len(model.ooms)

@@ -47,6 +47,21 @@ __all__ = ["ScanRecord", "Reading", "Source", "LayoutSource", "ScanLog", "Scanne
 
 #: set by ``ms-memopt record``: each scanned run's step ends are printed for the recording
 _RECORDING = bool(os.environ.get("MS_MEMOPT_RECORD"))
+RECORD_STEP = "ms-memopt step"     # what ms-memopt record turns into a step event
+RECORD_MARK = "ms-memopt mark"     # ... and into a mark event
+
+
+def recording() -> bool:
+    """True under ``ms-memopt record``."""
+    return _RECORDING
+
+
+def record_mark(tag: str) -> None:
+    """Under ``ms-memopt record``, put a ``mark`` event (``tag``) into the recording here, e.g.
+    around a compaction; does nothing otherwise."""
+    if _RECORDING:
+        print(f"{RECORD_MARK} {tag}", file=sys.stderr, flush=True)
+
 logger = logging.getLogger("ms_memopt.scan")
 
 SCAN_LOG_NAME = "scan.jsonl"
@@ -349,7 +364,7 @@ class Scanner:
         Never raises for a failing source: the failure is logged once and the source skipped.
         """
         if _RECORDING:   # under `ms-memopt record`: a step event in the recorded pool log
-            print(f"ms-memopt step {step}", file=sys.stderr, flush=True)
+            print(f"{RECORD_STEP} {step}", file=sys.stderr, flush=True)
         try:
             if not force and not self.due(step):
                 return None

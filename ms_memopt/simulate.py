@@ -55,6 +55,7 @@ from typing import IO
 
 from .allocators import create
 from .allocators.base import AllocatorModel
+from .allocators.fast import batch_runner
 from .events import Event
 from .forecast import Forecast, Forecaster
 from .layout import Layout
@@ -301,31 +302,12 @@ def _make_model(policy: str, spec: WorkloadSpec, cfg: SimConfig) -> AllocatorMod
 
 
 def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig) -> tuple[AllocatorModel, Layout, Layout, list]:
-    """Compact the model's layout with :func:`~ms_memopt.compaction.plan_compaction` (every
-    live block slid to the lowest addresses of its segment; segments stay, so in a pool grown
-    in blocks no hole can outgrow its block) and restart a fresh model from the result.
+    """:func:`~ms_memopt.compaction.model.compact_model` with a fresh model of ``cfg``'s allocator
+    (no pre-grown blocks: the compacted layout brings its own)."""
+    from .compaction.model import compact_model
 
-    Returns the new model, the layouts before and after, and the moves; ``addr_of``
-    (tensor id -> address) is updated in place.
-    """
-    from .compaction import plan_compaction
-
-    before = model.layout()
-    id_at = {addr: tid for tid, addr in addr_of.items()}
-    for block in before.live_blocks():
-        block.id = id_at.get(block.addr, block.id)
-    plan = plan_compaction(before)
-    after = plan.layout
-    fresh = create(cfg.allocator, cfg.capacity, **{k: v for k, v in cfg.allocator_options.items()
-                                                   if k not in ("pregrow", "init_size")})
-    fresh.restore(after)
-    fresh.peak_allocated = max(fresh.peak_allocated, model.peak_allocated)
-    fresh.peak_reserved = max(fresh.peak_reserved, model.peak_reserved)
-    fresh.ooms = model.ooms
-    for move in plan.moves:
-        if move.block_id is not None and move.block_id in addr_of:
-            addr_of[move.block_id] = move.dst
-    return fresh, before, after, plan.moves
+    options = {k: v for k, v in cfg.allocator_options.items() if k not in ("pregrow", "init_size")}
+    return compact_model(model, addr_of, lambda: create(cfg.allocator, cfg.capacity, **options))
 
 
 class _Run:
@@ -371,7 +353,7 @@ class _Run:
         # a model with a compiled fast path serves the stretches of allocs and frees between
         # marks and watched requests in one call; nothing per event to record then
         fast = record is None and tag_of is None
-        fast_run = getattr(model, "_run", None) if fast else None
+        fast_run = batch_runner(model) if fast else None
         index, count = 0, len(batch)
         while index < count:
             if fast_run is not None:
@@ -448,7 +430,7 @@ class _Run:
                         model, before, after, moves = _compact(model, addr_of, cfg)
                         self.model = model
                         malloc, free = model.malloc, model.free
-                        fast_run = getattr(model, "_run", None) if fast else None
+                        fast_run = batch_runner(model) if fast else None
                         if record is not None:
                             _record_moves(record, moves, step)
                         _note_compaction(result, track, step, before, after, sum(m.size for m in moves),

@@ -33,7 +33,16 @@ CONFIGS = [
     ("mindspore", dict(increase_size=8 * MiB, init_size=40 * MiB)),
     ("mindspore-bestfit", dict(capacity=256 * MiB, increase_size=16 * MiB)),
     ("mindspore-bestfit", dict(capacity=256 * MiB, increase_size=16 * MiB, pregrow=True, small_pool=True)),
+    ("torch", dict(capacity=256 * MiB)),
+    ("torch", dict(capacity=200 * MiB, roundup_power2_divisions=4)),
+    ("torch", dict(roundup_power2_divisions=1)),
 ]
+FAST_NAMES = ["mindspore", "mindspore-bestfit", "torch"]
+
+
+def _pressed(name: str, capacity: int) -> dict:
+    """Options that put ``capacity`` on the model (and small growth units where there are any)."""
+    return dict(capacity=capacity) if name == "torch" else dict(capacity=capacity, increase_size=capacity // 16)
 
 
 def _state(model):
@@ -47,8 +56,10 @@ _ops = st.lists(st.one_of(
     st.tuples(st.just("malloc"), _sizes, st.sampled_from([None, "persistent", "small"]), st.integers(0, 1)),
     st.tuples(st.just("free"), st.integers(0, 10**6)),
     st.tuples(st.just("empty_cache")),
-    st.tuples(st.just("note_segment_alloc"), st.integers(0, 40).map(lambda k: (1 << 32) + k * 8 * MiB)),
-    st.tuples(st.just("release_segment"), st.integers(0, 40).map(lambda k: (1 << 32) + k * 8 * MiB)),
+    st.tuples(st.just("note_segment_alloc"), st.integers(0, 40).map(lambda k: (1 << 32) + k * 8 * MiB),
+              st.sampled_from([2 * MiB, 8 * MiB, 20 * MiB]), st.integers(0, 1)),
+    st.tuples(st.just("release_segment"), st.integers(0, 40).map(lambda k: (1 << 32) + k * 8 * MiB),
+              st.sampled_from([2 * MiB, 8 * MiB, 20 * MiB]), st.integers(0, 1)),
 ), max_size=200)
 
 
@@ -75,8 +86,8 @@ def test_random_calls_give_identical_addresses(name, options, ops):
             ref.empty_cache()
             quick.empty_cache()
         else:
-            getattr(ref, op[0])(op[1], 8 * MiB)
-            getattr(quick, op[0])(op[1], 8 * MiB)
+            getattr(ref, op[0])(*op[1:])
+            getattr(quick, op[0])(*op[1:])
     assert _state(quick) == _state(ref)
 
 
@@ -124,37 +135,39 @@ def _recorded(path: Path) -> Trace:
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.name)
-@pytest.mark.parametrize("name", ["mindspore", "mindspore-bestfit"])
+@pytest.mark.parametrize("name", FAST_NAMES)
 def test_committed_traces_replay_identically(path, name):
     trace = _recorded(path)
     _same_replay(trace, name, {})
-    _same_replay(trace, name, dict(capacity=64 * MiB, increase_size=4 * MiB), sample_every=None)
+    _same_replay(trace, name, _pressed(name, 64 * MiB), sample_every=None)
 
 
 @pytest.mark.skipif(not SHARED_TRACES, reason="../shared/data (recorded traces) is absent")
 @pytest.mark.parametrize("path", SHARED_TRACES, ids=lambda p: p.name)
-@pytest.mark.parametrize("name", ["mindspore", "mindspore-bestfit"])
+@pytest.mark.parametrize("name", FAST_NAMES)
 def test_shared_traces_replay_identically(path, name):
     trace = _recorded(path)
     _same_replay(trace, name, {})
-    _same_replay(trace, name, dict(capacity=2**30, increase_size=64 * MiB), sample_every=None)
+    _same_replay(trace, name, _pressed(name, 2**30), sample_every=None)
 
 
 def test_create_picks_the_fast_path_and_falls_back():
     assert type(create("mindspore")) is fast.FAST_MODELS["mindspore"]
     assert type(create("mindspore", fast=False)).__module__ == "ms_memopt.allocators.mindspore"
-    assert type(create("torch")).__module__ == "ms_memopt.allocators.torch"     # no fast path yet
+    assert type(create("torch", max_split_size_mb=64)).__module__ == "ms_memopt.allocators.torch"
     with pytest.raises(InputError, match="no compiled fast path"):
         create("pool", fast=True)
 
 
-def test_fast_model_errors_match_the_reference():
-    for options in (dict(grow="triple"), dict(increase_size=0), dict(tie="random"), dict(pregrow=True)):
-        with pytest.raises(ValueError) as ref:
-            create("mindspore", fast=False, **options)
-        with pytest.raises(ValueError) as quick:
-            create("mindspore", fast=True, **options)
-        assert str(quick.value) == str(ref.value)
+@pytest.mark.parametrize("name,options", [("mindspore", dict(grow="triple")), ("mindspore", dict(increase_size=0)),
+                                          ("mindspore", dict(tie="random")), ("mindspore", dict(pregrow=True)),
+                                          ("torch", dict(roundup_power2_divisions=3))])
+def test_fast_model_errors_match_the_reference(name, options):
+    with pytest.raises((ValueError, InputError)) as ref:
+        create(name, fast=False, **options)
+    with pytest.raises((ValueError, InputError)) as quick:
+        create(name, fast=True, **options)
+    assert type(quick.value) is type(ref.value) and str(quick.value) == str(ref.value)
 
 
 @pytest.mark.parametrize("allocator,options", [("mindspore", {"pregrow": True}), ("mindspore", {}),

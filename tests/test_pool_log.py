@@ -122,6 +122,13 @@ def test_torn_and_garbled_lines_are_skipped_and_counted_never_guessed(tmp_path):
     assert log["unmatched_frees"] == 1
 
 
+def test_step_and_mark_lines_become_events():
+    parser = PoolLogParser()
+    events = list(parser.feed_all(["ms-memopt step 12", "ms-memopt mark compaction_begin", "ms-memopt step x",
+                                   "ms-memopt mark two words"]))
+    assert [(e.action, e.step, e.tag) for e in events] == [("step", 12, None), ("mark", None, "compaction_begin")]
+
+
 def test_a_lost_free_is_inferred_before_the_address_is_reused():
     parser = PoolLogParser()
     events = list(parser.feed_all([_alloc_line(0x1010, 512, 512), _alloc_line(0x1010, 512, 512)]))

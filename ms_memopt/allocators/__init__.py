@@ -51,10 +51,10 @@ def create(name: str, capacity: int | None = None, *, fast: bool | None = None, 
         raise InputError(f"unknown allocator {name!r}; expected one of {', '.join(MODELS)}", key="--allocator")
     if fast or fast is None:
         from .fast import AVAILABLE, FAST_MODELS
-        if name in FAST_MODELS and (AVAILABLE or fast):
+        if name in FAST_MODELS and (AVAILABLE or fast) and FAST_MODELS[name].supports(options):
             return FAST_MODELS[name](capacity=capacity, **options)
         if fast:
-            raise InputError(f"allocator {name!r} has no compiled fast path here "
+            raise InputError(f"allocator {name!r} has no compiled fast path here for these options "
                              f"(built: {', '.join(FAST_MODELS) or 'none'})", key="--allocator")
     module_name, class_name = MODELS[name]
     cls = getattr(importlib.import_module(module_name), class_name)

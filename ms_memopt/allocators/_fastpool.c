@@ -1,6 +1,7 @@
-/* Compiled fast path of the MindSpore pool model (ms_memopt/allocators/mindspore.py).
+/* Compiled fast path of allocator models: the MindSpore pool (ms_memopt/allocators/mindspore.py,
+ * both tie rules) and PyTorch's caching allocator (ms_memopt/allocators/torch.py).
  *
- * The pure-Python MindSporePool is the readable reference; this file repeats its rules in C so
+ * The pure-Python models are the readable reference; this file repeats their rules in C so
  * that replay and simulate run at millions of events per second. tests/test_fastpool.py holds
  * the two to identical addresses, counters and layouts on random traces and on every recorded
  * trace. When the rules change in mindspore.py they must change here too (the test fails
@@ -56,9 +57,14 @@ typedef struct {
     Key *keys; Py_ssize_t nkeys, capkeys;
 } Alloc;
 
+typedef struct { u64 addr, size; i64 stream; } Recorded;
+
+enum { KIND_MINDSPORE, KIND_TORCH };
+
 typedef struct {
     PyObject_HEAD
     PyObject *dict;
+    int kind;
     /* counters, visible from Python (AllocatorModel's attributes) */
     long long reserved, allocated, peak_reserved, peak_allocated, segment_allocs;
     /* configuration */
@@ -74,6 +80,10 @@ typedef struct {
     Alloc *allocs; Py_ssize_t nallocs;
     /* recorded segment addresses (a queue) */
     u64 *rec; Py_ssize_t rec_head, rec_tail, rec_cap;
+    /* torch: options, segments sorted by address, recorded segments for the next request */
+    unsigned divisions;
+    int32_t *order; Py_ssize_t norder, caporder;
+    Recorded *trec; Py_ssize_t ntrec, captrec;
 } Core;
 
 #define EMPTY_KEY (~0ULL)
@@ -252,6 +262,8 @@ static u64 place(Core *c, u64 size) {
 }
 
 /* a new segment (pool block) of allocator ``ai``, indexed as one idle buffer; -1 on error */
+static int order_insert(Core *c, int32_t si);
+
 static int32_t new_segment_at(Core *c, Py_ssize_t ai, u64 addr, u64 size, int index) {
     if (grow_array((void **)&c->segs, &c->capsegs, c->nsegs + 1, sizeof(Seg)) < 0) return -1;
     Alloc *a = &c->allocs[ai];
@@ -267,7 +279,11 @@ static int32_t new_segment_at(Core *c, Py_ssize_t ai, u64 addr, u64 size, int in
         if (index_buf(c, b) < 0) return -1;
     }
     c->reserved += (long long)size;
-    c->segment_allocs += 1;
+    if (c->kind == KIND_TORCH) {
+        if (order_insert(c, si) < 0) return -1;   /* torch counts in _new_segment, not here */
+    } else {
+        c->segment_allocs += 1;
+    }
     if (c->reserved > c->peak_reserved) c->peak_reserved = c->reserved;
     return si;
 }
@@ -276,19 +292,22 @@ static int32_t new_segment(Core *c, Py_ssize_t ai, u64 size) {
     return new_segment_at(c, ai, place(c, size), size, 1);
 }
 
-/* split ``b`` so that it holds ``size`` bytes, mark it used; -1 on error */
-static int split(Core *c, int32_t b, u64 size) {
+/* cut ``b`` after ``size`` bytes: the rest becomes an idle, indexed buffer; -1 on error */
+static int cut(Core *c, int32_t b, u64 size) {
     u64 remaining = c->bufs[b].size - size;
-    if (remaining >= ALIGN) {
-        u64 addr = c->bufs[b].addr + size;
-        int32_t nxt = c->bufs[b].next;
-        int32_t rest = buf_new(c, addr, remaining, 0, b, nxt, c->bufs[b].seg);
-        if (rest < 0) return -1;
-        if (nxt >= 0) c->bufs[nxt].prev = rest;
-        c->bufs[b].next = rest;
-        c->bufs[b].size = size;
-        if (index_buf(c, rest) < 0) return -1;
-    }
+    u64 addr = c->bufs[b].addr + size;
+    int32_t nxt = c->bufs[b].next;
+    int32_t rest = buf_new(c, addr, remaining, 0, b, nxt, c->bufs[b].seg);
+    if (rest < 0) return -1;
+    if (nxt >= 0) c->bufs[nxt].prev = rest;
+    c->bufs[b].next = rest;
+    c->bufs[b].size = size;
+    return index_buf(c, rest);
+}
+
+/* split ``b`` so that it holds ``size`` bytes (MindSpore: when >= 512 B remain), mark it used */
+static int split(Core *c, int32_t b, u64 size) {
+    if (c->bufs[b].size - size >= ALIGN && cut(c, b, size) < 0) return -1;
     c->bufs[b].used = 1;
     return 0;
 }
@@ -346,8 +365,185 @@ static void release_if_idle(Core *c, int32_t si) {
     c->reserved -= (long long)s->size;
 }
 
-/* ---- Python methods ------------------------------------------------------------------------- */
 static PyObject *str_stream, *str_pool, *str_tag, *str_persistent, *str_record_oom;
+
+/* ---- PyTorch's caching allocator (torch.py) ------------------------------------------------ */
+#define MIB (1ULL << 20)
+#define T_SMALL_BUFFER (2 * MIB)
+#define T_LARGE_BUFFER (20 * MIB)
+#define T_MIN_LARGE_ALLOC (10 * MIB)
+#define T_ROUND_LARGE (2 * MIB)
+#define T_ADDRESS_BASE (1ULL << 40)
+
+static int bit_length(u64 v) { return v ? 64 - __builtin_clzll(v) : 0; }
+
+/* round_size(size, divisions) */
+static u64 torch_round(Core *c, long long raw) {
+    if (raw < 512) return 512;
+    u64 size = (u64)raw, d = c->divisions;
+    if (d > 1 && size > 512 * d) {
+        if ((size & (size - 1)) == 0) return size;
+        u64 floor = 1ULL << (bit_length(size) - 1);
+        u64 step = floor >> (bit_length(d) - 1);
+        if (step == 0) return floor << 1;
+        u64 low = size & ~(step - 1);
+        return low == size ? size : low + step;
+    }
+    return (size + 511) / 512 * 512;
+}
+
+static u64 torch_allocation_size(u64 rounded) {
+    if (rounded <= SMALL_SIZE) return T_SMALL_BUFFER;
+    if (rounded < T_MIN_LARGE_ALLOC) return T_LARGE_BUFFER;
+    return round_up(rounded, T_ROUND_LARGE);
+}
+
+/* first position in ``order`` whose segment starts at or after ``addr`` */
+static Py_ssize_t order_search(Core *c, u64 addr) {
+    Py_ssize_t lo = 0, hi = c->norder;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) >> 1;
+        if (c->segs[c->order[mid]].addr < addr) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+static int order_insert(Core *c, int32_t si) {
+    if (grow_array((void **)&c->order, &c->caporder, c->norder + 1, sizeof(int32_t)) < 0) return -1;
+    Py_ssize_t at = order_search(c, c->segs[si].addr);
+    memmove(&c->order[at + 1], &c->order[at], (size_t)(c->norder - at) * sizeof(int32_t));
+    c->order[at] = si;
+    c->norder++;
+    return 0;
+}
+
+static int torch_is_unused(Core *c, u64 addr, u64 size) {
+    Py_ssize_t i = order_search(c, addr);
+    if (i < c->norder && c->segs[c->order[i]].addr < addr + size) return 0;
+    if (i > 0) {
+        Seg *before = &c->segs[c->order[i - 1]];
+        if (before->addr + before->size > addr) return 0;
+    }
+    return 1;
+}
+
+static u64 torch_lowest_gap(Core *c, u64 size) {
+    u64 cursor = T_ADDRESS_BASE;
+    for (Py_ssize_t k = 0; k < c->norder; k++) {
+        Seg *s = &c->segs[c->order[k]];
+        u64 end = s->addr + s->size;
+        if (end <= cursor) continue;
+        if (s->addr >= cursor + size) break;
+        cursor = round_up(end, T_ROUND_LARGE);
+    }
+    return cursor;
+}
+
+/* _new_segment: -2 when it does not fit in the capacity */
+static int32_t torch_new_segment(Core *c, Py_ssize_t ai, u64 size, i64 stream) {
+    if (c->bounded && (u64)c->reserved + size > c->capacity) return -2;
+    int found = 0;
+    u64 addr = 0;
+    for (Py_ssize_t i = 0; i < c->ntrec; i++) {
+        Recorded *r = &c->trec[i];
+        if (r->size == size && r->stream == stream && torch_is_unused(c, r->addr, size)) {
+            addr = r->addr;
+            memmove(&c->trec[i], &c->trec[i + 1], (size_t)(c->ntrec - i - 1) * sizeof(Recorded));
+            c->ntrec--;
+            found = 1;
+            break;
+        }
+    }
+    if (!found) addr = torch_lowest_gap(c, size);
+    int32_t si = new_segment_at(c, ai, addr, size, 1);
+    if (si >= 0) c->segment_allocs += 1;
+    return si;
+}
+
+static int torch_idle(Core *c, int32_t si) {
+    Seg *s = &c->segs[si];
+    int32_t h = s->head;
+    return s->alive && h >= 0 && !c->bufs[h].used && c->bufs[h].prev < 0 && c->bufs[h].next < 0;
+}
+
+/* _release: give the idle, unsplit segment back to the device */
+static void torch_release(Core *c, int32_t si) {
+    Seg *s = &c->segs[si];
+    int32_t h = s->head;
+    unindex_buf(c, h);
+    buf_drop(c, h);
+    Py_ssize_t at = order_search(c, s->addr);
+    memmove(&c->order[at], &c->order[at + 1], (size_t)(c->norder - at - 1) * sizeof(int32_t));
+    c->norder--;
+    Alloc *a = &c->allocs[s->alloc];
+    for (Py_ssize_t k = 0; k < a->nsegs; k++) {
+        if (a->segs[k] == si) {
+            memmove(&a->segs[k], &a->segs[k + 1], (size_t)(a->nsegs - k - 1) * sizeof(int32_t));
+            a->nsegs--;
+            break;
+        }
+    }
+    s->alive = 0;
+    c->reserved -= (long long)s->size;
+}
+
+/* _release_cached: every idle unsplit segment goes back; how many did */
+static int torch_release_cached(Core *c) {
+    int released = 0;
+    for (Py_ssize_t k = 0; k < c->norder;) {
+        int32_t si = c->order[k];
+        if (torch_idle(c, si)) { torch_release(c, si); released++; }
+        else k++;
+    }
+    return released;
+}
+
+/* _grow: the new segment's buffer taken out of the free list; -2 none, -1 error */
+static int32_t torch_grow(Core *c, Py_ssize_t ai, u64 rsize, i64 stream) {
+    u64 seg_size = torch_allocation_size(rsize);
+    int32_t si = torch_new_segment(c, ai, seg_size, stream);
+    if (si == -2 && torch_release_cached(c)) si = torch_new_segment(c, ai, seg_size, stream);
+    if (si < 0) return si;
+    int32_t b = c->segs[si].head;
+    unindex_buf(c, b);
+    return b;
+}
+
+/* the whole malloc of the reference: the address, or -2 after recording an OOM, -1 on error */
+static long long torch_malloc(Core *c, long long raw, i64 stream, PyObject *tag) {
+    u64 rsize = torch_round(c, raw);
+    int small = rsize <= SMALL_SIZE;
+    Py_ssize_t ai = get_alloc(c, stream, 0, small);
+    if (ai < 0) return -1;
+    Alloc *a = &c->allocs[ai];
+    int32_t b;
+    Py_ssize_t at = lower_bound(a, rsize, 0);
+    if (at < a->nkeys) {
+        b = a->keys[at].buf;
+        memmove(&a->keys[at], &a->keys[at + 1], (size_t)(a->nkeys - at - 1) * sizeof(Key));
+        a->nkeys--;
+    } else {
+        b = torch_grow(c, ai, rsize, stream);
+        c->ntrec = 0;
+        if (b == -1) return -1;
+        if (b == -2) {
+            PyObject *s = PyLong_FromLongLong(raw), *st = PyLong_FromLongLong(stream);
+            PyObject *r = (s && st) ? PyObject_CallMethodObjArgs((PyObject *)c, str_record_oom, s, st, tag, NULL) : NULL;
+            Py_XDECREF(s); Py_XDECREF(st);
+            if (!r) return -1;
+            Py_DECREF(r);
+            return -2;
+        }
+    }
+    u64 remaining = c->bufs[b].size - rsize;
+    if ((small ? remaining >= 512 : remaining > SMALL_SIZE) && cut(c, b, rsize) < 0) return -1;
+    c->bufs[b].used = 1;
+    c->allocated += (long long)c->bufs[b].size;
+    if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
+    return (long long)c->bufs[b].addr;
+}
+
+/* ---- Python methods ------------------------------------------------------------------------- */
 
 static int get_u64(PyObject *obj, u64 *out, const char *what) {
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
@@ -421,7 +617,7 @@ static PyObject *Core_malloc(Core *c, PyObject *const *args, Py_ssize_t nargs, P
         stream = PyLong_AsLongLong(stream_obj);
         if (stream == -1 && PyErr_Occurred()) return NULL;
     }
-    long long addr = core_malloc(c, raw, stream, pool, tag);
+    long long addr = c->kind == KIND_TORCH ? torch_malloc(c, raw, stream, tag) : core_malloc(c, raw, stream, pool, tag);
     if (addr == -1) return NULL;
     if (addr == -2) Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong((u64)addr);
@@ -560,7 +756,8 @@ static PyObject *Core_run(Core *c, PyObject *args) {
         Py_XDECREF(size_obj); Py_XDECREF(stream_obj);
         if (!size_obj || !pool || (use_stream && !stream_obj) || PyErr_Occurred()) { Py_DECREF(tag); Py_XDECREF(pool); return NULL; }
         allocs++;
-        long long addr = core_malloc(c, raw, stream, pool, tag);
+        long long addr = c->kind == KIND_TORCH ? torch_malloc(c, raw, stream, tag)
+                                               : core_malloc(c, raw, stream, pool, tag);
         Py_DECREF(tag); Py_DECREF(pool);
         if (addr == -1) return NULL;
         if (addr == -2) { oom = 1; break; }
@@ -582,6 +779,10 @@ static PyObject *Core_run(Core *c, PyObject *args) {
 }
 
 static PyObject *Core_empty_cache(Core *c, PyObject *unused) {
+    if (c->kind == KIND_TORCH) {
+        torch_release_cached(c);
+        Py_RETURN_NONE;
+    }
     for (Py_ssize_t ai = 0; ai < c->nallocs; ai++) {
         /* a copy: releasing edits the allocator's list */
         Alloc *a = &c->allocs[ai];
@@ -600,6 +801,17 @@ static PyObject *Core_note_segment_alloc(Core *c, PyObject *args, PyObject *kwar
     PyObject *addr_obj, *size_obj = NULL, *stream_obj = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO", names, &addr_obj, &size_obj, &stream_obj)) return NULL;
     u64 addr;
+    if (c->kind == KIND_TORCH) {
+        if (addr_obj == Py_None) Py_RETURN_NONE;
+        u64 size = 0;
+        i64 stream = 0;
+        if (get_u64(addr_obj, &addr, "addr") < 0 || (size_obj && get_u64(size_obj, &size, "size") < 0)) return NULL;
+        if (stream_obj && (stream = PyLong_AsLongLong(stream_obj)) == -1 && PyErr_Occurred()) return NULL;
+        if (grow_array((void **)&c->trec, &c->captrec, c->ntrec + 1, sizeof(Recorded)) < 0) return NULL;
+        c->trec[c->ntrec].addr = addr; c->trec[c->ntrec].size = size; c->trec[c->ntrec].stream = stream;
+        c->ntrec++;
+        Py_RETURN_NONE;
+    }
     if (get_u64(addr_obj, &addr, "addr") < 0) return NULL;
     if (c->rec_tail == c->rec_cap) {
         if (c->rec_head > 0) {
@@ -618,6 +830,26 @@ static PyObject *Core_release_segment(Core *c, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO", names, &addr_obj, &size_obj, &stream_obj)) return NULL;
     u64 addr;
     if (get_u64(addr_obj, &addr, "addr") < 0) return NULL;
+    if (c->kind == KIND_TORCH) {
+        /* the recorded segment if idle here, else an idle one of the same size and stream */
+        u64 size = 0;
+        i64 stream = 0;
+        if ((size_obj && get_u64(size_obj, &size, "size") < 0)) return NULL;
+        if (stream_obj && (stream = PyLong_AsLongLong(stream_obj)) == -1 && PyErr_Occurred()) return NULL;
+        Py_ssize_t at = order_search(c, addr);
+        if (at < c->norder && c->segs[c->order[at]].addr == addr && torch_idle(c, c->order[at])) {
+            torch_release(c, c->order[at]);
+            Py_RETURN_NONE;
+        }
+        for (Py_ssize_t k = 0; k < c->norder; k++) {
+            Seg *seg = &c->segs[c->order[k]];
+            if (seg->size == size && seg->stream == stream && torch_idle(c, c->order[k])) {
+                torch_release(c, c->order[k]);
+                break;
+            }
+        }
+        Py_RETURN_NONE;
+    }
     for (Py_ssize_t ai = 0; ai < c->nallocs; ai++) {
         Alloc *a = &c->allocs[ai];
         for (Py_ssize_t k = 0; k < a->nsegs; k++) {
@@ -639,7 +871,10 @@ static PyObject *Core_largest_free(Core *c, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(best);
 }
 
-static const char *pool_name(Alloc *a) { return a->persistent ? "persistent" : (a->small ? "small" : "common"); }
+static const char *pool_name(Core *c, Alloc *a) {
+    if (c->kind == KIND_TORCH) return a->small ? "small" : "large";
+    return a->persistent ? "persistent" : (a->small ? "small" : "common");
+}
 
 /* [(addr, size, stream, pool, [(addr, size, used), ...]), ...] for every segment, allocator order */
 static PyObject *Core_segments(Core *c, PyObject *unused) {
@@ -657,7 +892,7 @@ static PyObject *Core_segments(Core *c, PyObject *unused) {
                 if (!t || PyList_Append(blocks, t) < 0) { Py_XDECREF(t); Py_DECREF(blocks); goto fail; }
                 Py_DECREF(t);
             }
-            PyObject *seg = Py_BuildValue("(KKLsN)", s->addr, s->size, (long long)s->stream, pool_name(a), blocks);
+            PyObject *seg = Py_BuildValue("(KKLsN)", s->addr, s->size, (long long)s->stream, pool_name(c, a), blocks);
             if (!seg || PyList_Append(out, seg) < 0) { Py_XDECREF(seg); goto fail; }
             Py_DECREF(seg);
         }
@@ -702,6 +937,18 @@ static PyObject *Core_add_segment(Core *c, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* forget every segment and buffer (torch's restore starts from nothing); peaks stay */
+static PyObject *Core_reset(Core *c, PyObject *unused) {
+    for (Py_ssize_t i = 0; i < c->nallocs; i++) { PyMem_Free(c->allocs[i].segs); PyMem_Free(c->allocs[i].keys); }
+    PyMem_Free(c->allocs); c->allocs = NULL; c->nallocs = 0;
+    c->nsegs = 0; c->nbufs = 0; c->free_slot = -1; c->norder = 0; c->ntrec = 0;
+    c->rec_head = c->rec_tail = 0;
+    for (Py_ssize_t i = 0; i < c->hcap; i++) c->hkeys[i] = EMPTY_KEY;
+    c->hcount = 0;
+    c->reserved = c->allocated = 0;
+    Py_RETURN_NONE;
+}
+
 /* set_memory(init_size=): two blocks of ``half`` bytes (persistent, then common, stream 0) */
 static PyObject *Core_pregrow(Core *c, PyObject *arg) {
     u64 half;
@@ -717,12 +964,19 @@ static PyObject *Core_pregrow(Core *c, PyObject *arg) {
 
 /* ---- type ----------------------------------------------------------------------------------- */
 static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"capacity", "increase_size", "grow_add", "small_pool", "idle_order", NULL};
+    static char *names[] = {"capacity", "increase_size", "grow_add", "small_pool", "idle_order", "kind",
+                            "divisions", NULL};
     PyObject *capacity = Py_None;
     unsigned long long increase = 1ULL << 30;
     int grow_add = 0, small_pool = 0, idle_order = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OKppp", names, &capacity, &increase, &grow_add,
-                                     &small_pool, &idle_order)) return -1;
+    const char *kind = "mindspore";
+    unsigned int divisions = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OKpppsI", names, &capacity, &increase, &grow_add,
+                                     &small_pool, &idle_order, &kind, &divisions)) return -1;
+    if (strcmp(kind, "torch") == 0) c->kind = KIND_TORCH;
+    else if (strcmp(kind, "mindspore") == 0) c->kind = KIND_MINDSPORE;
+    else { PyErr_Format(PyExc_ValueError, "kind must be 'mindspore' or 'torch', got %s", kind); return -1; }
+    c->divisions = divisions;
     c->bounded = capacity != Py_None;
     if (c->bounded) {
         long long cap = PyLong_AsLongLong(capacity);
@@ -744,6 +998,7 @@ static void Core_dealloc(Core *c) {
     for (Py_ssize_t i = 0; i < c->nallocs; i++) { PyMem_Free(c->allocs[i].segs); PyMem_Free(c->allocs[i].keys); }
     PyMem_Free(c->allocs); PyMem_Free(c->segs); PyMem_Free(c->bufs);
     PyMem_Free(c->hkeys); PyMem_Free(c->hvals); PyMem_Free(c->rec);
+    PyMem_Free(c->order); PyMem_Free(c->trec);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -765,6 +1020,7 @@ static PyMethodDef Core_methods[] = {
     {"_segments", (PyCFunction)Core_segments, METH_NOARGS, "every segment with its buffers"},
     {"_add_segment", (PyCFunction)Core_add_segment, METH_VARARGS, "restore one recorded segment"},
     {"_pregrow", (PyCFunction)Core_pregrow, METH_O, "set_memory(init_size=2*half)"},
+    {"_reset", (PyCFunction)Core_reset, METH_NOARGS, "forget every segment and buffer"},
     {NULL}
 };
 
@@ -777,12 +1033,17 @@ static PyMemberDef Core_members[] = {
     {NULL}
 };
 
+static PyGetSetDef Core_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL}
+};
+
 static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "ms_memopt.allocators._fastpool.MindSporePoolCore",
+    .tp_name = "ms_memopt.allocators._fastpool.ModelCore",
     .tp_basicsize = sizeof(Core),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "MindSpore pool model state and hot path in C (see ms_memopt/allocators/fast.py)",
+    .tp_doc = "Allocator model state and hot path in C (kind: mindspore or torch) (see ms_memopt/allocators/fast.py)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Core_init,
     .tp_dealloc = (destructor)Core_dealloc,
@@ -790,6 +1051,7 @@ static PyTypeObject CoreType = {
     .tp_clear = (inquiry)Core_clear,
     .tp_methods = Core_methods,
     .tp_members = Core_members,
+    .tp_getset = Core_getset,
     .tp_dictoffset = offsetof(Core, dict),
 };
 
@@ -813,6 +1075,6 @@ PyMODINIT_FUNC PyInit__fastpool(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&CoreType);
-    if (PyModule_AddObject(m, "MindSporePoolCore", (PyObject *)&CoreType) < 0) { Py_DECREF(&CoreType); Py_DECREF(m); return NULL; }
+    if (PyModule_AddObject(m, "ModelCore", (PyObject *)&CoreType) < 0) { Py_DECREF(&CoreType); Py_DECREF(m); return NULL; }
     return m;
 }

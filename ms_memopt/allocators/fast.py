@@ -12,6 +12,8 @@ name                 fast class                       reference
 ==================== ================================ =========================================
 ``mindspore``        :class:`FastMindSporePool`       :class:`~.mindspore.MindSporePool`
 ``mindspore-bestfit`` :class:`FastMindSporeBestFitPool` :class:`~.mindspore.MindSporeBestFitPool`
+``torch``            :class:`FastTorchCachingAllocator` :class:`~.torch.TorchCachingAllocator`
+                     (without ``max_split_size_mb``: that option runs the reference)
 ==================== ================================ =========================================
 
 Example:
@@ -27,23 +29,38 @@ import os
 from ..layout import Block, Layout, Segment
 from .base import AllocatorModel
 from .mindspore import check_options, initial_block, restore_pieces
+from .torch import check_divisions, is_small_segment, merged_blocks
 
-__all__ = ["AVAILABLE", "FAST_MODELS", "FastMindSporePool", "FastMindSporeBestFitPool"]
+__all__ = ["AVAILABLE", "FAST_MODELS", "batch_runner", "FastMindSporePool", "FastMindSporeBestFitPool", "FastTorchCachingAllocator"]
 
 try:
-    from ._fastpool import MindSporePoolCore
+    from ._fastpool import ModelCore
 except ImportError:          # not built (a source tree without ``pip install``): pure Python only
-    MindSporePoolCore = None
+    ModelCore = None
 
 #: whether the compiled fast path is built and allowed (``MS_MEMOPT_PURE_PYTHON`` unset)
-AVAILABLE = MindSporePoolCore is not None and not os.environ.get("MS_MEMOPT_PURE_PYTHON")
+AVAILABLE = ModelCore is not None and not os.environ.get("MS_MEMOPT_PURE_PYTHON")
 
-#: model name -> fast class (what :func:`~ms_memopt.allocators.create` uses when AVAILABLE)
+#: model name -> fast class (what :func:`~ms_memopt.allocators.create` uses when AVAILABLE and
+#: the class ``supports`` the options)
 FAST_MODELS: dict[str, type] = {}
 
-if MindSporePoolCore is not None:
 
-    class FastMindSporePool(MindSporePoolCore, AllocatorModel):
+
+def batch_runner(model: AllocatorModel):
+    """The model's ``_run`` (a stretch of allocs and frees in one call, see ``_fastpool.c``),
+    or ``None``: not a compiled model, or one whose ``malloc``/``free`` a caller has wrapped on
+    the instance (the wrapper must see every call)."""
+    run = getattr(model, "_run", None)
+    if run is None:
+        return None
+    patched = getattr(model, "__dict__", {})
+    return None if "malloc" in patched or "free" in patched else run
+
+
+if ModelCore is not None:
+
+    class FastMindSporePool(ModelCore, AllocatorModel):
         """:class:`~ms_memopt.allocators.mindspore.MindSporePool` in C; same arguments.
 
         ``malloc``, ``free``, ``empty_cache``, ``note_segment_alloc``, ``release_segment`` and
@@ -54,12 +71,16 @@ if MindSporePoolCore is not None:
         name = "mindspore"
         default_tie = "address"
 
+        @staticmethod
+        def supports(options: dict) -> bool:
+            return True
+
         def __init__(self, capacity: int | None = None, increase_size: int = 1 << 30, init_size: int = 0,
                      pregrow: bool = False, grow: str = "double", small_pool: bool = False,
                      tie: str | None = None) -> None:
             self.tie = tie = check_options(increase_size, grow, tie or self.default_tie)
             half = initial_block(capacity, init_size, pregrow)
-            MindSporePoolCore.__init__(self, capacity, int(increase_size), grow == "add", bool(small_pool),
+            ModelCore.__init__(self, capacity, int(increase_size), grow == "add", bool(small_pool),
                                        tie == "idle_order")
             AllocatorModel.__init__(self, capacity)
             self.increase_size = int(increase_size)
@@ -87,4 +108,34 @@ if MindSporePoolCore is not None:
         name = "mindspore-bestfit"
         default_tie = "idle_order"
 
-    FAST_MODELS.update({"mindspore": FastMindSporePool, "mindspore-bestfit": FastMindSporeBestFitPool})
+    class FastTorchCachingAllocator(ModelCore, AllocatorModel):
+        """:class:`~ms_memopt.allocators.torch.TorchCachingAllocator` in C, without
+        ``max_split_size_mb`` (see :meth:`supports`)."""
+
+        name = "torch"
+
+        @staticmethod
+        def supports(options: dict) -> bool:
+            return options.get("max_split_size_mb") is None
+
+        def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
+                     roundup_power2_divisions: int | None = None) -> None:
+            if max_split_size_mb is not None:
+                raise ValueError("max_split_size_mb runs the pure-Python model (create() picks it)")
+            check_divisions(roundup_power2_divisions)
+            ModelCore.__init__(self, capacity, kind="torch", divisions=roundup_power2_divisions or 0)
+            AllocatorModel.__init__(self, capacity)
+            self.max_split_size = None
+            self.divisions = roundup_power2_divisions or 0
+
+        def restore(self, layout: Layout) -> None:
+            """Start from ``layout`` (as the reference's :meth:`restore`)."""
+            self._reset()
+            for seg in sorted(layout.segments, key=lambda s: s.addr):
+                self._add_segment(seg.addr, seg.size, seg.stream, False, is_small_segment(seg), merged_blocks(seg))
+            self._note_usage()
+
+        layout = FastMindSporePool.layout
+
+    FAST_MODELS.update({"mindspore": FastMindSporePool, "mindspore-bestfit": FastMindSporeBestFitPool,
+                        "torch": FastTorchCachingAllocator})

@@ -105,6 +105,18 @@ def is_small_segment(seg: Segment) -> bool:
     says, else a segment of exactly :data:`SMALL_BUFFER` bytes (2 MiB)."""
     return seg.pool == "small" if seg.pool in ("small", "large") else seg.size == SMALL_BUFFER
 
+def merged_blocks(seg: Segment) -> list[tuple[int, int, bool]]:
+    """``(addr, size, live)`` of a recorded segment's blocks in order, free neighbours merged
+    (one free block when the segment lists none)."""
+    out: list[tuple[int, int, bool]] = []
+    for b in seg.blocks or [Block(seg.addr, seg.size, False)]:
+        if out and not b.live and not out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1] + b.size, False)
+        else:
+            out.append((b.addr, b.size, b.live))
+    return out
+
+
 class TorchCachingAllocator(AllocatorModel):
     """PyTorch's caching allocator; see the module docstring for the rules.
 
@@ -351,16 +363,13 @@ class TorchCachingAllocator(AllocatorModel):
             insort(self._segment_addrs, seg.addr)
             self.reserved += seg.size
             prev = None
-            for b in seg.blocks or [Block(seg.addr, seg.size, False)]:
-                if prev is not None and not b.live and not self._blocks[prev][_LIVE]:
-                    self._blocks[prev][_SIZE] += b.size      # merge free neighbours
-                    continue
-                self._blocks[b.addr] = [b.size, prev, None, b.live, free_list]
+            for addr, size, live in merged_blocks(seg):
+                self._blocks[addr] = [size, prev, None, live, free_list]
                 if prev is not None:
-                    self._blocks[prev][_NEXT] = b.addr
-                prev = b.addr
-                if b.live:
-                    self.allocated += b.size
+                    self._blocks[prev][_NEXT] = addr
+                prev = addr
+                if live:
+                    self.allocated += size
             addr = seg.addr
             while addr is not None:
                 block = self._blocks[addr]

@@ -34,6 +34,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", metavar="SIZE", default=None,
                         help="device memory the pool may reserve, e.g. 64GB, 96GiB (default: unbounded)")
     parser.add_argument("--format", default=None, choices=list(FORMATS), help="skip format detection")
+    parser.add_argument("--policy", default="baseline", choices=("baseline", "compact", "pool"),
+                        help="what-if: compact at the recording's step ends, or pool mode with regions sized "
+                             "from the recording (needs --capacity); default baseline (docs/traces.md)")
+    parser.add_argument("--compact-every", type=int, default=1, metavar="N",
+                        help="with --policy compact: every N-th step event (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (sizes in bytes)")
     parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when any request ran out of memory")
     parser.add_argument("--export-memory-viz", metavar="FILE", default=None,
@@ -50,6 +55,18 @@ def default_allocator(trace) -> str:
     if trace.meta.get("pool") == POOL_NAME:
         return "mindspore-bestfit"
     return "mindspore"
+
+
+def _policy_lines(policy: dict) -> list[str]:
+    if policy.get("name") == "compact":
+        return [f"policy           compact every {policy['every']} step(s): {policy['compactions']} compactions, "
+                f"{format_size(policy['bytes_moved'])} moved; frag before {_ratio(policy['frag_before_max'])} "
+                f"-> after {_ratio(policy['frag_after_max'])} (worst)"]
+    if policy.get("name") == "pool":
+        regions = ", ".join(f"{k} {format_size(v)}" for k, v in policy["regions"].items())
+        return [f"policy           pool mode: {regions} ({policy['long_lived']:,} long-lived tensors; sized "
+                "from this recording, a best case)"]
+    return []
 
 
 def _finite(value):
@@ -86,9 +103,14 @@ def run(args: argparse.Namespace) -> int:
                          "take; use `ms-memopt simulate RECIPE --policy pool`, or replay with "
                          "--allocator mindspore, mindspore-vmm, torch or torch-expandable",
                          key="--allocator")
-    model = create(name, capacity)
     try:
-        result = replay(trace, model)
+        if args.policy == "baseline":
+            result = replay(trace, create(name, capacity))
+        else:
+            from ..whatif import replay_policy
+
+            result = replay_policy(trace, args.policy, allocator=name, capacity=capacity,
+                                   compact_every=args.compact_every)
     except NotImplementedError as exc:  # e.g. a model that cannot start from a snapshot's state
         raise InputError(f"{exc}; this trace starts from a recorded state, try --allocator "
                          f"{'torch' if trace.format == 'torch-snapshot' else 'mindspore'}",
@@ -120,6 +142,7 @@ def _human(out: dict, result) -> str:
     kinds = {}
     for oom in result.ooms:
         kinds[oom.kind] = kinds.get(oom.kind, 0) + 1
+    policy = out.get("policy") or {}
     lines = [
         f"trace            {out['trace']} ({out['format']}, {out['events']:,} events, {out['allocs']:,} allocs)",
         f"allocator        {out['allocator']}, capacity "
@@ -129,6 +152,7 @@ def _human(out: dict, result) -> str:
         f"final allocated  {format_size(out['final_allocated'])}",
         f"final reserved   {format_size(out['final_reserved'])}",
         f"segments         {out['segment_allocs']:,} allocated from the device",
+        *_policy_lines(policy),
         f"OOMs             {len(result.ooms)}"
         + (" (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")" if kinds else ""),
     ]

@@ -57,8 +57,9 @@ from mindspore.train import Callback
 from ..arena import Arena
 from ..metrics import measure
 from ..errors import InputError
-from ..scan import SCAN_LOG_NAME, ScanLog, check_forecast_within
+from ..scan import SCAN_LOG_NAME, ScanLog, check_forecast_within, record_mark, recording
 from .cells import training_parts
+from .pool_log_source import wait_for_queued_ops
 
 __all__ = ["live_compact", "LiveCompactionReport", "register", "unregister", "registered",
            "long_lived_tensors", "CompactionCallback", "StoreBarrier", "BarrierTimeout",
@@ -546,6 +547,7 @@ class CompactionCallback(Callback):
 
     def _compact(self, step: int, rank: int, network: Any, optimizer: Any) -> dict:
         pool_before = measure(self.layout_fn()) if self.layout_fn is not None else None
+        record_mark("compaction_begin")      # only under ms-memopt record: the pool log's window
         t0 = time.perf_counter()
         arena_reports = [a.compact() for a in self.arenas]
         live_report = None
@@ -554,6 +556,9 @@ class CompactionCallback(Callback):
             if tensors:
                 live_report = live_compact(tensors, verify=self.verify)
         seconds = time.perf_counter() - t0
+        if recording():
+            wait_for_queued_ops()      # the pool calls the compaction queued come before its end mark
+        record_mark("compaction_end")
         pool_after = measure(self.layout_fn()) if self.layout_fn is not None else None
         # the record's before/after figures are the most fragmented arena's (all are listed)
         worst = max(arena_reports, key=lambda r: (r.frag_ratio_before is not None, r.frag_ratio_before or 0.0),

@@ -12,14 +12,24 @@ Example:
 """
 from __future__ import annotations
 
-import mindspore as ms
-
 from .. import poolcapture
 from ..layout import Layout
 from ..poolcapture import PoolLogCapture
 from ..scan import Reading, Source
 
-__all__ = ["PoolLogSource"]
+__all__ = ["PoolLogSource", "wait_for_queued_ops"]
+
+
+def wait_for_queued_ops() -> None:
+    """Let MindSpore's PyNative launch pipeline finish what it queued: those ops have not
+    reached the pool (nor its log) yet. ``mindspore.runtime.synchronize()`` refuses CPU (it
+    logs an error and returns), so this uses the PyNative executor's own ``sync``, the call
+    MindSpore makes before it reads a tensor back."""
+    try:
+        from mindspore.graph.api import _pynative_executor
+    except ImportError:      # other MindSpore releases keep it in mindspore.common.api
+        from mindspore.common.api import _pynative_executor
+    _pynative_executor.sync()
 
 
 class PoolLogSource(Source):
@@ -38,7 +48,7 @@ class PoolLogSource(Source):
                 f"VLOG_v={poolcapture.VLOG_LEVEL} log in {self.capture.path}")
 
     def layout(self) -> Layout:
-        ms.runtime.synchronize()     # ops still queued in MindSpore's pipeline have not hit the pool yet
+        wait_for_queued_ops()
         self.capture.poll()
         return self.capture.parser.layout()
 

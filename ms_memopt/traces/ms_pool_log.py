@@ -44,7 +44,8 @@ numbers of the first skipped lines. Lines of several processes are told apart by
 the prefix; the process with the most pool lines is read (``meta["pool_log"]["pids"]``).
 
 A line ``ms-memopt step N`` (written by :class:`ms_memopt.mindspore.LayoutScanCallback`
-under ``ms-memopt record``) becomes a ``step`` event.
+under ``ms-memopt record``) becomes a ``step`` event, ``ms-memopt mark TAG`` a ``mark`` event
+(``CompactionCallback`` writes ``compaction_begin`` / ``compaction_end``).
 
 Example:
     >>> parser = PoolLogParser()
@@ -76,8 +77,10 @@ FORMAT = "mindspore-pool-log"
 POOL_NAME = "DynamicMemPoolBestFit"
 #: ``trace.meta["pool"]`` of a recording of Ascend's default pool: replay picks ``mindspore``
 ASCEND_POOL_NAME = "AbstractDynamicMemPool"
-#: what LayoutScanCallback prints at a step end while recorded (``ms-memopt step 12``)
+#: what LayoutScanCallback prints at a step end while recorded (``ms-memopt step 12``); marks
+#: (``ms-memopt mark compaction_begin``) come from :func:`ms_memopt.scan.record_mark`
 STEP_LINE = "ms-memopt step"
+_MARK_LINE = "ms-memopt mark"
 _ALIGN = 512
 
 # the message markers: a line holding one of these is a pool line and must parse in full
@@ -109,6 +112,7 @@ _ASCEND_RETURN = re.compile(_PREFIX + r'Allocate tensor mem, return : \{"addr_":
                             r'"eager_free_size_":\d+\}\.\s*$')
 _ASCEND_FREE = re.compile(_PREFIX + r"Do free tensor mem : (?P<addr>0x[0-9a-fA-F]+), return : (?P<ok>[01]|true|false)\.")
 _STEP = re.compile(r"^ms-memopt step (?P<step>\d+)\s*$")
+_MARK = re.compile(r"^ms-memopt mark (?P<tag>[\w.:-]+)\s*$")
 _MAX_NOTED = 20             # line numbers of skipped lines kept for the report
 _SNIFF_LINES = 2000
 
@@ -204,6 +208,10 @@ class PoolLogParser:
             step = _STEP.match(line)
             if step:
                 return [Event("step", step=int(step.group("step")))]
+        elif line.startswith(_MARK_LINE):
+            mark = _MARK.match(line)
+            if mark:
+                return [Event("mark", tag=mark.group("tag"))]
         return []
 
     def feed_all(self, lines: Iterable[str]) -> Iterator[Event]:
