@@ -191,3 +191,26 @@ def test_no_old_style_callback_method_names(monkeypatch):
 
 def test_dtype_sizes_from_the_current_api():
     assert [_itemsize(t) for t in (ms.float32, ms.float16, ms.bfloat16, ms.int64, ms.uint8)] == [4, 2, 2, 8, 1]
+
+
+def test_pool_mode_estimates_activations_from_a_model_config():
+    """A network with a MindFormers-style ``config`` (flat keys, read by the recipe reader) gets an
+    activation region without an explicit estimator."""
+    from ms_memopt.estimate import layer_activation_bytes, layer_input_bytes
+    from ms_memopt.mindspore.pool_mode import config_activation_estimator
+    from ms_memopt.recipe import recipe_from_dict
+
+    class Config(dict):
+        def to_dict(self):
+            return dict(self)
+
+    config = Config(num_layers=LAYERS, hidden_size=DIM, num_heads=2, seq_length=4, vocab_size=16,
+                    intermediate_size=16, compute_dtype="float32", param_init_type="float32",
+                    parallel_config={"data_parallel": 1})     # nested sections are skipped
+    net = Net()
+    net.config = config
+    plan = enable_pool_mode(net, checkpoint_every=2, batch_size=BATCH)
+    model = recipe_from_dict({"model": {"model_config": {k: v for k, v in config.items() if k != "parallel_config"}}}).model
+    assert config_activation_estimator(config)(BATCH) == (layer_activation_bytes(model, seq=4, micro_batch=BATCH),
+                                                          layer_input_bytes(model, seq=4, micro_batch=BATCH))
+    assert plan.region("activations").size > 0

@@ -18,7 +18,8 @@ here and handed to ``Trainer(model=...)``):
 
 ``entry`` does what MindFormers' ``run_mindformer.py`` does with ``--register_path``
 (``run_mindformer.py`` is not in the mindformers wheel): ``REGISTER_PATH`` set and the folder
-on ``sys.path``, then ``MindFormerConfig(yaml)``, ``build_context``, ``Trainer(config).train()``.
+on ``sys.path``, then ``MindFormerConfig(yaml)`` (which applies MindFormers' config template in
+2.0.0), ``set_output_path``, ``build_context``, ``Trainer(config).train()``.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def train_run(name: str, mode: int, out: Path) -> dict:
     model = _model(config)
     result: dict = {"name": name}
     if "pool" in name:
-        plan = enable_pool_mode(model, checkpoint_every=1)
+        plan = enable_pool_mode(model, checkpoint_every=1, batch_size=BATCH)   # activations from model.config
         result["pool_regions"] = {r.name: r.size for r in plan.regions}
     optimizer = None
     if name.startswith("fused"):
@@ -139,7 +140,7 @@ def main_trainer(mode: int, out: Path) -> None:
         try:
             results[name] = train_run(name, mode, out)
         except Exception as exc:  # reported to the test, which names the run
-            results[name] = {"name": name, "error": f"{type(exc).__name__}: {exc}"[:4000]}
+            results[name] = {"name": name, "error": f"{type(exc).__name__}: {exc}"[:20000]}
             print(f"run {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         (out / "result.json").write_text(json.dumps(results, default=str))
 
@@ -153,14 +154,12 @@ def main_entry(mode: int, out: Path) -> None:
         sys.path.append(folder)
     from mindformers import Trainer
     from mindformers.core.context import build_context
-    from mindformers.tools import set_output_path
-    from mindformers.utils.config import ConfigTemplate
+    from mindformers.utils.file_utils import set_output_path
     config = load_config(mode, out)
     config.train_dataset.data_loader.dataset_dir = str(write_mindrecord(out / "tokens.mindrecord"))
     for entry in config.callbacks:          # the YAML's log_dir, under this run's output folder
         if "log_dir" in entry:
             entry["log_dir"] = str(out / "memlog")
-    config = ConfigTemplate.apply_template(config)
     set_output_path(config.output_dir)
     build_context(config)
     import mindspore as ms
