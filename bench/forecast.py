@@ -10,7 +10,8 @@ samples through three warning rules, checked every ``--check-every`` steps (a sc
 (b) ``margin``: the smallest ``largest_free`` seen before the watched request since the last
     check is below ``(1 + margin)`` times it (the ``compact`` policy's earlier trigger, 0.5);
 (c) ``forecast``: :class:`ms_memopt.forecast.Forecaster` fed the same samples (and the memory
-    in use after each optimizer step) warns within ``H`` steps at confidence ``level``.
+    in use after each optimizer step) warns within ``H`` steps at confidence ``level``, with
+    windows of 5 or 10 steps (setting ``forecast:WINDOW:LEVEL:H``).
 
 For each rule: the share of OOM runs warned in time (a first warning at least one check before
 the OOM), the median lead in steps (OOM step - first warning), the false-alarm rate (runs that
@@ -55,6 +56,8 @@ FRAG_THRESHOLDS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0)
 MARGINS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 LEVELS = (0.8, 0.9, 0.95)
 HORIZONS = (25, 50, 100, 150, 200)
+WINDOWS = (5, 10)          # steps per window of the forecast (6 windows before the first forecast)
+FORECASTS = [f"forecast:{w}:{l}:{h}" for w in WINDOWS for l in LEVELS for h in HORIZONS]
 TODAY = {"frag_ratio": 3.0, "margin": 0.5}
 
 
@@ -100,7 +103,8 @@ def _replay(rows: list[dict], request: int, check_every: int, steps: int) -> tup
     estimated at that first warning."""
     first: dict[str, int | None] = {}
     predicted: dict[str, int | None] = {}
-    forecasters = {level: Forecaster(request, level=level) for level in LEVELS}
+    forecasters = {(window, level): Forecaster(request, window=window, level=level)
+                   for window in WINDOWS for level in LEVELS}
     frag_max, watch_min = None, None
 
     def warn(key: str, step: int, when: bool, estimate: int | None = None) -> None:
@@ -126,10 +130,10 @@ def _replay(rows: list[dict], request: int, check_every: int, steps: int) -> tup
             warn(f"frag_ratio:{threshold}", step, frag_max is not None and frag_max > threshold)
         for margin in MARGINS:
             warn(f"margin:{margin}", step, watch_min is not None and watch_min < request * (1 + margin))
-        for level, f in forecasters.items():
+        for (window, level), f in forecasters.items():
             fc = f.forecast()
             for horizon in HORIZONS:
-                warn(f"forecast:{level}:{horizon}", step, fc.warns(horizon), fc.step)
+                warn(f"forecast:{window}:{level}:{horizon}", step, fc.warns(horizon), fc.step)
         frag_max, watch_min = None, None
     return first, predicted
 
@@ -202,6 +206,7 @@ def main() -> None:
                         help="a warning in a run's last CENSOR steps is no false alarm (default 150)")
     parser.add_argument("--min-lead", type=int, default=10, help="a warning in time comes this many steps early")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--save", metavar="FILE", help="write every run's first warnings as JSON")
     parser.add_argument("--full", action="store_true", help="the full study (1000 steps, more seeds and variants)")
     args = parser.parse_args()
     steps = args.steps or (1000 if args.full else 600)
@@ -216,14 +221,15 @@ def main() -> None:
         for seed in (calib[:1] + evals[:1]) if deterministic else calib + evals:
             jobs.append((label, args.recipe, spec_changes, cfg_changes, seed, steps, args.check_every))
     runs = _run_all(jobs, args.workers)
+    if args.save:
+        Path(args.save).write_text(json.dumps(runs))
     calib_runs = [r for r in runs if r["seed"] in calib]
     eval_runs = [r for r in runs if r["seed"] in evals]
     kw = {"min_lead": args.min_lead, "censor": args.censor}
 
     chosen = {"frag_ratio": calibrate(calib_runs, "frag_ratio", [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS], **kw),
               "margin": calibrate(calib_runs, "margin", [f"margin:{m}" for m in MARGINS], **kw),
-              "forecast": calibrate(calib_runs, "forecast",
-                                    [f"forecast:{l}:{h}" for l in LEVELS for h in HORIZONS], **kw)}
+              "forecast": calibrate(calib_runs, "forecast", FORECASTS, **kw)}
     today = {rule: f"{rule}:{value}" for rule, value in TODAY.items()}
 
     print(f"{len(runs)} runs of {steps} steps, checks every {args.check_every} steps; calibration seeds {calib}, "
@@ -244,9 +250,19 @@ def main() -> None:
                 table[f"{key} [{seeds_name}]"] = s
                 print(f"{key + ' (' + name + ')':<34} {seeds_name:<6} {_fmt(s)}")
     print(f"\nsweep on the evaluation seeds (for reference; the settings above were chosen on calibration seeds)")
-    for key in [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS] + [f"margin:{m}" for m in MARGINS] + \
-               [f"forecast:{l}:{h}" for l in LEVELS for h in HORIZONS]:
+    for key in [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS] + [f"margin:{m}" for m in MARGINS] + FORECASTS:
         print(f"  {key:<32} {_fmt(score(eval_runs, key, **kw))}")
+    print("\nlongest median lead among settings without a false alarm (evaluation seeds; a rule's "
+          "lead at its own false-alarm rate is not comparable)")
+    best_clean = {}
+    for rule, keys in (("frag_ratio", [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS]),
+                       ("margin", [f"margin:{m}" for m in MARGINS]), ("forecast", FORECASTS)):
+        clean = [(score(eval_runs, k, **kw), k) for k in keys]
+        clean = [(sc, k) for sc, k in clean if sc["false_alarm_rate"] == 0 and sc["warned_share"]]
+        sc, key = max(clean, key=lambda c: (c[0]["warned_share"], c[0]["median_lead_steps"] or 0),
+                      default=(None, None))
+        best_clean[rule] = None if sc is None else {"setting": key, **sc}
+        print(f"  {rule:<12} " + ("no setting without false alarms" if sc is None else f"{key:<26} {_fmt(sc)}"))
     seconds = time.perf_counter() - started
     print(f"\n{len(runs)} runs in {seconds:.0f} s")
     rules = {"frag_ratio": score(eval_runs, today["frag_ratio"], **kw),
@@ -257,6 +273,7 @@ def main() -> None:
                                    "forecast": chosen["forecast"]},
                       "calibrated_baselines": {rule: {"setting": chosen[rule], **score(eval_runs, chosen[rule], **kw)}
                                                for rule in ("frag_ratio", "margin")},
+                      "best_without_false_alarms": best_clean,
                       "calibration_seeds": calib, "evaluation_seeds": evals, "steps": steps,
                       "check_every": args.check_every, "censor": args.censor, "min_lead": args.min_lead,
                       "runs": len(runs), "seconds": round(seconds, 1)}))

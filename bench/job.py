@@ -7,9 +7,11 @@ OOM step is the earliest over its ranks; a policy saves the job only if every ra
 
 * ``--calibrate``: baseline only, job seeds 0..N-1 (``--job-seeds``): the job OOM steps the
   recipe's calibration aims at the field report's step 437.
-* ``--study``: the main runs (baseline, compact, pool; job seeds 0..N-1), the controls (every
-  mechanism off; bounded variation), the ablation (one mechanism off) and the sensitivity
-  checks (capacity +8 GiB, ``seq_align`` halved, 1.5x micro-batches) at job level (job seed 0).
+* ``--study``: the main runs (job seed 0 under baseline, compact and pool, with one stream of
+  each later stage; job seeds 1..N-1 under the baseline), the controls (every mechanism off:
+  one stream, since every stream of a stage is then the same; bounded variation), the ablation
+  (one mechanism off) and the sensitivity checks (capacity +8 GiB, ``seq_align`` halved, 1.5x
+  micro-batches) at job level (job seed 0).
 
 Prints a table, then as the last line one JSON object with every run's job figures.
 
@@ -93,11 +95,15 @@ def main() -> None:
     else:
         parts = set(args.parts.split(","))
         if "main" in parts:
-            jobs += [_job(recipe, s, args.steps, ("baseline", "compact", "pool"), "main", later_stages=True)
-                     for s in seeds]
+            # job seed 0 under every policy (and one stream of each later stage); the other job
+            # seeds under the baseline (the calibration's spread)
+            jobs.append(_job(recipe, 0, args.steps, ("baseline", "compact", "pool"), "main", later_stages=True))
+            jobs += [_job(recipe, s, args.steps, ("baseline",), "main") for s in seeds[1:]]
         if "controls" in parts:
-            jobs.append(_job(recipe, 0, args.steps, ("baseline",), "control: all off",
-                             spec_change=lambda sp: replace(sp, enabled=False)))
+            off = _job(recipe, 0, args.steps, ("baseline",), "control: all off",
+                       spec_change=lambda sp: replace(sp, enabled=False))
+            off.streams = off.streams[:1]     # with every mechanism off the seed changes nothing
+            jobs.append(off)
             jobs.append(_job(recipe, 0, args.steps, ("baseline",), "control: bounded",
                              spec_change=lambda sp: replace(sp, seq_buckets=(2048, 4096, 6144, 8192),
                                                             cache_max_shapes=64)))

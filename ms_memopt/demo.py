@@ -4,10 +4,12 @@
 
 1. ``ms-memopt run recipes/demo_cpu.yaml`` on CPU (MindSpore) into ``OUT/run``;
 2. the 100B recipe's per-card plan (``ms-memopt plan``) into ``OUT/plan``;
-3. the 100B recipe's simulation (baseline, compaction and pool-mode policies; ``--sim-steps``
-   steps and ``--seeds`` seeds, modest so that the whole demo takes a few minutes on 2 cores)
-   into ``OUT/simulation``, plus the pool layout just before the watched AllReduce request at a
-   few steps and at an OOM (the memory map), collected from that same run by a hook;
+3. the 100B recipe's simulation into ``OUT/simulation``: the 16 rank streams of the first
+   pipeline stage under the baseline (``--sim-steps`` steps, on local processes) find the rank
+   the job dies at; that rank is then simulated under the baseline, compaction and pool-mode
+   policies (``--seeds`` job seeds, modest so that the whole demo takes a few minutes on 2
+   cores), with the pool layout just before the watched AllReduce request at a few steps and
+   at an OOM (the memory map), collected from that same run by a hook;
 4. ``OUT/report.md``: the three reports of :func:`ms_memopt.report.build_report` under one
    heading, with every figure and the time each part took.
 
@@ -117,8 +119,9 @@ def _demo(args: argparse.Namespace) -> int:
     scans = big.memopt.scan_every
     # the memory map: a few steps early on (the layout settles within a few hundred steps) and
     # any OOM, taken by the same simulation run
-    collector = LayoutCollector([s for s in (1, scans, 2 * scans) if s <= args.sim_steps])
-    _simulate(big, sim_dir, args.sim_steps, args.seeds, collector)
+    streams = _first_ranks(big, args.sim_steps, args.seeds)
+    collector = LayoutCollector([s for s in (1, scans, 2 * scans) if s <= args.sim_steps], seed=streams[0].seed)
+    _simulate(big, sim_dir, args.sim_steps, streams, collector)
     timings["simulate"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     write_layouts(sim_dir / "layouts.jsonl", collector.snapshots())
@@ -142,18 +145,36 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate(recipe: Recipe, sim_dir: Path, steps: int, seeds: int, on_watch=None) -> dict:
-    """Run the simulator's policies; returns ``policy -> [per-seed result dicts]``."""
-    spec = spec_from_recipe(recipe)
+def _first_ranks(recipe: Recipe, steps: int, seeds: int) -> list:
+    """Per job seed, the rank stream the job dies at (every OOM of the 100B job is on the first
+    pipeline stage), or the closest call when it survives ``steps``."""
+    from .job import job_from_recipe, simulate_jobs
+
+    jobs = [job_from_recipe(recipe, policies=("baseline",), seed=seed, stages=[0], steps=steps)
+            for seed in range(seeds)]
+    streams = []
+    for job, result in zip(jobs, simulate_jobs(jobs)):
+        first = result["baseline"].closest
+        print(f"      job seed {job.seed}: {len(job.streams)} ranks of stage 0, the job "
+              + (f"dies at step {first.result.oom_step}" if result["baseline"].first else f"survives {steps} steps")
+              + f" (rank {first.stream.rank}, stream seed {first.stream.seed})", flush=True)
+        streams.append(first.stream)
+    return streams
+
+
+def _simulate(recipe: Recipe, sim_dir: Path, steps: int, streams: list, on_watch=None) -> dict:
+    """Run the simulator's policies on the given rank streams (one stage's workload each);
+    returns ``policy -> [per-stream result dicts]``."""
     cfg = config_from_recipe(recipe, steps=steps)
+    spec = spec_from_recipe(recipe, stage=streams[0].stage)
     with open(sim_dir / "timeline.jsonl", "w", encoding="utf-8") as timeline:
-        results = simulate(spec, cfg, policies=POLICIES, seeds=list(range(seeds)), timeline=timeline,
+        results = simulate(spec, cfg, policies=POLICIES, seeds=[s.seed for s in streams], timeline=timeline,
                            on_watch=on_watch)
     summary = {policy: [r.to_dict() for r in s.seeds] for policy, s in results.items()}
     (sim_dir / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
     for policy, s in results.items():
         ooms = [r.oom_step for r in s.seeds]
-        print(f"      {policy:<9} OOM steps per seed: {ooms}", flush=True)
+        print(f"      {policy:<9} OOM steps of the job's first rank: {ooms}", flush=True)
     return summary
 
 

@@ -397,10 +397,10 @@ def in_flight_chunks(stage: int, pipeline_stages: int, micro_batches: int, chunk
     if v <= 1:
         return [in_flight_micro_batches(stage, p, m)]
     forwards = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
-    counts = [0] * v
-    for k in range(forwards):
-        counts[(k // p) % v] += 1
-    return counts
+    # forward k runs chunk (k // p) % v: whole blocks of p, then a partial one
+    blocks, partial = divmod(forwards, p)
+    return [p * (blocks // v + (1 if c < blocks % v else 0)) + (partial if blocks % v == c else 0)
+            for c in range(v)]
 
 
 @dataclass(frozen=True)
@@ -464,8 +464,34 @@ def stage_activation_bytes(recipe: Recipe, stage: int, *, checkpoint_every: int 
     recompute or not, communication inputs kept or not, each a prefix or suffix of the stage),
     so the sums are counts times those amounts.
     """
-    model, par, rc = recipe.model, recipe.parallel, recipe.recompute
     k = checkpoint_every if checkpoint_every is not None else recipe.memopt.checkpoint_every
+    return _activations_for(_activation_terms(recipe, stage), k)
+
+
+@dataclass(frozen=True)
+class _ChunkTerms:
+    """What one interleaved chunk of a stage keeps, independent of ``checkpoint_every``."""
+    held: int           # micro-batches in flight
+    layers: int
+    full: int           # layers recompute_config recomputes
+    selective: int
+    kept_sum: int       # activations of the other layers, one micro-batch
+    kept_max: int       # the largest per-layer amount of the chunk
+    group_max: int      # the largest per-layer amount among the other layers
+
+
+@dataclass(frozen=True)
+class _ActivationTerms:
+    chunks: tuple[_ChunkTerms, ...]
+    input_bytes: int
+    extra: float        # the last stage's LM head and MTP layers
+    factor: float
+
+
+def _activation_terms(recipe: Recipe, stage: int) -> _ActivationTerms:
+    """The per-chunk sums of :func:`stage_activation_bytes` (computed once per stage; the
+    recommendation in :func:`estimate` then tries every ``checkpoint_every`` on them)."""
+    model, par, rc = recipe.model, recipe.parallel, recipe.recompute
     chunk_rows = recipe.chunk_layers()
     held = in_flight_chunks(stage, par.pipeline_stage, par.micro_batch_num, len(chunk_rows))
     shape = dict(seq=model.seq_length, micro_batch=recipe.train.batch_size,
@@ -480,54 +506,63 @@ def stage_activation_bytes(recipe: Recipe, stage: int, *, checkpoint_every: int 
                                                   comm_kept=is_comm_kept, moe_layer=is_moe)
         return amounts[key]
 
-    total = 0.0
-    regenerate = 0          # what the backward regenerates on top, once (the largest of the chunks)
-    recomputed = selective_total = 0
+    chunks = []
     for c, row in enumerate(chunk_rows):
         n = row[stage]
         if n <= 0:
             continue
-        m = held[c]
         first = recipe.chunk_first_layer(stage, c)
         full = RecomputeConfig.layers(rc.recompute, stage, n, c)
         selective = RecomputeConfig.layers(rc.select_recompute, stage, n, c)
         comm = n if rc.mp_comm_recompute else RecomputeConfig.layers(rc.select_comm_recompute, stage, n, c)
         # layer j keeps one of eight amounts: selective (j < selective) or not, comm inputs kept
         # (j >= comm) or not, MoE layer or not; each a range, so the sums are counts x amounts
-        kept_sum, kept_max, group_max = 0, None, 0
+        kept_sum, kept_max, group_max = 0, 0, 0
         for is_selective, sel_range in ((True, (0, selective)), (False, (selective, n))):
             for is_comm_kept, comm_range in ((True, (comm, n)), (False, (0, comm))):
                 kind = (max(sel_range[0], comm_range[0]), min(sel_range[1], comm_range[1]))
                 if kind[1] <= kind[0]:
                     continue
                 for is_moe in (False, True):
-                    count_in = _moe_count(model, first, kind, is_moe)
-                    if not count_in:
+                    if not _moe_count(model, first, kind, is_moe):
                         continue
                     value = amount(is_selective, is_comm_kept, is_moe)
-                    kept_max = value if kept_max is None else max(kept_max, value)
+                    kept_max = max(kept_max, value)
                     lo, hi = max(kind[0], full), kind[1]
                     kept = _moe_count(model, first, (lo, hi), is_moe) if hi > lo else 0
                     if kept:
                         kept_sum += value * kept
                         group_max = max(group_max, value)
+        chunks.append(_ChunkTerms(held[c], n, full, selective, kept_sum, kept_max, group_max))
+    extra = 0.0
+    if stage == par.pipeline_stage - 1:
+        extra += logits_bytes(recipe)
+        if model.mtp_layers:       # the MTP layers' own activations, recomputed like the stage's last
+            extra += model.mtp_layers * held[-1] * (inp if rc.recompute else amount(False, False, model.moe is not None))
+    return _ActivationTerms(tuple(chunks), inp, extra, recipe.memopt.activation_factor)
+
+
+def _activations_for(terms: _ActivationTerms, k: int | None) -> _StageActivations:
+    """:func:`stage_activation_bytes` from a stage's terms, with ``checkpoint_every = k``."""
+    inp = terms.input_bytes
+    total = terms.extra
+    regenerate = 0          # what the backward regenerates on top, once (the largest of the chunks)
+    recomputed = selective = 0
+    for ch in terms.chunks:
+        m, n, full = ch.held, ch.layers, ch.full
         grouped = n - full if k is not None else 0
         if grouped > 0:
             total += m * full * inp + recompute_group_bytes(grouped, k, 0, inp, micro_batches=m)
-            regenerate = max(regenerate, min(k, grouped) * group_max)
+            regenerate = max(regenerate, min(k, grouped) * ch.group_max)
             recomputed += n
         else:
-            total += m * (full * inp + kept_sum)
-            if full == n and kept_max is not None:
-                regenerate = max(regenerate, kept_max - inp)
+            total += m * (full * inp + ch.kept_sum)
+            if full == n:
+                regenerate = max(regenerate, ch.kept_max - inp)
             recomputed += full
-        selective_total += selective
+        selective += ch.selective
     total += regenerate
-    if stage == par.pipeline_stage - 1:
-        total += logits_bytes(recipe)
-        if model.mtp_layers:       # the MTP layers' own activations, recomputed like the stage's last
-            total += model.mtp_layers * held[-1] * (inp if rc.recompute else amount(False, False, model.moe is not None))
-    return _StageActivations(int(round(total * recipe.memopt.activation_factor)), recomputed, selective_total)
+    return _StageActivations(int(round(total * terms.factor)), recomputed, selective)
 
 
 def _moe_count(model: ModelConfig, first: int, span: tuple[int, int], is_moe: bool) -> int:
@@ -768,9 +803,9 @@ def estimate(recipe: Recipe) -> Estimate:
         if max(s.total for s in _stages(unchecked, None)) > capacity:
             fixed = [s.total - s.regions["activations"] for s in stages]
             layers = recipe.stage_layers()
+            terms = [_activation_terms(recipe, i) for i in range(len(stages))]
             for k in range(max(layers, default=0), 0, -1):
-                worst = max(f + stage_activation_bytes(recipe, i, checkpoint_every=k, layers=layers[i]).bytes
-                            for i, f in enumerate(fixed))
+                worst = max(f + _activations_for(t, k).bytes for f, t in zip(fixed, terms))
                 if worst <= capacity:
                     recommended = k
                     break

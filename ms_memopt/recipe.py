@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,7 +317,7 @@ class Recipe:
             return self.memopt.device.hbm
         return self.train.max_device_memory
 
-    def chunk_layers(self) -> list[list[int]]:
+    def chunk_layers(self) -> tuple[tuple[int, ...], ...]:
         """Layers of each interleaved chunk (``pp_interleave_num``) on each stage: ``[chunk][stage]``.
 
         With a MindFormers ``offset``, MindFormers' rule: ``num_layers // (stages x chunks)``
@@ -327,25 +329,32 @@ class Recipe:
             ...     "num_heads": 4, "seq_length": 32, "vocab_size": 256, "offset": [1, -1]}},
             ...     "parallel_config": {"pipeline_stage": 2, "micro_batch_num": 2}})
             >>> r.chunk_layers(), r.stage_layers()
-            ([[6, 4]], [6, 4])
+            (((6, 4),), [6, 4])
         """
+        return self._chunk_layers
+
+    @functools.cached_property
+    def _chunk_layers(self) -> tuple[tuple[int, ...], ...]:
         p, v = self.parallel.pipeline_stage, self.model.pp_interleave_num
         base, extra = divmod(self.model.num_layers, p * v)
         if self.model.offset:
-            return [[base + self.model.offset[c][s] for s in range(p)] for c in range(v)]
-        return [[base + (1 if c * p + s >= p * v - extra else 0) for s in range(p)] for c in range(v)]
+            return tuple(tuple(base + self.model.offset[c][s] for s in range(p)) for c in range(v))
+        return tuple(tuple(base + (1 if c * p + s >= p * v - extra else 0) for s in range(p)) for c in range(v))
 
     def stage_layers(self) -> list[int]:
         """Transformer layers on each pipeline stage (all its interleaved chunks)."""
-        chunks = self.chunk_layers()
+        chunks = self._chunk_layers
         return [sum(row[s] for row in chunks) for s in range(self.parallel.pipeline_stage)]
 
     def chunk_first_layer(self, stage: int, chunk: int) -> int:
         """Global index of the first layer of ``chunk`` on ``stage`` (virtual stage
         ``chunk x stages + stage``; layers are consecutive along virtual stages)."""
-        chunks = self.chunk_layers()
-        p = self.parallel.pipeline_stage
-        return sum(chunks[i // p][i % p] for i in range(chunk * p + stage))
+        return self._virtual_starts[chunk * self.parallel.pipeline_stage + stage]
+
+    @functools.cached_property
+    def _virtual_starts(self) -> tuple[int, ...]:
+        """First global layer of each virtual stage (``chunk x stages + stage``)."""
+        return tuple(itertools.accumulate((n for row in self._chunk_layers for n in row), initial=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -706,7 +715,8 @@ def _read_model(r: _Reader, data: dict, notes: list[str]) -> ModelConfig:
         tie = not r.get(mc, "untie_embeddings_and_output_weights",
                         f"{p}.untie_embeddings_and_output_weights", r.boolean, True)
     fp32_residual = r.get(mc, "fp32_residual_connection", f"{p}.fp32_residual_connection", r.boolean, False)
-    interleave = r.get(mc, "pp_interleave_num", f"{p}.pp_interleave_num", pos, 1)
+    interleave = r.get(mc, "pp_interleave_num", f"{p}.pp_interleave_num",
+                       r.integer(minimum=1, maximum=LIMITS["num_layers"]), 1)
     offset = _read_offset(r, mc.get("offset"), f"{p}.offset")
     return ModelConfig(num_layers=num_layers, hidden_size=hidden, num_heads=heads, n_kv_heads=kv_heads,
                        seq_length=seq, vocab_size=vocab, intermediate_size=ffn, ffn_gated=gated,

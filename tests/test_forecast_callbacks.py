@@ -11,7 +11,7 @@ import pytest
 
 from ms_memopt.scan import Reading, ScanLog, Scanner, Source, read_scan_log
 from ms_memopt.simulate import SimConfig, simulate_policy
-from ms_memopt.workload import WorkloadSpec
+from test_simulate import small_spec
 
 MiB = 2**20
 
@@ -117,21 +117,10 @@ def test_model_train_compacts_when_the_forecast_warns(tmp_path):
         CompactionCallback(every=1, when_forecast_within=10)
 
 
-def _declining_spec(**kw) -> WorkloadSpec:
-    base = dict(layers=4, micro_batches=6, in_flight=3, seq_length=1024, param_bytes=4 * MiB,
-                grad_bytes=8 * MiB, optimizer_bytes=24 * MiB, activation_bytes=3 * MiB,
-                workspace_bytes=4 * MiB, p2p_bytes=64 * 1024, allreduce_bytes=12 * MiB,
-                seq_min=256, seq_max=1024, seq_align=1, cache_bytes_per_shape=64 * 1024,
-                cache_tensors=4, extra_probability=0.1, extra_size=MiB, comm_jitter=0.3,
-                long_tail=0.3, seq_distribution="uniform")
-    base.update(kw)
-    return WorkloadSpec(**base)
-
-
 def test_compact_policy_compacts_on_the_forecast_and_survives():
     """The tight small card: the baseline dies; the forecast-triggered ``compact`` policy (no
     periodic compaction) compacts where its forecast warned and lives longer."""
-    spec = _declining_spec()
+    spec = small_spec()
     cfg = SimConfig(steps=300, capacity=120 * MiB, allocator="mindspore", allocator_options={"pregrow": True},
                     scan_every=10, compact_every=None, watch={"allreduce": 12 * MiB}, forecast_within=30)
     base = simulate_policy(spec, "baseline", cfg, seed=0)
@@ -180,7 +169,7 @@ def test_report_draws_the_latest_forecast_on_the_timeline(tmp_path, monkeypatch)
     assert m.low <= 26 <= m.high
 
     # a simulation timeline: the last forecast of each policy, an open-ended interval allowed
-    spec = _declining_spec()
+    spec = small_spec()
     cfg = SimConfig(steps=240, capacity=120 * MiB, allocator="mindspore", allocator_options={"pregrow": True},
                     scan_every=10, compact_every=None, watch={"allreduce": 12 * MiB})
     with open(tmp_path / "timeline.jsonl", "w") as out:

@@ -86,11 +86,15 @@ def test_every_yaml_in_the_package_plans_or_says_why_in_one_line(capsys):
             assert json.loads(out)["total"] > 0
 
 
-def test_deepseek_v3_671b_layout():
-    r = load_recipe(_config("deepseek3/pretrain_deepseek3_671b.yaml"))
+def test_deepseek_v3_671b_layout(capsys):
+    path = _config("deepseek3/pretrain_deepseek3_671b.yaml")
+    assert main(["plan", str(path)]) == 0
+    assert "MoE 256 experts (8 per card, expert_parallel 32), top-8, 1 shared, first 3 dense; MLA; 1 MTP layer; " \
+           "d 4 x t 8 x p 8 x 2 chunks" in capsys.readouterr().out
+    r = load_recipe(path)
     assert r.model.moe.num_experts == 256 and r.model.moe.top_k == 8 and r.model.moe.first_dense == 3
     assert r.model.mla is not None and r.model.mtp_layers == 1 and r.parallel.expert_parallel == 32
-    assert r.chunk_layers() == [[4] * 8, [4, 4, 4, 4, 4, 4, 4, 1]]
+    assert r.chunk_layers() == ((4,) * 8, (4, 4, 4, 4, 4, 4, 4, 1))
     assert r.train.optimizer_swap and r.model.param_init_type == "float32"
     e = estimate(r)
     assert e.worst.optimizer_states == {"master": 0, "m": 0, "v": 0}            # swapped to host
@@ -203,7 +207,7 @@ def test_interleaved_offsets_recompute_lists_and_in_flight():
     r = _recipe(_mc(num_layers=10, offset=[[1, 0], [0, 1]], pp_interleave_num=2),
                 parallel_config={"pipeline_stage": 2, "micro_batch_num": 4},
                 recompute_config={"recompute": [[1, 0], [2, 0]]})
-    assert r.chunk_layers() == [[3, 2], [2, 3]] and r.stage_layers() == [5, 5]
+    assert r.chunk_layers() == ((3, 2), (2, 3)) and r.stage_layers() == [5, 5]
     assert r.chunk_first_layer(0, 1) == 5 and r.chunk_first_layer(1, 1) == 7
     # recompute [[1, 0], [2, 0]]: stage 0 recomputes 1 layer of chunk 0 and 2 of chunk 1
     assert stage_activation_bytes(r, 0).recomputed_layers == 3

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import gzip
 import io
 import json
 import os
@@ -253,6 +254,8 @@ _TRACE_SEEDS = {
     "mindspore-memory-block-older": (DATA / "memory_block_older.csv").read_bytes(),
     "msmemscope": _MSMEMSCOPE.encode(),
     "instances": (DATA / "instances_small.csv").read_bytes(),
+    # the head of a real VLOG_v=12906 capture: a block, allocs and frees, with unrelated lines
+    "mindspore-pool-log": b"".join(gzip.open(DATA / "pool_log" / "mlp_jit.log.gz").readlines()[:80]),
 }
 
 

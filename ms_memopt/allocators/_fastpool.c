@@ -59,7 +59,7 @@ typedef struct {
 
 typedef struct { u64 addr, size; i64 stream; } Recorded;
 
-enum { KIND_MINDSPORE, KIND_TORCH };
+enum { KIND_MINDSPORE, KIND_TORCH, KIND_REGION };
 
 typedef struct {
     PyObject_HEAD
@@ -84,6 +84,9 @@ typedef struct {
     unsigned divisions;
     int32_t *order; Py_ssize_t norder, caporder;
     Recorded *trec; Py_ssize_t ntrec, captrec;
+    /* pool-mode region: its range, ring head, open chunk */
+    u64 raddr, rsize, head, stack_top, stack_floor;
+    int chunked, stack_open;
 } Core;
 
 #define EMPTY_KEY (~0ULL)
@@ -281,7 +284,7 @@ static int32_t new_segment_at(Core *c, Py_ssize_t ai, u64 addr, u64 size, int in
     c->reserved += (long long)size;
     if (c->kind == KIND_TORCH) {
         if (order_insert(c, si) < 0) return -1;   /* torch counts in _new_segment, not here */
-    } else {
+    } else if (c->kind == KIND_MINDSPORE) {
         c->segment_allocs += 1;
     }
     if (c->reserved > c->peak_reserved) c->peak_reserved = c->reserved;
@@ -346,13 +349,9 @@ static int32_t take(Core *c, Py_ssize_t ai, u64 size) {
     return b;
 }
 
-static void release_if_idle(Core *c, int32_t si) {
+/* the segment leaves its allocator and the device (its buffers are gone already) */
+static void drop_segment(Core *c, int32_t si) {
     Seg *s = &c->segs[si];
-    if (!s->alive) return;
-    int32_t h = s->head;
-    if (h < 0 || c->bufs[h].used || c->bufs[h].next >= 0) return;
-    unindex_buf(c, h);
-    buf_drop(c, h);
     Alloc *a = &c->allocs[s->alloc];
     for (Py_ssize_t k = 0; k < a->nsegs; k++) {
         if (a->segs[k] == si) {
@@ -365,7 +364,27 @@ static void release_if_idle(Core *c, int32_t si) {
     c->reserved -= (long long)s->size;
 }
 
+static void release_if_idle(Core *c, int32_t si) {
+    Seg *s = &c->segs[si];
+    if (!s->alive) return;
+    int32_t h = s->head;
+    if (h < 0 || c->bufs[h].used || c->bufs[h].next >= 0) return;
+    unindex_buf(c, h);
+    buf_drop(c, h);
+    drop_segment(c, si);
+}
+
 static PyObject *str_stream, *str_pool, *str_tag, *str_persistent, *str_record_oom;
+
+/* the model's _record_oom(size, stream, tag) (AllocatorModel's, in Python); -2, or -1 on error */
+static long long record_oom(Core *c, PyObject *size, i64 stream, PyObject *tag) {
+    PyObject *st = PyLong_FromLongLong(stream);
+    PyObject *r = (size && st) ? PyObject_CallMethodObjArgs((PyObject *)c, str_record_oom, size, st, tag, NULL) : NULL;
+    Py_XDECREF(size); Py_XDECREF(st);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return -2;
+}
 
 /* ---- PyTorch's caching allocator (torch.py) ------------------------------------------------ */
 #define MIB (1ULL << 20)
@@ -475,16 +494,7 @@ static void torch_release(Core *c, int32_t si) {
     Py_ssize_t at = order_search(c, s->addr);
     memmove(&c->order[at], &c->order[at + 1], (size_t)(c->norder - at - 1) * sizeof(int32_t));
     c->norder--;
-    Alloc *a = &c->allocs[s->alloc];
-    for (Py_ssize_t k = 0; k < a->nsegs; k++) {
-        if (a->segs[k] == si) {
-            memmove(&a->segs[k], &a->segs[k + 1], (size_t)(a->nsegs - k - 1) * sizeof(int32_t));
-            a->nsegs--;
-            break;
-        }
-    }
-    s->alive = 0;
-    c->reserved -= (long long)s->size;
+    drop_segment(c, si);
 }
 
 /* _release_cached: every idle unsplit segment goes back; how many did */
@@ -526,14 +536,7 @@ static long long torch_malloc(Core *c, long long raw, i64 stream, PyObject *tag)
         b = torch_grow(c, ai, rsize, stream);
         c->ntrec = 0;
         if (b == -1) return -1;
-        if (b == -2) {
-            PyObject *s = PyLong_FromLongLong(raw), *st = PyLong_FromLongLong(stream);
-            PyObject *r = (s && st) ? PyObject_CallMethodObjArgs((PyObject *)c, str_record_oom, s, st, tag, NULL) : NULL;
-            Py_XDECREF(s); Py_XDECREF(st);
-            if (!r) return -1;
-            Py_DECREF(r);
-            return -2;
-        }
+        if (b == -2) return record_oom(c, PyLong_FromLongLong(raw), stream, tag);
     }
     u64 remaining = c->bufs[b].size - rsize;
     if ((small ? remaining >= 512 : remaining > SMALL_SIZE) && cut(c, b, rsize) < 0) return -1;
@@ -541,6 +544,162 @@ static long long torch_malloc(Core *c, long long raw, i64 stream, PyObject *tag)
     c->allocated += (long long)c->bufs[b].size;
     if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
     return (long long)c->bufs[b].addr;
+}
+
+/* ---- a pool-mode region (pool.py's _Region) ------------------------------------------------ */
+static int core_free(Core *c, u64 addr);
+
+/* the free buffer containing ``addr``, or -1 */
+static int32_t region_free_at(Core *c, u64 addr) {
+    int32_t b = h_get(c, addr);
+    if (b >= 0) return c->bufs[b].used ? -1 : b;
+    Alloc *a = &c->allocs[0];
+    for (Py_ssize_t k = 0; k < a->nkeys; k++) {
+        Buf *f = &c->bufs[a->keys[k].buf];
+        if (f->addr < addr && addr < f->addr + f->size) return a->keys[k].buf;
+    }
+    return -1;
+}
+
+/* _carve: the free buffer containing ``addr`` split there (its high part returned); -2 none */
+static int32_t region_carve(Core *c, u64 addr, u64 size) {
+    int32_t b = region_free_at(c, addr);
+    if (b < 0 || c->bufs[b].addr + c->bufs[b].size - addr < size) return -2;
+    if (c->bufs[b].addr == addr) return b;
+    u64 start = c->bufs[b].addr, length = c->bufs[b].size;
+    unindex_buf(c, b);
+    int32_t nxt = c->bufs[b].next;
+    int32_t high = buf_new(c, addr, start + length - addr, 0, b, nxt, c->bufs[b].seg);
+    if (high < 0) return -1;
+    if (nxt >= 0) c->bufs[nxt].prev = high;
+    c->bufs[b].next = high;
+    c->bufs[b].size = addr - start;
+    if (index_buf(c, b) < 0 || index_buf(c, high) < 0) return -1;
+    return high;
+}
+
+static PyObject *Region_init_range(Core *c, PyObject *args) {
+    unsigned long long addr, size;
+    int chunked;
+    if (!PyArg_ParseTuple(args, "KKp", &addr, &size, &chunked)) return NULL;
+    if (get_alloc(c, 0, 0, 0) < 0) return NULL;
+    if (new_segment_at(c, 0, addr, size, size != 0) < 0) return NULL;
+    c->raddr = addr; c->rsize = size; c->head = addr; c->stack_floor = addr; c->stack_open = 0;
+    c->chunked = chunked;
+    Py_RETURN_NONE;
+}
+
+/* take(size, ring, fallback=True): the address, or None */
+static PyObject *Region_take(Core *c, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"size", "ring", "fallback", NULL};
+    unsigned long long size;
+    int ring, fallback = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Kp|p", names, &size, &ring, &fallback)) return NULL;
+    int32_t b = -2;
+    int stacked = 0;
+    if (ring) {
+        if (c->chunked) {
+            if (c->stack_open && c->stack_top >= c->stack_floor + size) {
+                b = region_carve(c, c->stack_top - size, size);
+                if (b == -1) return NULL;
+            }
+            stacked = b >= 0;
+        } else {
+            u64 starts[2] = {c->head, c->raddr};
+            for (int k = 0; k < 2 && b < 0; k++) {
+                int32_t f = h_get(c, starts[k]);
+                if (f >= 0 && !c->bufs[f].used && c->bufs[f].size >= size) b = f;
+            }
+        }
+        if (b < 0 && !fallback) Py_RETURN_NONE;
+    }
+    Alloc *a = &c->allocs[0];
+    if (b < 0) {
+        Py_ssize_t at = lower_bound(a, size, 0);
+        if (at == a->nkeys) Py_RETURN_NONE;
+        b = a->keys[at].buf;
+        memmove(&a->keys[at], &a->keys[at + 1], (size_t)(a->nkeys - at - 1) * sizeof(Key));
+        a->nkeys--;
+    } else {
+        unindex_buf(c, b);
+    }
+    if (c->bufs[b].size - size >= ALIGN && cut(c, b, size) < 0) return NULL;
+    c->bufs[b].used = 1;
+    c->allocated += (long long)c->bufs[b].size;
+    if (stacked) c->stack_top = c->bufs[b].addr;
+    else if (ring && !c->chunked) {
+        c->head = c->bufs[b].addr + c->bufs[b].size;
+        if (c->head >= c->raddr + c->rsize) c->head = c->raddr;
+    }
+    return PyLong_FromUnsignedLongLong(c->bufs[b].addr);
+}
+
+static PyObject *Region_open_chunk(Core *c, PyObject *arg) {
+    long long size = PyLong_AsLongLong(arg);
+    if (size == -1 && PyErr_Occurred()) return NULL;
+    c->stack_open = 0;
+    if (size <= 0) Py_RETURN_NONE;
+    u64 starts[2] = {c->head, c->raddr};
+    for (int k = 0; k < 2; k++) {
+        u64 start = starts[k];
+        int32_t b = region_free_at(c, start);
+        if (b >= 0 && c->bufs[b].addr + c->bufs[b].size - start >= (u64)size) {
+            c->stack_open = 1;
+            c->stack_top = start + (u64)size;
+            c->stack_floor = start;
+            c->head = start + (u64)size < c->raddr + c->rsize ? start + (u64)size : c->raddr;
+            break;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Region_close_chunk(Core *c, PyObject *unused) {
+    c->stack_open = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Region_release(Core *c, PyObject *arg) {
+    unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
+    if (addr == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return PyLong_FromLong(0); }
+    int32_t b = h_get(c, addr);
+    if (b < 0 || c->bufs[b].used != 1) return PyLong_FromLong(0);
+    u64 freed = c->bufs[b].size;
+    if (core_free(c, addr) < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(freed);
+}
+
+static PyObject *Region_size_of(Core *c, PyObject *arg) {
+    unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
+    if (addr == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    int32_t b = h_get(c, addr);
+    if (b < 0) return PyErr_Format(PyExc_KeyError, "%llu", addr);
+    return PyLong_FromUnsignedLongLong(c->bufs[b].size);
+}
+
+/* the free list as the reference keeps it: sorted size << 64 | addr */
+static PyObject *Region_free_keys(Core *c, void *unused) {
+    PyObject *out = PyList_New(0);
+    if (!out || c->nallocs == 0) return out;
+    Alloc *a = &c->allocs[0];
+    for (Py_ssize_t k = 0; k < a->nkeys; k++) {
+        PyObject *size = PyLong_FromUnsignedLongLong(a->keys[k].size), *shift = PyLong_FromLong(64);
+        PyObject *high = (size && shift) ? PyNumber_Lshift(size, shift) : NULL;
+        PyObject *addr = PyLong_FromUnsignedLongLong(c->bufs[a->keys[k].buf].addr);
+        PyObject *key = (high && addr) ? PyNumber_Or(high, addr) : NULL;
+        Py_XDECREF(size); Py_XDECREF(shift); Py_XDECREF(high); Py_XDECREF(addr);
+        if (!key || PyList_Append(out, key) < 0) { Py_XDECREF(key); Py_DECREF(out); return NULL; }
+        Py_DECREF(key);
+    }
+    return out;
+}
+
+static PyObject *Region_get(Core *c, void *which) {
+    switch ((int)(Py_ssize_t)which) {
+    case 0: return PyLong_FromUnsignedLongLong(c->head);
+    case 1: if (!c->stack_open) Py_RETURN_NONE; return PyLong_FromUnsignedLongLong(c->stack_top);
+    default: return PyLong_FromUnsignedLongLong(c->stack_floor);
+    }
 }
 
 /* ---- Python methods ------------------------------------------------------------------------- */
@@ -581,14 +740,7 @@ static long long core_malloc(Core *c, long long raw, i64 stream, PyObject *pool,
                 if (other < 0) return -1;
                 b = take(c, other, size);
             }
-            if (b == -2) {
-                PyObject *s = PyLong_FromUnsignedLongLong(size), *st = PyLong_FromLongLong(stream);
-                PyObject *r = (s && st) ? PyObject_CallMethodObjArgs((PyObject *)c, str_record_oom, s, st, tag, NULL) : NULL;
-                Py_XDECREF(s); Py_XDECREF(st);
-                if (!r) return -1;
-                Py_DECREF(r);
-                return -2;
-            }
+            if (b == -2) return record_oom(c, PyLong_FromUnsignedLongLong(size), stream, tag);
         }
     }
     if (b < 0) return -1;
@@ -637,6 +789,7 @@ static int core_free(Core *c, u64 addr) {
         int32_t nxt = bufs[b].next;
         bufs[prev].next = nxt;
         if (nxt >= 0) bufs[nxt].prev = prev;
+        if (c->kind == KIND_REGION && c->head == bufs[b].addr) c->head = bufs[prev].addr;
         buf_drop(c, b);
         b = prev;
     }
@@ -647,6 +800,7 @@ static int core_free(Core *c, u64 addr) {
         int32_t after = bufs[nxt].next;
         bufs[b].next = after;
         if (after >= 0) bufs[after].prev = b;
+        if (c->kind == KIND_REGION && c->head == bufs[nxt].addr) c->head = bufs[b].addr;
         buf_drop(c, nxt);
     }
     return index_buf(c, b);
@@ -975,6 +1129,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
                                      &small_pool, &idle_order, &kind, &divisions)) return -1;
     if (strcmp(kind, "torch") == 0) c->kind = KIND_TORCH;
     else if (strcmp(kind, "mindspore") == 0) c->kind = KIND_MINDSPORE;
+    else if (strcmp(kind, "region") == 0) c->kind = KIND_REGION;
     else { PyErr_Format(PyExc_ValueError, "kind must be 'mindspore' or 'torch', got %s", kind); return -1; }
     c->divisions = divisions;
     c->bounded = capacity != Py_None;
@@ -1021,6 +1176,12 @@ static PyMethodDef Core_methods[] = {
     {"_add_segment", (PyCFunction)Core_add_segment, METH_VARARGS, "restore one recorded segment"},
     {"_pregrow", (PyCFunction)Core_pregrow, METH_O, "set_memory(init_size=2*half)"},
     {"_reset", (PyCFunction)Core_reset, METH_NOARGS, "forget every segment and buffer"},
+    {"_region_init", (PyCFunction)Region_init_range, METH_VARARGS, "region: its range and kind of ring"},
+    {"take", (PyCFunction)(void (*)(void))Region_take, METH_VARARGS | METH_KEYWORDS, "region: take(size, ring, fallback=True) -> address or None"},
+    {"open_chunk", (PyCFunction)Region_open_chunk, METH_O, "region: a micro-batch's chunk opens"},
+    {"close_chunk", (PyCFunction)Region_close_chunk, METH_NOARGS, "region: the open chunk closes"},
+    {"release", (PyCFunction)Region_release, METH_O, "region: release(addr) -> bytes freed"},
+    {"size_of", (PyCFunction)Region_size_of, METH_O, "region: bytes of the buffer at addr"},
     {NULL}
 };
 
@@ -1035,6 +1196,10 @@ static PyMemberDef Core_members[] = {
 
 static PyGetSetDef Core_getset[] = {
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {"free_keys", (getter)Region_free_keys, NULL, "region: free buffers as sorted size << 64 | addr", NULL},
+    {"head", (getter)Region_get, NULL, "region: the ring head", (void *)0},
+    {"stack_top", (getter)Region_get, NULL, "region: the open chunk's top, or None", (void *)1},
+    {"stack_floor", (getter)Region_get, NULL, "region: the open chunk's start", (void *)2},
     {NULL}
 };
 

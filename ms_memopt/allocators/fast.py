@@ -25,10 +25,12 @@ Example:
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 from ..layout import Block, Layout, Segment
 from .base import AllocatorModel
 from .mindspore import check_options, initial_block, restore_pieces
+from .pool import PoolModeAllocator
 from .torch import check_divisions, is_small_segment, merged_blocks
 
 __all__ = ["AVAILABLE", "FAST_MODELS", "batch_runner", "FastMindSporePool", "FastMindSporeBestFitPool", "FastTorchCachingAllocator"]
@@ -137,5 +139,27 @@ if ModelCore is not None:
 
         layout = FastMindSporePool.layout
 
+    class FastRegion(ModelCore):
+        """A pool-mode region (:class:`~ms_memopt.allocators.pool._Region`) in C: ``take``,
+        ``release``, ``open_chunk``, ``close_chunk``, ``largest_free``, ``size_of`` and the
+        ``free_keys``/``allocated`` it reports are the C state's."""
+
+        def __init__(self, name: str, addr: int, size: int, chunked: bool = False) -> None:
+            ModelCore.__init__(self, None, kind="region")
+            self._region_init(addr, size, chunked)
+            self.name, self.addr, self.size, self.chunked = name, addr, size, chunked
+            self.order: OrderedDict[int, int] = OrderedDict()   # evicting: live addr -> size, oldest first
+            self.evicting = self.ring = False
+
+        def segment(self) -> Segment:
+            blocks = [Block(addr, size, used, tag=self.name)
+                      for *_, pieces in self._segments() for addr, size, used in pieces]
+            return Segment(self.addr, self.size, blocks, pool=self.name)
+
+    class FastPoolModeAllocator(PoolModeAllocator):
+        """:class:`~ms_memopt.allocators.pool.PoolModeAllocator` with compiled regions."""
+
+        region_class = FastRegion
+
     FAST_MODELS.update({"mindspore": FastMindSporePool, "mindspore-bestfit": FastMindSporeBestFitPool,
-                        "torch": FastTorchCachingAllocator})
+                        "torch": FastTorchCachingAllocator, "pool": FastPoolModeAllocator})

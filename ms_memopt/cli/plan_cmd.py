@@ -13,7 +13,7 @@ import dataclasses
 import json
 
 from ..estimate import NOTHING_FITS, REGIONS, Estimate, StageEstimate, estimate
-from ..recipe import load_recipe
+from ..recipe import Recipe, load_recipe
 from ..units import format_size, parse_size
 
 __all__ = ["add_parser", "run"]
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(per_stage=True), sort_keys=False))
     else:
-        print(_table(result, per_stage=args.per_stage))
+        print(_table(result, per_stage=args.per_stage, shape=_shape(recipe)))
     if args.fail_on_oom and result.fits is False:
         return 1
     return 0
@@ -54,7 +54,28 @@ def _row(label: str, cells: list[str], width: int) -> str:
     return f"{label:<26}" + "".join(f"{c:>{width}}" for c in cells)
 
 
-def _table(result: Estimate, *, per_stage: bool) -> str:
+def _shape(recipe: Recipe) -> str:
+    """One line on what kind of model and layout this is (MoE, MLA, MTP, interleaving)."""
+    model, par = recipe.model, recipe.parallel
+    parts = [f"{model.num_layers} layers, h {model.hidden_size}, {model.num_heads} heads"
+             f"{f' ({model.n_kv_heads} KV)' if model.n_kv_heads != model.num_heads and model.mla is None else ''}",
+             f"s {model.seq_length}, V {model.vocab_size}"]
+    if model.moe is not None:
+        moe = model.moe
+        parts.append(f"MoE {moe.num_experts} experts ({moe.num_experts // par.expert_parallel} per card, "
+                     f"expert_parallel {par.expert_parallel}), top-{moe.top_k}"
+                     + (f", {moe.shared_experts} shared" if moe.shared_experts else "")
+                     + (f", first {moe.first_dense} dense" if moe.first_dense else ""))
+    if model.mla is not None:
+        parts.append("MLA")
+    if model.mtp_layers:
+        parts.append(f"{model.mtp_layers} MTP layer{'s' if model.mtp_layers > 1 else ''}")
+    parts.append(f"d {par.data_parallel} x t {par.model_parallel} x p {par.pipeline_stage}"
+                 + (f" x {model.pp_interleave_num} chunks" if model.pp_interleave_num > 1 else ""))
+    return "; ".join(parts)
+
+
+def _table(result: Estimate, *, per_stage: bool, shape: str = "") -> str:
     worst = result.worst
     stages: list[StageEstimate] = result.stages if per_stage else [worst]
     width = 12
@@ -62,7 +83,10 @@ def _table(result: Estimate, *, per_stage: bool) -> str:
     flight = f"{worst.in_flight} micro-batch{'es' if worst.in_flight != 1 else ''} in flight"
     lines = [f"recipe: {result.source}",
              f"model: {_count(result.model_params)} parameters; worst stage {worst.stage} "
-             f"({worst.layers} layers, {flight}, {_count(worst.params)} parameters per card)", ""]
+             f"({worst.layers} layers, {flight}, {_count(worst.params)} parameters per card)"]
+    if shape:
+        lines.append(f"shape: {shape}")
+    lines.append("")
     lines.append(_row("region", head, width))
     for name in REGIONS:
         lines.append(_row(name, [format_size(s.regions[name]) for s in stages], width))
