@@ -45,16 +45,25 @@ from ms_memopt.mindspore import sources as _sources  # noqa: E402
 from ms_memopt.mindspore.scan_callback import LayoutScanCallback  # noqa: E402
 
 _spent = {"hook": 0.0, "step_end": 0.0, "calls": 0}
-_hook = _sources.ShadowModelSource._hook
+def _timed(hook):
+    def timed(*args):
+        t = time.perf_counter()
+        result = hook(*args)
+        _spent["hook"] += time.perf_counter() - t
+        return result
+    return timed
 
 
-def _timed_hook(self, cell, inputs, outputs):
-    t = time.perf_counter()
-    _hook(self, cell, inputs, outputs)
-    _spent["hook"] += time.perf_counter() - t
+def _timed_factory(factory):
+    """The shadow source builds one hook per cell (a closure): time each one it builds."""
+    def make(self, *args):
+        return _timed(factory(self, *args))
+    return make
 
 
-_sources.ShadowModelSource._hook = _timed_hook
+for _name in ("_leaf_hook", "_group_enter_hook", "_group_exit_hook"):
+    setattr(_sources.ShadowModelSource, _name, _timed_factory(getattr(_sources.ShadowModelSource, _name)))
+_sources.ShadowModelSource._forward_begins = _timed(_sources.ShadowModelSource._forward_begins)
 
 
 class TimedScanCallback(LayoutScanCallback):

@@ -1,7 +1,11 @@
 """Benchmark: 1000 steps of the 100B recipe under all three policies, one seed.
 
-Target (issue 3): at most 60 s on the project machine (2 shared cores). Prints a table, then
-as the last line one JSON object: {"seconds", "events_per_s", ...}.
+Target (issue 17): at most 10 s in one process. The run is made twice in the same process: with
+the allocator models as ``create()`` makes them (the compiled fast path where there is one,
+ms_memopt.allocators.fast) and with the pure-Python reference models (``fast=False``); both
+must give the same results. Prints a table, then as the last line one JSON object:
+{"seconds", "cpu_seconds", "reference_seconds", "reference_cpu_seconds", "ratio", "events_per_s", ...}
+(``cpu_seconds``: this process's CPU time, which a busy machine skews less than the wall clock).
 
 Usage: python bench/simulate.py [--steps 1000] [--seed 0] [--recipe PATH]
 
@@ -158,17 +162,30 @@ def main() -> None:
     spec = spec_from_recipe(recipe)
     cfg = config_from_recipe(recipe, steps=args.steps, seed=args.seed)
     cfg.allocator_options.update(args.options)
-    started = time.perf_counter()
-    results = simulate(spec, cfg, policies=POLICIES, seeds=[args.seed])
-    seconds = time.perf_counter() - started
+    timings, outcomes = {}, {}
+    for label, fast in (("reference", False), ("fast", None)):
+        cfg.allocator_options["fast"] = fast
+        started, cpu_started = time.perf_counter(), time.process_time()
+        results = simulate(spec, cfg, policies=POLICIES, seeds=[args.seed])
+        timings[label] = (time.perf_counter() - started, time.process_time() - cpu_started)
+        outcomes[label] = {p: {k: v for k, v in s.seeds[0].to_dict().items() if k != "seconds"}
+                           for p, s in results.items()}
+    seconds, cpu_seconds = timings["fast"]
+    ref_seconds, ref_cpu = timings["reference"]
+    same = outcomes["fast"] == outcomes["reference"]
     events = sum(s.seeds[0].events for s in results.values())
     print(f"{'policy':<9} {'oom_step':>8} {'steps run':>9} {'events':>10} {'seconds':>8}")
     for policy, summary in results.items():
         r = summary.seeds[0]
         run = r.oom_step if r.oom_step is not None else args.steps
         print(f"{policy:<9} {r.oom_step or '-'!s:>8} {run:>9} {r.events:>10} {r.seconds:>8.1f}")
-    print(f"total {seconds:.1f} s for {events} events (target: <= 60 s)")
-    print(json.dumps({"seconds": round(seconds, 2), "events_per_s": round(events / seconds),
+    print(f"total {seconds:.1f} s ({cpu_seconds:.1f} s CPU) for {events} events (target: <= 10 s); pure-Python "
+          f"reference {ref_seconds:.1f} s ({ref_cpu:.1f} s CPU) in the same run: ratio {seconds / ref_seconds:.2f} "
+          f"({cpu_seconds / ref_cpu:.2f} CPU); results {'identical' if same else 'DIFFER'}")
+    print(json.dumps({"seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2),
+                      "reference_seconds": round(ref_seconds, 2), "reference_cpu_seconds": round(ref_cpu, 2),
+                      "ratio": round(seconds / ref_seconds, 3), "cpu_ratio": round(cpu_seconds / ref_cpu, 3),
+                      "identical_results": same, "events_per_s": round(events / seconds),
                       "steps": args.steps, "seed": args.seed, "events": events,
                       "oom_step": {p: s.seeds[0].oom_step for p, s in results.items()}}))
 

@@ -417,6 +417,30 @@ def _real_pool_note(scans: dict[int, list[dict]]) -> str | None:
     return text
 
 
+def _pool_log_replay(root: Path) -> str | None:
+    """One sentence on the run's own pool log (``pool.log``, written when its scans followed the
+    real pool): how many pool calls it holds and how exactly the model replays them."""
+    from .poolcapture import LOG_NAME
+
+    path = root / LOG_NAME
+    if not path.is_file():
+        return None
+    from .allocators import create
+    from .replay import replay
+    from .traces import load_trace
+
+    try:
+        trace = load_trace(path)
+    except InputError as exc:
+        return f"The run's pool log `{LOG_NAME}` could not be replayed: {exc}."
+    result = replay(trace, create("mindspore-bestfit"), sample_every=0)
+    match = "n/a" if result.address_match is None else f"{100 * result.address_match:.2f}%"
+    return (f"The run's pool log (`{LOG_NAME}`: {result.events:,} pool events, {result.allocs:,} allocations) "
+            f"replays through the `mindspore-bestfit` model at {match} address match, final layout "
+            f"{'identical' if result.final_layout_match else 'different'} "
+            f"(`ms-memopt replay {LOG_NAME}`; docs/allocators.md).")
+
+
 def build_report(directory: str | Path, *, title: str | None = None, plan: dict | None = None,
                  memory_map_title: str | None = None) -> Path:
     """Write ``report.md`` and its figures into ``directory`` from the logs found there.
@@ -490,6 +514,9 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
         real = _real_pool_note(scans)
         if real:
             lines += ["", real]
+        replayed = _pool_log_replay(root)
+        if replayed:
+            lines += ["", replayed]
         compactions = [(r, line) for r, ls in scans.items() for line in ls if line.get("kind") == "compaction"]
         if compactions:
             lines += ["", f"Compactions: {len(compactions)} (" + ", ".join(

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
-from .allocators import create
+from .allocators import create, model_class
 from .allocators.base import AllocatorModel
 from .allocators.fast import batch_runner
 from .events import Event
@@ -296,8 +296,7 @@ def _free_total(model: AllocatorModel) -> int:
 
 def _make_model(policy: str, spec: WorkloadSpec, cfg: SimConfig) -> AllocatorModel:
     if policy == "pool":
-        from .allocators.pool import PoolModeAllocator
-        return PoolModeAllocator.for_workload(spec, capacity=cfg.capacity)
+        return model_class("pool", fast=cfg.allocator_options.get("fast")).for_workload(spec, capacity=cfg.capacity)
     return create(cfg.allocator, cfg.capacity, **cfg.allocator_options)
 
 

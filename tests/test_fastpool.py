@@ -36,13 +36,16 @@ CONFIGS = [
     ("torch", dict(capacity=256 * MiB)),
     ("torch", dict(capacity=200 * MiB, roundup_power2_divisions=4)),
     ("torch", dict(roundup_power2_divisions=1)),
+    ("torch-expandable", dict(capacity=256 * MiB)),
+    ("torch-expandable", dict(capacity=160 * MiB, roundup_power2_divisions=2)),
+    ("torch-expandable", dict()),
 ]
-FAST_NAMES = ["mindspore", "mindspore-bestfit", "torch"]
+FAST_NAMES = ["mindspore", "mindspore-bestfit", "torch", "torch-expandable"]
 
 
 def _pressed(name: str, capacity: int) -> dict:
     """Options that put ``capacity`` on the model (and small growth units where there are any)."""
-    return dict(capacity=capacity) if name == "torch" else dict(capacity=capacity, increase_size=capacity // 16)
+    return dict(capacity=capacity) if name.startswith("torch") else dict(capacity=capacity, increase_size=capacity // 16)
 
 
 def _state(model):
@@ -156,7 +159,7 @@ def test_create_picks_the_fast_path_and_falls_back():
     assert type(create("mindspore", fast=False)).__module__ == "ms_memopt.allocators.mindspore"
     assert type(create("torch", max_split_size_mb=64)).__module__ == "ms_memopt.allocators.torch"
     with pytest.raises(InputError, match="no compiled fast path"):
-        create("pool", fast=True)
+        create("mindspore-vmm", fast=True)
 
 
 @pytest.mark.parametrize("name,options", [("mindspore", dict(grow="triple")), ("mindspore", dict(increase_size=0)),
@@ -187,3 +190,40 @@ def test_simulate_gives_identical_results(allocator, options):
     assert results[1] == results[0]
     assert any(r["oom_step"] for runs in results[0].values() for r in runs) or \
         any(r["compactions"] for runs in results[0].values() for r in runs)
+
+
+_region_ops = st.lists(st.one_of(
+    st.tuples(st.just("take"), st.integers(1, 64).map(lambda k: k * 512), st.booleans(), st.booleans()),
+    st.tuples(st.just("release"), st.integers(0, 10**6)),
+    st.tuples(st.just("open_chunk"), st.integers(-1, 96).map(lambda k: k * 512)),
+    st.tuples(st.just("close_chunk")),
+), max_size=200)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@settings(max_examples=40)
+@given(ops=_region_ops)
+def test_pool_mode_region_matches_the_reference(chunked, ops):
+    """A pool-mode region: ring head, chunks filled top down, carving, best fit, merges."""
+    from ms_memopt.allocators.pool import _Region
+
+    size = 256 * 512
+    ref, quick = _Region("activations", 1 << 32, size, chunked), fast.FastRegion("activations", 1 << 32, size, chunked)
+    live: list[int] = []
+    for op in ops:
+        if op[0] == "take":
+            got = quick.take(op[1], op[2], fallback=op[3])
+            assert got == ref.take(op[1], op[2], fallback=op[3])
+            if got is not None:
+                live.append(got)
+                assert quick.size_of(got) == ref.size_of(got)
+        elif op[0] == "release":
+            if live:
+                addr = live.pop(op[1] % len(live))
+                assert quick.release(addr) == ref.release(addr)
+        else:
+            getattr(ref, op[0])(*op[1:])
+            getattr(quick, op[0])(*op[1:])
+        assert (quick.head, quick.stack_top, quick.allocated) == (ref.head, ref.stack_top, ref.allocated)
+    assert quick.free_keys == ref.free_keys and quick.largest_free() == ref.largest_free()
+    assert quick.segment() == ref.segment()

@@ -25,7 +25,7 @@ import importlib
 from ..errors import InputError
 from .base import AllocatorModel, OOMRecord
 
-__all__ = ["AllocatorModel", "OOMRecord", "MODELS", "create"]
+__all__ = ["AllocatorModel", "OOMRecord", "MODELS", "create", "model_class"]
 
 # name -> (module, class); imported on first use so one model's cost is not every model's
 MODELS: dict[str, tuple[str, str]] = {
@@ -41,21 +41,25 @@ MODELS: dict[str, tuple[str, str]] = {
 def create(name: str, capacity: int | None = None, *, fast: bool | None = None, **options) -> AllocatorModel:
     """Create the allocator model called ``name`` with a device ``capacity`` in bytes.
 
-    ``fast``: ``None`` (default) takes the compiled fast path when the model has one and it is
-    built; ``False`` the pure-Python reference; ``True`` insists on the fast path.
+    ``fast``: ``None`` (default) takes the compiled fast path when the model has one for these
+    options and it is built; ``False`` the pure-Python reference; ``True`` insists on the fast path.
 
     Raises:
-        InputError: unknown model name.
+        InputError: unknown model name; ``fast=True`` and no fast path.
     """
+    return model_class(name, fast=fast, options=options)(capacity=capacity, **options)
+
+
+def model_class(name: str, *, fast: bool | None = None, options: dict | None = None) -> type[AllocatorModel]:
+    """The class :func:`create` instantiates for ``name`` (see its ``fast``)."""
     if name not in MODELS:
         raise InputError(f"unknown allocator {name!r}; expected one of {', '.join(MODELS)}", key="--allocator")
     if fast or fast is None:
         from .fast import AVAILABLE, FAST_MODELS
-        if name in FAST_MODELS and (AVAILABLE or fast) and FAST_MODELS[name].supports(options):
-            return FAST_MODELS[name](capacity=capacity, **options)
+        if name in FAST_MODELS and (AVAILABLE or fast) and FAST_MODELS[name].supports(options or {}):
+            return FAST_MODELS[name]
         if fast:
             raise InputError(f"allocator {name!r} has no compiled fast path here for these options "
                              f"(built: {', '.join(FAST_MODELS) or 'none'})", key="--allocator")
     module_name, class_name = MODELS[name]
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(capacity=capacity, **options)
+    return getattr(importlib.import_module(module_name), class_name)

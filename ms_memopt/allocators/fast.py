@@ -25,10 +25,12 @@ Example:
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 from ..layout import Block, Layout, Segment
 from .base import AllocatorModel
 from .mindspore import check_options, initial_block, restore_pieces
+from .pool import PoolModeAllocator
 from .torch import check_divisions, is_small_segment, merged_blocks
 
 __all__ = ["AVAILABLE", "FAST_MODELS", "batch_runner", "FastMindSporePool", "FastMindSporeBestFitPool", "FastTorchCachingAllocator"]
@@ -57,6 +59,8 @@ def batch_runner(model: AllocatorModel):
     patched = getattr(model, "__dict__", {})
     return None if "malloc" in patched or "free" in patched else run
 
+
+_LIVE, _UNMAPPED = 1, 2      # buffer states of the compiled expandable model (0: free)
 
 if ModelCore is not None:
 
@@ -137,5 +141,63 @@ if ModelCore is not None:
 
         layout = FastMindSporePool.layout
 
+    class FastTorchExpandableAllocator(ModelCore, AllocatorModel):
+        """:class:`~ms_memopt.allocators.torch_expandable.TorchExpandableAllocator` in C."""
+
+        name = "torch-expandable"
+        virtual = True
+        supports = FastMindSporePool.supports
+
+        def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None) -> None:
+            check_divisions(roundup_power2_divisions)
+            ModelCore.__init__(self, capacity, kind="expandable", divisions=roundup_power2_divisions or 0)
+            AllocatorModel.__init__(self, capacity)
+            self.divisions = roundup_power2_divisions or 0
+
+        def restore(self, layout: Layout) -> None:
+            """Start from ``layout``: recorded segments become fixed, fully mapped ranges."""
+            self._reset()
+            for seg in sorted(layout.segments, key=lambda s: s.addr):
+                self._add_range(seg.addr, seg.size, seg.stream, is_small_segment(seg), merged_blocks(seg))
+            self._restored()
+            self._note_usage()
+
+        def layout(self) -> Layout:
+            """Each run of mapped buffers of a range is one segment (as the reference)."""
+            segments = []
+            for _, stream, small, pieces in self._ranges():
+                run: list[Block] = []
+                for addr, size, state in pieces + [(0, 0, _UNMAPPED)]:
+                    if state != _UNMAPPED:
+                        run.append(Block(addr, size, state == _LIVE))
+                    elif run:
+                        segments.append(Segment(run[0].addr, run[-1].end - run[0].addr, run, stream=stream,
+                                                pool="small" if small else "large"))
+                        run = []
+            return Layout(segments, capacity=self.capacity)
+
+    class FastRegion(ModelCore):
+        """A pool-mode region (:class:`~ms_memopt.allocators.pool._Region`) in C: ``take``,
+        ``release``, ``open_chunk``, ``close_chunk``, ``largest_free``, ``size_of`` and the
+        ``free_keys``/``allocated`` it reports are the C state's."""
+
+        def __init__(self, name: str, addr: int, size: int, chunked: bool = False) -> None:
+            ModelCore.__init__(self, None, kind="region")
+            self._region_init(addr, size, chunked)
+            self.name, self.addr, self.size, self.chunked = name, addr, size, chunked
+            self.order: OrderedDict[int, int] = OrderedDict()   # evicting: live addr -> size, oldest first
+            self.evicting = self.ring = False
+
+        def segment(self) -> Segment:
+            blocks = [Block(addr, size, used, tag=self.name)
+                      for *_, pieces in self._segments() for addr, size, used in pieces]
+            return Segment(self.addr, self.size, blocks, pool=self.name)
+
+    class FastPoolModeAllocator(PoolModeAllocator):
+        """:class:`~ms_memopt.allocators.pool.PoolModeAllocator` with compiled regions."""
+
+        region_class = FastRegion
+
     FAST_MODELS.update({"mindspore": FastMindSporePool, "mindspore-bestfit": FastMindSporeBestFitPool,
-                        "torch": FastTorchCachingAllocator})
+                        "torch": FastTorchCachingAllocator, "torch-expandable": FastTorchExpandableAllocator,
+                        "pool": FastPoolModeAllocator})

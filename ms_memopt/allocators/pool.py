@@ -82,11 +82,16 @@ class _Region:
         self.free_keys: list[int] = [(size << _SHIFT) | addr] if size else []
         self.head = addr                      # ring: next allocation (chunked: next chunk) address
         self.order: OrderedDict[int, int] = OrderedDict()   # evicting: live addr -> size, oldest first
+        self.evicting = self.ring = False     # set by PoolModeAllocator: evicting cache, ring
         if not size:
             self.bufs = {}
 
     def largest_free(self) -> int:
         return self.free_keys[-1] >> _SHIFT if self.free_keys else 0
+
+    def size_of(self, addr: int) -> int:
+        """Bytes of the buffer at ``addr``."""
+        return self.bufs[addr][_SIZE]
 
     def take(self, size: int, ring: bool, fallback: bool = True) -> int | None:
         """Allocate ``size`` bytes: at the ring head when ``ring``, else (or when the head has
@@ -105,8 +110,9 @@ class _Region:
             index = bisect_left(self.free_keys, size << _SHIFT)
             if index == len(self.free_keys):
                 return None
-            buf = self.bufs[self.free_keys[index] & _MASK]
-        del self.free_keys[bisect_left(self.free_keys, (buf[_SIZE] << _SHIFT) | buf[_ADDR])]
+            buf = self.bufs[self.free_keys.pop(index) & _MASK]
+        else:
+            del self.free_keys[bisect_left(self.free_keys, (buf[_SIZE] << _SHIFT) | buf[_ADDR])]
         rest = buf[_SIZE] - size
         if rest >= _ALIGN:
             nxt = buf[_NEXT]
@@ -251,6 +257,12 @@ class PoolModeAllocator(AllocatorModel):
     """
 
     name = "pool"
+    #: the region type (ms_memopt.allocators.fast has a compiled one with the same methods)
+    region_class = _Region
+
+    @staticmethod
+    def supports(options: dict) -> bool:
+        return True
 
     def __init__(self, capacity: int | None = None, regions=None, route: dict[str, str] | None = None,
                  chunked: bool = False) -> None:
@@ -268,7 +280,10 @@ class PoolModeAllocator(AllocatorModel):
             if name in offsets:   # the plan's layout (regions start on its alignment)
                 addr = _BASE_ADDR + offsets[name]
             size = size // _ALIGN * _ALIGN
-            self.regions[name] = _Region(name, addr, size, chunked and name in self._rings)
+            region = self.regions[name] = self.region_class(name, addr, size, chunked and name in self._rings)
+            # what malloc asks of a region on every request, decided once
+            region.evicting = name in _EVICTING
+            region.ring = region.evicting or name in self._rings
             addr += size
         self.route = dict(REGION_OF_TAG, **(route or {}))
         self._owner: dict[int, _Region] = {}
@@ -301,15 +316,14 @@ class PoolModeAllocator(AllocatorModel):
 
     def malloc(self, size: int, *, stream: int = 0, pool: str | None = None,
                tag: str | None = None) -> int | None:
-        size = max(_ALIGN, (size + _ALIGN - 1) // _ALIGN * _ALIGN)
-        region = self.region_for(tag, pool)
+        size = (size + _ALIGN - 1) // _ALIGN * _ALIGN if size > _ALIGN else _ALIGN
+        region = self._region_cache.get((tag, pool)) or self.region_for(tag, pool)
         if region is None:
             self._record_oom(size, stream, tag)
             return None
-        evicting = region.name in _EVICTING
         # the cache is a strict FIFO ring: new entries at the head, the oldest (just ahead of
         # the head) evicted to make room, so its free space stays in at most two pieces
-        ring = evicting or region.name in self._rings
+        evicting, ring = region.evicting, region.ring
         addr = region.take(size, ring, fallback=not evicting)
         if addr is None and evicting:
             while addr is None and region.order:
@@ -324,11 +338,12 @@ class PoolModeAllocator(AllocatorModel):
         if addr is None:
             self._record_oom(size, stream, tag)
             return None
-        if region.name in _EVICTING:
+        if evicting:
             region.order[addr] = size
         self._owner[addr] = region
-        self.allocated += region.bufs[addr][_SIZE]
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.allocated += region.size_of(addr)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         return addr
 
     def free(self, addr: int) -> None:
