@@ -301,6 +301,18 @@ def test_compiled_cpu_step_agrees_with_the_compiled_graph(monkeypatch, np_dtype)
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol * 0.1)
 
 
+def test_graph_mode_is_refused_with_a_clear_error():
+    """In graph mode a training cell compiles the optimizer into its graph; FusedAdamW's step
+    runs from Python, so it refuses graph mode at construction instead of failing to compile."""
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(RuntimeError, match="FusedAdamW needs PyNative mode"):
+            FusedAdamW([ms.Parameter(ms.Tensor(np.ones(4, np.float32)), name="w")])
+    finally:
+        ms.set_context(mode=mode)
+
+
 def test_data_ptr_of_any_tensor_waits_for_queued_kernels():
     """The compiled CPU step rewrites weights through cached addresses right after reading the
     gradients' ``data_ptr()``. That is safe only because ``data_ptr()`` of any tensor waits for

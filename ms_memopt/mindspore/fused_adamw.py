@@ -48,7 +48,9 @@ Why not the alternatives (measured on CPU, see docs/pool_mode.md): per-parameter
 what we replace; ``ops.FusedCastAdamWeightDecay`` keeps no float32 master and has no bias
 correction (and is scalar off Intel too); ``mint.optim.FusedAdamW`` has no CPU kernel.
 
-Works in PyNative mode (MindSpore's default), with ``Model.train`` and with functional loops.
+Works in PyNative mode (MindSpore's default), with ``Model.train``, MindFormers' ``Trainer``
+and functional loops. Not in graph mode: there a training cell compiles the optimizer into its
+graph, and this step runs from Python, so the constructor refuses graph mode with a clear error.
 The state (``m``, ``v``, ``master``, ``global_step``) is made of ``Parameter``s, so
 ``ms.save_checkpoint(optimizer, path)`` / ``load_param_into_net(optimizer, ...)`` round-trip.
 Loading replaces parameter data (``set_data``), which breaks the views; the next step notices
@@ -165,6 +167,12 @@ class FusedAdamW(nn.Optimizer):
 
     def __init__(self, params, learning_rate=1e-3, beta1: float = 0.9, beta2: float = 0.999,
                  eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True) -> None:
+        if ms.get_context("mode") == ms.GRAPH_MODE:
+            # its step runs from Python (host gradient region, its own compiled update); in graph
+            # mode a training cell compiles the optimizer into its graph, which cannot run that
+            raise RuntimeError("FusedAdamW needs PyNative mode (mindspore.set_context(mode=PYNATIVE_MODE), "
+                               "MindFormers context.mode: 1): in graph mode the optimizer is compiled into "
+                               "the training graph, and FusedAdamW's step runs from Python")
         super().__init__(learning_rate, params, weight_decay)
         if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
             raise ValueError(f"beta1 and beta2 must be in [0, 1), got {beta1}, {beta2}")
