@@ -1,19 +1,24 @@
-"""Static planner benchmark: arena / lower bound and seconds per instance (issue 7).
+"""Static planner benchmark: arena / capacity or / lower bound, and seconds, per instance (issue 17).
 
-Instances (read from ../shared/data/dsa, never copied into the repository):
-* MindSpore SOMAS exports (resnet50, tiny_bert, bert_base): target ratio <= 1.001 in <= 2 s;
-  packed with ``gap=0.001`` (stop once within 0.1 % of the peak-live lower bound) and
-  ``time_limit=2``.
-* MiniMalloc's challenging ``A.1048576.csv``: must fit capacity 1,048,576 (= its lower bound)
-  within 60 s; ``input.12.csv``: solved optimally.
+Instances:
+* generated strips (:func:`ms_memopt.planner.generate.cut_strip`, the structure of MiniMalloc's
+  challenging set: a 1 MiB x 1M-step strip cut into buffers on a 1 KiB grid), always run:
+  target "fits 1,048,576 within 60 s";
+* MiniMalloc's challenging ``A.1048576.csv`` from ../shared/data/dsa (skipped when absent), and
+  any ``*.csv`` in ``--extra DIR`` (the rest of the set, kept out of the repository): same target;
+* MindSpore SOMAS exports from ../shared/data/dsa/somas: target ratio <= 1.001 of the lower
+  bound, packed with the defaults of ``ms-memopt pack`` (10 s limit, stop when stalled).
 
-Baseline measured in the same run: greedy by size (largest first, best-fitting gap), the
-classic heuristic. Prints a table, then one JSON line:
-``{"instances": {name: {"ratio", "seconds", "cpu_seconds", "baseline_ratio", ...}}}``.
-Run: ``PYTHONPATH=. python bench/pack.py``.
+Baseline, measured in the same run: greedy by size (largest first, best-fitting gap), the
+classic heuristic. ``ratio`` is arena / capacity for capacity instances and arena / lower bound
+for SOMAS ones; ``gap`` is how far the arena could still be above the optimum (vs the best proven
+lower bound). Prints a table, then one JSON line:
+``{"instances": {name: {...}}, "summary": {...}}``.
+Run: ``PYTHONPATH=. python bench/pack.py [--extra DIR] [--time-limit 60]``.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -22,60 +27,91 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ms_memopt.planner import lower_bound, pack  # noqa: E402
+from ms_memopt.planner import _native  # noqa: E402
+from ms_memopt.planner.generate import cut_strip  # noqa: E402
 from ms_memopt.planner.greedy import greedy_place  # noqa: E402
 from ms_memopt.planner.problem import arena_of  # noqa: E402
 from ms_memopt.traces.instances import read_instance  # noqa: E402
 
 DSA = Path(__file__).resolve().parents[2] / "shared" / "data" / "dsa"
-
-# name -> (relative path, pack keyword arguments, target description)
-CASES = {
-    "somas/resnet50": ("somas/resnet50.csv", dict(time_limit=2, gap=0.001), "ratio<=1.001, <=2s"),
-    "somas/tiny_bert": ("somas/tiny_bert.csv", dict(time_limit=2, gap=0.001), "ratio<=1.001, <=2s"),
-    "somas/bert_base": ("somas/bert_base.csv", dict(time_limit=2, gap=0.001), "ratio<=1.001, <=2s"),
-    "minimalloc/A.1048576": ("minimalloc/A.1048576.csv", dict(capacity=1_048_576, time_limit=60),
-                             "fits 1048576, <=60s"),
-    "minimalloc/input.12": ("minimalloc/input.12.csv", dict(time_limit=10), "optimal"),
-}
+CAPACITY = 1_048_576
+STRIPS = [(seed, 150 + 40 * (seed % 4), 0.05 * (seed % 3)) for seed in range(8)]  # seed, pieces, drop
 
 
-def main() -> int:
-    results: dict[str, dict] = {}
-    header = f"{'instance':<22} {'buffers':>7} {'lower bound':>13} {'arena':>13} {'ratio':>9} " \
-             f"{'greedy-size':>11} {'seconds':>8} {'cpu s':>6} {'valid':>5}  method / target"
+def _cases(extra: Path | None):
+    """(name, buffers, capacity or None, target) for every instance available here."""
+    for seed, pieces, drop in STRIPS:
+        inst = cut_strip(seed, pieces, drop=drop)
+        yield f"strip/{seed}-{pieces}-{drop:.2f}", inst.buffers, inst.capacity, "fits, <=60s"
+    a = DSA / "minimalloc" / "A.1048576.csv"
+    if a.exists():
+        yield "minimalloc/A", read_instance(a), CAPACITY, "fits, <=60s"
+    else:
+        print(f"minimalloc/A skipped: {a} is absent")
+    if extra is not None:
+        for path in sorted(extra.glob("*.csv")):
+            if path.name.startswith("A."):
+                continue  # the shared copy above
+            yield f"aside/{path.stem.split('.')[0]}", read_instance(path), CAPACITY, "fits, <=60s"
+    for name in ("resnet50", "tiny_bert", "bert_base"):
+        path = DSA / "somas" / f"{name}.csv"
+        if path.exists():
+            yield f"somas/{name}", read_instance(path), None, "<=1.001 x bound"
+        else:
+            print(f"somas/{name} skipped: {path} is absent")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--extra", type=Path, help="more capacity-1048576 instance CSVs (kept aside)")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per capacity instance")
+    args = parser.parse_args(argv)
+    engine = "native" if _native.library() is not None else f"python ({_native.unavailable_reason()})"
+    print(f"search engine: {engine}")
+    header = (f"{'instance':<24} {'buffers':>7} {'vs':>5} {'ratio':>9} {'greedy':>7} {'gap':>9} "
+              f"{'seconds':>8} {'greedy s':>8} {'ok':>3}  stopped / method / target")
     print(header)
     print("-" * len(header))
-    for name, (relative, kwargs, target) in CASES.items():
-        path = DSA / relative
-        if not path.exists():
-            print(f"{name:<22} skipped: {path} is absent")
-            continue
-        buffers = read_instance(path)
+    results: dict[str, dict] = {}
+    for name, buffers, capacity, target in _cases(args.extra):
         bound = lower_bound(buffers)
+        start = time.perf_counter()
         baseline = arena_of(buffers, greedy_place(buffers, order="size", fit="best"))
-        cpu = time.process_time()
-        solution = pack(buffers, **kwargs)
-        cpu = time.process_time() - cpu
+        greedy_seconds = time.perf_counter() - start
+        if capacity is not None:
+            solution = pack(buffers, capacity=capacity, time_limit=args.time_limit)
+            reference, vs = capacity, "cap"
+            ok = bool(solution.fits) and solution.seconds <= 60
+        else:
+            solution = pack(buffers)  # the command's defaults: 10 s, stop when stalled
+            reference, vs = bound, "bound"
+            ok = solution.arena <= 1.001 * bound
         entry = {
-            "ratio": round(solution.ratio, 6),
-            "seconds": round(solution.seconds, 3),
-            "cpu_seconds": round(cpu, 3),
-            "baseline_ratio": round(baseline / bound, 6) if bound else 1.0,
             "buffers": len(buffers),
-            "arena": solution.arena,
+            "capacity": capacity,
             "lower_bound": bound,
-            "valid": solution.valid,
+            "proven_bound": solution.best_bound,
+            "arena": solution.arena,
+            "ratio": round(solution.arena / reference, 7),
+            "greedy_ratio": round(baseline / reference, 7),
+            "vs_greedy": round(solution.arena / baseline, 7),
+            "gap": solution.gap,
             "optimal": solution.optimal,
+            "seconds": round(solution.seconds, 3),
+            "greedy_seconds": round(greedy_seconds, 3),
+            "valid": solution.valid,
+            "met": ok and solution.valid,
+            "stopped": solution.stopped,
             "method": solution.method,
         }
-        if solution.fits is not None:
-            entry["fits"] = solution.fits
         results[name] = entry
-        extra = "" if solution.fits is None else (" fits" if solution.fits else " DOES NOT FIT")
-        print(f"{name:<22} {len(buffers):>7} {bound:>13} {solution.arena:>13} {solution.ratio:>9.5f} "
-              f"{entry['baseline_ratio']:>11.4f} {solution.seconds:>8.3f} {cpu:>6.2f} "
-              f"{'yes' if solution.valid else 'NO':>5}  {solution.method}{extra} / {target}")
-    print(json.dumps({"instances": results}))
+        print(f"{name:<24} {len(buffers):>7} {vs:>5} {entry['ratio']:>9.6f} {entry['greedy_ratio']:>7.4f} "
+              f"{solution.gap:>9.2e} {solution.seconds:>8.2f} {greedy_seconds:>8.3f} "
+              f"{'yes' if entry['met'] else 'NO':>3}  {solution.stopped or '-'} / {solution.method} / {target}")
+    met = [e["met"] for e in results.values()]
+    summary = {"instances": len(results), "met": sum(met), "engine": engine.split()[0],
+               "max_seconds": max((e["seconds"] for e in results.values()), default=0.0)}
+    print(json.dumps({"instances": results, "summary": summary}))
     return 0
 
 

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 __all__ = ["library", "unavailable_reason"]
@@ -44,12 +45,17 @@ def library() -> ctypes.CDLL | None:
     try:
         path = _build()
         lib = ctypes.CDLL(str(path))
+    except _NoCompiler as error:
+        _reason = str(error)  # documented: the Python search runs, nothing to warn about
+        return None
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         _reason = str(error) or type(error).__name__
+        warnings.warn(f"planner: the compiled search could not be built, using the (slower) Python "
+                      f"search: {_reason}", RuntimeWarning, stacklevel=2)
         return None
     function = lib.ms_memopt_search
     pointer = ctypes.c_void_p
-    function.argtypes = [ctypes.c_int64] * 3 + [pointer] * 11 + [ctypes.c_int64, ctypes.c_double, pointer]
+    function.argtypes = [ctypes.c_int64] * 3 + [pointer] * 12 + [ctypes.c_int64, ctypes.c_double, pointer]
     function.restype = ctypes.c_int
     _loaded = lib
     return lib
@@ -60,11 +66,15 @@ def _cache_dir() -> Path:
     return Path(base) / "ms_memopt"
 
 
+class _NoCompiler(RuntimeError):
+    pass
+
+
 def _compiler() -> str:
     for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
         if name and shutil.which(name.split()[0]):
             return name
-    raise RuntimeError("no C compiler found (tried $CC, cc, gcc, clang)")
+    raise _NoCompiler("no C compiler found (tried $CC, cc, gcc, clang)")
 
 
 def _build() -> Path:

@@ -15,6 +15,7 @@ enum { FOUND = 0, NONE = 1, ABORT = 2 };
 typedef struct {
     int64_t n, count, capacity;
     const int64_t *first, *last, *size, *rank;
+    const int64_t *twin;                /* same lifetime and size, just before by rank; or -1 */
     const int64_t *ov_ptr, *ov_idx;     /* overlaps: buffers alive at a common time */
     const int64_t *inc_ptr, *inc_owner; /* section -> buffers, or NULL */
     int64_t *total, *cuts, *floor, *min_off, *offset;
@@ -29,11 +30,11 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static int search(Solver *s, const int64_t *members, int64_t m, int64_t lo, int64_t hi,
-                  int64_t last_off, int64_t last_rank);
-
 /* sort keys of the unplaced buffers of a node: (min offset, rank) */
 typedef struct { int64_t off, rank, buffer; } Key;
+
+static int search(Solver *s, const int64_t *members, int64_t m, int64_t lo, int64_t hi,
+                  int64_t last_off, int64_t last_rank, const Key *hint, int64_t hint_count);
 
 static int compare_keys(const void *pa, const void *pb) {
     const Key *a = (const Key *)pa, *b = (const Key *)pb;
@@ -56,7 +57,7 @@ static int decompose(Solver *s, const int64_t *members, int64_t m, int64_t lo, i
             int64_t v = members[j];
             if (!s->placed[v] && s->first[v] < part_hi && s->last[v] > part_lo) inside[count++] = v;
         }
-        if (count > 0) status = search(s, inside, count, part_lo, part_hi, -1, -1);
+        if (count > 0) status = search(s, inside, count, part_lo, part_hi, -1, -1, NULL, 0);
         part_lo = part_hi;
     }
     free(inside);
@@ -64,7 +65,8 @@ static int decompose(Solver *s, const int64_t *members, int64_t m, int64_t lo, i
 }
 
 static int place_and_recurse(Solver *s, int64_t u, int64_t off, int64_t rank,
-                             const int64_t *members, int64_t m, int64_t lo, int64_t hi) {
+                             const int64_t *members, int64_t m, int64_t lo, int64_t hi,
+                             const Key *order, int64_t order_count) {
     const int64_t size = s->size[u], top = off + size;
     const int64_t a = s->first[u], b = s->last[u];
     int64_t *min_off = s->min_off, *floor = s->floor, *total = s->total;
@@ -118,7 +120,8 @@ static int place_and_recurse(Solver *s, int64_t u, int64_t off, int64_t rank,
         if (base + total[t] > s->capacity) { fits = 0; break; }
     }
     if (fits) {
-        status = split ? decompose(s, members, m, lo, hi) : search(s, members, m, lo, hi, off, rank);
+        status = split ? decompose(s, members, m, lo, hi)
+                       : search(s, members, m, lo, hi, off, rank, order, order_count);
     }
     for (int64_t t = a; t + 1 < b; ++t) ++s->cuts[t];
     for (int64_t t = a; t < b; ++t) total[t] += size;
@@ -130,27 +133,54 @@ static int place_and_recurse(Solver *s, int64_t u, int64_t off, int64_t rank,
     return status;
 }
 
+/* The node's unplaced buffers sorted by (min offset, rank). With the parent's order as a hint
+ * (the same buffers less the one just placed, a few keys raised), an insertion sort of that
+ * nearly sorted list replaces a full sort: the same order, found in about linear time. */
+static int64_t sorted_keys(Solver *s, const int64_t *members, int64_t m, const Key *hint,
+                           int64_t hint_count, Key *keys) {
+    int64_t count = 0;
+    if (hint == NULL) {
+        for (int64_t j = 0; j < m; ++j) {
+            int64_t v = members[j];
+            if (s->placed[v]) continue;
+            keys[count].off = s->min_off[v];
+            keys[count].rank = s->rank[v];
+            keys[count].buffer = v;
+            ++count;
+        }
+        qsort(keys, (size_t)count, sizeof(Key), compare_keys);
+        return count;
+    }
+    for (int64_t j = 0; j < hint_count; ++j) {
+        int64_t v = hint[j].buffer;
+        if (s->placed[v]) continue;
+        Key key = {s->min_off[v], s->rank[v], v};
+        int64_t k = count++;
+        while (k > 0 && compare_keys(&keys[k - 1], &key) > 0) {
+            keys[k] = keys[k - 1];
+            --k;
+        }
+        keys[k] = key;
+    }
+    return count;
+}
+
 static int search(Solver *s, const int64_t *members, int64_t m, int64_t lo, int64_t hi,
-                  int64_t last_off, int64_t last_rank) {
+                  int64_t last_off, int64_t last_rank, const Key *hint, int64_t hint_count) {
     s->nodes += 1;
     if (s->node_limit >= 0 && s->nodes > s->node_limit) return ABORT;
     if (s->deadline >= 0 && (s->nodes & 63) == 0 && now_seconds() > s->deadline) return ABORT;
     Key *keys = (Key *)malloc(sizeof(Key) * (size_t)(m > 0 ? m : 1));
-    int64_t count = 0, min_height = INT64_MAX, highest_total = 0;
-    for (int64_t j = 0; j < m; ++j) {
-        int64_t v = members[j];
-        if (s->placed[v]) continue;
-        keys[count].off = s->min_off[v];
-        keys[count].rank = s->rank[v];
-        keys[count].buffer = v;
-        if (s->min_off[v] + s->size[v] < min_height) min_height = s->min_off[v] + s->size[v];
-        ++count;
-    }
+    int64_t min_height = INT64_MAX, highest_total = 0;
+    const int64_t count = sorted_keys(s, members, m, hint, hint_count, keys);
     if (count == 0) {
         free(keys);
         return FOUND;
     }
-    qsort(keys, (size_t)count, sizeof(Key), compare_keys);
+    for (int64_t k = 0; k < count; ++k) {
+        int64_t top = keys[k].off + s->size[keys[k].buffer];
+        if (top < min_height) min_height = top;
+    }
     for (int64_t t = lo; t < hi; ++t) {
         if (s->total[t] > highest_total) highest_total = s->total[t];
     }
@@ -161,7 +191,9 @@ static int search(Solver *s, const int64_t *members, int64_t m, int64_t lo, int6
         if (off < last_off) continue;
         if (off >= min_height || off > highest) break;
         if (off == last_off && keys[k].rank < last_rank) continue;
-        status = place_and_recurse(s, keys[k].buffer, off, keys[k].rank, members, m, lo, hi);
+        const int64_t twin = s->twin[keys[k].buffer];
+        if (twin >= 0 && !s->placed[twin]) continue;  /* its identical predecessor goes first */
+        status = place_and_recurse(s, keys[k].buffer, off, keys[k].rank, members, m, lo, hi, keys, count);
         if (status != NONE) break;
     }
     free(keys);
@@ -171,13 +203,14 @@ static int search(Solver *s, const int64_t *members, int64_t m, int64_t lo, int6
 /* Entry point: returns FOUND / NONE / ABORT; offsets and the node count are written back. */
 int ms_memopt_search(int64_t n, int64_t count, int64_t capacity,
                      const int64_t *first, const int64_t *last, const int64_t *size,
-                     const int64_t *rank, const int64_t *ov_ptr, const int64_t *ov_idx,
+                     const int64_t *rank, const int64_t *twin, const int64_t *ov_ptr,
+                     const int64_t *ov_idx,
                      const int64_t *inc_ptr, const int64_t *inc_owner,
                      int64_t *total, int64_t *cuts, int64_t *offset,
                      int64_t node_limit, double seconds, int64_t *nodes_out) {
     Solver s;
     s.n = n; s.count = count; s.capacity = capacity;
-    s.first = first; s.last = last; s.size = size; s.rank = rank;
+    s.first = first; s.last = last; s.size = size; s.rank = rank; s.twin = twin;
     s.ov_ptr = ov_ptr; s.ov_idx = ov_idx; s.inc_ptr = inc_ptr; s.inc_owner = inc_owner;
     s.total = total; s.cuts = cuts; s.offset = offset;
     s.floor = (int64_t *)calloc((size_t)(count > 0 ? count : 1), sizeof(int64_t));
@@ -195,7 +228,7 @@ int ms_memopt_search(int64_t n, int64_t count, int64_t capacity,
         for (int64_t v = 0; v < n; ++v) {
             if (first[v] < part_hi && last[v] > part_lo) members[m++] = v;
         }
-        status = search(&s, members, m, part_lo, part_hi, -1, -1);
+        status = search(&s, members, m, part_lo, part_hi, -1, -1, NULL, 0);
         part_lo = part_hi;
     }
     *nodes_out = s.nodes;

@@ -17,6 +17,9 @@ sections, undo records, Python recursion) is this project's own:
   of the last buffer placed there, the smallest minimum offset of its unplaced buffers, and the
   offset just placed, since offsets never decrease) and the bytes of its unplaced buffers. A
   node is pruned when floor + unplaced bytes exceeds the capacity in any section.
+* **Symmetry.** Buffers with the same lifetime and size are interchangeable; they always
+  share their minimum offset, and only the first of them (by rank) not yet placed is a
+  candidate, so their permutations are not searched.
 * **Dynamic decomposition.** When no unplaced buffer crosses a section boundary any more, the
   two sides are independent: each is solved on its own, and if one has no solution the node
   fails at once (no search over combinations of the two sides).
@@ -137,6 +140,7 @@ class _Solver:
         order = sorted(range(n), key=lambda i: (key(sub[i], int(peak[i])), i))
         self.rank = np.empty(n, dtype=np.int64)
         self.rank[order] = np.arange(n)
+        self.twin = self._twins(sub)
         self.overlaps = self._overlaps()
         self.incidence = self._incidence()
         self.floor = np.zeros(count, dtype=np.int64)
@@ -144,6 +148,16 @@ class _Solver:
         self.placed = np.zeros(n, dtype=bool)
         self.offset = np.zeros(n, dtype=np.int64)
         self.nodes = 0
+
+    def _twins(self, sub: Sequence[Buffer]) -> np.ndarray:
+        """Per buffer, the buffer of the same lifetime and size just before it by rank, or -1."""
+        twin = np.full(self.n, -1, dtype=np.int64)
+        previous: dict[tuple[int, int, int], int] = {}
+        for i in np.argsort(self.rank).tolist():
+            key = (sub[i].lower, sub[i].upper, sub[i].size)
+            twin[i] = previous.get(key, -1)
+            previous[key] = i
+        return twin
 
     def _overlaps(self) -> list[np.ndarray]:
         """Per buffer, the indices of the other buffers alive at some common time."""
@@ -216,7 +230,7 @@ class _Solver:
             return None if array is None else array.ctypes.data_as(ctypes.c_void_p)
 
         status = lib.ms_memopt_search(self.n, self.count, self.capacity, ptr(self.first), ptr(self.last),
-                                      ptr(self.size), ptr(self.rank), ptr(ov_ptr), ptr(ov_idx),
+                                      ptr(self.size), ptr(self.rank), ptr(self.twin), ptr(ov_ptr), ptr(ov_idx),
                                       ptr(inc_ptr), ptr(inc_owner), ptr(total), ptr(cuts), ptr(offset),
                                       -1 if node_limit is None else int(node_limit), seconds,
                                       ctypes.byref(nodes))
@@ -262,7 +276,11 @@ class _Solver:
             off = int(offs[k])
             if off == last_off and int(ranks[k]) < last_rank:
                 continue
-            status = self._place_and_recurse(int(unplaced[order[k]]), off, int(ranks[k]), members, lo, hi)
+            u = int(unplaced[order[k]])
+            twin = int(self.twin[u])
+            if twin >= 0 and not self.placed[twin]:
+                continue  # its identical predecessor goes first
+            status = self._place_and_recurse(u, off, int(ranks[k]), members, lo, hi)
             if status != _NONE:
                 return status
         return _NONE
