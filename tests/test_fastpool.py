@@ -36,13 +36,16 @@ CONFIGS = [
     ("torch", dict(capacity=256 * MiB)),
     ("torch", dict(capacity=200 * MiB, roundup_power2_divisions=4)),
     ("torch", dict(roundup_power2_divisions=1)),
+    ("torch-expandable", dict(capacity=256 * MiB)),
+    ("torch-expandable", dict(capacity=160 * MiB, roundup_power2_divisions=2)),
+    ("torch-expandable", dict()),
 ]
-FAST_NAMES = ["mindspore", "mindspore-bestfit", "torch"]
+FAST_NAMES = ["mindspore", "mindspore-bestfit", "torch", "torch-expandable"]
 
 
 def _pressed(name: str, capacity: int) -> dict:
     """Options that put ``capacity`` on the model (and small growth units where there are any)."""
-    return dict(capacity=capacity) if name == "torch" else dict(capacity=capacity, increase_size=capacity // 16)
+    return dict(capacity=capacity) if name.startswith("torch") else dict(capacity=capacity, increase_size=capacity // 16)
 
 
 def _state(model):

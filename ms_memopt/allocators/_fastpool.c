@@ -48,6 +48,7 @@ typedef struct {
     i64 stream;
     int32_t alloc, head;
     int alive;
+    u64 page; int fixed;     /* expandable: page size of the range, recorded (fixed) range */
 } Seg;
 
 typedef struct {
@@ -55,11 +56,12 @@ typedef struct {
     int persistent, small;
     int32_t *segs; Py_ssize_t nsegs, capsegs;
     Key *keys; Py_ssize_t nkeys, capkeys;
+    int32_t *unm; Py_ssize_t nunm, capunm;   /* expandable: unmapped buffers by address */
 } Alloc;
 
 typedef struct { u64 addr, size; i64 stream; } Recorded;
 
-enum { KIND_MINDSPORE, KIND_TORCH, KIND_REGION };
+enum { KIND_MINDSPORE, KIND_TORCH, KIND_REGION, KIND_EXPANDABLE };
 
 typedef struct {
     PyObject_HEAD
@@ -87,6 +89,8 @@ typedef struct {
     /* pool-mode region: its range, ring head, open chunk */
     u64 raddr, rsize, head, stack_top, stack_floor;
     int chunked, stack_open;
+    /* torch-expandable: virtual range size and the next range's base */
+    u64 range_size, next_base;
 } Core;
 
 #define EMPTY_KEY (~0ULL)
@@ -702,6 +706,340 @@ static PyObject *Region_get(Core *c, void *which) {
     }
 }
 
+/* ---- PyTorch with expandable segments (torch_expandable.py) ------------------------------- */
+enum { X_FREE = 0, X_LIVE = 1, X_UNMAPPED = 2 };   /* Buf.used */
+#define GIB (1ULL << 30)
+
+static Py_ssize_t unm_search(Core *c, Alloc *a, u64 addr) {
+    Py_ssize_t lo = 0, hi = a->nunm;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) >> 1;
+        if (c->bufs[a->unm[mid]].addr < addr) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+static int unm_insert(Core *c, Alloc *a, int32_t b) {
+    if (grow_array((void **)&a->unm, &a->capunm, a->nunm + 1, sizeof(int32_t)) < 0) return -1;
+    Py_ssize_t at = unm_search(c, a, c->bufs[b].addr);
+    memmove(&a->unm[at + 1], &a->unm[at], (size_t)(a->nunm - at) * sizeof(int32_t));
+    a->unm[at] = b;
+    a->nunm++;
+    return 0;
+}
+
+static void unm_remove(Core *c, Alloc *a, int32_t b) {
+    Py_ssize_t at = unm_search(c, a, c->bufs[b].addr);
+    memmove(&a->unm[at], &a->unm[at + 1], (size_t)(a->nunm - at - 1) * sizeof(int32_t));
+    a->nunm--;
+}
+
+static inline Alloc *x_alloc(Core *c, int32_t b) { return &c->allocs[c->segs[c->bufs[b].seg].alloc]; }
+
+/* _absorb_next: ``b`` takes over its next buffer */
+static void x_absorb_next(Core *c, int32_t b) {
+    int32_t nxt = c->bufs[b].next;
+    c->bufs[b].size += c->bufs[nxt].size;
+    int32_t after = c->bufs[nxt].next;
+    c->bufs[b].next = after;
+    if (after >= 0) c->bufs[after].prev = b;
+    buf_drop(c, nxt);
+}
+
+/* _merge_free: the free ``b`` merged with free neighbours and indexed; the merged buffer */
+static int32_t x_merge_free(Core *c, int32_t b) {
+    int32_t prev = c->bufs[b].prev;
+    if (prev >= 0 && c->bufs[prev].used == X_FREE) {
+        unindex_buf(c, prev);
+        x_absorb_next(c, prev);
+        b = prev;
+    }
+    int32_t nxt = c->bufs[b].next;
+    if (nxt >= 0 && c->bufs[nxt].used == X_FREE) {
+        unindex_buf(c, nxt);
+        x_absorb_next(c, b);
+    }
+    if (index_buf(c, b) < 0) return -1;
+    return b;
+}
+
+static u64 x_expandable(Core *c, int32_t b) {
+    int32_t nxt = c->bufs[b].next;
+    if (nxt >= 0 && c->bufs[nxt].used == X_UNMAPPED) return c->bufs[b].size + c->bufs[nxt].size;
+    return c->bufs[b].size;
+}
+
+/* a new range of allocator ``ai``: one unmapped buffer; the buffer, -1 on error */
+static int32_t x_new_range(Core *c, Py_ssize_t ai, u64 base, u64 size, u64 page, int fixed) {
+    if (grow_array((void **)&c->segs, &c->capsegs, c->nsegs + 1, sizeof(Seg)) < 0) return -1;
+    Alloc *a = &c->allocs[ai];
+    if (grow_array((void **)&a->segs, &a->capsegs, a->nsegs + 1, sizeof(int32_t)) < 0) return -1;
+    int32_t si = (int32_t)c->nsegs++;
+    Seg *s = &c->segs[si];
+    s->addr = base; s->size = size; s->stream = a->stream; s->alloc = (int32_t)ai; s->head = -1; s->alive = 1;
+    s->page = page; s->fixed = fixed;
+    a->segs[a->nsegs++] = si;
+    if (order_insert(c, si) < 0) return -1;
+    return si;
+}
+
+/* _find_expandable: the start of the lowest unmapped stretch (with the free buffer before it)
+ * that can hold ``rsize``, else a new range's unmapped buffer */
+static int32_t x_find_expandable(Core *c, Py_ssize_t ai, u64 rsize, int small) {
+    Alloc *a = &c->allocs[ai];
+    for (Py_ssize_t k = 0; k < a->nunm; k++) {
+        int32_t start = a->unm[k];
+        int32_t prev = c->bufs[start].prev;
+        if (prev >= 0 && c->bufs[prev].used == X_FREE) start = prev;
+        u64 room = 0;
+        int32_t cursor = start;
+        while (room < rsize && cursor >= 0 && c->bufs[cursor].used != X_LIVE) {
+            room += c->bufs[cursor].size;
+            cursor = c->bufs[cursor].next;
+        }
+        if (room >= rsize) return start;
+    }
+    u64 page = small ? T_SMALL_BUFFER : T_LARGE_BUFFER;
+    u64 size = c->range_size > rsize ? c->range_size : rsize;
+    size = round_up(size, page);
+    u64 base = c->next_base;
+    c->next_base += round_up(size, GIB) + GIB;
+    int32_t si = x_new_range(c, ai, base, size, page, 0);
+    if (si < 0) return -1;
+    int32_t b = buf_new(c, base, size, X_UNMAPPED, -1, -1, si);
+    if (b < 0) return -1;
+    c->segs[si].head = b;
+    if (unm_insert(c, &c->allocs[ai], b) < 0) return -1;
+    return b;
+}
+
+/* _map: whole pages covering ``want`` bytes at the start of the unmapped ``b``; -2 no room */
+static int32_t x_map(Core *c, int32_t b, u64 want) {
+    Seg *rng = &c->segs[c->bufs[b].seg];
+    u64 page = rng->page;
+    u64 size = round_up(want, page);
+    if (size > c->bufs[b].size) size = c->bufs[b].size;
+    if (c->bounded && (u64)c->reserved + size > c->capacity) return -2;
+    Alloc *a = x_alloc(c, b);
+    unm_remove(c, a, b);
+    if (size < c->bufs[b].size) {
+        int32_t nxt = c->bufs[b].next;
+        int32_t rest = buf_new(c, c->bufs[b].addr + size, c->bufs[b].size - size, X_UNMAPPED, b, nxt, c->bufs[b].seg);
+        if (rest < 0) return -1;
+        if (nxt >= 0) c->bufs[nxt].prev = rest;
+        c->bufs[b].next = rest;
+        c->bufs[b].size = size;
+        if (unm_insert(c, a, rest) < 0) return -1;
+    }
+    c->bufs[b].used = X_FREE;
+    c->reserved += (long long)size;
+    c->segment_allocs += 1;
+    if (c->reserved > c->peak_reserved) c->peak_reserved = c->reserved;
+    return x_merge_free(c, b);
+}
+
+static int32_t x_map_for(Core *c, Py_ssize_t ai, u64 rsize, int small) {
+    int32_t cand = x_find_expandable(c, ai, rsize, small);
+    if (cand < 0) return cand;
+    while (c->bufs[cand].size < rsize || c->bufs[cand].used != X_FREE) {
+        int32_t to_map;
+        u64 want;
+        if (c->bufs[cand].used == X_UNMAPPED) { to_map = cand; want = rsize; }
+        else { to_map = c->bufs[cand].next; want = rsize - c->bufs[cand].size; }
+        cand = x_map(c, to_map, want);
+        if (cand < 0) return cand;
+    }
+    return cand;
+}
+
+/* _unmap: the whole pages inside the free ``b`` go back; 1 when any did */
+static int x_unmap(Core *c, int32_t b) {
+    Seg *rng = &c->segs[c->bufs[b].seg];
+    u64 addr = c->bufs[b].addr, size = c->bufs[b].size;
+    Alloc *a = x_alloc(c, b);
+    if (rng->fixed) {
+        /* a recorded (non-expandable) segment goes back only whole, like cudaFree */
+        if (c->bufs[b].prev < 0 && c->bufs[b].next < 0) {
+            int32_t si = c->bufs[b].seg;
+            unindex_buf(c, b);
+            buf_drop(c, b);
+            Py_ssize_t at = order_search(c, c->segs[si].addr);
+            memmove(&c->order[at], &c->order[at + 1], (size_t)(c->norder - at - 1) * sizeof(int32_t));
+            c->norder--;
+            c->segs[si].alive = 0;
+            c->reserved -= (long long)size;
+            return 1;
+        }
+        return 0;
+    }
+    u64 page = rng->page, base = rng->addr;
+    u64 begin = base + round_up(addr - base, page);
+    u64 end = base + (addr + size - base) / page * page;
+    if (begin >= end) return 0;
+    unindex_buf(c, b);
+    int32_t seg = c->bufs[b].seg, nxt = c->bufs[b].next;
+    if (end < addr + size) {
+        int32_t tail = buf_new(c, end, addr + size - end, X_FREE, b, nxt, seg);
+        if (tail < 0) return -1;
+        if (nxt >= 0) c->bufs[nxt].prev = tail;
+        c->bufs[b].next = nxt = tail;
+        if (index_buf(c, tail) < 0) return -1;
+    }
+    int32_t u;
+    if (begin > addr) {
+        u = buf_new(c, begin, end - begin, X_UNMAPPED, b, nxt, seg);
+        if (u < 0) return -1;
+        if (nxt >= 0) c->bufs[nxt].prev = u;
+        c->bufs[b].next = u;
+        c->bufs[b].size = begin - addr;
+        if (index_buf(c, b) < 0) return -1;
+    } else {
+        c->bufs[b].size = end - begin;
+        c->bufs[b].used = X_UNMAPPED;
+        u = b;
+    }
+    c->reserved -= (long long)(end - begin);
+    int32_t prev = c->bufs[u].prev;
+    if (prev >= 0 && c->bufs[prev].used == X_UNMAPPED) {
+        x_absorb_next(c, prev);
+        u = prev;
+    } else if (unm_insert(c, a, u) < 0) return -1;
+    nxt = c->bufs[u].next;
+    if (nxt >= 0 && c->bufs[nxt].used == X_UNMAPPED) {
+        unm_remove(c, a, nxt);
+        x_absorb_next(c, u);
+    }
+    return 1;
+}
+
+/* _unmap_all: every free buffer's whole pages; 1 when any were unmapped, -1 on error */
+static int x_unmap_all(Core *c) {
+    int released = 0;
+    for (Py_ssize_t ai = 0; ai < c->nallocs; ai++) {
+        Py_ssize_t n = c->allocs[ai].nkeys;
+        int32_t *copy = PyMem_Malloc(sizeof(int32_t) * (n ? n : 1));
+        if (!copy) { PyErr_NoMemory(); return -1; }
+        for (Py_ssize_t k = 0; k < n; k++) copy[k] = c->allocs[ai].keys[k].buf;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            int r = x_unmap(c, copy[k]);
+            if (r < 0) { PyMem_Free(copy); return -1; }
+            released |= r;
+        }
+        PyMem_Free(copy);
+    }
+    return released;
+}
+
+static long long x_malloc(Core *c, long long raw, i64 stream, PyObject *tag) {
+    u64 rsize = torch_round(c, raw);
+    int small = rsize <= SMALL_SIZE;
+    Py_ssize_t ai = get_alloc(c, stream, 0, small);
+    if (ai < 0) return -1;
+    Alloc *a = &c->allocs[ai];
+    int32_t b;
+    Py_ssize_t i = lower_bound(a, rsize, 0);
+    if (i < a->nkeys) {
+        /* prefer blocks that cannot grow into unmapped space (their "expandable size") */
+        while (i + 1 < a->nkeys && x_expandable(c, a->keys[i + 1].buf) < x_expandable(c, a->keys[i].buf)) i++;
+        b = a->keys[i].buf;
+        memmove(&a->keys[i], &a->keys[i + 1], (size_t)(a->nkeys - i - 1) * sizeof(Key));
+        a->nkeys--;
+    } else {
+        b = x_map_for(c, ai, rsize, small);
+        if (b == -2) {
+            int r = x_unmap_all(c);
+            if (r < 0) return -1;
+            if (r) b = x_map_for(c, ai, rsize, small);
+        }
+        if (b == -1) return -1;
+        if (b == -2) return record_oom(c, PyLong_FromLongLong(raw), stream, tag);
+        unindex_buf(c, b);
+    }
+    c->bufs[b].used = X_LIVE;
+    u64 remaining = c->bufs[b].size - rsize;
+    if (remaining >= 512) {
+        int32_t nxt = c->bufs[b].next;
+        int32_t rest = buf_new(c, c->bufs[b].addr + rsize, remaining, X_FREE, b, nxt, c->bufs[b].seg);
+        if (rest < 0) return -1;
+        if (nxt >= 0) c->bufs[nxt].prev = rest;
+        c->bufs[b].next = rest;
+        c->bufs[b].size = rsize;
+        if (x_merge_free(c, rest) < 0) return -1;
+    }
+    c->allocated += (long long)c->bufs[b].size;
+    if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
+    return (long long)c->bufs[b].addr;
+}
+
+static int x_free(Core *c, u64 addr) {
+    int32_t b = h_get(c, addr);
+    if (b < 0 || c->bufs[b].used != X_LIVE) return 0;
+    c->bufs[b].used = X_FREE;
+    c->allocated -= (long long)c->bufs[b].size;
+    return x_merge_free(c, b) < 0 ? -1 : 0;
+}
+
+/* restore one recorded segment as a fixed, fully mapped range: _add_range(addr, size, stream,
+ * small, pieces) with ``pieces`` [(addr, size, live), ...] free neighbours merged */
+static PyObject *X_add_range(Core *c, PyObject *args) {
+    unsigned long long addr, size;
+    long long stream;
+    int small;
+    PyObject *pieces;
+    if (!PyArg_ParseTuple(args, "KKLpO", &addr, &size, &stream, &small, &pieces)) return NULL;
+    Py_ssize_t ai = get_alloc(c, stream, 0, small);
+    if (ai < 0) return NULL;
+    int32_t si = x_new_range(c, ai, addr, size, size, 1);
+    if (si < 0) return NULL;
+    c->reserved += (long long)size;
+    PyObject *seq = PySequence_Fast(pieces, "pieces must be a sequence");
+    if (!seq) return NULL;
+    int32_t prev = -1;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        unsigned long long paddr, psize;
+        int live;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKp", &paddr, &psize, &live)) { Py_DECREF(seq); return NULL; }
+        int32_t b = buf_new(c, paddr, psize, live ? X_LIVE : X_FREE, prev, -1, si);
+        if (b < 0) { Py_DECREF(seq); return NULL; }
+        if (prev < 0) c->segs[si].head = b; else c->bufs[prev].next = b;
+        if (live) c->allocated += (long long)psize;
+        else if (index_buf(c, b) < 0) { Py_DECREF(seq); return NULL; }
+        prev = b;
+    }
+    Py_DECREF(seq);
+    if (addr + size > c->next_base) c->next_base = addr + size;
+    Py_RETURN_NONE;
+}
+
+/* after restoring: the next range starts on a GiB boundary */
+static PyObject *X_restored(Core *c, PyObject *unused) {
+    c->next_base = round_up(c->next_base, GIB);
+    Py_RETURN_NONE;
+}
+
+/* [(base, stream, small, [(addr, size, state), ...]), ...] by base; state 0 free 1 live 2 unmapped */
+static PyObject *X_ranges(Core *c, PyObject *unused) {
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (Py_ssize_t k = 0; k < c->norder; k++) {
+        Seg *s = &c->segs[c->order[k]];
+        PyObject *blocks = PyList_New(0);
+        if (!blocks) { Py_DECREF(out); return NULL; }
+        int32_t b = s->head;
+        while (b >= 0 && c->bufs[b].prev >= 0) b = c->bufs[b].prev;   /* the range's first buffer */
+        for (; b >= 0; b = c->bufs[b].next) {
+            PyObject *t = Py_BuildValue("(KKi)", c->bufs[b].addr, c->bufs[b].size, c->bufs[b].used);
+            if (!t || PyList_Append(blocks, t) < 0) { Py_XDECREF(t); Py_DECREF(blocks); Py_DECREF(out); return NULL; }
+            Py_DECREF(t);
+        }
+        PyObject *r = Py_BuildValue("(KLON)", s->addr, (long long)s->stream,
+                                    c->allocs[s->alloc].small ? Py_True : Py_False, blocks);
+        if (!r || PyList_Append(out, r) < 0) { Py_XDECREF(r); Py_DECREF(out); return NULL; }
+        Py_DECREF(r);
+    }
+    return out;
+}
+
 /* ---- Python methods ------------------------------------------------------------------------- */
 
 static int get_u64(PyObject *obj, u64 *out, const char *what) {
@@ -769,7 +1107,8 @@ static PyObject *Core_malloc(Core *c, PyObject *const *args, Py_ssize_t nargs, P
         stream = PyLong_AsLongLong(stream_obj);
         if (stream == -1 && PyErr_Occurred()) return NULL;
     }
-    long long addr = c->kind == KIND_TORCH ? torch_malloc(c, raw, stream, tag) : core_malloc(c, raw, stream, pool, tag);
+    long long addr = c->kind == KIND_TORCH ? torch_malloc(c, raw, stream, tag)
+                   : c->kind == KIND_EXPANDABLE ? x_malloc(c, raw, stream, tag) : core_malloc(c, raw, stream, pool, tag);
     if (addr == -1) return NULL;
     if (addr == -2) Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong((u64)addr);
@@ -813,7 +1152,7 @@ static PyObject *Core_free(Core *c, PyObject *arg) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    if (core_free(c, addr) < 0) return NULL;
+    if ((c->kind == KIND_EXPANDABLE ? x_free(c, addr) : core_free(c, addr)) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -891,7 +1230,7 @@ static PyObject *Core_run(Core *c, PyObject *args) {
                 unsigned long long a = PyLong_AsUnsignedLongLong(addr);
                 Py_DECREF(addr);
                 if (a == (unsigned long long)-1 && PyErr_Occurred()) PyErr_Clear();
-                else if (core_free(c, a) < 0) return NULL;
+                else if ((c->kind == KIND_EXPANDABLE ? x_free(c, a) : core_free(c, a)) < 0) return NULL;
             }
             continue;
         }
@@ -911,7 +1250,7 @@ static PyObject *Core_run(Core *c, PyObject *args) {
         if (!size_obj || !pool || (use_stream && !stream_obj) || PyErr_Occurred()) { Py_DECREF(tag); Py_XDECREF(pool); return NULL; }
         allocs++;
         long long addr = c->kind == KIND_TORCH ? torch_malloc(c, raw, stream, tag)
-                                               : core_malloc(c, raw, stream, pool, tag);
+                       : c->kind == KIND_EXPANDABLE ? x_malloc(c, raw, stream, tag) : core_malloc(c, raw, stream, pool, tag);
         Py_DECREF(tag); Py_DECREF(pool);
         if (addr == -1) return NULL;
         if (addr == -2) { oom = 1; break; }
@@ -933,6 +1272,10 @@ static PyObject *Core_run(Core *c, PyObject *args) {
 }
 
 static PyObject *Core_empty_cache(Core *c, PyObject *unused) {
+    if (c->kind == KIND_EXPANDABLE) {
+        if (x_unmap_all(c) < 0) return NULL;
+        Py_RETURN_NONE;
+    }
     if (c->kind == KIND_TORCH) {
         torch_release_cached(c);
         Py_RETURN_NONE;
@@ -955,6 +1298,7 @@ static PyObject *Core_note_segment_alloc(Core *c, PyObject *args, PyObject *kwar
     PyObject *addr_obj, *size_obj = NULL, *stream_obj = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO", names, &addr_obj, &size_obj, &stream_obj)) return NULL;
     u64 addr;
+    if (c->kind == KIND_EXPANDABLE) Py_RETURN_NONE;     /* the model places no recorded segments */
     if (c->kind == KIND_TORCH) {
         if (addr_obj == Py_None) Py_RETURN_NONE;
         u64 size = 0;
@@ -983,6 +1327,11 @@ static PyObject *Core_release_segment(Core *c, PyObject *args, PyObject *kwargs)
     PyObject *addr_obj, *size_obj = NULL, *stream_obj = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO", names, &addr_obj, &size_obj, &stream_obj)) return NULL;
     u64 addr;
+    if (c->kind == KIND_EXPANDABLE) {
+        /* a recorded segment_free means the recording released cached memory: unmap here too */
+        if (x_unmap_all(c) < 0) return NULL;
+        Py_RETURN_NONE;
+    }
     if (get_u64(addr_obj, &addr, "addr") < 0) return NULL;
     if (c->kind == KIND_TORCH) {
         /* the recorded segment if idle here, else an idle one of the same size and stream */
@@ -1093,13 +1442,16 @@ static PyObject *Core_add_segment(Core *c, PyObject *args) {
 
 /* forget every segment and buffer (torch's restore starts from nothing); peaks stay */
 static PyObject *Core_reset(Core *c, PyObject *unused) {
-    for (Py_ssize_t i = 0; i < c->nallocs; i++) { PyMem_Free(c->allocs[i].segs); PyMem_Free(c->allocs[i].keys); }
+    for (Py_ssize_t i = 0; i < c->nallocs; i++) {
+        PyMem_Free(c->allocs[i].segs); PyMem_Free(c->allocs[i].keys); PyMem_Free(c->allocs[i].unm);
+    }
     PyMem_Free(c->allocs); c->allocs = NULL; c->nallocs = 0;
     c->nsegs = 0; c->nbufs = 0; c->free_slot = -1; c->norder = 0; c->ntrec = 0;
     c->rec_head = c->rec_tail = 0;
     for (Py_ssize_t i = 0; i < c->hcap; i++) c->hkeys[i] = EMPTY_KEY;
     c->hcount = 0;
     c->reserved = c->allocated = 0;
+    c->next_base = 1ULL << 44;
     Py_RETURN_NONE;
 }
 
@@ -1130,6 +1482,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     if (strcmp(kind, "torch") == 0) c->kind = KIND_TORCH;
     else if (strcmp(kind, "mindspore") == 0) c->kind = KIND_MINDSPORE;
     else if (strcmp(kind, "region") == 0) c->kind = KIND_REGION;
+    else if (strcmp(kind, "expandable") == 0) c->kind = KIND_EXPANDABLE;
     else { PyErr_Format(PyExc_ValueError, "kind must be 'mindspore' or 'torch', got %s", kind); return -1; }
     c->divisions = divisions;
     c->bounded = capacity != Py_None;
@@ -1140,6 +1493,9 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     }
     if (increase == 0) { PyErr_SetString(PyExc_ValueError, "increase_size must be > 0"); return -1; }
     c->increase_size = increase;
+    /* expandable: one virtual range of 1 1/8 x device memory per pool (1 TiB when unbounded) */
+    c->range_size = c->bounded ? c->capacity + c->capacity / 8 : (1ULL << 40);
+    c->next_base = 1ULL << 44;
     c->grow_add = grow_add; c->small_pool = small_pool; c->idle_order = idle_order;
     c->next_addr = BASE_ADDR;
     c->free_slot = -1;
@@ -1150,7 +1506,9 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
 static void Core_dealloc(Core *c) {
     PyObject_GC_UnTrack(c);
     Py_CLEAR(c->dict);
-    for (Py_ssize_t i = 0; i < c->nallocs; i++) { PyMem_Free(c->allocs[i].segs); PyMem_Free(c->allocs[i].keys); }
+    for (Py_ssize_t i = 0; i < c->nallocs; i++) {
+        PyMem_Free(c->allocs[i].segs); PyMem_Free(c->allocs[i].keys); PyMem_Free(c->allocs[i].unm);
+    }
     PyMem_Free(c->allocs); PyMem_Free(c->segs); PyMem_Free(c->bufs);
     PyMem_Free(c->hkeys); PyMem_Free(c->hvals); PyMem_Free(c->rec);
     PyMem_Free(c->order); PyMem_Free(c->trec);
@@ -1176,6 +1534,9 @@ static PyMethodDef Core_methods[] = {
     {"_add_segment", (PyCFunction)Core_add_segment, METH_VARARGS, "restore one recorded segment"},
     {"_pregrow", (PyCFunction)Core_pregrow, METH_O, "set_memory(init_size=2*half)"},
     {"_reset", (PyCFunction)Core_reset, METH_NOARGS, "forget every segment and buffer"},
+    {"_add_range", (PyCFunction)X_add_range, METH_VARARGS, "expandable: restore one recorded segment"},
+    {"_restored", (PyCFunction)X_restored, METH_NOARGS, "expandable: restoring is over"},
+    {"_ranges", (PyCFunction)X_ranges, METH_NOARGS, "expandable: every range with its buffers"},
     {"_region_init", (PyCFunction)Region_init_range, METH_VARARGS, "region: its range and kind of ring"},
     {"take", (PyCFunction)(void (*)(void))Region_take, METH_VARARGS | METH_KEYWORDS, "region: take(size, ring, fallback=True) -> address or None"},
     {"open_chunk", (PyCFunction)Region_open_chunk, METH_O, "region: a micro-batch's chunk opens"},

@@ -60,6 +60,8 @@ def batch_runner(model: AllocatorModel):
     return None if "malloc" in patched or "free" in patched else run
 
 
+_LIVE, _UNMAPPED = 1, 2      # buffer states of the compiled expandable model (0: free)
+
 if ModelCore is not None:
 
     class FastMindSporePool(ModelCore, AllocatorModel):
@@ -139,6 +141,41 @@ if ModelCore is not None:
 
         layout = FastMindSporePool.layout
 
+    class FastTorchExpandableAllocator(ModelCore, AllocatorModel):
+        """:class:`~ms_memopt.allocators.torch_expandable.TorchExpandableAllocator` in C."""
+
+        name = "torch-expandable"
+        virtual = True
+        supports = FastMindSporePool.supports
+
+        def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None) -> None:
+            check_divisions(roundup_power2_divisions)
+            ModelCore.__init__(self, capacity, kind="expandable", divisions=roundup_power2_divisions or 0)
+            AllocatorModel.__init__(self, capacity)
+            self.divisions = roundup_power2_divisions or 0
+
+        def restore(self, layout: Layout) -> None:
+            """Start from ``layout``: recorded segments become fixed, fully mapped ranges."""
+            self._reset()
+            for seg in sorted(layout.segments, key=lambda s: s.addr):
+                self._add_range(seg.addr, seg.size, seg.stream, is_small_segment(seg), merged_blocks(seg))
+            self._restored()
+            self._note_usage()
+
+        def layout(self) -> Layout:
+            """Each run of mapped buffers of a range is one segment (as the reference)."""
+            segments = []
+            for _, stream, small, pieces in self._ranges():
+                run: list[Block] = []
+                for addr, size, state in pieces + [(0, 0, _UNMAPPED)]:
+                    if state != _UNMAPPED:
+                        run.append(Block(addr, size, state == _LIVE))
+                    elif run:
+                        segments.append(Segment(run[0].addr, run[-1].end - run[0].addr, run, stream=stream,
+                                                pool="small" if small else "large"))
+                        run = []
+            return Layout(segments, capacity=self.capacity)
+
     class FastRegion(ModelCore):
         """A pool-mode region (:class:`~ms_memopt.allocators.pool._Region`) in C: ``take``,
         ``release``, ``open_chunk``, ``close_chunk``, ``largest_free``, ``size_of`` and the
@@ -162,4 +199,5 @@ if ModelCore is not None:
         region_class = FastRegion
 
     FAST_MODELS.update({"mindspore": FastMindSporePool, "mindspore-bestfit": FastMindSporeBestFitPool,
-                        "torch": FastTorchCachingAllocator, "pool": FastPoolModeAllocator})
+                        "torch": FastTorchCachingAllocator, "torch-expandable": FastTorchExpandableAllocator,
+                        "pool": FastPoolModeAllocator})
