@@ -12,7 +12,11 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml setup.py $(wildcard ms_memopt/native/*.c) ms_memopt/allocators/_fastpool.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,mindformers]'
+	# mindformers 2.0.0 (the release for MindSpore 2.10) alone, without its requirements: one of
+	# them, hyper-parallel, is not on PyPI; the others come with the [mindformers] extra above, and
+	# the tests put an import-only hyper_parallel stand-in on the path (tests/mindformers_support)
+	$(BIN)/python -m pip install -q --no-deps 'mindformers==2.0.0'
 	touch $(STAMP)
 
 demo: $(STAMP)

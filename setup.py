@@ -37,6 +37,7 @@ setup(
             sources=["ms_memopt/native/move_runs.c", "ms_memopt/native/adamw.c"],
             # no FMA contraction: the vector and scalar code of adamw.c give the same bits
             extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off"],
+            libraries=["m"],
         ),
         Extension("ms_memopt.allocators._fastpool", ["ms_memopt/allocators/_fastpool.c"],
                   extra_compile_args=["-O2"]),

@@ -7,8 +7,8 @@ OOM step is the earliest over its ranks; a policy saves the job only if every ra
 
 * ``--calibrate``: baseline only, job seeds 0..N-1 (``--job-seeds``): the job OOM steps the
   recipe's calibration aims at the field report's step 437.
-* ``--study``: the main runs (job seed 0 under baseline, compact and pool, with one stream of
-  each later stage; job seeds 1..N-1 under the baseline), the controls (every mechanism off:
+* ``--study``: the main runs (job seed 0 under baseline, compact and pool; job seeds 1..N-1
+  under the baseline; one stream of each later stage under every policy), the controls (every mechanism off:
   one stream, since every stream of a stage is then the same; bounded variation), the ablation
   (one mechanism off) and the sensitivity checks (capacity +8 GiB, ``seq_align`` halved, 1.5x
   micro-batches) at job level (job seed 0).
@@ -84,7 +84,7 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--calibrate", action="store_true")
     mode.add_argument("--study", action="store_true")
-    parser.add_argument("--parts", default="main,controls,ablation,sensitivity",
+    parser.add_argument("--parts", default="main,calibration,later,controls,ablation,sensitivity",
                         help="--study: which parts to run")
     args = parser.parse_args()
     recipe = load_recipe(args.recipe)
@@ -94,11 +94,16 @@ def main() -> None:
         jobs += [_job(recipe, s, args.steps, ("baseline",), "calibration") for s in seeds]
     else:
         parts = set(args.parts.split(","))
+        # main: job seed 0 under every policy; calibration: the other job seeds under the
+        # baseline; later: one stream of each later stage under every policy
         if "main" in parts:
-            # job seed 0 under every policy (and one stream of each later stage); the other job
-            # seeds under the baseline (the calibration's spread)
-            jobs.append(_job(recipe, 0, args.steps, ("baseline", "compact", "pool"), "main", later_stages=True))
+            jobs.append(_job(recipe, 0, args.steps, ("baseline", "compact", "pool"), "main"))
+        if "calibration" in parts:
             jobs += [_job(recipe, s, args.steps, ("baseline",), "main") for s in seeds[1:]]
+        if "later" in parts:
+            later = _job(recipe, 0, args.steps, ("baseline", "compact", "pool"), "later stages", later_stages=True)
+            later.streams = [s for s in later.streams if s.stage > 0]
+            jobs.append(later)
         if "controls" in parts:
             off = _job(recipe, 0, args.steps, ("baseline",), "control: all off",
                        spec_change=lambda sp: replace(sp, enabled=False))

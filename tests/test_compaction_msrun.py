@@ -113,7 +113,7 @@ def test_both_ranks_compact_at_the_same_steps_and_stay_identical(tmp_path):
     assert steps[0] == steps[1] == [2, 4, 6]
     p0, p1 = (np.load(out / f"params_{r}.npz") for r in (0, 1))
     assert all(np.array_equal(p0[k], p1[k]) for k in p0.files)
-    records = [json.loads(line) for line in (out / "scan.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for r in (0, 1) for line in (out / f"rank_{r}" / "scan.jsonl").read_text().splitlines()]
     assert sorted((r["rank"], r["step"]) for r in records) == [(r, s) for r in (0, 1) for s in (2, 4, 6)]
     assert all(r["live"]["verified"] and r["bytes_moved"] > 0 for r in records)
 

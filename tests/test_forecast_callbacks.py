@@ -94,7 +94,7 @@ def test_model_train_compacts_when_the_forecast_warns(tmp_path):
     for handle in [arena.alloc(1024) for _ in range(8)][::2]:
         arena.free(handle)
     compaction = CompactionCallback(every=1, when_forecast_within=10, forecast_from=scan, arenas=[arena],
-                                    live=False, barrier=None, log_dir=tmp_path / "rank_0")
+                                    live=False, barrier=None, log_dir=tmp_path)
 
     class _Restore(Callback):     # the compaction gives the synthetic pool its hole back
         def on_train_step_end(self, run_context):

@@ -268,31 +268,49 @@ def test_host_gradient_region_equals_combined_gradients(np_dtype, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
-def test_compiled_cpu_step_agrees_with_the_compiled_graph(monkeypatch):
+@pytest.mark.parametrize("np_dtype", [np.float32, np.float16])
+def test_compiled_cpu_step_agrees_with_the_compiled_graph(monkeypatch, np_dtype):
     """On CPU (float32, library built) the step is one compiled AdamW pass on host memory
-    (``ms_memopt.native.adamw_f32``); the graph path (decay + ``ops.Adam`` in one ``ms.jit``
+    (``ms_memopt.native.adamw``); the graph path (decay + ``ops.Adam`` in one ``ms.jit``
     graph) computes the same update. 40 steps back to back, weight decay on and off, two
-    learning-rate groups: weights and moments agree to float32 rounding."""
+    learning-rate groups: moments (and fp16 masters) agree to float32 rounding, fp16 parameters
+    to one fp16 rounding step."""
     import ms_memopt.mindspore.fused_adamw as fused
     from ms_memopt import native
 
     if not native.available():
         pytest.skip("ms_memopt.native is not built")
     steps = 40
-    grads = [tuple(Tensor(x) for x in g) for g in _grads(np.float32, steps)]
+    grads = [tuple(Tensor(x) for x in g) for g in _grads(np_dtype, steps)]
     results = {}
     for compiled in (True, False):
         monkeypatch.setattr(fused, "_native_kernel", lambda compiled=compiled: compiled)
-        _, params = _params(np.float32, names=["w0", "w1.gamma", "w2", "w3"])
+        _, params = _params(np_dtype, names=["w0", "w1.gamma", "w2", "w3"])
         groups = [{"params": params[:2], "lr": 1e-2}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}]
         opt = FusedAdamW(groups, learning_rate=1e-2, weight_decay=0.1)
         assert opt._native == compiled
         for g in grads:
             opt(g)
-        results[compiled] = ([p.asnumpy() for p in params] + [m.asnumpy() for m in opt.moments1]
-                             + [v.asnumpy() for v in opt.moments2] + [opt.global_step.asnumpy()])
-    for a, b in zip(results[True], results[False]):
+        results[compiled] = ([m.asnumpy() for m in opt.moments1] + [v.asnumpy() for v in opt.moments2]
+                             + [m.asnumpy() for m in opt.masters] + [opt.global_step.asnumpy()],
+                             [p.asnumpy().astype(np.float32) for p in params])
+    for a, b in zip(results[True][0], results[False][0]):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    tol = 1e-6 if np_dtype == np.float32 else 1e-3
+    for a, b in zip(results[True][1], results[False][1]):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * 0.1)
+
+
+def test_graph_mode_is_refused_with_a_clear_error():
+    """In graph mode a training cell compiles the optimizer into its graph; FusedAdamW's step
+    runs from Python, so it refuses graph mode at construction instead of failing to compile."""
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(RuntimeError, match="FusedAdamW needs PyNative mode"):
+            FusedAdamW([ms.Parameter(ms.Tensor(np.ones(4, np.float32)), name="w")])
+    finally:
+        ms.set_context(mode=mode)
 
 
 def test_data_ptr_of_any_tensor_waits_for_queued_kernels():

@@ -100,7 +100,7 @@ def test_arena_compaction_in_one_call_equals_run_by_run(seed):
        st.floats(0, 0.1), st.floats(1e-5, 1e-1), st.floats(0.0, 0.99), st.floats(0.0, 0.9999),
        st.floats(1e-8, 1e-3))
 def test_adamw_equals_the_numpy_reference_bit_for_bit(lengths, seed, wd, lr, beta1, beta2, eps):
-    """Several pieces (lengths around the 8-lane vector width, tails included), three steps."""
+    """Several float32 pieces (lengths around the 8-lane vector width, tails included), three steps."""
     rng = np.random.default_rng(seed)
     pieces = [[rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32),
                rng.random(n).astype(np.float32)] for n in lengths]          # w, m, v >= 0
@@ -109,10 +109,80 @@ def test_adamw_equals_the_numpy_reference_bit_for_bit(lengths, seed, wd, lr, bet
         grads = [rng.standard_normal(n).astype(np.float32) for n in lengths]
         step = lr * np.sqrt(1 - beta2 ** (t + 1)) / (1 - beta1 ** (t + 1)) if beta1 ** (t + 1) < 1 else lr
         for (w, m, v), g in zip(expected, grads):
-            native.adamw_f32_reference(w, m, v, g, lr * wd, step, beta1, beta2, eps)
+            native.adamw_reference(w, m, v, g, lr * wd, step, beta1, beta2, eps)
         columns = [[piece[i].ctypes.data for piece in pieces] for i in range(3)]
-        native.adamw_f32(*columns, [g.ctypes.data for g in grads], lengths,
-                         np.full(len(lengths), lr * wd), np.full(len(lengths), step), beta1, beta2, eps)
+        native.adamw(*columns, [g.ctypes.data for g in grads], lengths,
+                     np.full(len(lengths), lr * wd), np.full(len(lengths), step), beta1, beta2, eps)
     for got, want in zip(pieces, expected):
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a, b)
+
+
+def _bits16(values: np.ndarray, kind: int) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint16) if kind == native.FLOAT16 else native.round_bfloat16(values)
+
+
+def _widen16(bits: np.ndarray, kind: int) -> np.ndarray:
+    if kind == native.FLOAT16:
+        return bits.view(np.float16).astype(np.float32)
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", [1, 2])
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=4), st.integers(0, 2**32 - 1))
+def test_adamw_16_bit_pieces_update_the_master_and_write_the_parameter_once(kind, lengths, seed):
+    """float16/bfloat16 pieces: the float32 master, m and v as the float32 reference with the
+    gradient widened; the parameter = the new master rounded to nearest even."""
+    rng = np.random.default_rng(seed)
+    masters = [rng.standard_normal(n).astype(np.float32) for n in lengths]
+    moments = [[rng.standard_normal(n).astype(np.float32), rng.random(n).astype(np.float32)] for n in lengths]
+    grads = [_bits16(rng.standard_normal(n).astype(np.float32), kind) for n in lengths]
+    params = [np.zeros(n, np.uint16) for n in lengths]
+    expected = [(w.copy(), m.copy(), v.copy()) for w, (m, v) in zip(masters, moments)]
+    for (w, m, v), g in zip(expected, grads):
+        native.adamw_reference(w, m, v, _widen16(g, kind), 1e-3, 2e-3, 0.9, 0.999, 1e-6)
+    count = len(lengths)
+    native.adamw([w.ctypes.data for w in masters], [m.ctypes.data for m, _ in moments],
+                 [v.ctypes.data for _, v in moments], [g.ctypes.data for g in grads], lengths,
+                 np.full(count, 1e-3), np.full(count, 2e-3), 0.9, 0.999, 1e-6,
+                 out=[p.ctypes.data for p in params], kind=np.full(count, kind))
+    for w, (m, v), p, (w_ref, m_ref, v_ref) in zip(masters, moments, params, expected):
+        np.testing.assert_array_equal(w, w_ref)
+        np.testing.assert_array_equal(m, m_ref)
+        np.testing.assert_array_equal(v, v_ref)
+        np.testing.assert_array_equal(p, _bits16(w_ref, kind))
+
+
+@needs_native
+@pytest.mark.parametrize("kind", [1, 2])
+def test_16_bit_conversions_match_numpy_on_every_half_and_edge_values(kind):
+    """Widening: all 65,536 16-bit patterns (read back through m with beta1 = 0, m = 0).
+    Rounding: zeros, subnormals, the overflow edge, infinities, NaN and random bit patterns
+    (written as the parameter with decay = step = 0: the parameter is the master rounded)."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    n = len(bits)
+    m, v, w, out = np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.uint16)
+    native.adamw([w.ctypes.data], [m.ctypes.data], [v.ctypes.data], [bits.ctypes.data], [n], [0.0], [0.0],
+                 0.0, 0.0, 1.0, out=[out.ctypes.data], kind=[kind])
+    widened = _widen16(bits, kind)
+    nan = np.isnan(widened)
+    np.testing.assert_array_equal(np.isnan(m), nan)
+    np.testing.assert_array_equal(m[~nan], widened[~nan])
+
+    rng = np.random.default_rng(kind)
+    special = np.array([0.0, -0.0, 1.0, 65504.0, 65519.996, 65520.0, 1e5, 5.96e-8, 2.98e-8, 2.99e-8, 6.1e-5,
+                        6.09e-5, 1e-40, np.inf, -np.inf, np.nan, 3.3895314e38], np.float32)
+    values = np.concatenate([special, rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)])
+    n = len(values)
+    w, m, v, g, out = values.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.uint16), np.zeros(n, np.uint16)
+    native.adamw([w.ctypes.data], [m.ctypes.data], [v.ctypes.data], [g.ctypes.data], [n], [0.0], [0.0],
+                 0.9, 0.999, 1.0, out=[out.ctypes.data], kind=[kind])
+    finite = np.isfinite(values)
+    np.testing.assert_array_equal(w[finite], values[finite])   # (-0.0 becomes +0.0; inf - 0 * inf is NaN)
+    nan = np.isnan(w)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = _bits16(w, kind)
+    np.testing.assert_array_equal(out[~nan], expected[~nan])
+    assert np.isnan(_widen16(out[nan], kind)).all()

@@ -9,13 +9,17 @@ optimizer states, anything :func:`register`-ed — through public MindSpore APIs
 3. *restore* in a planned order (largest first by default, so they land together at low
    addresses of a best-fit pool) with ``Parameter.set_data(new_tensor)``: the Parameter
    objects stay the same, so every reference (network, optimizer, your code) stays valid;
-4. *recompile* (PyNative): graphs compiled by ``@jit`` — the optimizers' ``construct``, a
-   ``jit``-decorated train step — keep the device storage their weights had when they were
-   compiled; after ``set_data`` they would keep updating the old storage (seen on CPU: the
-   weights froze, or an error when that storage was released). The public
-   ``mindspore.ms_memory_recycle()`` drops every compiled graph, so each recompiles against the
-   new storage on its next call. Graph mode needs no recompilation: its runtime re-binds a
-   weight whose value was replaced (verified on CPU).
+4. *recompile*: compiled graphs keep the device storage their weights had when they were
+   compiled. PyNative: graphs compiled by ``@jit`` — the optimizers' ``construct``, a
+   ``jit``-decorated train step — would keep updating the old storage after ``set_data``
+   (seen on CPU: the weights froze, or an error when that storage was released). Graph mode:
+   the runtime re-binds a weight whose value was replaced, but kernels of the compiled graph
+   may still read the released storage (MindFormers' LLaMA under ``Trainer``, CPU: "For
+   TensorMove, the size of 'input' and the size of 'output' should be same" at the next
+   step). The public ``mindspore.ms_memory_recycle()`` drops every compiled graph, so each
+   recompiles against the new storage on its next call; this is done whenever storage was
+   released (and always in PyNative). The price is one compilation at the next step (tiny
+   LLaMA on CPU: ~8-14 s against ~30 ms steps; see docs/compaction.md).
 5. *verify* (default): every tensor reads back its host copy bit for bit.
 
 An exception while restoring puts every not-yet-restored tensor back from its host copy before
@@ -54,6 +58,7 @@ from ..arena import Arena
 from ..metrics import measure
 from ..errors import InputError
 from ..scan import SCAN_LOG_NAME, ScanLog, check_forecast_within, record_mark, recording
+from .cells import training_parts
 from .pool_log_source import wait_for_queued_ops
 
 __all__ = ["live_compact", "LiveCompactionReport", "register", "unregister", "registered",
@@ -181,8 +186,9 @@ def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: b
     Call between steps (after the optimizer, before the next forward), with no computation in
     flight. ``order``: ``"size"`` (largest first) or ``"given"``. ``release=False`` skips
     dropping the old storage first (the new copies are then allocated beside the old ones).
-    ``recompile``: make the ``@jit`` graphs recompile afterwards (``mindspore.ms_memory_recycle``);
-    ``None`` (default) does so in PyNative only, where it is needed.
+    ``recompile``: make compiled graphs recompile afterwards (``mindspore.ms_memory_recycle``);
+    ``None`` (default) does so when it is needed: in PyNative (``@jit`` graphs keep the old
+    storage) and, in graph mode, whenever the old storage was released (``release=True``).
 
     Example:
         >>> net = mindspore.nn.Dense(4, 2)                                   # doctest: +SKIP
@@ -196,7 +202,7 @@ def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: b
     if order not in ("size", "given"):
         raise ValueError(f"order must be 'size' or 'given', got {order!r}")
     if recompile is None:
-        recompile = _pynative()
+        recompile = release or _pynative()
     t0 = time.perf_counter()
     _synchronize()
     reserved_before, allocated_before = _memory("reserved"), _memory("allocated")
@@ -440,13 +446,17 @@ class CompactionCallback(Callback):
             no public API for the pool's largest free block).
         live: relocate the network's and optimizer's Parameters (plus registered ones).
         tensors: more Parameters to relocate.
-        log_dir: directory of the scan log (``scan.jsonl``); ``None``: no log.
+        log_dir: the scans' log directory: records go to ``log_dir/rank_N/scan.jsonl``, beside
+            a ``LayoutScanCallback``'s scans with the same ``log_dir``; ``None``: no log.
         barrier_timeout: seconds a rank waits for the others before :class:`BarrierTimeout`.
         barrier: a barrier with ``agree(step, value) -> bool`` (default: a :class:`StoreBarrier`
             under ``msrun`` with more than one rank, else none).
         verify: read every relocated tensor back and compare with its host copy.
 
-    For a custom loop call :meth:`step_end` after each optimizer step.
+    For a custom loop call :meth:`step` after each optimizer step. Under ``Model.train`` the
+    network and optimizer come from the callback parameters; under MindFormers' ``Trainer``
+    ``cb_params.optimizer`` is ``None`` and the optimizer is found inside the training cell
+    (:func:`~ms_memopt.mindspore.cells.training_parts`).
     """
 
     def __init__(self, every: int = 500, when_frag_above: float | None = None, *,
@@ -472,7 +482,7 @@ class CompactionCallback(Callback):
         self.layout_fn = layout_fn
         self.live = live
         self.tensors = list(tensors)
-        self.log_path = Path(log_dir) / SCAN_LOG_NAME if log_dir is not None else None
+        self.log_dir = Path(log_dir) if log_dir is not None else None
         self.barrier_timeout = barrier_timeout
         self._barrier = barrier
         self.verify = verify
@@ -484,10 +494,14 @@ class CompactionCallback(Callback):
             self._barrier = StoreBarrier.from_environment(timeout=self.barrier_timeout)
         return self._barrier
 
+    def log_path(self, rank: int) -> Path | None:
+        """Where this rank's records go: ``log_dir/rank_N/scan.jsonl`` (``None`` without a log)."""
+        return self.log_dir / f"rank_{rank}" / SCAN_LOG_NAME if self.log_dir is not None else None
+
     def on_train_step_end(self, run_context: Any) -> None:
         cb = run_context.original_args()
-        self.step_end(int(cb.cur_step_num), network=getattr(cb, "train_network", None) or
-                      getattr(cb, "network", None), optimizer=getattr(cb, "optimizer", None))
+        parts = training_parts(cb)
+        self.step(int(cb.cur_step_num), network=parts.train_network, optimizer=parts.optimizer)
 
     def _frag(self) -> float | None:
         if self.frag_fn is not None:
@@ -511,7 +525,7 @@ class CompactionCallback(Callback):
                 return True
         return False
 
-    def step_end(self, step: int, *, network: Any = None, optimizer: Any = None) -> dict | None:
+    def step(self, step: int, *, network: Any = None, optimizer: Any = None) -> dict | None:
         """Compact if ``step`` is due; returns the scan-log record, or ``None``."""
         if step % self.every:
             return None
@@ -566,8 +580,9 @@ class CompactionCallback(Callback):
                           largest_free_before=pool_before.largest_free,
                           largest_free_after=pool_after.largest_free, free_total=pool_after.free_total)
         self.records.append(record)
-        if self.log_path is not None:
-            with ScanLog(self.log_path) as log:  # shared with the scans: one append per record
+        log_path = self.log_path(rank)
+        if log_path is not None:
+            with ScanLog(log_path) as log:  # shared with the scans: one append per record
                 log.write(record)
         logger.info("compaction at step %d on rank %d: %d bytes moved in %.3f s", step, rank,
                     record["bytes_moved"], seconds)

@@ -13,14 +13,15 @@ A drop-in for ``nn.AdamWeightDecay``. The layout:
   compiled kernel, copied by address into two persistent sets of per-bucket buffers used in
   turn (``_copy_gradients``). The compiled CPU step needs none: it reads the gradients in place.
 
-One step on CPU with float32 parameters (the library :mod:`ms_memopt.native` built, as
-``pip install`` does with a C compiler): one compiled AdamW pass over host memory
-(:func:`ms_memopt.native.adamw_f32`), straight on the parameter region, ``m``, ``v`` and each
-gradient where the backward pass left it: decay, moments and update read each buffer once
-and write each once, in the calling thread, with no graph launch and no gradient copy.
+One step on CPU (the library :mod:`ms_memopt.native` built, as ``pip install`` does with a C
+compiler): one compiled AdamW pass over host memory (:func:`ms_memopt.native.adamw`),
+straight on the parameter region (for fp16/bf16 parameters: the float32 master, then one
+rounded write into the region), ``m``, ``v`` and each gradient where the backward pass left
+it: decay, moments and update read each buffer once and write each once, in the calling
+thread, with no graph launch and no gradient copy.
 MindSpore's own CPU kernels cannot do that pass vectorised on this AMD CPU (see below).
 
-One step elsewhere (devices, fp16/bf16 parameters, or no compiled library): per dtype,
+One step elsewhere (devices, or no compiled library): per dtype,
 gather the gradients into the gradient region, then one compiled graph (``ms.jit``, a single
 launch from Python) does, per bucket over its whole range: cast the gradient to float32 (fp16/bf16), decay the float32 weights in place
 (``ApplyGradientDescent`` with the weights as their own delta: ``w -= lr * wd * w``), one
@@ -47,7 +48,9 @@ Why not the alternatives (measured on CPU, see docs/pool_mode.md): per-parameter
 what we replace; ``ops.FusedCastAdamWeightDecay`` keeps no float32 master and has no bias
 correction (and is scalar off Intel too); ``mint.optim.FusedAdamW`` has no CPU kernel.
 
-Works in PyNative mode (MindSpore's default), with ``Model.train`` and with functional loops.
+Works in PyNative mode (MindSpore's default), with ``Model.train``, MindFormers' ``Trainer``
+and functional loops. Not in graph mode: there a training cell compiles the optimizer into its
+graph, and this step runs from Python, so the constructor refuses graph mode with a clear error.
 The state (``m``, ``v``, ``master``, ``global_step``) is made of ``Parameter``s, so
 ``ms.save_checkpoint(optimizer, path)`` / ``load_param_into_net(optimizer, ...)`` round-trip.
 Loading replaces parameter data (``set_data``), which breaks the views; the next step notices
@@ -164,6 +167,12 @@ class FusedAdamW(nn.Optimizer):
 
     def __init__(self, params, learning_rate=1e-3, beta1: float = 0.9, beta2: float = 0.999,
                  eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True) -> None:
+        if ms.get_context("mode") == ms.GRAPH_MODE:
+            # its step runs from Python (host gradient region, its own compiled update); in graph
+            # mode a training cell compiles the optimizer into its graph, which cannot run that
+            raise RuntimeError("FusedAdamW needs PyNative mode (mindspore.set_context(mode=PYNATIVE_MODE), "
+                               "MindFormers context.mode: 1): in graph mode the optimizer is compiled into "
+                               "the training graph, and FusedAdamW's step runs from Python")
         super().__init__(learning_rate, params, weight_decay)
         if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
             raise ValueError(f"beta1 and beta2 must be in [0, 1), got {beta1}, {beta2}")
@@ -179,8 +188,8 @@ class FusedAdamW(nn.Optimizer):
         self._decay = ops.ApplyGradientDescent()
         self.regions: list[DtypeRegion] = self._make_regions()
         self.buckets: list[Bucket] = [b for r in self.regions for b in r.buckets]
-        # CPU, float32 only: the whole step is one compiled AdamW pass on host memory
-        self._native = (_native_kernel() and all(r.dtype == ms.float32 for r in self.regions)
+        # CPU: the whole step is one compiled AdamW pass on host memory
+        self._native = (_native_kernel() and all(r.dtype in _NATIVE_KIND for r in self.regions)
                         and self.global_step.dtype == ms.int32)
         for region in self.regions:
             self._combine(region)
@@ -359,19 +368,23 @@ class FusedAdamW(nn.Optimizer):
     # -- the CPU step: one compiled AdamW pass ------------------------------------------------
     def _native_pieces(self) -> dict:
         """Per parameter, in region order (one *piece* each): its gradient's index, its bucket
-        (position in ``self.buckets``), its byte offset in the bucket, its element count."""
-        order, bucket_of, offset, numel = [], [], [], []
+        (position in ``self.buckets``), its byte offset in the bucket's float32 state (m, v,
+        master), its element count and its kind (``native.FLOAT32``/``FLOAT16``/``BFLOAT16``)."""
+        order, bucket_of, offset, numel, kind = [], [], [], [], []
         first_bucket = 0
         for region in self.regions:
             for i, (k, byte_offset) in zip(region.param_indices, region.grad_targets):
                 order.append(i)
                 bucket_of.append(first_bucket + k)
-                offset.append(byte_offset)
+                offset.append(byte_offset // region.itemsize * 4)
                 numel.append(int(np.prod(self._parameters[i].shape, dtype=np.int64)))
+                kind.append(_NATIVE_KIND[region.dtype])
             first_bucket += len(region.buckets)
         lr_of_bucket = [b.lr_index for b in self.buckets]
+        kind = np.array(kind, np.int64)
         return {"order": order, "bucket": np.array(bucket_of, np.int64), "offset": np.array(offset, np.int64),
-                "numel": np.array(numel, np.int64), "lr_index": sorted(set(lr_of_bucket)),
+                "numel": np.array(numel, np.int64), "kind": kind, "low_precision": kind != native.FLOAT32,
+                "lr_index": sorted(set(lr_of_bucket)),
                 "bucket_lr": lr_of_bucket, "bucket_wd": [float(b.weight_decay) for b in self.buckets]}
 
     def _host_learning_rates(self) -> dict[int, float]:
@@ -382,8 +395,9 @@ class FusedAdamW(nn.Optimizer):
         return {i: float(lrs[i].asnumpy().reshape(-1)[0]) for i in self._pieces["lr_index"]}
 
     def _native_step(self, gradients) -> bool:
-        """CPU, float32: ``ms_memopt.native.adamw_f32`` straight on the parameters, moments and
-        gradients (host memory), one pass, in the calling thread. ``data_ptr()`` of the
+        """CPU: ``ms_memopt.native.adamw`` straight on the parameters (or the float32 masters of
+        16-bit ones), moments and gradients (host memory), one pass, in the calling thread; a
+        16-bit parameter is written once from its master. ``data_ptr()`` of the
         gradients waits for the backward pass (the whole pipeline), so nothing still running
         reads the weights when they are rewritten."""
         pieces = self._pieces
@@ -399,11 +413,19 @@ class FusedAdamW(nn.Optimizer):
         decay = np.array([f32(lrs[lr]) * f32(wd) for lr, wd in zip(pieces["bucket_lr"], pieces["bucket_wd"])], f32)
         step = np.array([lrs[lr] * correction for lr in pieces["bucket_lr"]], f32)
         bucket = pieces["bucket"]
+        offset = pieces["offset"]
         m_base = np.array([m.data_ptr() for m in self.moments1], np.int64)
         v_base = np.array([v.data_ptr() for v in self.moments2], np.int64)
-        weights = [ptr for region in self.regions for ptr in region.data_ptrs]
-        native.adamw_f32(weights, m_base[bucket] + pieces["offset"], v_base[bucket] + pieces["offset"], grad_ptrs,
-                         pieces["numel"], decay[bucket], step[bucket], self.beta1, self.beta2, eps)
+        params = np.array([ptr for region in self.regions for ptr in region.data_ptrs], np.int64)
+        low = pieces["low_precision"]
+        weights, out = params, None
+        if low.any():   # 16-bit: the update runs on the master, the parameter is the output
+            master_base = np.array([self.masters[self._master_of[b.index]].data_ptr() if b.index in self._master_of
+                                    else 0 for b in self.buckets], np.int64)
+            weights = np.where(low, master_base[bucket] + offset, params)
+            out = np.where(low, params, 0)
+        native.adamw(weights, m_base[bucket] + offset, v_base[bucket] + offset, grad_ptrs, pieces["numel"],
+                     decay[bucket], step[bucket], self.beta1, self.beta2, eps, out=out, kind=pieces["kind"])
         ctypes.c_int32.from_address(self.global_step.data_ptr()).value = self._host_step
         return True
 
@@ -472,8 +494,12 @@ class FusedAdamW(nn.Optimizer):
             True)
 
 
+#: parameter dtypes the compiled host step handles, and their ``native.adamw`` kind
+_NATIVE_KIND = {ms.float32: native.FLOAT32, ms.float16: native.FLOAT16, ms.bfloat16: native.BFLOAT16}
+
+
 def _native_kernel() -> bool:
-    """Whether the step can be the compiled host AdamW pass (:func:`ms_memopt.native.adamw_f32`):
+    """Whether the step can be the compiled host AdamW pass (:func:`ms_memopt.native.adamw`):
     tensors in host memory and the library built."""
     return _host_memory() and native.available()
 

@@ -19,7 +19,8 @@ the :class:`~ms_memopt.poolplan.PoolPlan` it followed:
    ``ms.runtime.set_memory(init_size=...)`` (see docs/pool_mode.md for why this option).
 
 Blocks must take the hidden state as first input and return one tensor of the same shape;
-extra inputs (masks, position ids) are passed to every block of a group unchanged.
+extra inputs, positional or keyword (masks, position ids, MindFormers LLaMA's
+``batch_valid_length=``), are passed to every block of a group unchanged.
 
 Example:
     >>> net = GPT(GPTConfig(num_layers=12))                                   # doctest: +SKIP
@@ -29,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -37,11 +39,13 @@ from mindspore import nn
 from mindspore.hal.contiguous_tensors_handle import combine_tensor_list_contiguous
 
 from ..estimate import layer_activation_bytes, layer_input_bytes, recompute_group_bytes
+from ..errors import InputError
 from ..poolplan import PoolPlan
-from ..recipe import ModelConfig
+from ..recipe import ModelConfig, recipe_from_dict
 
 __all__ = ["enable_pool_mode", "RecomputeGroup", "Passthrough", "find_blocks", "activation_bytes",
-           "ActivationEstimate", "reserve_pool", "gpt_activation_estimator", "layer_model_config"]
+           "ActivationEstimate", "reserve_pool", "gpt_activation_estimator", "layer_model_config",
+           "config_activation_estimator"]
 
 _GB = 1024 ** 3
 
@@ -58,9 +62,9 @@ class RecomputeGroup(nn.Cell):
         self.first_index = first_index
         self.layers = nn.CellList(list(blocks), auto_prefix=False)
 
-    def construct(self, x, *args):
+    def construct(self, x, *args, **kwargs):
         for layer in self.layers:
-            x = layer(x, *args)
+            x = layer(x, *args, **kwargs)
         return x
 
 
@@ -71,7 +75,7 @@ class Passthrough(nn.Cell):
         super().__init__(auto_prefix=False)
         self.index = index
 
-    def construct(self, x, *args):
+    def construct(self, x, *args, **kwargs):
         return x
 
 
@@ -237,13 +241,55 @@ def gpt_activation_estimator(config) -> Callable[[int], tuple[int, int]]:
     Example:
         >>> per_block, boundary = gpt_activation_estimator(GPTConfig())(8)    # doctest: +SKIP
     """
-    model = layer_model_config(config)
+    return _layer_estimator(layer_model_config(config), config.seq_length)
 
+
+def _layer_estimator(model: ModelConfig, seq: int) -> Callable[[int], tuple[int, int]]:
+    """``f(batch_size) -> (layer_activation_bytes, layer_input_bytes)`` of ``model`` at ``seq`` tokens."""
     def estimator(batch_size: int) -> tuple[int, int]:
-        shape = dict(seq=config.seq_length, micro_batch=int(batch_size))
+        shape = dict(seq=seq, micro_batch=int(batch_size))
         return layer_activation_bytes(model, **shape), layer_input_bytes(model, **shape)
 
     return estimator
+
+
+def config_activation_estimator(config) -> Callable[[int], tuple[int, int]]:
+    """``f(batch_size) -> (per_block_bytes, boundary_bytes)`` for a model described by a
+    MindFormers model config (``LlamaConfig`` and the other ``PretrainedConfig``s: anything
+    with ``to_dict()``, or a mapping).
+
+    The config's flat keys are read by the recipe reader (legacy, Hugging Face and Megatron
+    spellings, ``model_type`` defaults: :mod:`ms_memopt.mfconfig`), then the same per-layer
+    formulas as :func:`gpt_activation_estimator` apply, at the config's ``seq_length``.
+
+    Raises:
+        InputError: the config lacks a key the estimator needs (the message names it).
+
+    Example:
+        >>> estimator = config_activation_estimator(model.config)        # doctest: +SKIP
+        >>> per_block, boundary = estimator(2)                             # doctest: +SKIP
+    """
+    values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    # nested sections (parallel_config, moe_config, ...) are not the dense layer's shape
+    flat = {k: v for k, v in values.items() if v is None or isinstance(v, (int, float, str, bool))}
+    model = recipe_from_dict({"model": {"model_config": flat}}, source=type(config).__name__).model
+    return _layer_estimator(model, model.seq_length)
+
+
+def _default_estimator(network: nn.Cell) -> Callable[[int], tuple[int, int]] | None:
+    """The demo GPT's estimator, else one from a MindFormers model's ``config``, else None."""
+    from .model import GPT
+    gpt = next((c for _, c in network.cells_and_names() if isinstance(c, GPT)), None)
+    if gpt is not None:
+        return gpt_activation_estimator(gpt.config)
+    config = getattr(network, "config", None)
+    if config is not None and callable(getattr(config, "to_dict", None)):
+        try:
+            return config_activation_estimator(config)
+        except InputError as exc:   # not a shape the estimator knows: the caller warns
+            warnings.warn(f"enable_pool_mode: cannot estimate activations from {type(config).__name__}: {exc}",
+                          UserWarning, stacklevel=3)
+    return None
 
 
 def reserve_pool(plan: PoolPlan, *, headroom: float = 0.0, optimize_level: str | None = None,
@@ -295,7 +341,9 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
         batch_size: samples per step, for the activation estimate.
         activation_estimator: ``f(batch_size) -> (per_block_bytes, boundary_bytes)``.
             Default, when ``network`` contains a demo ``GPT``: :func:`gpt_activation_estimator`
-            (the per-layer formulas of :mod:`ms_memopt.estimate`).
+            (the per-layer formulas of :mod:`ms_memopt.estimate`); when ``network.config`` is a
+            MindFormers model config (``LlamaForCausalLM``): :func:`config_activation_estimator`.
+            Without one, the activation region is 0 bytes and a warning says so.
         communication_bytes, workspace_bytes: sizes of those regions.
         alignment: region alignment in bytes.
         combine_parameters: move parameters into per-dtype contiguous buffers (skipped when a
@@ -308,7 +356,6 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
         estimate with and without recompute, and what was reserved.
     """
     from .fused_adamw import FusedAdamW
-    from .model import GPT
 
     if getattr(network, "_pool_plan", None) is not None:
         raise ValueError("pool mode is already enabled on this network")
@@ -317,13 +364,16 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
     groups = _apply_recompute(container, indices, k) if k > 0 else []
 
     if activation_estimator is None:
-        gpt = next((c for _, c in network.cells_and_names() if isinstance(c, GPT)), None)
-        if gpt is not None:
-            activation_estimator = gpt_activation_estimator(gpt.config)
+        activation_estimator = _default_estimator(network)
     if activation_estimator is not None:
         per_block, boundary = activation_estimator(batch_size)
     else:
         per_block, boundary = 0, 0
+        warnings.warn("enable_pool_mode: no activation_estimator for this network (built in only for the demo "
+                      "GPT and models with a MindFormers config), so the activation region is 0 bytes and "
+                      "nothing is reserved for "
+                      "activations; pass activation_estimator=f(batch_size) -> (per_block_bytes, "
+                      "boundary_bytes)", UserWarning, stacklevel=2)
     estimate = activation_bytes(per_block, boundary, len(indices), k)
 
     if isinstance(optimizer, FusedAdamW):

@@ -33,6 +33,7 @@ from .. import scan as _scan
 from ..errors import InputError
 from ..forecast import Forecast
 from ..scan import ScanLog, ScanRecord, Source, parse_watch
+from .cells import training_parts
 from .sources import SOURCES, DeviceMemoryAPI, make_sources
 
 __all__ = ["LayoutScanCallback", "Scanner", "detect_rank"]
@@ -157,11 +158,9 @@ class LayoutScanCallback(Callback):
     def on_train_begin(self, run_context) -> None:
         if self.scanner is not None:
             return
-        args = run_context.original_args()
-        network = getattr(args, "train_network", None) or getattr(args, "network", None)
-        optimizer = getattr(args, "optimizer", None)
+        parts = training_parts(run_context.original_args())   # MindFormers: optimizer inside the wrapper
         try:
-            self.scanner = Scanner(network, optimizer, **self._options)
+            self.scanner = Scanner(parts.train_network, parts.optimizer, **self._options)
             self._records = self.scanner.records
         except InputError:
             raise

@@ -36,6 +36,7 @@ from ..errors import InputError
 from ..layout import Layout
 from ..scan import Reading, Source
 from ..traces.ms_debug_dump import address_of, read_pool_debug_dump
+from .cells import is_outside_forward, split_training_cell
 
 __all__ = ["DeviceMemoryAPI", "MindSporeDeviceAPI", "DeviceSource", "ShadowModelSource", "ObservedEvent",
            "ArenaSource", "make_sources", "SOURCES"]
@@ -235,11 +236,10 @@ _ITEMSIZE: dict = {}
 def _itemsize(dtype) -> int:
     size = _ITEMSIZE.get(dtype)
     if size is None:
-        import numpy as np
-        from mindspore import dtype_to_nptype
+        from mindspore.common.dtype import type_size_in_bytes
         try:
-            size = np.dtype(dtype_to_nptype(dtype)).itemsize
-        except Exception:  # bfloat16 and other types numpy lacks
+            size = int(type_size_in_bytes(dtype))
+        except Exception:  # not a MindSpore dtype
             size = 2 if "16" in str(dtype) else 4
         _ITEMSIZE[dtype] = size
     return size
@@ -286,21 +286,21 @@ def _recompute_machinery(network) -> set[int]:
 
 
 def _leaves_and_groups(network) -> tuple[list[tuple[str, object, str | None]], list[tuple[str, object]]]:
-    """``([(leaf name, leaf, group name or None)], [(group name, group)])``, optimizers excluded.
+    """``([(leaf name, leaf, group name or None)], [(group name, group)])``; optimizers and
+    learning-rate schedules excluded (:func:`~ms_memopt.mindspore.cells.is_outside_forward`).
 
     A *group* is an outermost Cell with ``Cell.recompute()`` set (``_recompute_cell``, e.g. pool
     mode's ``RecomputeGroup``) that holds Cells; its leaves carry its name. A leaf that itself
     has recompute set stays an ordinary leaf: MindSpore keeps a recomputed Cell's output.
     Names are the Cells' paths in ``network`` (``network.blocks.0.layers.1.fc1``).
     """
-    from mindspore import nn
     machinery = _recompute_machinery(network)
     leaves: list = []
     groups: list = []
     seen: set[int] = set()
 
     def walk(name: str, cell, group: str | None) -> None:
-        if id(cell) in seen or id(cell) in machinery or isinstance(cell, nn.Optimizer):
+        if id(cell) in seen or id(cell) in machinery or is_outside_forward(cell):
             return
         seen.add(id(cell))
         children = [(n, c) for n, c in cell.name_cells().items() if id(c) not in machinery]
@@ -358,14 +358,23 @@ class ShadowModelSource(Source):
     """The process's real tensors replayed through an allocator model (``source: "model"``).
 
     Args:
-        network: the Cell trained (``Model``'s train network, or your net); forward hooks are
-            put on its leaf Cells (optimizers excluded) to see activation sizes, on its
+        network: the Cell trained (``Model``'s train network, or your net). When it is a
+            train-one-step cell (``network`` and ``optimizer`` attributes, e.g. MindFormers'
+            ``MFTrainOneStepCell``) hooks go on its inner network and gradients are that
+            network's trainable parameters (:func:`~ms_memopt.mindspore.cells.split_training_cell`).
+            Forward hooks are put on the leaf Cells (optimizers and learning-rate schedules
+            excluded) to see activation sizes, on its
             recompute groups (Cells with ``Cell.recompute()`` set, e.g. pool mode's
             ``RecomputeGroup``) to see where each group's forward starts and ends, and a
             pre-hook on ``network`` itself to see a forward start.
         optimizer: its optimizer; parameters it holds beyond the network's are optimizer states.
         allocator: the model's name (``"mindspore"``) and ``options`` for it.
         capacity: device memory for the model, bytes (``None``: unbounded, no ``device_free``).
+
+    **Graph mode** (``GRAPH_MODE``, MindFormers' usual mode): no hook is attached, because
+    MindSpore compiles a Cell's hooks into the graph (a Python hook of ours made the compile
+    fail). Scans then replay parameters, optimizer states and gradients only, and the reading
+    says ``activations: "not observed: graph mode"``.
 
     Activations are seen only when hooks fire (PyNative); hooks are attached only for the
     steps that will be scanned (the first step, then the step before each scan re-arms them),
@@ -399,8 +408,10 @@ class ShadowModelSource(Source):
 
     def __init__(self, network, optimizer=None, *, allocator: str = "mindspore", capacity: int | None = None,
                  options: dict | None = None) -> None:
+        parts = split_training_cell(network, optimizer)
         self.network = network
-        self.optimizer = optimizer
+        self.forward_network = parts.network
+        self.optimizer = parts.optimizer
         self.allocator_name = allocator
         self.model = create(allocator, capacity=capacity, **(options or {}))
         self._events: list[ObservedEvent] = []
@@ -418,12 +429,18 @@ class ShadowModelSource(Source):
                 f"{self.allocator_name!r} allocator model")
 
     # --- hooks ---------------------------------------------------------------------------------
+    @staticmethod
+    def graph_mode() -> bool:
+        """True when Cells run compiled (``GRAPH_MODE``): hooks would be compiled into the graph."""
+        import mindspore as ms
+        return ms.get_context("mode") == ms.GRAPH_MODE
+
     def _attach(self) -> None:
-        if self.network is None or self._handles:
+        if self.forward_network is None or self._handles or self.graph_mode():
             return
-        leaves, groups = _leaves_and_groups(self.network)
+        leaves, groups = _leaves_and_groups(self.forward_network)
         if groups:  # only needed to tell a new forward from a recompute
-            self._handles.append(self.network.register_forward_pre_hook(self._forward_begins))
+            self._handles.append(self.forward_network.register_forward_pre_hook(self._forward_begins))
         for name, group in groups:
             self._handles.append(group.register_forward_pre_hook(self._group_enter_hook(name)))
             self._handles.append(group.register_forward_hook(self._group_exit_hook(name)))
@@ -491,23 +508,22 @@ class ShadowModelSource(Source):
 
     # --- replay ------------------------------------------------------------------------------
     def _params(self) -> tuple[list[int], list[int]]:
-        """(persistent sizes: parameters + optimizer states, gradient sizes)."""
+        """(persistent sizes: parameters + optimizer states, gradient sizes).
+
+        Gradients: one per trainable parameter of the forward network; without a network,
+        one per parameter the optimizer updates. Never the optimizer's own states (a
+        train-one-step cell's ``trainable_params()`` also lists ``adam_m``/``adam_v``)."""
         seen: dict[int, int] = {}
-        grads: list[int] = []
-        opt_params = set()
-        if self.optimizer is not None:
-            for p in getattr(self.optimizer, "parameters", ()) or ():
-                opt_params.add(id(p))
         for cell in (self.network, self.optimizer):
             if cell is None:
                 continue
             for p in cell.get_parameters():
                 if id(p) not in seen:
                     seen[id(p)] = _nbytes(p)
-        if opt_params:
-            grads = [seen.get(id(p), _nbytes(p)) for p in self.optimizer.parameters]
-        elif self.network is not None:
-            grads = [_nbytes(p) for p in self.network.trainable_params()]
+        if self.forward_network is not None:
+            grads = [_nbytes(p) for p in self.forward_network.trainable_params()]
+        else:
+            grads = [_nbytes(p) for p in getattr(self.optimizer, "parameters", ()) or ()]
         return list(seen.values()), grads
 
     def layout(self) -> Layout:
@@ -543,6 +559,8 @@ class ShadowModelSource(Source):
                              activations_recomputed=sum(1 for e in events if e.kind == "recompute"),
                              recompute_groups=sum(1 for e in events if e.kind == "group_enter"),
                              gradient_bytes=sum(self._grads), model_ooms=len(model.ooms))
+        if not self._handles and self.graph_mode():
+            reading.extra["activations"] = "not observed: graph mode (Cell hooks would be compiled into the graph)"
         return reading
 
     def close(self) -> None:

@@ -63,7 +63,7 @@ from .compaction import CompactionCallback
 from .fused_adamw import FusedAdamW
 from .model import GPT, GPTConfig, GPTWithLoss, synthetic_batches
 from .pool_mode import enable_pool_mode
-from .scan_callback import LayoutScanCallback, detect_rank
+from .scan_callback import LayoutScanCallback
 
 __all__ = ["RunResult", "select_device", "gpt_config_from_recipe", "token_batches", "sequence_lengths",
            "run_standalone",
@@ -464,9 +464,8 @@ def _compaction_callback(recipe: Recipe, out: Path, scan_cb: LayoutScanCallback)
         records = scan_cb.records
         return records[-1].frag_ratio if records else None
 
-    rank = detect_rank()
     return CompactionCallback(every=mem.compact_every or mem.scan_every, when_frag_above=mem.compact_when_frag_above,
-               frag_fn=latest_frag, log_dir=str(out / f"rank_{rank}"))
+               frag_fn=latest_frag, log_dir=str(out))
 
 
 def _snapshot_steps(first: int, total: int, every: int) -> set[int]:

@@ -7,7 +7,8 @@ C compiler, or a source tree nobody installed); property tests hold the two to i
 results (tests/test_native.py).
 
 * :func:`move_runs` — many memmoves in one call (compaction runs; ``move_runs.c``).
-* :func:`adamw_f32` — one AdamW pass over float32 buffers (``FusedAdamW`` on CPU; ``adamw.c``).
+* :func:`adamw` — one AdamW pass (float32, or float16/bfloat16 with a float32 master)
+  (``FusedAdamW`` on CPU; ``adamw.c``).
 
 ``available()`` says whether the library loaded; ``MS_MEMOPT_NATIVE=0`` in the environment
 turns it off (the references run instead).
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["available", "move_runs", "adamw_f32", "adamw_f32_reference", "STREAM_MIN_BYTES", "STREAM_TOTAL_BYTES"]
+__all__ = ["available", "move_runs", "adamw", "adamw_reference", "round_bfloat16", "FLOAT32", "FLOAT16", "BFLOAT16", "STREAM_MIN_BYTES", "STREAM_TOTAL_BYTES"]
 
 #: a run is copied with non-temporal stores when it is at least this long ...
 STREAM_MIN_BYTES = 4096
@@ -66,8 +67,8 @@ def _load() -> ctypes.CDLL | None:
     lib.mm_move_runs.restype = ctypes.c_int64
     lib.mm_move_runs.argtypes = [ctypes.c_void_p, _c_int64_p, _c_int64_p, _c_int64_p,
                                  ctypes.c_int64, ctypes.c_int64]
-    lib.mm_adamw_f32.restype = None
-    lib.mm_adamw_f32.argtypes = [ctypes.c_int64] + [_c_int64_p] * 5 + [_c_float_p] * 2 + [ctypes.c_float] * 3
+    lib.mm_adamw.restype = None
+    lib.mm_adamw.argtypes = [ctypes.c_int64] + [_c_int64_p] * 7 + [_c_float_p] * 2 + [ctypes.c_float] * 3
     _lib = lib
     return lib
 
@@ -105,13 +106,21 @@ def move_runs(base: int, src: np.ndarray, dst: np.ndarray, size: np.ndarray, *,
                                 _int64_pointer(size), len(src), STREAM_MIN_BYTES if stream else 0))
 
 
-def adamw_f32(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, n: np.ndarray,
-              decay: np.ndarray, step: np.ndarray, beta1: float, beta2: float, eps: float) -> None:
-    """AdamW in place over float32 pieces given by address: piece ``k`` is ``n[k]`` elements at
-    ``w[k]`` (weights), ``m[k]``, ``v[k]`` (moments) and ``g[k]`` (gradient, read only), with its
-    own ``decay[k]`` (lr * weight decay) and ``step[k]`` (bias-corrected lr). Per element, in
+#: ``kind`` codes of :func:`adamw`
+FLOAT32, FLOAT16, BFLOAT16 = 0, 1, 2
+
+
+def adamw(w, m, v, g, n, decay, step, beta1: float, beta2: float, eps: float, *,
+          out=None, kind=None) -> None:
+    """AdamW in place over pieces given by address: piece ``k`` is ``n[k]`` elements at ``w[k]``
+    (float32 weights, or the float32 master of a 16-bit parameter), ``m[k]``, ``v[k]`` (float32
+    moments) and ``g[k]`` (gradient, read only, in the parameter's dtype), with its own
+    ``decay[k]`` (lr * weight decay) and ``step[k]`` (bias-corrected lr). Per element, in
     float32: ``w -= decay*w; m += (g-m)*(1-beta1); v += (g*g-v)*(1-beta2);
-    w -= step*m / (sqrt(v) + eps)``. One pass over memory, AVX2 where the CPU has it.
+    w -= step*m / (sqrt(v) + eps)``. ``kind[k]`` (default all :data:`FLOAT32`) is
+    :data:`FLOAT16` or :data:`BFLOAT16` for a 16-bit parameter: its gradient is widened on the
+    fly and ``out[k]``, the parameter, is written once from the new ``w``, rounded to nearest
+    even. One pass over memory, AVX2 for float32 pieces where the CPU has it.
 
     The caller guarantees the addresses (nothing is checked here). Raises ``RuntimeError`` when
     the library is not available.
@@ -119,23 +128,36 @@ def adamw_f32(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, n: np.
     lib = _load()
     if lib is None:
         raise RuntimeError("ms_memopt.native is not built (pip install the package with a C compiler)")
-    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (w, m, v, g, n)]
-    count = len(arrays[0])
+    count = len(w)
+    out = np.zeros(count, np.int64) if out is None else out
+    kind = np.zeros(count, np.int64) if kind is None else kind
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (w, m, v, g, out, n, kind)]
     if any(len(a) != count for a in arrays) or len(decay) != count or len(step) != count:
         raise ValueError("every per-piece array needs one entry per piece")
     decay = np.ascontiguousarray(decay, dtype=np.float32)
     step = np.ascontiguousarray(step, dtype=np.float32)
-    lib.mm_adamw_f32(count, *(_int64_pointer(a) for a in arrays), decay.ctypes.data_as(_c_float_p),
-                     step.ctypes.data_as(_c_float_p), beta1, beta2, eps)
+    lib.mm_adamw(count, *(_int64_pointer(a) for a in arrays), decay.ctypes.data_as(_c_float_p),
+                 step.ctypes.data_as(_c_float_p), beta1, beta2, eps)
 
 
-def adamw_f32_reference(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, decay: float,
-                        step: float, beta1: float, beta2: float, eps: float) -> None:
-    """:func:`adamw_f32` on one piece of numpy float32 arrays, in numpy (the readable reference;
-    same operations in the same order, so the same bits)."""
+def adamw_reference(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, decay: float,
+                    step: float, beta1: float, beta2: float, eps: float) -> None:
+    """:func:`adamw` on one float32 piece of numpy arrays, in numpy (the readable reference; same
+    operations in the same order, so the same bits). For a 16-bit piece pass
+    ``g.astype(np.float32)`` and round ``w`` afterwards (:func:`round_bfloat16` for bfloat16,
+    ``astype(np.float16)`` for float16)."""
     f32 = np.float32
+    g = np.asarray(g, dtype=f32)
     decay, step, c1, c2, eps = f32(decay), f32(step), f32(1) - f32(beta1), f32(1) - f32(beta2), f32(eps)
     w -= decay * w
     m += (g - m) * c1
     v += (g * g - v) * c2
     w -= step * m / (np.sqrt(v) + eps)
+
+
+def round_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (``uint16``), rounded to nearest even; NaN stays NaN."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)
