@@ -39,18 +39,21 @@ CONFIGS = [
     ("torch-expandable", dict(capacity=256 * MiB)),
     ("torch-expandable", dict(capacity=160 * MiB, roundup_power2_divisions=2)),
     ("torch-expandable", dict()),
+    ("mindspore-vmm", dict(capacity=256 * MiB)),
+    ("mindspore-vmm", dict(capacity=96 * MiB)),
+    ("mindspore-vmm", dict()),
 ]
-FAST_NAMES = ["mindspore", "mindspore-bestfit", "torch", "torch-expandable"]
+FAST_NAMES = ["mindspore", "mindspore-bestfit", "torch", "torch-expandable", "mindspore-vmm"]
 
 
 def _pressed(name: str, capacity: int) -> dict:
     """Options that put ``capacity`` on the model (and small growth units where there are any)."""
-    return dict(capacity=capacity) if name.startswith("torch") else dict(capacity=capacity, increase_size=capacity // 16)
+    return dict(capacity=capacity) if name.startswith("torch") or name == "mindspore-vmm" else dict(capacity=capacity, increase_size=capacity // 16)
 
 
 def _state(model):
     return (model.reserved, model.allocated, model.peak_reserved, model.peak_allocated, model.segment_allocs,
-            model.largest_free(), [o.to_dict() for o in model.ooms], model.layout())
+            model.largest_free(), [o.to_dict() for o in model.ooms], model.layout(), model.eager_frees if model.name == "mindspore-vmm" else None)
 
 
 _sizes = st.one_of(st.integers(0, 4096), st.integers(0, 3 * MiB), st.sampled_from([512, MiB, 2 * MiB, 16 * MiB]),
@@ -61,7 +64,9 @@ _ops = st.lists(st.one_of(
     st.tuples(st.just("empty_cache")),
     st.tuples(st.just("note_segment_alloc"), st.integers(0, 40).map(lambda k: (1 << 32) + k * 8 * MiB),
               st.sampled_from([2 * MiB, 8 * MiB, 20 * MiB]), st.integers(0, 1)),
-    st.tuples(st.just("release_segment"), st.integers(0, 40).map(lambda k: (1 << 32) + k * 8 * MiB),
+    # addresses where MindSpore's blocks start (2**32) and where torch's and VMM's ranges do (2**40)
+    st.tuples(st.just("release_segment"), st.sampled_from([1 << 32, 1 << 40]).flatmap(
+        lambda base: st.integers(0, 40).map(lambda k: base + k * 8 * MiB)),
               st.sampled_from([2 * MiB, 8 * MiB, 20 * MiB]), st.integers(0, 1)),
 ), max_size=200)
 
@@ -159,7 +164,7 @@ def test_create_picks_the_fast_path_and_falls_back():
     assert type(create("mindspore", fast=False)).__module__ == "ms_memopt.allocators.mindspore"
     assert type(create("torch", max_split_size_mb=64)).__module__ == "ms_memopt.allocators.torch"
     with pytest.raises(InputError, match="no compiled fast path"):
-        create("mindspore-vmm", fast=True)
+        create("torch", fast=True, max_split_size_mb=64)
 
 
 @pytest.mark.parametrize("name,options", [("mindspore", dict(grow="triple")), ("mindspore", dict(increase_size=0)),

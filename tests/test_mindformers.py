@@ -111,6 +111,12 @@ def test_fused_adamw_with_pool_mode_and_callbacks(runs):
     assert fused_plain["losses"] == pytest.approx(_ok(results, "plain")["losses"], rel=1e-3)
 
 
+def test_register_callbacks_makes_the_types_known_to_mindformers(runs):
+    mode, out, results = runs
+    assert results["registered"] == {"names": ["LayoutScanCallback", "CompactionCallback"],
+                                     "built": ["LayoutScanCallback", "CompactionCallback"]}
+
+
 @pytest.mark.parametrize("mode", [0], ids=["graph"])
 def test_yaml_callbacks_through_mindformers_entry_point(tmp_path, mode):
     out = tmp_path / "entry"

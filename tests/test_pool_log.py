@@ -125,8 +125,9 @@ def test_torn_and_garbled_lines_are_skipped_and_counted_never_guessed(tmp_path):
 def test_step_and_mark_lines_become_events():
     parser = PoolLogParser()
     events = list(parser.feed_all(["ms-memopt step 12", "ms-memopt mark compaction_begin", "ms-memopt step x",
-                                   "ms-memopt mark two words"]))
-    assert [(e.action, e.step, e.tag) for e in events] == [("step", 12, None), ("mark", None, "compaction_begin")]
+                                   "ms-memopt mark two words", "[WARNING] no newline herems-memopt step 13"]))
+    assert [(e.action, e.step, e.tag) for e in events] == [("step", 12, None), ("mark", None, "compaction_begin"),
+                                                           ("step", 13, None)]
 
 
 def test_a_lost_free_is_inferred_before_the_address_is_reused():

@@ -1,7 +1,7 @@
 """Every `ms-memopt` command of the README's tour works from a clean clone with nothing beside it.
 
 The commands are read from README.md itself and run in order in an empty directory holding only
-a copy of the repository's ``recipes/`` (what a clone has), so a tour step that needs a file
+copies of the repository's ``recipes/`` and ``bench/`` (what a clone has), so a tour step that needs a file
 from elsewhere (``../shared/data``) fails here. Long runs are shortened (``--steps`` capped,
 one seed, one rank stream of a job, training 3 steps, packing 2 s) so that the tour takes seconds; everything else is
 run as written.
@@ -60,6 +60,7 @@ def test_the_readme_has_a_tour():
 @pytest.mark.slow
 def test_every_tour_command_works_from_a_clean_clone(tmp_path, monkeypatch, capsys):
     shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    shutil.copytree(ROOT / "bench", tmp_path / "bench")
     monkeypatch.chdir(tmp_path)
     for argv in _tour_commands():
         argv = _shortened(argv)

@@ -30,6 +30,8 @@ from collections import OrderedDict
 from ..layout import Block, Layout, Segment
 from .base import AllocatorModel
 from .mindspore import check_options, initial_block, restore_pieces
+from .mindspore_vmm import CHUNK, MindSporeVMMPool, _ChunkSet, ranges_largest_free, ranges_layout
+from .mindspore_vmm import restore_pieces as vmm_restore_pieces
 from .pool import PoolModeAllocator
 from .torch import check_divisions, is_small_segment, merged_blocks
 
@@ -176,6 +178,43 @@ if ModelCore is not None:
                         run = []
             return Layout(segments, capacity=self.capacity)
 
+    class FastMindSporeVMMPool(ModelCore, AllocatorModel):
+        """:class:`~ms_memopt.allocators.mindspore_vmm.MindSporeVMMPool` in C; its layout and
+        ``largest_free`` are the reference's functions over the C state."""
+
+        name = "mindspore-vmm"
+        virtual = True
+        supports = FastMindSporePool.supports
+        _record_oom = MindSporeVMMPool._record_oom
+
+        def __init__(self, capacity: int | None = None) -> None:
+            ModelCore.__init__(self, capacity, kind="vmm")
+            AllocatorModel.__init__(self, capacity)
+
+        def restore(self, layout: Layout) -> None:
+            """Start from ``layout`` (as the reference's :meth:`restore`)."""
+            for segment in sorted(layout.segments, key=lambda s: s.addr):
+                if segment.addr % CHUNK:
+                    raise ValueError(f"VMM segments start on 2 MiB boundaries; {segment.addr:#x} does not")
+                size = (segment.size + CHUNK - 1) // CHUNK * CHUNK
+                self._add_vrange(segment.addr, size, segment.stream, segment.pool == "persistent",
+                                 vmm_restore_pieces(segment, size), segment.end)
+            self._note_usage()
+
+        def range_pieces(self) -> list:
+            """As :meth:`MindSporeVMMPool.range_pieces`."""
+            return sorted(self._vmm_state()[0], key=lambda r: (r[0], r[1]))
+
+        def layout(self) -> Layout:
+            ranges, runs = self._vmm_state()
+            mapped = _ChunkSet()
+            for start, end in runs:
+                mapped.add(start, end)
+            return ranges_layout(sorted(ranges, key=lambda r: (r[0], r[1])), mapped, self.capacity)
+
+        def largest_free(self) -> int:
+            return ranges_largest_free(self.range_pieces(), self.capacity)
+
     class FastRegion(ModelCore):
         """A pool-mode region (:class:`~ms_memopt.allocators.pool._Region`) in C: ``take``,
         ``release``, ``open_chunk``, ``close_chunk``, ``largest_free``, ``size_of`` and the
@@ -199,5 +238,6 @@ if ModelCore is not None:
         region_class = FastRegion
 
     FAST_MODELS.update({"mindspore": FastMindSporePool, "mindspore-bestfit": FastMindSporeBestFitPool,
-                        "torch": FastTorchCachingAllocator, "torch-expandable": FastTorchExpandableAllocator,
+                        "mindspore-vmm": FastMindSporeVMMPool, "torch": FastTorchCachingAllocator,
+                        "torch-expandable": FastTorchExpandableAllocator,
                         "pool": FastPoolModeAllocator})

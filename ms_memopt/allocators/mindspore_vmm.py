@@ -254,22 +254,8 @@ class MindSporeVMMPool(AllocatorModel):
             rng = _Range(segment.addr, size, allocator)
             allocator.ranges.append(rng)
             self.segment_allocs += 1
-            pieces: list[list] = []
-            cursor = segment.addr
-            for block in sorted(segment.blocks, key=lambda b: b.addr):
-                if block.addr > cursor:
-                    pieces.append([cursor, block.addr - cursor, _IDLE])
-                pieces.append([block.addr, block.size, _USED if block.live else _IDLE])
-                cursor = block.end
-            if cursor < segment.end:
-                pieces.append([cursor, segment.end - cursor, _IDLE])
-            if segment.addr + size > segment.end:
-                pieces.append([segment.end, segment.addr + size - segment.end, _EAGER])
             prev = None
-            for addr, nbytes, state in pieces:
-                if prev is not None and state != _USED and prev[_STATE] == state:
-                    prev[_SIZE] += nbytes
-                    continue
+            for addr, nbytes, state in restore_pieces(segment, size):
                 buf = [addr, nbytes, state, prev, None, rng]
                 if prev is None:
                     rng.head = buf
@@ -290,60 +276,28 @@ class MindSporeVMMPool(AllocatorModel):
         self._note_usage()
 
     # --- state ----------------------------------------------------------------------------
-    def layout(self) -> Layout:
-        """Mapped runs as segments; see the module docstring."""
-        segments = []
-        mapped = self._mapped
+    def range_pieces(self) -> list[tuple[int, bool, int, int, list[tuple[int, int, int]]]]:
+        """``(stream, persistent, addr, size, [(addr, size, state), ...])`` of every virtual
+        range, allocators by ``(stream, persistent)``; states ``_USED``, ``_IDLE``, ``_EAGER``."""
+        out = []
         for key in sorted(self._allocators):
             allocator = self._allocators[key]
-            pool = "persistent" if allocator.persistent else "common"
             for rng in allocator.ranges:
                 pieces = []
                 buf = rng.head
                 while buf is not None:
-                    pieces.append((buf[_ADDR], buf[_SIZE], buf[_STATE] == _USED))
+                    pieces.append((buf[_ADDR], buf[_SIZE], buf[_STATE]))
                     buf = buf[_NEXT]
-                first = rng.addr >> _CHUNK_SHIFT
-                last = (rng.addr + rng.size) >> _CHUNK_SHIFT
-                for start, end in list(mapped.runs(first, last)):
-                    seg_addr, seg_end = start << _CHUNK_SHIFT, end << _CHUNK_SHIFT
-                    blocks: list[Block] = []
-                    index = _first_piece(pieces, seg_addr)
-                    while index < len(pieces) and pieces[index][0] < seg_end:
-                        addr, size, live = pieces[index]
-                        lo, hi = max(addr, seg_addr), min(addr + size, seg_end)
-                        if blocks and not live and not blocks[-1].live:
-                            blocks[-1].size += hi - lo
-                        else:
-                            blocks.append(Block(lo, hi - lo, live))
-                        index += 1
-                    segments.append(Segment(seg_addr, seg_end - seg_addr, blocks,
-                                            stream=allocator.stream, pool=pool))
-        segments.sort(key=lambda s: s.addr)
-        return Layout(segments, capacity=self.capacity)
+                out.append((allocator.stream, allocator.persistent, rng.addr, rng.size, pieces))
+        return out
+
+    def layout(self) -> Layout:
+        """Mapped runs as segments; see the module docstring."""
+        return ranges_layout(self.range_pieces(), self._mapped, self.capacity)
 
     def largest_free(self) -> int:
         """The largest request that would succeed now (see the module docstring), bytes."""
-        live_chunks = _ChunkSet()
-        runs: list[int] = []
-        for allocator in self._allocators.values():
-            for rng in allocator.ranges:
-                run = 0
-                buf = rng.head
-                while buf is not None:
-                    if buf[_STATE] == _USED:
-                        runs.append(run)
-                        run = 0
-                        first = buf[_ADDR] >> _CHUNK_SHIFT
-                        live_chunks.add(first, ((buf[_ADDR] + buf[_SIZE] - 1) >> _CHUNK_SHIFT) + 1)
-                    else:
-                        run += buf[_SIZE]
-                    buf = buf[_NEXT]
-                runs.append(run)
-        longest = max(runs, default=0)
-        if self.capacity is None:
-            return longest
-        return max(0, min(longest, self.capacity - len(live_chunks) * CHUNK))
+        return ranges_largest_free(self.range_pieces(), self.capacity)
 
     # --- internals --------------------------------------------------------------------------
     def _record_oom(self, size: int, stream: int, tag: str | None) -> None:
@@ -498,3 +452,72 @@ def _first_piece(pieces: list[tuple[int, int, bool]], addr: int) -> int:
     """Index of the piece containing ``addr`` (pieces tile the range, sorted by address)."""
     lo = bisect_left(pieces, (addr + 1,)) - 1
     return max(lo, 0)
+
+
+def restore_pieces(segment: Segment, size: int) -> list[tuple[int, int, int]]:
+    """``(addr, size, state)`` tiling a recorded segment restored as a virtual range of ``size``
+    bytes: live blocks used, the rest idle, the rounding tail eager-free; idle neighbours merged."""
+    pieces: list[list] = []
+    cursor = segment.addr
+    for block in sorted(segment.blocks, key=lambda b: b.addr):
+        if block.addr > cursor:
+            pieces.append([cursor, block.addr - cursor, _IDLE])
+        pieces.append([block.addr, block.size, _USED if block.live else _IDLE])
+        cursor = block.end
+    if cursor < segment.end:
+        pieces.append([cursor, segment.end - cursor, _IDLE])
+    if segment.addr + size > segment.end:
+        pieces.append([segment.end, segment.addr + size - segment.end, _EAGER])
+    merged: list[list] = []
+    for piece in pieces:
+        if merged and piece[2] != _USED and merged[-1][2] == piece[2]:
+            merged[-1][1] += piece[1]
+        else:
+            merged.append(piece)
+    return [(addr, nbytes, state) for addr, nbytes, state in merged]
+
+
+def ranges_layout(ranges, mapped: _ChunkSet, capacity: int | None) -> Layout:
+    """:meth:`MindSporeVMMPool.layout` from its :meth:`~MindSporeVMMPool.range_pieces` and its
+    mapped chunks."""
+    segments = []
+    for stream, persistent, rng_addr, rng_size, states in ranges:
+        pool = "persistent" if persistent else "common"
+        pieces = [(addr, size, state == _USED) for addr, size, state in states]
+        first = rng_addr >> _CHUNK_SHIFT
+        last = (rng_addr + rng_size) >> _CHUNK_SHIFT
+        for start, end in list(mapped.runs(first, last)):
+            seg_addr, seg_end = start << _CHUNK_SHIFT, end << _CHUNK_SHIFT
+            blocks: list[Block] = []
+            index = _first_piece(pieces, seg_addr)
+            while index < len(pieces) and pieces[index][0] < seg_end:
+                addr, size, live = pieces[index]
+                lo, hi = max(addr, seg_addr), min(addr + size, seg_end)
+                if blocks and not live and not blocks[-1].live:
+                    blocks[-1].size += hi - lo
+                else:
+                    blocks.append(Block(lo, hi - lo, live))
+                index += 1
+            segments.append(Segment(seg_addr, seg_end - seg_addr, blocks, stream=stream, pool=pool))
+    segments.sort(key=lambda s: s.addr)
+    return Layout(segments, capacity=capacity)
+
+
+def ranges_largest_free(ranges, capacity: int | None) -> int:
+    """:meth:`MindSporeVMMPool.largest_free` from its :meth:`~MindSporeVMMPool.range_pieces`."""
+    live_chunks = _ChunkSet()
+    runs: list[int] = []
+    for *_, states in ranges:
+        run = 0
+        for addr, size, state in states:
+            if state == _USED:
+                runs.append(run)
+                run = 0
+                live_chunks.add(addr >> _CHUNK_SHIFT, ((addr + size - 1) >> _CHUNK_SHIFT) + 1)
+            else:
+                run += size
+        runs.append(run)
+    longest = max(runs, default=0)
+    if capacity is None:
+        return longest
+    return max(0, min(longest, capacity - len(live_chunks) * CHUNK))

@@ -37,7 +37,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="memopt-record.jsonl", metavar="FILE.jsonl",
                         help="event file to write (default: memopt-record.jsonl)")
     parser.add_argument("--raw", default=None, metavar="FILE",
-                        help="also keep the raw pool log lines (the reader reads it too)")
+                        help="also keep the raw pool log lines and step marks (the reader reads it too)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the run to record")
 
@@ -82,7 +82,7 @@ def record(command: list[str], out: str | Path, *, raw: str | Path | None = None
                                                     "command": command}, flush_every=512)
                 writer.write_all(events)
                 bar.update(len(events))
-            if raw_file is not None and _NOISE in line:
+            if raw_file is not None and (events or _NOISE in line):   # pool lines and step/mark lines
                 raw_file.write(line + "\n")
             if not events and _NOISE not in line:
                 bar.write(line, file=sys.stderr)

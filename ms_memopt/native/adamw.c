@@ -27,20 +27,24 @@
 #define MM_VECTOR_CLONES
 #endif
 
+/* One element: updates *m and *v, returns the new weight. Inlined into the loops below. */
+static inline float adamw_element(float w, float *m, float *v, float g, float decay, float step, float c1,
+                                  float c2, float eps)
+{
+    w = w - decay * w;
+    float mi = *m + (g - *m) * c1;
+    float vi = *v + (g * g - *v) * c2;
+    *m = mi;
+    *v = vi;
+    return w - step * mi / (sqrtf(vi) + eps);
+}
+
 MM_VECTOR_CLONES
 static void adamw_piece(float *restrict w, float *restrict m, float *restrict v, const float *restrict g,
                         int64_t n, float decay, float step, float c1, float c2, float eps)
 {
-    for (int64_t i = 0; i < n; i++) {
-        float gi = g[i];
-        float wi = w[i];
-        wi = wi - decay * wi;
-        float mi = m[i] + (gi - m[i]) * c1;
-        float vi = v[i] + (gi * gi - v[i]) * c2;
-        m[i] = mi;
-        v[i] = vi;
-        w[i] = wi - step * mi / (sqrtf(vi) + eps);
-    }
+    for (int64_t i = 0; i < n; i++)
+        w[i] = adamw_element(w[i], m + i, v + i, g[i], decay, step, c1, c2, eps);
 }
 
 /* Round a float32 to float16 / bfloat16, to nearest even (NaN stays NaN, overflow -> inf). */
@@ -105,13 +109,7 @@ static void adamw_piece_16(float *restrict w, float *restrict m, float *restrict
 {
     for (int64_t i = 0; i < n; i++) {
         float gi = bfloat ? from_bfloat16(g[i]) : from_half(g[i]);
-        float wi = w[i];
-        wi = wi - decay * wi;
-        float mi = m[i] + (gi - m[i]) * c1;
-        float vi = v[i] + (gi * gi - v[i]) * c2;
-        m[i] = mi;
-        v[i] = vi;
-        wi = wi - step * mi / (sqrtf(vi) + eps);
+        float wi = adamw_element(w[i], m + i, v + i, gi, decay, step, c1, c2, eps);
         w[i] = wi;
         out[i] = bfloat ? to_bfloat16(wi) : to_half(wi);
     }

@@ -3,7 +3,10 @@
 :func:`pack` is what pool mode and the simulator call. It runs the greedy orders of
 :mod:`.greedy` first (milliseconds; on MindSpore SOMAS instances the breadth order usually
 reaches the lower bound), then, when a capacity is missed or the arena is above the lower
-bound, the exact search of :mod:`.search` until the time limit. Every candidate placement is
+bound, the exact search of :mod:`.search` (MiniMalloc's method, compiled when a C compiler is
+there) until the bound, a proof of optimality, the time limit, or ``stall`` seconds without
+progress. ``Solution.gap`` says how far the answer could still be from the optimum (vs the
+best proven lower bound). Every candidate placement is
 checked with :func:`~.problem.validate` before it can be returned, so the answer is always the
 best *verified* placement found.
 

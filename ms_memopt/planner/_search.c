@@ -115,7 +115,11 @@ static int place_and_recurse(Solver *s, int64_t u, int64_t off, int64_t rank,
         if (--s->cuts[t] == 0) split = 1;
     }
     int status = NONE, fits = 1;
-    for (int64_t t = lo; t < hi; ++t) {
+    /* Only sections in [span_lo, span_hi) changed; elsewhere floor + unplaced bytes fit at the
+     * parent and off <= capacity - unplaced bytes (the caller's cut-off), so the result is the
+     * Python reference's check over all of [lo, hi). */
+    const int64_t check_lo = span_lo > lo ? span_lo : lo, check_hi = span_hi < hi ? span_hi : hi;
+    for (int64_t t = check_lo; t < check_hi; ++t) {
         int64_t base = floor[t] > off ? floor[t] : off;
         if (base + total[t] > s->capacity) { fits = 0; break; }
     }

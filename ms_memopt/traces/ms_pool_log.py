@@ -111,8 +111,9 @@ _ASCEND_RETURN = re.compile(_PREFIX + r'Allocate tensor mem, return : \{"addr_":
                             r'"idle_size_":(?P<idle>\d+),"used_by_event_size_":(?P<by_event>\d+),'
                             r'"eager_free_size_":\d+\}\.\s*$')
 _ASCEND_FREE = re.compile(_PREFIX + r"Do free tensor mem : (?P<addr>0x[0-9a-fA-F]+), return : (?P<ok>[01]|true|false)\.")
-_STEP = re.compile(r"^ms-memopt step (?P<step>\d+)\s*$")
-_MARK = re.compile(r"^ms-memopt mark (?P<tag>[\w.:-]+)\s*$")
+# searched at the end of a line: another writer's text without a newline may come first
+_STEP = re.compile(r"ms-memopt step (?P<step>\d+)\s*$")
+_MARK = re.compile(r"ms-memopt mark (?P<tag>[\w.:-]+)\s*$")
 _MAX_NOTED = 20             # line numbers of skipped lines kept for the report
 _SNIFF_LINES = 2000
 
@@ -204,12 +205,12 @@ class PoolLogParser:
                 # return 0: still awaited by a stream event; its later free logs again with 1
                 return self._free(int(match.group("addr"), 16), None) if match.group("ok") in ("1", "true") else []
             return self._torn(match)
-        if line.startswith(STEP_LINE):
-            step = _STEP.match(line)
+        if STEP_LINE in line:
+            step = _STEP.search(line)
             if step:
                 return [Event("step", step=int(step.group("step")))]
-        elif line.startswith(_MARK_LINE):
-            mark = _MARK.match(line)
+        elif _MARK_LINE in line:
+            mark = _MARK.search(line)
             if mark:
                 return [Event("mark", tag=mark.group("tag"))]
         return []

@@ -135,7 +135,12 @@ def main_trainer(mode: int, out: Path) -> None:
     names = sys.argv[4].split(",")
     from mindformers.core.context import build_context
     build_context(load_config(mode, out))
-    results = {}
+    from mindformers.core.callback.build_callback import build_callback
+    from ms_memopt.mindspore.mindformers import register_callbacks
+    results = {"registered": {"names": register_callbacks(),   # a launcher's own registration
+                              "built": [type(cb).__name__ for cb in build_callback(
+                                  [{"type": "LayoutScanCallback", "every": 3, "log_dir": None},
+                                   {"type": "CompactionCallback", "every": 4}])]}}
     for name in names:
         try:
             results[name] = train_run(name, mode, out)
