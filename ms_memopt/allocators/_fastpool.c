@@ -195,6 +195,12 @@ static void buf_drop(Core *c, int32_t i) {
 /* ---- free keys (sorted by size, tie) -------------------------------------------------------- */
 static inline int key_less(u64 s1, u64 t1, u64 s2, u64 t2) { return s1 < s2 || (s1 == s2 && t1 < t2); }
 
+/* remove entry ``at`` of a sorted key array of ``*n`` entries */
+static inline void key_pop(Key *keys, Py_ssize_t *n, Py_ssize_t at) {
+    memmove(&keys[at], &keys[at + 1], (size_t)(*n - at - 1) * sizeof(Key));
+    (*n)--;
+}
+
 static inline Py_ssize_t lower_bound(Alloc *a, u64 size, u64 tie) {
     Py_ssize_t lo = 0, hi = a->nkeys;
     Key *k = a->keys;
@@ -222,8 +228,7 @@ static void unindex_buf(Core *c, int32_t i) {
     Buf *b = &c->bufs[i];
     Alloc *a = &c->allocs[c->segs[b->seg].alloc];
     Py_ssize_t at = lower_bound(a, b->size, b->tie);
-    memmove(&a->keys[at], &a->keys[at + 1], (size_t)(a->nkeys - at - 1) * sizeof(Key));
-    a->nkeys--;
+    key_pop(a->keys, &a->nkeys, at);
 }
 
 /* ---- allocators, segments ------------------------------------------------------------------- */
@@ -350,8 +355,7 @@ static int32_t take(Core *c, Py_ssize_t ai, u64 size) {
     Py_ssize_t at = lower_bound(a, size, 0);
     if (at == a->nkeys) return -2;
     int32_t b = a->keys[at].buf;
-    memmove(&a->keys[at], &a->keys[at + 1], (size_t)(a->nkeys - at - 1) * sizeof(Key));
-    a->nkeys--;
+    key_pop(a->keys, &a->nkeys, at);
     if (split(c, b, size) < 0) return -1;
     return b;
 }
@@ -537,8 +541,7 @@ static long long torch_malloc(Core *c, long long raw, i64 stream, PyObject *tag)
     Py_ssize_t at = lower_bound(a, rsize, 0);
     if (at < a->nkeys) {
         b = a->keys[at].buf;
-        memmove(&a->keys[at], &a->keys[at + 1], (size_t)(a->nkeys - at - 1) * sizeof(Key));
-        a->nkeys--;
+        key_pop(a->keys, &a->nkeys, at);
     } else {
         b = torch_grow(c, ai, rsize, stream);
         c->ntrec = 0;
@@ -625,8 +628,7 @@ static PyObject *Region_take(Core *c, PyObject *args, PyObject *kwargs) {
         Py_ssize_t at = lower_bound(a, size, 0);
         if (at == a->nkeys) Py_RETURN_NONE;
         b = a->keys[at].buf;
-        memmove(&a->keys[at], &a->keys[at + 1], (size_t)(a->nkeys - at - 1) * sizeof(Key));
-        a->nkeys--;
+        key_pop(a->keys, &a->nkeys, at);
     } else {
         unindex_buf(c, b);
     }
@@ -945,8 +947,7 @@ static long long x_malloc(Core *c, long long raw, i64 stream, PyObject *tag) {
         /* prefer blocks that cannot grow into unmapped space (their "expandable size") */
         while (i + 1 < a->nkeys && x_expandable(c, a->keys[i + 1].buf) < x_expandable(c, a->keys[i].buf)) i++;
         b = a->keys[i].buf;
-        memmove(&a->keys[i], &a->keys[i + 1], (size_t)(a->nkeys - i - 1) * sizeof(Key));
-        a->nkeys--;
+        key_pop(a->keys, &a->nkeys, i);
     } else {
         b = x_map_for(c, ai, rsize, small);
         if (b == -2) {
@@ -1148,8 +1149,7 @@ static void v_unindex(Core *c, int32_t b) {
     Alloc *a = &c->allocs[c->segs[f->seg].alloc];
     Alloc view = eager_view(a);
     Py_ssize_t at = lower_bound(&view, f->size, f->addr);
-    memmove(&a->ekeys[at], &a->ekeys[at + 1], (size_t)(a->nekeys - at - 1) * sizeof(Key));
-    a->nekeys--;
+    key_pop(a->ekeys, &a->nekeys, at);
 }
 
 /* _map: 1 mapped (or already), 0 the device has no chunk left, -1 error */
@@ -1268,8 +1268,7 @@ static int32_t v_take(Core *c, Py_ssize_t ai, u64 size) {
     Py_ssize_t at = lower_bound(a, size, 0);
     if (at < a->nkeys) {
         int32_t b = a->keys[at].buf;
-        memmove(&a->keys[at], &a->keys[at + 1], (size_t)(a->nkeys - at - 1) * sizeof(Key));
-        a->nkeys--;
+        key_pop(a->keys, &a->nkeys, at);
         return v_split(c, b, size) < 0 ? -1 : b;
     }
     int32_t b = v_extend_idle(c, ai, size);
@@ -1282,8 +1281,7 @@ static int32_t v_take(Core *c, Py_ssize_t ai, u64 size) {
         u64 map_size = c->bufs[b].size - size >= ALIGN ? size : c->bufs[b].size;
         int r = v_map(c, c->bufs[b].addr, map_size);
         if (r <= 0) return r < 0 ? -1 : -2;
-        memmove(&a->ekeys[at], &a->ekeys[at + 1], (size_t)(a->nekeys - at - 1) * sizeof(Key));
-        a->nekeys--;
+        key_pop(a->ekeys, &a->nekeys, at);
         return v_split(c, b, size) < 0 ? -1 : b;
     }
     return -2;

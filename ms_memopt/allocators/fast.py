@@ -7,14 +7,16 @@ keeps the state and runs ``malloc``/``free`` without Python-level work per event
 ``MS_MEMOPT_PURE_PYTHON=1``. ``tests/test_fastpool.py`` holds each fast model to identical
 addresses, counters and layouts as its reference on random traces and on every recorded trace.
 
-==================== ================================ =========================================
-name                 fast class                       reference
-==================== ================================ =========================================
-``mindspore``        :class:`FastMindSporePool`       :class:`~.mindspore.MindSporePool`
-``mindspore-bestfit`` :class:`FastMindSporeBestFitPool` :class:`~.mindspore.MindSporeBestFitPool`
-``torch``            :class:`FastTorchCachingAllocator` :class:`~.torch.TorchCachingAllocator`
-                     (without ``max_split_size_mb``: that option runs the reference)
-==================== ================================ =========================================
+Fast classes (reference in brackets):
+
+* ``mindspore``: :class:`FastMindSporePool` (:class:`~.mindspore.MindSporePool`)
+* ``mindspore-bestfit``: :class:`FastMindSporeBestFitPool` (:class:`~.mindspore.MindSporeBestFitPool`)
+* ``mindspore-vmm``: :class:`FastMindSporeVMMPool` (:class:`~.mindspore_vmm.MindSporeVMMPool`)
+* ``torch``: :class:`FastTorchCachingAllocator` (:class:`~.torch.TorchCachingAllocator`;
+  ``max_split_size_mb`` runs the reference)
+* ``torch-expandable``: :class:`FastTorchExpandableAllocator`
+  (:class:`~.torch_expandable.TorchExpandableAllocator`)
+* ``pool``: :class:`FastPoolModeAllocator` (:class:`~.pool.PoolModeAllocator`, its regions in C)
 
 Example:
     >>> pool = FastMindSporePool(capacity=8 * 2**30)          # doctest: +SKIP
