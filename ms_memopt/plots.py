@@ -142,6 +142,7 @@ def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers:
         axes[1].axhline(size / div, color="black", linestyle=(0, (6, 3)), linewidth=1.2, zorder=4,
                         label=f"{name} request {_both_units(size)}: a smaller hole means OOM")
     _draw_markers(axes, markers, series, colors, div)
+    _clip_to_run(axes[1], markers, colors, last_step, div)
     per = "per step" if window == 1 else f"per {window} steps"
     axes[0].set_ylabel(f"free_total ({unit})\nminimum {per}")
     axes[1].set_ylabel(f"largest_free ({unit})\nminimum {per}")
@@ -197,6 +198,18 @@ def _same_until(reference: list[Sample], samples: list[Sample]) -> str | None:
     if same == len(samples) == len(reference):
         return "throughout"
     return f"until step {samples[same - 1][0]}"
+
+
+def _clip_to_run(ax, markers: list[Marker], colors: dict[str, str], last_step: int, div: int) -> None:
+    """Keep the x axis on the steps that ran (plus a fifth): a forecast far beyond them would
+    squeeze the whole run into a corner; it is named at the right edge instead."""
+    edge = max(last_step * 1.2, last_step + 10)
+    ax.set_xlim(-0.02 * edge, edge)
+    beyond = [m for m in markers if m.kind == "forecast" and m.step > edge and m.largest_free is not None]
+    for m in beyond:
+        ax.annotate(f"{m.series}: forecast step {m.step} \u2192", xy=(edge, m.largest_free / div),
+                    xytext=(-4, 6), textcoords="offset points", ha="right", va="bottom", fontsize=8,
+                    color=colors.get(m.series, "black"))
 
 
 def _draw_markers(axes, markers: list[Marker], series: dict[str, list[Sample]], colors: dict[str, str],
