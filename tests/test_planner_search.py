@@ -2,6 +2,7 @@
 kept-aside structure, and how `pack` stops and reports optimality."""
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -76,6 +77,39 @@ def test_search_proves_infeasible_targets():
         assert search_place(bufs, 7, engine=engine).exhausted
         found = search_place(bufs, 8, engine=engine)
         assert validate(bufs, found.offsets, capacity=8) == []
+
+
+@st.composite
+def shared_lifetime_instances(draw):
+    """Few distinct lifetimes, so buffers of the same lifetime (and identical ones) abound."""
+    spans = [(lo, draw(st.integers(lo + 1, 6))) for lo in draw(st.lists(st.integers(0, 5), min_size=1, max_size=3))]
+    n = draw(st.integers(2, 7))
+    return [Buffer(f"b{i}", *draw(st.sampled_from(spans)), draw(st.integers(1, 4))) for i in range(n)]
+
+
+def _optimum_by_stacking(buffers) -> int:
+    """The optimum: the best over all orders of stacking each buffer on those placed before."""
+    best = None
+    for order in itertools.permutations(buffers):
+        placed = []
+        for buf in order:
+            offset = max((o + p.size for p, o in placed if p.lower < buf.upper and buf.lower < p.upper),
+                         default=0)
+            placed.append((buf, offset))
+        arena = max(o + b.size for b, o in placed)
+        best = arena if best is None else min(best, arena)
+    return best
+
+
+@given(shared_lifetime_instances(), st.sampled_from(sorted(PREORDERS)))
+@settings(max_examples=150, deadline=None)
+def test_symmetry_rules_keep_the_search_exact(buffers, prefer):
+    # identical buffers in rank order, same-lifetime stacks in rank order: the optimum is still
+    # found, and one byte less is still proven impossible
+    optimum = _optimum_by_stacking(buffers)
+    found = search_place(buffers, optimum, prefer=prefer)
+    assert found.offsets is not None and validate(buffers, found.offsets, capacity=optimum) == []
+    assert search_place(buffers, optimum - 1, prefer=prefer).exhausted
 
 
 # ---------------------------------------------------------------- generated strips

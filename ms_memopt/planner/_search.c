@@ -16,6 +16,7 @@ typedef struct {
     int64_t n, count, capacity;
     const int64_t *first, *last, *size, *rank;
     const int64_t *twin;                /* same lifetime and size, just before by rank; or -1 */
+    const int64_t *kin_ptr, *kin;       /* the other buffers of the same lifetime */
     const int64_t *ov_ptr, *ov_idx;     /* overlaps: buffers alive at a common time */
     const int64_t *inc_ptr, *inc_owner; /* section -> buffers, or NULL */
     int64_t *total, *cuts, *floor, *min_off, *offset;
@@ -197,6 +198,14 @@ static int search(Solver *s, const int64_t *members, int64_t m, int64_t lo, int6
         if (off == last_off && keys[k].rank < last_rank) continue;
         const int64_t twin = s->twin[keys[k].buffer];
         if (twin >= 0 && !s->placed[twin]) continue;  /* its identical predecessor goes first */
+        /* not directly on a placed buffer of the same lifetime and a higher rank */
+        int stacked = 0;
+        const int64_t u = keys[k].buffer;
+        for (int64_t j = s->kin_ptr[u]; j < s->kin_ptr[u + 1] && !stacked; ++j) {
+            const int64_t w = s->kin[j];
+            stacked = s->placed[w] && s->offset[w] + s->size[w] == off && s->rank[w] > keys[k].rank;
+        }
+        if (stacked) continue;
         status = place_and_recurse(s, keys[k].buffer, off, keys[k].rank, members, m, lo, hi, keys, count);
         if (status != NONE) break;
     }
@@ -207,7 +216,8 @@ static int search(Solver *s, const int64_t *members, int64_t m, int64_t lo, int6
 /* Entry point: returns FOUND / NONE / ABORT; offsets and the node count are written back. */
 int ms_memopt_search(int64_t n, int64_t count, int64_t capacity,
                      const int64_t *first, const int64_t *last, const int64_t *size,
-                     const int64_t *rank, const int64_t *twin, const int64_t *ov_ptr,
+                     const int64_t *rank, const int64_t *twin, const int64_t *kin_ptr,
+                     const int64_t *kin, const int64_t *ov_ptr,
                      const int64_t *ov_idx,
                      const int64_t *inc_ptr, const int64_t *inc_owner,
                      int64_t *total, int64_t *cuts, int64_t *offset,
@@ -215,6 +225,7 @@ int ms_memopt_search(int64_t n, int64_t count, int64_t capacity,
     Solver s;
     s.n = n; s.count = count; s.capacity = capacity;
     s.first = first; s.last = last; s.size = size; s.rank = rank; s.twin = twin;
+    s.kin_ptr = kin_ptr; s.kin = kin;
     s.ov_ptr = ov_ptr; s.ov_idx = ov_idx; s.inc_ptr = inc_ptr; s.inc_owner = inc_owner;
     s.total = total; s.cuts = cuts; s.offset = offset;
     s.floor = (int64_t *)calloc((size_t)(count > 0 ? count : 1), sizeof(int64_t));

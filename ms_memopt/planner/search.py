@@ -19,7 +19,10 @@ sections, undo records, Python recursion) is this project's own:
   node is pruned when floor + unplaced bytes exceeds the capacity in any section.
 * **Symmetry.** Buffers with the same lifetime and size are interchangeable; they always
   share their minimum offset, and only the first of them (by rank) not yet placed is a
-  candidate, so their permutations are not searched.
+  candidate, so their permutations are not searched. Buffers with the same lifetime stacked
+  directly on each other can swap places without changing anything else (a buffer alive with
+  them can only rest on the top of such a stack), so a buffer is not placed directly on one
+  of the same lifetime and a higher rank.
 * **Dynamic decomposition.** When no unplaced buffer crosses a section boundary any more, the
   two sides are independent: each is solved on its own, and if one has no solution the node
   fails at once (no search over combinations of the two sides).
@@ -141,6 +144,7 @@ class _Solver:
         self.rank = np.empty(n, dtype=np.int64)
         self.rank[order] = np.arange(n)
         self.twin = self._twins(sub)
+        self.kin_ptr, self.kin = self._kin(sub)
         self.overlaps = self._overlaps()
         self.incidence = self._incidence()
         self.floor = np.zeros(count, dtype=np.int64)
@@ -158,6 +162,26 @@ class _Solver:
             twin[i] = previous.get(key, -1)
             previous[key] = i
         return twin
+
+    def _kin(self, sub: Sequence[Buffer]) -> tuple[np.ndarray, np.ndarray]:
+        """Per buffer, the other buffers of the same lifetime (CSR: pointers, flat indices)."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, b in enumerate(sub):
+            groups.setdefault((b.lower, b.upper), []).append(i)
+        lists = [[j for j in groups[(b.lower, b.upper)] if j != i] for i, b in enumerate(sub)]
+        pointers = np.zeros(self.n + 1, dtype=np.int64)
+        pointers[1:] = np.cumsum([len(x) for x in lists])
+        flat = np.fromiter((j for x in lists for j in x), dtype=np.int64, count=int(pointers[-1]))
+        return pointers, flat
+
+    def _stacked_on_higher_rank(self, u: int, off: int, rank: int) -> bool:
+        """Whether u at ``off`` would sit directly on a placed buffer of the same lifetime and a
+        higher rank (the two swapped is the same placement, searched in the other order)."""
+        kin = self.kin[self.kin_ptr[u]:self.kin_ptr[u + 1]]
+        if kin.size == 0:
+            return False
+        below = kin[self.placed[kin] & (self.offset[kin] + self.size[kin] == off)]
+        return bool((self.rank[below] > rank).any())
 
     def _overlaps(self) -> list[np.ndarray]:
         """Per buffer, the indices of the other buffers alive at some common time."""
@@ -230,7 +254,8 @@ class _Solver:
             return None if array is None else array.ctypes.data_as(ctypes.c_void_p)
 
         status = lib.ms_memopt_search(self.n, self.count, self.capacity, ptr(self.first), ptr(self.last),
-                                      ptr(self.size), ptr(self.rank), ptr(self.twin), ptr(ov_ptr), ptr(ov_idx),
+                                      ptr(self.size), ptr(self.rank), ptr(self.twin), ptr(self.kin_ptr),
+                                      ptr(self.kin), ptr(ov_ptr), ptr(ov_idx),
                                       ptr(inc_ptr), ptr(inc_owner), ptr(total), ptr(cuts), ptr(offset),
                                       -1 if node_limit is None else int(node_limit), seconds,
                                       ctypes.byref(nodes))
@@ -280,6 +305,8 @@ class _Solver:
             twin = int(self.twin[u])
             if twin >= 0 and not self.placed[twin]:
                 continue  # its identical predecessor goes first
+            if self._stacked_on_higher_rank(u, off, int(ranks[k])):
+                continue
             status = self._place_and_recurse(u, off, int(ranks[k]), members, lo, hi)
             if status != _NONE:
                 return status
