@@ -307,17 +307,22 @@ static int32_t new_segment(Core *c, Py_ssize_t ai, u64 size) {
     return new_segment_at(c, ai, place(c, size), size, 1);
 }
 
-/* cut ``b`` after ``size`` bytes: the rest becomes an idle, indexed buffer; -1 on error */
-static int cut(Core *c, int32_t b, u64 size) {
-    u64 remaining = c->bufs[b].size - size;
-    u64 addr = c->bufs[b].addr + size;
+/* ``b`` keeps its first ``size`` bytes; the rest becomes a new buffer after it in ``state``
+ * (not indexed); the new buffer, -1 on error */
+static int32_t split_off(Core *c, int32_t b, u64 size, int state) {
     int32_t nxt = c->bufs[b].next;
-    int32_t rest = buf_new(c, addr, remaining, 0, b, nxt, c->bufs[b].seg);
+    int32_t rest = buf_new(c, c->bufs[b].addr + size, c->bufs[b].size - size, state, b, nxt, c->bufs[b].seg);
     if (rest < 0) return -1;
     if (nxt >= 0) c->bufs[nxt].prev = rest;
     c->bufs[b].next = rest;
     c->bufs[b].size = size;
-    return index_buf(c, rest);
+    return rest;
+}
+
+/* cut ``b`` after ``size`` bytes: the rest becomes an idle, indexed buffer; -1 on error */
+static int cut(Core *c, int32_t b, u64 size) {
+    int32_t rest = split_off(c, b, size, 0);
+    return rest < 0 ? -1 : index_buf(c, rest);
 }
 
 /* split ``b`` so that it holds ``size`` bytes (MindSpore: when >= 512 B remain), mark it used */
@@ -576,15 +581,9 @@ static int32_t region_carve(Core *c, u64 addr, u64 size) {
     int32_t b = region_free_at(c, addr);
     if (b < 0 || c->bufs[b].addr + c->bufs[b].size - addr < size) return -2;
     if (c->bufs[b].addr == addr) return b;
-    u64 start = c->bufs[b].addr, length = c->bufs[b].size;
     unindex_buf(c, b);
-    int32_t nxt = c->bufs[b].next;
-    int32_t high = buf_new(c, addr, start + length - addr, 0, b, nxt, c->bufs[b].seg);
-    if (high < 0) return -1;
-    if (nxt >= 0) c->bufs[nxt].prev = high;
-    c->bufs[b].next = high;
-    c->bufs[b].size = addr - start;
-    if (index_buf(c, b) < 0 || index_buf(c, high) < 0) return -1;
+    int32_t high = split_off(c, b, addr - c->bufs[b].addr, 0);
+    if (high < 0 || index_buf(c, b) < 0 || index_buf(c, high) < 0) return -1;
     return high;
 }
 
@@ -828,13 +827,8 @@ static int32_t x_map(Core *c, int32_t b, u64 want) {
     Alloc *a = x_alloc(c, b);
     unm_remove(c, a, b);
     if (size < c->bufs[b].size) {
-        int32_t nxt = c->bufs[b].next;
-        int32_t rest = buf_new(c, c->bufs[b].addr + size, c->bufs[b].size - size, X_UNMAPPED, b, nxt, c->bufs[b].seg);
-        if (rest < 0) return -1;
-        if (nxt >= 0) c->bufs[nxt].prev = rest;
-        c->bufs[b].next = rest;
-        c->bufs[b].size = size;
-        if (unm_insert(c, a, rest) < 0) return -1;
+        int32_t rest = split_off(c, b, size, X_UNMAPPED);
+        if (rest < 0 || unm_insert(c, a, rest) < 0) return -1;
     }
     c->bufs[b].used = X_FREE;
     c->reserved += (long long)size;
@@ -882,24 +876,16 @@ static int x_unmap(Core *c, int32_t b) {
     u64 end = base + (addr + size - base) / page * page;
     if (begin >= end) return 0;
     unindex_buf(c, b);
-    int32_t seg = c->bufs[b].seg, nxt = c->bufs[b].next;
+    /* carve [addr, begin) free | [begin, end) unmapped | [end, addr + size) free */
     if (end < addr + size) {
-        int32_t tail = buf_new(c, end, addr + size - end, X_FREE, b, nxt, seg);
-        if (tail < 0) return -1;
-        if (nxt >= 0) c->bufs[nxt].prev = tail;
-        c->bufs[b].next = nxt = tail;
-        if (index_buf(c, tail) < 0) return -1;
+        int32_t tail = split_off(c, b, end - addr, X_FREE);
+        if (tail < 0 || index_buf(c, tail) < 0) return -1;
     }
     int32_t u;
     if (begin > addr) {
-        u = buf_new(c, begin, end - begin, X_UNMAPPED, b, nxt, seg);
-        if (u < 0) return -1;
-        if (nxt >= 0) c->bufs[nxt].prev = u;
-        c->bufs[b].next = u;
-        c->bufs[b].size = begin - addr;
-        if (index_buf(c, b) < 0) return -1;
+        u = split_off(c, b, begin - addr, X_UNMAPPED);
+        if (u < 0 || index_buf(c, b) < 0) return -1;
     } else {
-        c->bufs[b].size = end - begin;
         c->bufs[b].used = X_UNMAPPED;
         u = b;
     }
@@ -909,7 +895,7 @@ static int x_unmap(Core *c, int32_t b) {
         x_absorb_next(c, prev);
         u = prev;
     } else if (unm_insert(c, a, u) < 0) return -1;
-    nxt = c->bufs[u].next;
+    int32_t nxt = c->bufs[u].next;
     if (nxt >= 0 && c->bufs[nxt].used == X_UNMAPPED) {
         unm_remove(c, a, nxt);
         x_absorb_next(c, u);
@@ -962,13 +948,8 @@ static long long x_malloc(Core *c, long long raw, i64 stream, PyObject *tag) {
     c->bufs[b].used = X_LIVE;
     u64 remaining = c->bufs[b].size - rsize;
     if (remaining >= 512) {
-        int32_t nxt = c->bufs[b].next;
-        int32_t rest = buf_new(c, c->bufs[b].addr + rsize, remaining, X_FREE, b, nxt, c->bufs[b].seg);
-        if (rest < 0) return -1;
-        if (nxt >= 0) c->bufs[nxt].prev = rest;
-        c->bufs[b].next = rest;
-        c->bufs[b].size = rsize;
-        if (x_merge_free(c, rest) < 0) return -1;
+        int32_t rest = split_off(c, b, rsize, X_FREE);
+        if (rest < 0 || x_merge_free(c, rest) < 0) return -1;
     }
     c->allocated += (long long)c->bufs[b].size;
     if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
@@ -1173,13 +1154,8 @@ static int v_unmap(Core *c, u64 addr, u64 size) {
 static int v_split(Core *c, int32_t b, u64 size) {
     u64 remaining = c->bufs[b].size - size;
     if (remaining >= ALIGN) {
-        int32_t nxt = c->bufs[b].next;
-        int32_t rest = buf_new(c, c->bufs[b].addr + size, remaining, c->bufs[b].used, b, nxt, c->bufs[b].seg);
-        if (rest < 0) return -1;
-        if (nxt >= 0) c->bufs[nxt].prev = rest;
-        c->bufs[b].next = rest;
-        c->bufs[b].size = size;
-        if (v_index(c, rest) < 0) return -1;
+        int32_t rest = split_off(c, b, size, c->bufs[b].used);
+        if (rest < 0 || v_index(c, rest) < 0) return -1;
     }
     c->bufs[b].used = V_USED;
     return 0;
