@@ -8,8 +8,8 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# setup.py builds the compiled parts (ms_memopt/native, ms_memopt/allocators/_fastpool.c) with gcc
-$(STAMP): pyproject.toml setup.py $(wildcard ms_memopt/native/*.c) ms_memopt/allocators/_fastpool.c
+# setup.py builds the compiled parts (ms_memopt/native, the planner's search, ms_memopt/allocators/_fastpool.c) with gcc
+$(STAMP): pyproject.toml setup.py $(wildcard ms_memopt/native/*.c) ms_memopt/planner/_search.c ms_memopt/allocators/_fastpool.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,mindformers]'

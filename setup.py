@@ -1,6 +1,8 @@
 """Build of the compiled parts (everything else is in pyproject.toml):
 
-* ``ms_memopt.native._lib``: plain C loaded with ctypes (no Python API; any C compiler);
+* ``ms_memopt.native._lib``: plain C loaded with ctypes (no Python API; any C compiler): the
+  compaction copy and the AdamW pass (``ms_memopt/native``) and the planner's exact search
+  (``ms_memopt/planner/_search.c``, loaded by ``ms_memopt/planner/_native.py``);
 * ``ms_memopt.allocators._fastpool``: the allocator models' fast path, plain C against the
   CPython API (gcc and the Python headers, no extra package; ms_memopt/allocators/fast.py).
 
@@ -34,7 +36,7 @@ setup(
     ext_modules=[
         Extension(
             "ms_memopt.native._lib",
-            sources=["ms_memopt/native/move_runs.c", "ms_memopt/native/adamw.c"],
+            sources=["ms_memopt/native/move_runs.c", "ms_memopt/native/adamw.c", "ms_memopt/planner/_search.c"],
             # no FMA contraction: the vector and scalar code of adamw.c give the same bits
             extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off"],
             libraries=["m"],

@@ -2,7 +2,6 @@
 kept-aside structure, and how `pack` stops and reports optimality."""
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from ms_memopt.planner.greedy import greedy_place
 from ms_memopt.planner.problem import arena_of
 from ms_memopt.planner.search import PREORDERS, search_place
 from ms_memopt.traces.instances import read_instance, write_instance
+from test_planner import _optimum_by_permutations  # the brute-force optimum (tests/ is on sys.path)
 
 DSA = Path(__file__).resolve().parents[2] / "shared" / "data" / "dsa"
 
@@ -87,26 +87,12 @@ def shared_lifetime_instances(draw):
     return [Buffer(f"b{i}", *draw(st.sampled_from(spans)), draw(st.integers(1, 4))) for i in range(n)]
 
 
-def _optimum_by_stacking(buffers) -> int:
-    """The optimum: the best over all orders of stacking each buffer on those placed before."""
-    best = None
-    for order in itertools.permutations(buffers):
-        placed = []
-        for buf in order:
-            offset = max((o + p.size for p, o in placed if p.lower < buf.upper and buf.lower < p.upper),
-                         default=0)
-            placed.append((buf, offset))
-        arena = max(o + b.size for b, o in placed)
-        best = arena if best is None else min(best, arena)
-    return best
-
-
 @given(shared_lifetime_instances(), st.sampled_from(sorted(PREORDERS)))
 @settings(max_examples=150, deadline=None)
 def test_symmetry_rules_keep_the_search_exact(buffers, prefer):
     # identical buffers in rank order, same-lifetime stacks in rank order: the optimum is still
     # found, and one byte less is still proven impossible
-    optimum = _optimum_by_stacking(buffers)
+    optimum = _optimum_by_permutations(buffers)
     found = search_place(buffers, optimum, prefer=prefer)
     assert found.offsets is not None and validate(buffers, found.offsets, capacity=optimum) == []
     assert search_place(buffers, optimum - 1, prefer=prefer).exhausted

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["available", "move_runs", "adamw", "adamw_reference", "round_bfloat16", "FLOAT32", "FLOAT16", "BFLOAT16", "STREAM_MIN_BYTES", "STREAM_TOTAL_BYTES"]
+__all__ = ["available", "library", "move_runs", "adamw", "adamw_reference", "round_bfloat16", "FLOAT32", "FLOAT16", "BFLOAT16", "STREAM_MIN_BYTES", "STREAM_TOTAL_BYTES"]
 
 #: a run is copied with non-temporal stores when it is at least this long ...
 STREAM_MIN_BYTES = 4096
@@ -71,6 +71,12 @@ def _load() -> ctypes.CDLL | None:
     lib.mm_adamw.argtypes = [ctypes.c_int64] + [_c_int64_p] * 7 + [_c_float_p] * 2 + [ctypes.c_float] * 3
     _lib = lib
     return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled library (``None`` when it is not built or ``MS_MEMOPT_NATIVE=0``); other
+    modules bind their own functions of it (the planner's search: ``planner/_native.py``)."""
+    return _load()
 
 
 def available() -> bool:

@@ -1,11 +1,11 @@
-"""Load the compiled twin of the exact search (``_search.c``), building it on first use.
+"""The compiled twin of the exact search (``_search.c``).
 
-The C file is compiled with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``) into a
-per-user cache directory (``$XDG_CACHE_HOME/ms_memopt`` or ``~/.cache/ms_memopt``), named by
-a hash of the source, so a fresh clone needs nothing done by hand and an edited source is
-rebuilt. Without a compiler (or with ``MS_MEMOPT_PURE_PYTHON=1`` or ``MS_MEMOPT_NATIVE=0``,
-the switches the package's other compiled paths honour) :func:`library` returns None and the
-pure-Python search runs instead: same nodes, same answers, 10-20x fewer nodes per second.
+``setup.py`` builds it at install time into the package's one ctypes library,
+``ms_memopt.native._lib`` (with the compaction copy and the AdamW pass), so a fresh clone's
+``make`` builds it like the other compiled parts. Without it (no C compiler at install time,
+or ``MS_MEMOPT_PURE_PYTHON=1`` or ``MS_MEMOPT_NATIVE=0``, the switches the package's other
+compiled paths honour) :func:`library` returns None and the pure-Python search runs instead:
+same nodes, same answers, 10-20x fewer nodes per second.
 
 Example:
     >>> lib = library()  # None when no compiler is available
@@ -13,17 +13,10 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
 
 __all__ = ["library", "unavailable_reason"]
 
-_SOURCE = Path(__file__).with_name("_search.c")
 _loaded: ctypes.CDLL | None = None
 _reason: str | None = None  # why the library is not available (None: not tried yet or loaded)
 _tried = False
@@ -44,16 +37,11 @@ def library() -> ctypes.CDLL | None:
     if _tried:
         return _loaded
     _tried = True
-    try:
-        path = _build()
-        lib = ctypes.CDLL(str(path))
-    except _NoCompiler as error:
-        _reason = str(error)  # documented: the Python search runs, nothing to warn about
-        return None
-    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-        _reason = str(error) or type(error).__name__
-        warnings.warn(f"planner: the compiled search could not be built, using the (slower) Python "
-                      f"search: {_reason}", RuntimeWarning, stacklevel=2)
+    from .. import native
+
+    lib = native.library()
+    if lib is None or not hasattr(lib, "ms_memopt_search"):
+        _reason = "the compiled library (ms_memopt.native._lib, built by setup.py) is not built"
         return None
     function = lib.ms_memopt_search
     pointer = ctypes.c_void_p
@@ -61,42 +49,3 @@ def library() -> ctypes.CDLL | None:
     function.restype = ctypes.c_int
     _loaded = lib
     return lib
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "ms_memopt"
-
-
-class _NoCompiler(RuntimeError):
-    pass
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
-        if name and shutil.which(name.split()[0]):
-            return name
-    raise _NoCompiler("no C compiler found (tried $CC, cc, gcc, clang)")
-
-
-def _build() -> Path:
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    target = _cache_dir() / f"planner_search_{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    compiler = _compiler()
-    # build beside the target and rename: concurrent first uses never see a half-written file
-    handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(handle)
-    try:
-        result = subprocess.run([*compiler.split(), "-O2", "-shared", "-fPIC", "-o", partial, str(_SOURCE)],
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {_SOURCE.name}: {result.stderr.strip()[:500]}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target

@@ -2,8 +2,8 @@
  *
  * The Python module is the readable reference; this file follows it step by step so that both
  * visit the same nodes in the same order and return the same offsets (a property test holds
- * them to it). Loaded through ctypes by ms_memopt/planner/_native.py, which compiles it with
- * the system C compiler on first use. All sizes and offsets are int64 bytes.
+ * them to it). setup.py builds it into ms_memopt.native._lib at install time;
+ * ms_memopt/planner/_native.py loads it through ctypes. All sizes and offsets are int64 bytes.
  */
 #include <stdint.h>
 #include <stdlib.h>
