@@ -428,7 +428,7 @@ class _Run:
                     if periodic or warned:
                         model, before, after, moves = _compact(model, addr_of, cfg)
                         self.model = model
-                        malloc, free = model.malloc, model.free
+                        malloc, free, note_mark = model.malloc, model.free, model.note_mark
                         fast_run = batch_runner(model) if fast else None
                         if record is not None:
                             _record_moves(record, moves, step)

@@ -32,7 +32,9 @@ needs_fast = pytest.mark.skipif(not fast.FAST_MODELS, reason=_NOT_BUILT)
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent
 SHARED = ROOT.parents[1] / "shared" / "data"
-FIXTURES = sorted(p for p in (ROOT / "data").rglob("*") if p.is_file() and p.name != "README.md")
+# every committed fixture that is an event trace (a pool debug dump is a layout, not a trace)
+FIXTURES = sorted(p for p in (ROOT / "data").rglob("*")
+                  if p.is_file() and p.name != "README.md" and not p.name.startswith("MemoryDebugInfo"))
 SHARED_TRACES = sorted(p for p in SHARED.rglob("*") if p.suffix in (".pickle", ".csv")) if SHARED.exists() else []
 
 # (model name, options): every option the fast models take, small capacities so OOMs happen
