@@ -393,6 +393,13 @@ static void release_if_idle(Core *c, int32_t si) {
 static PyObject *str_stream, *str_pool, *str_tag, *str_persistent, *str_record_oom;
 
 /* the model's _record_oom(size, stream, tag) (AllocatorModel's, in Python); -2, or -1 on error */
+/* the last step of every model's malloc: buffer ``b`` counted as allocated; its address */
+static long long served(Core *c, int32_t b) {
+    c->allocated += (long long)c->bufs[b].size;
+    if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
+    return (long long)c->bufs[b].addr;
+}
+
 static long long record_oom(Core *c, PyObject *size, i64 stream, PyObject *tag) {
     PyObject *st = PyLong_FromLongLong(stream);
     PyObject *r = (size && st) ? PyObject_CallMethodObjArgs((PyObject *)c, str_record_oom, size, st, tag, NULL) : NULL;
@@ -556,9 +563,7 @@ static long long torch_malloc(Core *c, long long raw, i64 stream, PyObject *tag)
     u64 remaining = c->bufs[b].size - rsize;
     if ((small ? remaining >= 512 : remaining > SMALL_SIZE) && cut(c, b, rsize) < 0) return -1;
     c->bufs[b].used = 1;
-    c->allocated += (long long)c->bufs[b].size;
-    if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
-    return (long long)c->bufs[b].addr;
+    return served(c, b);
 }
 
 /* ---- a pool-mode region (pool.py's _Region) ------------------------------------------------ */
@@ -951,9 +956,7 @@ static long long x_malloc(Core *c, long long raw, i64 stream, PyObject *tag) {
         int32_t rest = split_off(c, b, rsize, X_FREE);
         if (rest < 0 || x_merge_free(c, rest) < 0) return -1;
     }
-    c->allocated += (long long)c->bufs[b].size;
-    if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
-    return (long long)c->bufs[b].addr;
+    return served(c, b);
 }
 
 static int x_free(Core *c, u64 addr) {
@@ -1308,9 +1311,7 @@ static long long v_malloc(Core *c, long long raw, i64 stream, PyObject *pool, Py
         if (b == -2) return record_oom(c, PyLong_FromUnsignedLongLong(size), stream, tag);
     }
     if (b < 0) return -1;
-    c->allocated += (long long)c->bufs[b].size;
-    if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
-    return (long long)c->bufs[b].addr;
+    return served(c, b);
 }
 
 static int v_free(Core *c, u64 addr) {
@@ -1438,9 +1439,7 @@ static long long core_malloc(Core *c, long long raw, i64 stream, PyObject *pool,
         }
     }
     if (b < 0) return -1;
-    c->allocated += (long long)c->bufs[b].size;
-    if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
-    return (long long)c->bufs[b].addr;
+    return served(c, b);
 }
 
 static PyObject *Core_malloc(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
