@@ -214,3 +214,21 @@ def test_pool_mode_estimates_activations_from_a_model_config():
     assert config_activation_estimator(config)(BATCH) == (layer_activation_bytes(model, seq=4, micro_batch=BATCH),
                                                           layer_input_bytes(model, seq=4, micro_batch=BATCH))
     assert plan.region("activations").size > 0
+
+
+def test_tensor_sizes_use_no_deprecated_mindspore_api(tmp_path):
+    """The demo printed MindSpore's deprecation warning for ``mindspore.dtype_to_nptype`` (issue 15):
+    sizing tensors of every dtype the shadow source sees logs no deprecation of ours."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import mindspore as ms\n"
+            "from ms_memopt.mindspore.sources import _nbytes\n"
+            "sizes = [_nbytes(ms.Tensor([[1, 2], [3, 4]], dt)) for dt in (ms.float32, ms.float16, ms.bfloat16, ms.int32, ms.int8)]\n"
+            "print(sizes)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "[16, 8, 8, 16, 4]"
+    assert "dtype_to_nptype" not in done.stderr
