@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from statistics import NormalDist
 from typing import Iterable
 
@@ -74,6 +74,10 @@ STATUSES = ("too_few_samples", "no_decline", "declining", "below")
 #: steps ahead a forecast looks for the crossing; beyond it, no crossing is reported
 MAX_HORIZON = 20_000
 
+#: :meth:`Forecast.warns` warns when the probability that the request fails within the horizon
+#: reaches this (chosen on the calibration seeds of ``bench/forecast.py``, docs/forecast.md)
+DEFAULT_RISK = 0.3
+
 _MAD_TO_SD = 1.4826     # MAD of a normal distribution times this = its standard deviation
 
 
@@ -86,7 +90,11 @@ class Forecast:
     ``earliest_step``/``latest_step`` the interval at ``level`` (``latest_step`` ``None``: it may
     never cross). ``slope`` (bytes per step) and ``spread`` (bytes) describe the window minima,
     ``long_lived_growth`` (bytes per step) the long-lived memory when it was sampled;
-    ``confidence`` (0-1) that the decline is real and sustained.
+    ``confidence`` (0-1) that the decline is real and sustained. ``basis`` is what the
+    prediction follows: ``"long_lived"`` (the minima as a function of growing long-lived
+    memory), ``"time"`` (a trend in steps: long-lived memory not sampled) or ``"level"`` (no
+    trend: long-lived memory does not grow). :meth:`probability` is the chance that a window's
+    minimum falls below the request within some steps; :meth:`warns` compares it with ``risk``.
     """
 
     request: int
@@ -103,6 +111,10 @@ class Forecast:
     long_lived_growth: float | None = None
     window_min_last: int | None = None
     power: float | None = None
+    risk: float = DEFAULT_RISK
+    window: int = 10
+    basis: str | None = None
+    _model: "_Model | None" = field(default=None, repr=False, compare=False)
 
     @property
     def steps_left(self) -> int | None:
@@ -111,15 +123,31 @@ class Forecast:
             return None
         return max(0, self.step - self.now)
 
+    def probability(self, within: int) -> float:
+        """The probability (0-1) that the smallest ``largest_free`` of some window of the next
+        ``within`` steps falls below the request: the prediction (trend and spread) of each
+        window's minimum, windows independent given it. 1.0 when already below, 0.0 without a
+        forecast.
+
+        Example:
+            >>> fc = forecast([(s, 10_000 - 10 * s) for s in range(100)], 4_000)
+            >>> fc.probability(100) < 0.01 < 0.99 < fc.probability(600)
+            True
+        """
+        if self.status == "below":
+            return 1.0
+        if self._model is None or self.now is None:
+            return 0.0
+        return self._model.probability(self.request, self.now, within, self.window)
+
     def warns(self, within: int) -> bool:
-        """True when the forecast is confident (``confidence >= level``) that the request may
-        stop fitting within ``within`` steps (the earliest crossing), or a window minimum is
-        already below it."""
+        """True when the request may stop fitting within ``within`` steps with a probability of
+        at least ``risk`` (:meth:`probability`), or a window minimum is already below it. A
+        decline towards the request warns as its crossing nears; so does a layout whose minima
+        do not decline but scatter close enough above the request to dip below it."""
         if self.status == "below":
             return True
-        if self.status != "declining" or self.confidence < self.level or self.earliest_step is None:
-            return False
-        return self.earliest_step - self.now <= within
+        return self.probability(within) >= self.risk
 
     def describe(self, name: str = "watched request") -> str:
         """One line for logs, e.g. ``'allreduce' (3.91 GiB) stops fitting in one piece in ~40
@@ -139,7 +167,7 @@ class Forecast:
                 f"{format_size(round(-self.slope))}/step)")
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
         out["steps_left"] = self.steps_left
         return out
 
@@ -152,13 +180,15 @@ class Forecaster:
         window: steps per window (each window contributes its smallest sample).
         history: windows used, the most recent (older samples are dropped).
         min_windows: fewer windows holding samples give ``status "too_few_samples"`` (>= 3).
-        level: confidence level of the interval and of :meth:`Forecast.warns` (0.5-1).
+        level: confidence level of the interval (0.5-1); long-lived memory whose growth is
+            less certain than this is taken as not growing.
+        risk: :meth:`Forecast.warns` warns at this probability of the request failing (0-1).
 
     Call :meth:`reset` after a compaction: the layout the trend described is gone.
     """
 
     def __init__(self, request: int, *, window: int = 10, history: int = 30, min_windows: int = 6,
-                 level: float = 0.9) -> None:
+                 level: float = 0.9, risk: float = DEFAULT_RISK) -> None:
         if request <= 0:
             raise ValueError(f"request must be > 0 bytes, got {request}")
         if window < 1 or history < 3 or not 3 <= min_windows <= history:
@@ -166,11 +196,14 @@ class Forecaster:
                              f"window={window}, history={history}, min_windows={min_windows}")
         if not 0.5 <= level < 1.0:
             raise ValueError(f"level must be in [0.5, 1), got {level}")
+        if not 0.0 < risk < 1.0:
+            raise ValueError(f"risk must be in (0, 1), got {risk}")
         self.request = int(request)
         self.window = int(window)
         self.history = int(history)
         self.min_windows = int(min_windows)
         self.level = float(level)
+        self.risk = float(risk)
         self.origin = 0
         self._samples: deque[tuple[int, int]] = deque()
         self._long_lived: deque[tuple[int, int]] = deque()
@@ -201,12 +234,12 @@ class Forecaster:
         """The forecast from the samples held now (see the module docstring for the method)."""
         return forecast(self._samples, self.request, long_lived=self._long_lived, window=self.window,
                         history=self.history, min_windows=self.min_windows, level=self.level,
-                        origin=self.origin)
+                        risk=self.risk, origin=self.origin)
 
 
 def forecast(samples: Iterable[tuple[int, int]], request: int, *,
              long_lived: Iterable[tuple[int, int]] = (), window: int = 10, history: int = 30,
-             min_windows: int = 6, level: float = 0.9, origin: int = 0,
+             min_windows: int = 6, level: float = 0.9, risk: float = DEFAULT_RISK, origin: int = 0,
              powers: Iterable[float] = POWERS) -> Forecast:
     """Forecast from ``(step, largest_free)`` samples (any order) when ``request`` bytes stop
     fitting in one piece; ``long_lived`` are ``(step, bytes)`` samples of long-lived memory;
@@ -220,11 +253,12 @@ def forecast(samples: Iterable[tuple[int, int]], request: int, *,
     """
     pairs = sorted((int(s), int(v)) for s, v in samples)
     if not pairs:
-        return Forecast(request=request, now=None, status="too_few_samples", windows=0, level=level)
+        return Forecast(request=request, now=None, status="too_few_samples", windows=0, level=level, risk=risk,
+                        window=window)
     now = pairs[-1][0]
     steps, minima = _window_minima(pairs, now, window, history)
     out = Forecast(request=request, now=now, status="too_few_samples", windows=len(steps), level=level,
-                   window_min_last=int(minima[-1]))
+                   risk=risk, window=window, window_min_last=int(minima[-1]))
     if minima[-1] < request:
         out.status, out.step, out.earliest_step, out.confidence = "below", now, now, 1.0
         return out
@@ -232,27 +266,72 @@ def forecast(samples: Iterable[tuple[int, int]], request: int, *,
         return out
     confidence = _trend_confidence(minima, -1)
     grown = _long_lived(long_lived, now - history * window, now, origin, min_windows)
-    power = 1.0
-    if grown is not None:
+    model: _Model
+    if grown is None:
+        out.basis = "time"
+        model = _time_model(steps, minima, origin, level)
+    else:
         out.long_lived_growth, growth_confidence = _growth(*grown)
         confidence *= growth_confidence
-        power = _growth_power(*grown, origin, tuple(powers))
-    fit = _fit(steps, minima, origin, power, level)
-    out.slope = fit.slope * power * max(1.0, now - origin) ** (power - 1.0)    # bytes per step, now
-    out.spread, out.confidence, out.power = fit.spread, confidence, power
-    if fit.slope >= 0:
+        if growth_confidence >= level:
+            # long-lived memory grows: the holes shrink because it lands in them; forecast its
+            # (smooth) growth and read the minima off their relation to it
+            out.basis = "long_lived"
+            model = _covariate_model(steps, minima, *grown, origin, level, tuple(powers))
+        else:
+            # no accumulation: a decline is a reshuffle that settles; only the variation is left
+            out.basis = "level"
+            model = _level_model(steps, minima)
+    out.confidence, out.spread, out.power = confidence, model.spread, model.power
+    out.slope = model.slope_at(now)
+    out._model = model
+    if out.slope >= 0:
         out.status = "no_decline"
         return out
     out.status = "declining"
     z = NormalDist().inv_cdf(0.5 + level / 2.0)       # two-sided interval at `level`
-    out.step, out.earliest_step, out.latest_step = fit.crossings(request, now, z)
+    out.step, out.earliest_step, out.latest_step = model.crossings(request, now, z)
     if out.step is None:
         out.status = "no_decline"      # declining, but not below the request within MAX_HORIZON steps
     return out
 
 
+class _Model:
+    """A window minimum's prediction at a step: mean and standard error (bytes). Subclasses
+    (dataclasses) hold ``power`` (of ``step - origin``) and ``spread`` (bytes)."""
+
+    power: float
+    spread: float
+
+    def predict(self, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def slope_at(self, step: int) -> float:
+        """The predicted decline at ``step``, bytes per step (negative: declining)."""
+        mean, _ = self.predict(np.array([step, step + 1], dtype=float))
+        return float(mean[1] - mean[0])
+
+    def crossings(self, request: int, now: int, z: float) -> tuple[int | None, int | None, int | None]:
+        """First steps after ``now`` (up to :data:`MAX_HORIZON` later) where the prediction, its
+        lower and its upper edge at ``z`` standard errors fall below ``request`` (``None``: not
+        within the horizon)."""
+        steps = np.arange(now + 1, now + MAX_HORIZON + 1, dtype=float)
+        line, se = self.predict(steps)
+        return tuple(_first(steps, bound < request) for bound in (line, line - z * se, line + z * se))
+
+    def probability(self, request: int, now: int, within: int, window: int) -> float:
+        """The probability that some window minimum of the next ``within`` steps falls below
+        ``request``: windows ending every ``window`` steps, each normal about the prediction,
+        independent given it (the extreme-value view: a run whose trend stays above the request
+        can still dip below it, the more often the wider its spread)."""
+        ends = np.arange(now + window, now + max(within, window) + 1, window, dtype=float)
+        line, se = self.predict(ends)
+        below = _normal_cdf((request - line) / np.maximum(se, 1.0))
+        return float(1.0 - np.prod(1.0 - below))
+
+
 @dataclass
-class _Fit:
+class _Fit(_Model):
     """A Theil-Sen line of window minima against ``tau = (step - origin) ** power``."""
 
     origin: int
@@ -260,34 +339,83 @@ class _Fit:
     centre: float        # mean tau of the windows
     level_at: float      # the line's value at ``centre``, bytes
     slope: float         # bytes per unit of tau
-    slope_lo: float
-    slope_hi: float
+    se_slope: float      # the slope's standard error, read off Sen's interval
     spread: float        # robust scale of the residuals, bytes
     windows: int
-    z_slope: float       # the normal quantile of the slope's interval
 
-    def crossings(self, request: int, now: int, z: float) -> tuple[int | None, int | None, int | None]:
-        """First steps after ``now`` (up to :data:`MAX_HORIZON` later) where the trend, its lower
-        and its upper prediction bound fall below ``request`` (``None``: not within the horizon).
-
-        The prediction of a window minimum at ``tau`` has variance ``spread**2 * (1 + 1/n) +
-        (tau - centre)**2 * se_slope**2``, ``se_slope`` read off Sen's interval."""
-        steps = np.arange(now + 1, now + MAX_HORIZON + 1, dtype=float)
-        tau = (steps - self.origin) ** self.power
+    def predict(self, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The prediction of a window minimum at ``tau`` has variance ``spread**2 * (1 + 1/n) +
+        (tau - centre)**2 * se_slope**2``: it widens with the distance from the data."""
+        tau = np.maximum(steps - self.origin, 0.0) ** self.power
         line = self.level_at + self.slope * (tau - self.centre)
-        se_slope = (self.slope_hi - self.slope_lo) / (2.0 * self.z_slope)
-        se = np.sqrt(self.spread ** 2 * (1.0 + 1.0 / self.windows) + ((tau - self.centre) * se_slope) ** 2)
-        return tuple(_first(steps, bound < request) for bound in (line, line - z * se, line + z * se))
+        se = np.sqrt(self.spread ** 2 * (1.0 + 1.0 / self.windows) + ((tau - self.centre) * self.se_slope) ** 2)
+        return line, se
 
 
-def _fit(steps: np.ndarray, minima: np.ndarray, origin: int, power: float, level: float) -> _Fit:
+@dataclass
+class _Covariate(_Model):
+    """Window minima as a Theil-Sen line of long-lived memory ``L`` (``level_at + slope * (L -
+    centre)``), and ``L`` itself as a Theil-Sen line of ``(step - origin) ** power``."""
+
+    origin: int
+    power: float
+    growth_level: float  # L = growth_level + growth * tau
+    growth: float
+    centre: float
+    level_at: float
+    slope: float         # bytes of window minimum per byte of long-lived memory
+    se_slope: float
+    spread: float
+    windows: int
+
+    def predict(self, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        tau = np.maximum(steps - self.origin, 0.0) ** self.power
+        held = self.growth_level + self.growth * tau
+        line = self.level_at + self.slope * (held - self.centre)
+        se = np.sqrt(self.spread ** 2 * (1.0 + 1.0 / self.windows) + ((held - self.centre) * self.se_slope) ** 2)
+        return line, se
+
+
+def _time_model(steps: np.ndarray, minima: np.ndarray, origin: int, level: float, power: float = 1.0) -> _Fit:
     tau = np.maximum(steps - origin, 0.0) ** power
     slope, slope_lo, slope_hi = _sen_slope(tau, minima, level)
     centre = float(tau.mean())
     level_at = float(np.median(minima - slope * (tau - centre)))
     spread = _robust_scale(minima - (level_at + slope * (tau - centre)))
-    return _Fit(origin, power, centre, level_at, slope, slope_lo, slope_hi, spread, len(steps),
-                NormalDist().inv_cdf(0.5 + level / 2.0))
+    se_slope = (slope_hi - slope_lo) / (2.0 * NormalDist().inv_cdf(0.5 + level / 2.0))
+    return _Fit(origin, power, centre, level_at, slope, se_slope, spread, len(steps))
+
+
+def _level_model(steps: np.ndarray, minima: np.ndarray) -> _Fit:
+    """No trend: the minima scatter about their median."""
+    level_at = float(np.median(minima))
+    return _Fit(0, 1.0, float(steps.mean()), level_at, 0.0, 0.0, _robust_scale(minima - level_at), len(steps))
+
+
+def _covariate_model(steps: np.ndarray, minima: np.ndarray, held_steps: np.ndarray, held: np.ndarray,
+                     origin: int, level: float, powers: tuple[float, ...]) -> _Model:
+    """Minima against long-lived memory (interpolated at the window ends), long-lived memory
+    against ``(step - origin) ** p`` (``p`` where it is most nearly a straight line). Falls back
+    to the time trend when the minima do not fall as long-lived memory grows."""
+    at = np.interp(steps, held_steps, held)
+    if float(np.ptp(at)) <= 0:
+        return _time_model(steps, minima, origin, level)
+    slope, slope_lo, slope_hi = _sen_slope(at, minima, level)
+    if slope >= 0:
+        return _time_model(steps, minima, origin, level)
+    power = _growth_power(held_steps, held, origin, powers)
+    tau = np.maximum(held_steps - origin, 0.0) ** power
+    growth = float(np.median(_pairwise_slopes(tau, held)))
+    growth_level = float(np.median(held - growth * tau))
+    centre = float(at.mean())
+    level_at = float(np.median(minima - slope * (at - centre)))
+    spread = _robust_scale(minima - (level_at + slope * (at - centre)))
+    se_slope = (slope_hi - slope_lo) / (2.0 * NormalDist().inv_cdf(0.5 + level / 2.0))
+    return _Covariate(origin, power, growth_level, growth, centre, level_at, slope, se_slope, spread, len(steps))
+
+
+def _normal_cdf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * np.vectorize(math.erfc)(-np.asarray(x, dtype=float) / math.sqrt(2.0))
 
 
 def _first(steps: np.ndarray, below: np.ndarray) -> int | None:

@@ -296,9 +296,11 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
     markers: list[Marker] = []
     requests: dict[str, int] = {}
     last_forecast: dict[str, Marker] = {}
+    rank = None
     for row in rows:
         if row.get("seed") != seed:
             continue
+        rank = row.get("rank", rank)      # a job simulation's stream: a rank with its own seed
         if row["kind"] == "scan" and isinstance(row.get("forecast"), dict) and row["forecast"].get("step") is not None:
             last_forecast[row["policy"]] = forecast_marker(row["policy"], row["forecast"])
         policy = row["policy"]
@@ -316,7 +318,8 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
             markers.append(Marker(policy, row["step"], "oom", row["largest_free"]))
     markers += last_forecast.values()
     return plot_timeline(series, out_png, markers=markers, requests=requests,
-                         title=f"{title} (seed {seed}; samples at scans and before watched requests)")
+                         title=f"{title} ({'' if rank is None else f'rank {rank}, '}seed {seed}; "
+                               "samples at scans and before watched requests)")
 
 
 def plot_sweep(rows: list[dict], keys: list[str], path: str | Path, *, title: str = "Sweep") -> Path:

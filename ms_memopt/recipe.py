@@ -291,6 +291,7 @@ class MemoptConfig:
     scan_every: int = 100
     compact_every: int | None = None
     compact_when_frag_above: float | None = None
+    compact_trigger: str | None = None      # the simulator's ``compact`` warning: forecast | margin
     watch: dict[str, int] = field(default_factory=dict)
     communication: CommunicationConfig = field(default_factory=CommunicationConfig)
     workspace: int = 2**30
@@ -844,12 +845,13 @@ def _read_train(r: _Reader, data: dict) -> TrainConfig:
 
 _MEMOPT_KEYS = {"device", "params", "zero_stage", "grad_dtype", "master_weights", "optimizer_dtype",
                 "checkpoint_every", "activation_factor", "pool_mode", "scan_every", "compact_every",
-                "compact_when_frag_above", "watch", "communication", "workspace", "allocator",
+                "compact_when_frag_above", "compact_trigger", "watch", "communication", "workspace", "allocator",
                 "workload", "train"}
 _DEVICE_KEYS = {"name", "hbm", "cards"}
 _COMM_KEYS = {"allreduce_bucket", "reduce_scatter_bucket", "allgather_bucket", "p2p_buffers",
               "alltoall_buffers"}
 _ALLOCATOR_KEYS = {"name", "increase_size", "pregrow", "init_size", "align"}
+_COMPACT_TRIGGERS = ("forecast", "margin")    # = ms_memopt.simulate.COMPACT_TRIGGERS (tests/test_simulate.py checks)
 _ALLOCATOR_NAMES = ("mindspore", "mindspore_vmm", "torch", "torch_expandable", "pool")
 _WORKLOAD_KEYS = {"enabled", "seed", "steps", "dynamic_seq", "seq_distribution", "seq_min", "seq_max",
                   "seq_buckets", "seq_align", "long_tail", "shape_cache", "extra_allocs", "comm_jitter",
@@ -937,6 +939,7 @@ def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelC
         compact_every=r.get(m, "compact_every", "memopt.compact_every", pos, None),
         compact_when_frag_above=r.get(m, "compact_when_frag_above", "memopt.compact_when_frag_above",
                                       r.number(minimum=0, exclusive_min=True), None),
+        compact_trigger=r.get(m, "compact_trigger", "memopt.compact_trigger", r.choice(*_COMPACT_TRIGGERS), None),
         watch=watch,
         communication=communication,
         workspace=r.get(m, "workspace", "memopt.workspace", r.size(positive=False), 2**30),

@@ -571,17 +571,43 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
     return out
 
 
+def _oom_text(ooms: dict, job: bool, shown: int = 5) -> str:
+    """The OOMs of one policy: per seed, or for a job the ranks by OOM step, earliest (the job's
+    death) first, ``shown`` of them, e.g. ``rank 17 (stage 0, seed 1234): step 437 (...); 3 more ranks``."""
+    unit = "rank" if job else "seed"
+    items = sorted(((r["step"], key, r) for key, r in ooms.items() if key is not None),
+                   key=lambda t: (t[0], t[1]) if job else (t[1], t[0]))
+
+    def one(key, r) -> str:
+        where = f"{unit} {key}"
+        if job:
+            where += f" (stage {r.get('stage', '?')}, seed {r.get('seed', '?')})"
+        return f"{where}: step {r['step']} ({r.get('oom_kind', '?')}, {r.get('tag', '?')} {format_size(r.get('size'))})"
+
+    if not items:
+        return "none"
+    if not job:
+        return ", ".join(one(key, r) for _, key, r in items)
+    text = "; ".join(one(key, r) for _, key, r in items[:shown])
+    return text + (f"; {len(items) - shown} more ranks" if len(items) > shown else "")
+
+
 def _simulation_section(root: Path, timeline: Path, problems: list[str], title: str) -> list[str]:
     rows = _rows_of(timeline)
+    # A job simulation stamps every row with its rank (and stage): its streams are ranks, each
+    # with its own seed; a single-card simulation's streams are seeds.
+    job = any("rank" in row for row in rows)
+    unit = "rank" if job else "seed"
     by_policy: dict[str, dict] = {}
     for row in rows:
-        p = by_policy.setdefault(row.get("policy", "?"), {"seeds": set(), "oom": {}, "compactions": 0,
+        p = by_policy.setdefault(row.get("policy", "?"), {"streams": set(), "oom": {}, "compactions": 0,
                                                           "frag_max": None, "lf_min": None, "last": 0})
-        p["seeds"].add(row.get("seed"))
+        stream = row.get(unit)
+        p["streams"].add(stream)
         p["last"] = max(p["last"], row.get("step", 0))
         kind = row.get("kind")
         if kind == "oom":
-            p["oom"][row.get("seed")] = row
+            p["oom"][stream] = row
         elif kind == "compaction":
             p["compactions"] += 1
         if kind in ("scan", "watch"):
@@ -591,16 +617,17 @@ def _simulation_section(root: Path, timeline: Path, problems: list[str], title: 
             lf = row.get("largest_free")
             if lf is not None and (p["lf_min"] is None or lf < p["lf_min"]):
                 p["lf_min"] = lf
+    what = ("rank streams (each rank with its own seed; the job dies at its first failing rank)" if job
+            else "seeds")
     lines = ["## Simulation", "",
-             f"{len(rows)} samples from `{timeline.name}` (at scans and just before watched requests).", ""]
+             f"{len(rows)} samples from `{timeline.name}` (at scans and just before watched requests), "
+             f"over {what}.", ""]
     table = []
     for policy, p in by_policy.items():
-        ooms = sorted((seed, r) for seed, r in p["oom"].items() if seed is not None)
-        oom_text = ", ".join(f"seed {s}: step {r['step']} ({r.get('oom_kind', '?')}, {r.get('tag', '?')} "
-                             f"{format_size(r.get('size'))})" for s, r in ooms) or "none"
-        table.append([policy, len(p["seeds"]), oom_text, _ratio(p["frag_max"]), format_size(p["lf_min"]),
-                      p["compactions"]])
-    lines += _md_table(["policy", "seeds", "OOM", "frag max", "min largest_free", "compactions"], table)
+        table.append([policy, len(p["streams"]), _oom_text(p["oom"], job), _ratio(p["frag_max"]),
+                      format_size(p["lf_min"]), p["compactions"]])
+    lines += _md_table(["policy", "ranks" if job else "seeds", "OOM (earliest rank first)" if job else "OOM", "frag max",
+                        "min largest_free", "compactions"], table)
     plot_fragmentation_timeline(timeline, root / "fragmentation.png", title=title)
     lines += ["", "![fragmentation timeline](fragmentation.png)", ""]
     return lines

@@ -197,7 +197,7 @@ class PolicySummary:
 
 def config_from_recipe(recipe, **overrides) -> SimConfig:
     """The :class:`SimConfig` a recipe asks for (``memopt.scan_every``, ``compact_every``,
-    ``watch``, ``allocator``; capacity = ``memopt.device.hbm``)."""
+    ``compact_trigger``, ``watch``, ``allocator``; capacity = ``memopt.device.hbm``)."""
     mem = recipe.memopt
     a = mem.allocator
     options = {"increase_size": a.increase_size}
@@ -209,6 +209,8 @@ def config_from_recipe(recipe, **overrides) -> SimConfig:
                     allocator_options=options, scan_every=mem.scan_every,
                     compact_every=mem.compact_every,
                     watch=dict(mem.watch) or {WATCH_TAG: 4_200_000_000}, seed=mem.workload.seed)
+    if mem.compact_trigger is not None:
+        cfg.compact_trigger = mem.compact_trigger
     for key, value in overrides.items():
         if value is not None:
             setattr(cfg, key, value)

@@ -85,7 +85,9 @@ def test_flat_layout_never_warns():
     assert fc.status == "no_decline" and fc.confidence == 0.0 and not fc.warns(10**6)
 
 
-def test_long_lived_memory_that_does_not_grow_lowers_the_confidence():
+def test_long_lived_memory_that_does_not_grow_is_no_trend():
+    """A decline that long-lived memory does not feed is a reshuffle that settles: the forecast
+    follows long-lived memory when it grows, and only the spread about the level when not."""
     request = 4 * GiB
     samples = _linear(10 * GiB, -10 * MiB, range(1, 301), noise=50 * MiB, seed=1)
     growing = [(s, 30 * GiB + s * 8 * MiB) for s in range(10, 301, 10)]
@@ -95,8 +97,42 @@ def test_long_lived_memory_that_does_not_grow_lowers_the_confidence():
     assert a.long_lived_growth == pytest.approx(8 * MiB)
     assert b.long_lived_growth == 0.0
     assert a.confidence > 0.9 > b.confidence
-    assert a.step == b.step            # the estimate is the same; only the confidence differs
+    assert (a.basis, b.basis) == ("long_lived", "level")
+    # the minima fall 10 MiB a step as long-lived memory grows 8 MiB: the same crossing as the
+    # trend in steps (~600: 10 GiB - 10 MiB * s < 4 GiB, less the minima's dip below the line)
+    assert a.status == "declining" and 520 <= a.step <= 620
+    assert b.status == "no_decline" and b.step is None
     assert a.warns(400) and not b.warns(400)
+    assert 0.0 <= b.probability(400) < a.probability(400) <= 1.0
+
+
+def test_long_lived_growth_that_slows_slows_the_forecast():
+    """Long-lived memory growing like sqrt(steps) (per-shape caches, Heaps' law): the minima
+    follow it, so the crossing is later than a straight line through the recent minima."""
+    request = 4 * GiB
+    held = [(s, int(30 * GiB + 0.2 * GiB * s ** 0.5)) for s in range(10, 401, 10)]
+    minima = [(s, int(14 * GiB - 1.7 * (v - 30 * GiB))) for s, v in
+              ((s, 30 * GiB + 0.2 * GiB * s ** 0.5) for s in range(1, 401))]
+    with_held = forecast(minima, request, long_lived=held)
+    without = forecast(minima, request)
+    assert with_held.basis == "long_lived" and with_held.power == 0.5
+    # truth: 14 - 0.34 sqrt(s) < 3.91 -> s > 880
+    assert without.step < 800 < with_held.step <= 900
+
+
+def test_spread_near_the_request_warns_without_a_trend():
+    """Minima that scatter widely just above the request, with no trend: no crossing step, yet
+    the chance that one of the next windows dips below the request is high: it warns."""
+    rng = np.random.default_rng(5)
+    request = 4 * GiB
+    # one sample a scan (every 10 steps), 4.5 GiB +- 0.4 GiB, none below the request yet
+    samples = [(s, int(max(4.5 * GiB + rng.normal(0, 0.4 * GiB), request + 50 * MiB))) for s in range(10, 301, 10)]
+    fc = forecast(samples, request, long_lived=[(s, 30 * GiB) for s in range(10, 301, 10)])
+    assert fc.basis == "level" and fc.step is None
+    assert fc.probability(100) > 0.3 and fc.warns(100)
+    far = forecast([(s, v + 8 * GiB) for s, v in samples], request,
+                   long_lived=[(s, 30 * GiB) for s in range(10, 301, 10)])
+    assert far.probability(1000) < 1e-6 and not far.warns(1000)
 
 
 def test_already_below_warns_now():
@@ -125,6 +161,8 @@ def test_bad_arguments_raise():
         Forecaster(GiB, min_windows=2)
     with pytest.raises(ValueError):
         Forecaster(GiB, level=1.0)
+    with pytest.raises(ValueError):
+        Forecaster(GiB, risk=1.0)
 
 
 def test_to_dict_carries_steps_left():

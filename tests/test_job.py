@@ -177,6 +177,7 @@ def test_cli_job_json_and_timeline(tmp_path, capsys):
     (["--stages", "x"], "--stages"),
     (["--ranks", "0"], "--ranks"),
     (["--address", "tcp://127.0.0.1:1"], "--address"),
+    (["--compact-trigger", "sometimes"], "--compact-trigger"),
 ])
 def test_cli_bad_job_options_exit_2(argv, where, capsys):
     _recipe()
@@ -184,6 +185,53 @@ def test_cli_bad_job_options_exit_2(argv, where, capsys):
 
     assert main(["simulate", str(RECIPE), "--steps", "1", *argv]) == 2
     assert where in capsys.readouterr().err
+
+
+def test_cli_compact_trigger_from_flag_and_recipe(tmp_path, capsys):
+    """``--compact-trigger`` and ``memopt.compact_trigger`` select the compact policy's warning
+    (the flag wins); a bad recipe value exits 2 naming the key path."""
+    _recipe()
+    from ms_memopt.cli import main
+
+    base = ["--steps", "1", "--ranks", "1", "--policy", "baseline", "--workers", "1", "--json"]
+    assert main(["simulate", str(RECIPE), *base]) == 0
+    assert json.loads(capsys.readouterr().out)["compact_trigger"] == "forecast"
+    assert main(["simulate", str(RECIPE), *base, "--compact-trigger", "margin"]) == 0
+    assert json.loads(capsys.readouterr().out)["compact_trigger"] == "margin"
+    text = RECIPE.read_text().replace("  compact_every: 500\n", "  compact_every: 500\n  compact_trigger: margin\n")
+    assert "compact_trigger: margin" in text
+    recipe = tmp_path / "margin.yaml"
+    recipe.write_text(text)
+    assert main(["simulate", str(recipe), *base]) == 0
+    assert json.loads(capsys.readouterr().out)["compact_trigger"] == "margin"
+    assert main(["simulate", str(recipe), *base, "--compact-trigger", "forecast"]) == 0
+    assert json.loads(capsys.readouterr().out)["compact_trigger"] == "forecast"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("compact_trigger: margin", "compact_trigger: sometimes"))
+    assert main(["simulate", str(bad), *base]) == 2
+    err = capsys.readouterr().err
+    assert "memopt.compact_trigger" in err and "forecast, margin" in err and "Traceback" not in err
+
+
+def test_report_of_a_job_timeline_counts_ranks_not_seeds(tmp_path):
+    """A job's timeline rows carry ``rank``: the report's table speaks of ranks (each with its
+    own seed), earliest OOM first, never of seeds."""
+    from ms_memopt.report import build_report
+
+    rows = []
+    for rank, seed, oom in ((0, 111, 300), (5, 222, 250), (9, 333, None)):
+        rows += [{"policy": "baseline", "rank": rank, "stage": rank // 4, "seed": seed, "step": s, "kind": "scan",
+                  "free_total": 8 * 2**30, "largest_free": 2**30, "frag_ratio": 3.0} for s in (100, 200)]
+        if oom:
+            rows.append({"policy": "baseline", "rank": rank, "stage": rank // 4, "seed": seed, "step": oom,
+                         "kind": "oom", "free_total": 8 * 2**30, "largest_free": 2**30, "frag_ratio": 7.0,
+                         "tag": "allreduce", "size": 4_200_000_000, "oom_kind": "fragmentation"})
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = build_report(tmp_path).read_text()
+    assert "| policy | ranks | OOM (earliest rank first) |" in text
+    assert ("| baseline | 3 | rank 5 (stage 1, seed 222): step 250 (fragmentation, allreduce 3.91 GiB); "
+            "rank 0 (stage 0, seed 111): step 300") in text
+    assert "| seeds |" not in text and "rank streams" in text
 
 
 def test_a_huge_job_must_be_sampled():

@@ -381,3 +381,10 @@ def test_timeline_reader_drops_a_torn_line_and_names_a_bad_one(tmp_path):
     path.write_text(good + '{"policy":"baseline","step":3,"kind":"scan"}\n')
     with pytest.raises(InputError, match="timeline.jsonl:2.*free_total"):
         _rows(path)
+
+
+def test_recipe_compact_triggers_are_the_simulators():
+    from ms_memopt import recipe as recipe_module
+    from ms_memopt.simulate import COMPACT_TRIGGERS
+
+    assert recipe_module._COMPACT_TRIGGERS == COMPACT_TRIGGERS

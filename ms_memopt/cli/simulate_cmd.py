@@ -63,6 +63,10 @@ def add_job_arguments(parser) -> None:
                         help="the cluster for --executor dask|ray (default: the engine's local mode)")
     parser.add_argument("--workers", type=int, default=None,
                         help="worker processes for local runs (default: every core)")
+    parser.add_argument("--compact-trigger", default=None, metavar="forecast|margin",
+                        help="what makes the compact policy compact at a scan: the forecast warns within a scan "
+                             "interval (forecast), or the largest hole before the watched request falls below 1.5x "
+                             "it (margin); default: memopt.compact_trigger, else forecast")
 
 
 def run(args) -> int:
@@ -102,6 +106,7 @@ def run(args) -> int:
         out = {"recipe": str(args.recipe), "steps": cfg.steps, "allocator": cfg.allocator,
                "allocator_options": cfg.allocator_options, "capacity": cfg.capacity,
                "scan_every": cfg.scan_every, "compact_every": cfg.compact_every,
+               "compact_trigger": cfg.compact_trigger,
                "executor": args.executor, "ranks": len(jobs[0].streams), "policies": {}}
         for policy in policies:
             per_seed = [job[policy] for job in results]
@@ -138,10 +143,17 @@ def parse_stages(text: str | None) -> list[int] | None:
 
 
 def configure_job(job, recipe, args):
-    """Apply ``--allocator`` and ``--allocator-option`` to a job's simulator settings."""
+    """Apply ``--allocator``, ``--allocator-option`` and ``--compact-trigger`` to a job's simulator settings."""
     from ..allocators import MODELS
+    from ..simulate import COMPACT_TRIGGERS
 
     cfg = job.cfg
+    trigger = getattr(args, "compact_trigger", None)
+    if trigger is not None:
+        if trigger not in COMPACT_TRIGGERS:
+            raise InputError(f"unknown compact trigger {trigger!r}; expected one of {', '.join(COMPACT_TRIGGERS)}",
+                             key="--compact-trigger")
+        cfg.compact_trigger = trigger
     if args.allocator:
         if args.allocator not in MODELS:
             raise InputError(f"unknown allocator {args.allocator!r}; expected one of {', '.join(MODELS)}",
