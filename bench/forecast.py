@@ -22,7 +22,7 @@ forecast the median error of the crossing step it estimated at its first warning
 1000 steps long: at 600, three of six reference seeds that OOM at 624-748 counted as runs
 that never OOM, and every rule that warned them 200 steps ahead was charged a false alarm.
 
-Calibration and evaluation use different seeds (``--calib-seeds`` 0-2, the seeds looked at
+Calibration and evaluation use different seeds (``--calib-seeds`` 0-5, the seeds looked at
 while the method was designed; ``--eval-seeds`` 10-13 by default). Every rule is calibrated
 the same way: on the calibration seeds, its most aggressive setting with at most
 ``--max-false-alarms`` (0) false alarms: the largest share of OOM runs warned in time, then
@@ -31,7 +31,7 @@ the longest median lead. The evaluation seeds are then scored with it; that is w
 
 Usage: nice -n 10 python bench/forecast.py [--steps 1000] [--workers 2] [--full]
 
-``--full`` is the full study: 10 evaluation and 5 calibration seeds, more variants (about an
+``--full`` is the full study: 10 evaluation and 10 calibration seeds, more variants (about an
 hour on 2 cores). The last line is one JSON object
 ``{"rules": {"frag_ratio": R, "margin": R, "forecast": R}, ...}``, each
 ``R = {"warned_share", "median_lead_steps", "false_alarm_rate", "runs"}``.
@@ -56,8 +56,8 @@ from ms_memopt.simulate import config_from_recipe, simulate
 from ms_memopt.workload import spec_from_recipe
 
 GiB = 2**30
-FRAG_THRESHOLDS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0)
-MARGINS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+FRAG_THRESHOLDS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0)
+MARGINS = (0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.75, 1.0, 1.5, 2.0)
 HORIZONS = (25, 50, 100, 150, 200)
 RISKS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
 WINDOWS = (5, 10)          # steps per window of the forecast (6 windows before the first forecast)
@@ -209,7 +209,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "dense_100b_1024x910c.yaml"))
     parser.add_argument("--steps", type=int, default=1000, help="steps per run (default 1000)")
-    parser.add_argument("--calib-seeds", default=None, help="comma-separated (default 0,1,2; --full 0-4)")
+    parser.add_argument("--calib-seeds", default=None, help="comma-separated (default 0-5; --full 0-9)")
     parser.add_argument("--eval-seeds", default=None, help="comma-separated (default 10-13; --full 10-19)")
     parser.add_argument("--check-every", type=int, default=10, help="steps between checks (scans)")
     parser.add_argument("--censor", type=int, default=150,
@@ -223,7 +223,7 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="the full study (1000 steps, more seeds and variants)")
     args = parser.parse_args()
     steps = args.steps
-    calib = [int(s) for s in (args.calib_seeds or ("0,1,2,3,4" if args.full else "0,1,2")).split(",")]
+    calib = [int(s) for s in (args.calib_seeds or ("0,1,2,3,4,5,6,7,8,9" if args.full else "0,1,2,3,4,5")).split(",")]
     evals = [int(s) for s in (args.eval_seeds or (",".join(map(str, range(10, 20))) if args.full
                                                  else "10,11,12,13")).split(",")]
     if set(calib) & set(evals):

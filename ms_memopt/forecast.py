@@ -76,7 +76,7 @@ MAX_HORIZON = 20_000
 
 #: :meth:`Forecast.warns` warns when the probability that the request fails within the horizon
 #: reaches this (chosen on the calibration seeds of ``bench/forecast.py``, docs/forecast.md)
-DEFAULT_RISK = 0.3
+DEFAULT_RISK = 0.1
 
 _MAD_TO_SD = 1.4826     # MAD of a normal distribution times this = its standard deviation
 
