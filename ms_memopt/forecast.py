@@ -149,14 +149,18 @@ class Forecast:
             return True
         return self.probability(within) >= self.risk
 
-    def describe(self, name: str = "watched request") -> str:
+    def describe(self, name: str = "watched request", *, within: int | None = None) -> str:
         """One line for logs, e.g. ``'allreduce' (3.91 GiB) stops fitting in one piece in ~40
-        steps (step 437, 90% interval 412-470, confidence 0.97) ...``."""
+        steps (step 437, 90% interval 412-470, confidence 0.97) ...``; with ``within``, the
+        chance of not fitting within that many steps is appended."""
         head = f"{name!r} ({format_size(self.request)})"
+        chance = "" if within is None else f"; chance of not fitting within {within} steps {self.probability(within):.0%}"
         if self.status == "too_few_samples":
             return f"{head}: no forecast yet ({self.windows} windows of samples)"
         if self.status == "no_decline":
-            return f"{head}: largest free block not declining (confidence of a decline {self.confidence:.2f})"
+            return (f"{head}: largest free block not declining (confidence of a decline {self.confidence:.2f}; "
+                    f"smallest of the last window {format_size(self.window_min_last)}, spread "
+                    f"{format_size(round(self.spread or 0))}){chance}")
         if self.status == "below":
             return (f"{head}: does not fit in one piece now (smallest largest free block of the last window "
                     f"{format_size(self.window_min_last)})")
@@ -164,7 +168,7 @@ class Forecast:
         return (f"{head} stops fitting in one piece in ~{self.steps_left} steps (step {self.step}, "
                 f"{self.level:.0%} interval {self.earliest_step}-{latest}, confidence {self.confidence:.2f}; "
                 f"largest free block {format_size(self.window_min_last)} falling "
-                f"{format_size(round(-self.slope))}/step)")
+                f"{format_size(round(-self.slope))}/step){chance}")
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}

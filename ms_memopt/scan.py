@@ -423,9 +423,11 @@ class Scanner:
             if forecaster is not None:
                 forecaster.add(step, reading.largest_free, long_lived=reading.allocated)
                 fc = forecaster.forecast()
-                result["forecast"] = forecast_fields(fc)
-                if self.forecast_within is not None and fc.status == "declining" and fc.warns(self.forecast_within):
-                    warnings.append(f"forecast: {fc.describe(name)}")
+                result["forecast"] = forecast_fields(fc, self.forecast_within)
+                # "below" is the predicted-OOM warning's (or was a moment ago); the forecast's own
+                # warning is a trend or a spread that reaches the request within the horizon
+                if self.forecast_within is not None and fc.status != "below" and fc.warns(self.forecast_within):
+                    warnings.append(f"forecast: {fc.describe(name, within=self.forecast_within)}")
             if not result["fits"]:
                 warnings.append(
                     f"predicted OOM: watched request {name!r} ({format_size(result['size'])}) would not fit: "
@@ -471,11 +473,16 @@ def check_forecast_within(value, key: str = "forecast_within") -> None:
         raise InputError(f"{key} must be a number of steps >= 0 or None, got {value!r}", key=key)
 
 
-def forecast_fields(fc: Forecast) -> dict:
-    """A forecast as scan records and simulation timelines carry it (steps, bytes, confidence)."""
-    return {"status": fc.status, "step": fc.step, "earliest_step": fc.earliest_step,
-            "latest_step": fc.latest_step, "steps_left": fc.steps_left,
-            "confidence": round(fc.confidence, 4), "request": fc.request}
+def forecast_fields(fc: Forecast, within: int | None = None) -> dict:
+    """A forecast as scan records and simulation timelines carry it (steps, bytes, confidence);
+    with ``within`` (steps) also ``probability``, the chance that the request stops fitting in
+    one piece within them (:meth:`~ms_memopt.forecast.Forecast.probability`), and ``within``."""
+    out = {"status": fc.status, "step": fc.step, "earliest_step": fc.earliest_step,
+           "latest_step": fc.latest_step, "steps_left": fc.steps_left,
+           "confidence": round(fc.confidence, 4), "request": fc.request}
+    if within is not None:
+        out["within"], out["probability"] = within, round(fc.probability(within), 4)
+    return out
 
 
 def _fmt(size: int | None) -> str:

@@ -419,7 +419,7 @@ class _Run:
                         extra["region_frag"] = _note_regions(result, region_metrics())
                     if forecaster is not None:
                         fc = forecaster.forecast()
-                        extra["forecast"] = forecast_fields(fc)
+                        extra["forecast"] = forecast_fields(fc, cfg.forecast_horizon)
                         if result.forecast_warned_at is None and fc.warns(cfg.forecast_horizon):
                             result.forecast_warned_at, result.forecast_step_at_warning = step, fc.step
                     track.last_scan_frag = track.sample(step, "scan", _free_total(model),
