@@ -2,50 +2,53 @@
 
 A scan says whether the 4.2 GB AllReduce buffer fits *now*. The forecast says when it will
 stop fitting: from the samples of ``largest_free`` (taken at scans, or better just before the
-watched request), it estimates how many steps remain until the smallest ``largest_free`` of a
-window of steps falls below the request, with an interval and a confidence.
+watched request) and of long-lived memory, it estimates how many steps remain until the
+smallest ``largest_free`` of a window of steps falls below the request, with an interval, a
+confidence, and the probability that it happens within a horizon.
 
 Method (docs/forecast.md explains it and the evaluation):
 
 1. **Window minima.** Samples are grouped into windows of ``window`` steps counted back from
    the latest sample; each window contributes its smallest ``largest_free`` (a request fails
-   at the worst moment, not the average one), placed at the window's last step. The last ``history`` windows are used, so the
-   forecast follows a decline that slows down or speeds up.
-2. **Trend.** The Theil-Sen slope (median of the pairwise slopes) of window minima against
-   ``tau = (step - origin) ** p``, robust to the odd deep dip; level = median of ``minimum -
-   slope * tau``. ``origin`` is where the layout started (step 0, or the last compaction);
-   ``p`` in :data:`POWERS` (1: a straight line; 3/4, 1/2: a decline that slows down, as
-   per-shape caches fill ever more slowly) is the one with the smallest residual spread. The
-   slope's interval at ``level`` is Sen's (1968), from the distribution of Kendall's S.
+   at the worst moment, not the average one), placed at the window's last step. The last
+   ``history`` windows are used, so the forecast follows a decline that changes pace.
+2. **What the minima follow** (``Forecast.basis``). When long-lived memory (bytes in use after
+   the optimizer step: weights, states, per-shape caches) is sampled and grows (Mann-Kendall
+   at ``level``), the minima are a Theil-Sen line of it (the holes shrink because long-lived
+   tensors land in them), and long-lived memory, smooth where ``largest_free`` is noisy, a
+   Theil-Sen line of ``(step - origin) ** p`` with ``p`` in :data:`POWERS` (its growth slows as
+   per-shape caches fill ever more slowly): ``"long_lived"``. When it is sampled and does not
+   grow, a decline is a reshuffle that settles: no trend, ``"level"``. Without it, a Theil-Sen
+   line in steps: ``"time"``. ``origin`` is where the layout started (0, or the last compaction).
 3. **Spread.** The robust scale of the residuals, ``1.4826 * MAD`` (the mean absolute
-   deviation when most residuals are equal): how far one window's minimum falls below the
-   trend line.
-4. **Confidence.** The one-sided Mann-Kendall test that the minima decline (tie-corrected
-   normal approximation): ``confidence = 1 - p``. When long-lived memory is sampled too
-   (bytes in use after the optimizer step: weights, states, caches), its growth is tested the
-   same way and the confidence is the product of both: a decline that long-lived memory does
-   not feed is a reshuffle that settles (warm-up, bounded caches), not an accumulation.
-5. **Crossing.** The point estimate is the first step where the trend is below the request;
+   deviation when most residuals are equal): how far one window's minimum falls from the line.
+4. **Prediction.** A window minimum at a future step is normal about the line, its variance
+   the spread plus the slope's uncertainty (Sen's 1968 interval, from Kendall's S), growing
+   with the distance from the data.
+5. **Probability** (:meth:`Forecast.probability`): that some window minimum of the next
+   ``within`` steps falls below the request, windows independent given the line (the
+   extreme-value view: a trend, a wide spread close above the request, or both).
+6. **Crossing.** The point estimate is the first step where the line is below the request;
    the earliest and latest steps are where the lower and upper edges of the ``level``
-   prediction interval of a window minimum are (variance: the residual spread plus the
-   slope's uncertainty, from Sen's interval, growing with the distance from the data); the
-   latest is ``None`` when the upper edge never falls below the request within
-   :data:`MAX_HORIZON` steps.
+   interval are (the latest ``None`` when the upper edge never falls below the request within
+   :data:`MAX_HORIZON` steps).
+7. **Confidence.** The one-sided Mann-Kendall test that the minima decline, times the same
+   test's confidence that long-lived memory grows when it is sampled.
 
 Fewer than ``min_windows`` windows with samples give no forecast (``status
-"too_few_samples"``). :meth:`Forecast.warns` is the warning rule the callbacks and the
-simulator use: the confidence reaches ``level`` and the earliest crossing is within the
-horizon.
+"too_few_samples"``, probability 0). :meth:`Forecast.warns` is the warning rule the callbacks
+and the simulator use: the probability within the horizon reaches ``risk``
+(:data:`DEFAULT_RISK`), or a window minimum is already below the request.
 
 Example:
     >>> f = Forecaster(request=4 * 2**30, window=10)
     >>> for step in range(1, 201):
     ...     f.add(step, 12 * 2**30 - step * 2**25)      # loses 32 MiB a step
     >>> fc = f.forecast()
-    >>> fc.status, fc.step
-    ('declining', 257)
-    >>> fc.warns(within=100)
-    True
+    >>> fc.status, fc.step, fc.basis
+    ('declining', 257, 'time')
+    >>> fc.warns(within=100), fc.warns(within=20)
+    (True, False)
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ import numpy as np
 
 from .units import format_size
 
-__all__ = ["Forecast", "Forecaster", "forecast", "STATUSES"]
+__all__ = ["Forecast", "Forecaster", "forecast", "STATUSES", "DEFAULT_RISK"]
 
 #: exponents ``p`` tried for the trend against ``(step - origin) ** p``: 1 a straight decline, below
 #: 1 a decline that slows down as per-shape caches fill (distinct shapes grow sublinearly with the

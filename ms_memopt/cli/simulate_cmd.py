@@ -3,7 +3,8 @@
 Every distinct card stream of the recipe (pipeline stages x data-parallel groups; tensor-parallel
 peers share a stream), or a ``--ranks N`` sample, runs through the simulator
 (:mod:`ms_memopt.job`) on local processes, or on a Dask or Ray cluster with ``--executor``.
-The job dies at its first rank. Prints one line per policy (or, with ``--json``, one JSON
+The job dies at its first rank. ``--compact-trigger forecast|margin`` (or the recipe's
+``memopt.compact_trigger``) selects what makes the ``compact`` policy compact at a scan. Prints one line per policy (or, with ``--json``, one JSON
 object: per policy ``job_oom_step``, ``job_oom_rank``, ``job_oom_stage``, ``ranks``, the
 ``distribution`` across ranks, ``first_rank`` (the failing rank's
 :class:`ms_memopt.simulate.PolicyResult` figures) and ``rank_results``; with ``--seeds N``,
