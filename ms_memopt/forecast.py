@@ -272,7 +272,13 @@ def forecast(samples: Iterable[tuple[int, int]], request: int, *,
     if len(steps) < min_windows:
         return out
     confidence = _trend_confidence(minima, -1)
+    long_lived = list(long_lived)
     grown = _long_lived(long_lived, now - history * window, now, origin, min_windows)
+    if long_lived and grown is None:
+        # long-lived memory is sampled, but too thinly yet (at scans: the first few after the
+        # start or a compaction): a trend of the first windows alone is the warm-up's, not
+        # the accumulation's, so wait for the samples rather than extrapolate it
+        return out
     model: _Model
     if grown is None:
         out.basis = "time"
