@@ -101,7 +101,7 @@ class Solution:
         (0.0 when proven optimal).
 
         Example:
-            >>> Solution({}, 1001, 1000, 1.001, True, 0.0, "greedy").gap
+            >>> round(Solution({}, 1001, 1000, 1.001, True, 0.0, "greedy").gap, 9)
             0.001
         """
         bound = self.best_bound

@@ -25,7 +25,12 @@ sections, undo records, Python recursion) is this project's own:
   of the same lifetime and a higher rank.
 * **Dynamic decomposition.** When no unplaced buffer crosses a section boundary any more, the
   two sides are independent: each is solved on its own, and if one has no solution the node
-  fails at once (no search over combinations of the two sides).
+  fails at once (no search over combinations of the two sides). Each part gets its own
+  preorder, ranked like the whole instance but by the unplaced bytes of its sections *at that
+  moment* (MiniMalloc sorts every part it creates afresh): the buffers that now bound a part's
+  height come first. Without it, three of MiniMalloc's eleven challenging instances (E, H, I)
+  were out of reach in 60 s; with it, one of the preorders packs each in under 20,000 nodes.
+  The same-lifetime stacking rule compares ranks only between buffers placed under one ranking.
 * **Restarts.** :func:`search_place` runs with one preorder; callers restart with each of
   :data:`PREORDERS` under a node limit that doubles per round (MiniMalloc's round robin).
 
