@@ -653,8 +653,9 @@ def gathered_layer_bytes(recipe: Recipe) -> int:
         return 0
     dense_ways, expert_ways = optimizer_shard_ways(recipe)
     t, ep = par.model_parallel, par.expert_parallel
-    kinds = [_layer_split(model, False, t, ep)]
-    if model.moe is not None:
+    moe_layers = 0 if model.moe is None else model.moe.moe_layers_below(model.num_layers)
+    kinds = [_layer_split(model, False, t, ep)] if moe_layers < model.num_layers else []
+    if moe_layers:
         kinds.append(_layer_split(model, True, t, ep))
     most = max((dense if dense_ways > 1 else 0.0) + (experts if expert_ways > 1 else 0.0) for dense, experts in kinds)
     width = DTYPE_BYTES[model.compute_dtype]
