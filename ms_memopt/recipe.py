@@ -171,8 +171,6 @@ class ParallelConfig:
     # how many replicas of a weight the parallel optimizer shards it over: -1 = all of them
     # (parallel_optimizer_config.optimizer_weight_shard_size, MindSpore's default -1)
     optimizer_weight_shard_size: int = -1
-    # recompute_config.parallel_optimizer_comm_recompute (MindFormers' default False)
-    parallel_optimizer_comm_recompute: bool = False
 
     @property
     def cards(self) -> int:
@@ -605,8 +603,7 @@ _TYPO_CUTOFF = 0.88
 _SECTION_KEYS = {
     "parallel_config": {"data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "use_seq_parallel",
                         "vocab_emb_dp", "expert_parallel"},
-    "recompute_config": {"recompute", "select_recompute", "select_comm_recompute", "mp_comm_recompute",
-                         "parallel_optimizer_comm_recompute"},
+    "recompute_config": {"recompute", "select_recompute", "select_comm_recompute", "mp_comm_recompute"},
     "runner_config": {"batch_size"},
     "context": {"max_device_memory"},
     "parallel": {"enable_parallel_optimizer", "parallel_optimizer_config"},
@@ -804,7 +801,6 @@ def _read_parallel(r: _Reader, data: dict) -> tuple[ParallelConfig, int | None]:
     # buffer) too, level3 also the weights again before the backward
     level = r.get(poc, "optimizer_level", f"{poc_path}.optimizer_level", r.choice("level1", "level2", "level3"),
                   "level1")
-    rc = data.get("recompute_config") if isinstance(data.get("recompute_config"), dict) else {}
     config = ParallelConfig(
         data_parallel=r.get(pc, "data_parallel", f"{p}.data_parallel", pos, 1),
         model_parallel=r.get(pc, "model_parallel", f"{p}.model_parallel", pos, 1),
@@ -820,9 +816,6 @@ def _read_parallel(r: _Reader, data: dict) -> tuple[ParallelConfig, int | None]:
         or level in ("level2", "level3"),
         optimizer_weight_shard_size=r.get(poc, "optimizer_weight_shard_size", f"{poc_path}.optimizer_weight_shard_size",
                                           _shard_size(r), -1),
-        parallel_optimizer_comm_recompute=r.get(rc, "parallel_optimizer_comm_recompute",
-                                                "recompute_config.parallel_optimizer_comm_recompute", r.boolean,
-                                                False),
     )
     return config, par.get("__zero_stage__")
 
