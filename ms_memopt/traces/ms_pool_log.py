@@ -112,8 +112,10 @@ _ASCEND_RETURN = re.compile(_PREFIX + r'Allocate tensor mem, return : \{"addr_":
                             r'"eager_free_size_":\d+\}\.\s*$')
 _ASCEND_FREE = re.compile(_PREFIX + r"Do free tensor mem : (?P<addr>0x[0-9a-fA-F]+), return : (?P<ok>[01]|true|false)\.")
 # searched at the end of a line: another writer's text without a newline may come first
-_STEP = re.compile(r"ms-memopt step (?P<step>\d+)\s*$")
+_STEP = re.compile(r"ms-memopt step (?P<step>\d{1,20})\s*$")
 _MARK = re.compile(r"ms-memopt mark (?P<tag>[\w.:-]+)\s*$")
+# or a marker glued to the front of a pool log line (the marker's newline written after it)
+_GLUED = re.compile(r"(?P<marker>ms-memopt (?:step \d{1,20}|mark [\w.:-]+))(?P<rest>\[(?:V12906|DEBUG)\] .*)$", re.S)
 _MAX_NOTED = 20             # line numbers of skipped lines kept for the report
 _SNIFF_LINES = 2000
 
@@ -181,6 +183,12 @@ class PoolLogParser:
     def feed(self, line: str) -> list[Event]:
         """The events ``line`` means; unrelated lines give none."""
         self._line += 1
+        if (STEP_LINE in line or _MARK_LINE in line) and (glued := _GLUED.search(line)):
+            # both halves are whole: the marker's event first (it was written first), then the line's
+            self._line -= 1
+            events = self.feed(glued.group("marker"))
+            self._line -= 1
+            return events + self.feed(glued.group("rest"))
         if _ALLOC_MARK in line or _ALLOC_FUNCTION in line:
             if _ASCEND_REQUEST_MARK in line:
                 return self._ascend_request(_ASCEND_REQUEST.search(line))
