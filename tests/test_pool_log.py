@@ -224,3 +224,10 @@ def test_ascend_enhanced_pool_lines(tmp_path):
     assert default_allocator(trace) == "mindspore"
     result = replay(trace, create("mindspore"))
     assert result.address_match == 1.0 and result.final_layout_match is True
+
+
+def test_a_digit_run_longer_than_any_64_bit_number_is_a_skipped_line():
+    # int() of thousands of digits raises ValueError (CPython's int_max_str_digits): never reached
+    parser = PoolLogParser()
+    assert parser.feed(_alloc_line(0x1000, 512, 512).replace("size:512B", "size:" + "9" * 5000 + "B")) == []
+    assert parser.counts.skipped_lines == 1
