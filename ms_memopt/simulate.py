@@ -356,7 +356,8 @@ class _Run:
         index, count = 0, len(batch)
         while index < count:
             if fast_run is not None:
-                index, _, _, _, oom = fast_run(batch, index, count, addr_of, watch, False)
+                # forget: a pool-mode cache eviction drops its tensors from addr_of (as _forget)
+                index, _, _, _, oom = fast_run(batch, index, count, addr_of, watch, False, True)
                 if oom:
                     self._fail(batch[index], step)
                     break
