@@ -1,5 +1,7 @@
 /* Compiled fast path of allocator models: the MindSpore pool (ms_memopt/allocators/mindspore.py,
- * both tie rules) and PyTorch's caching allocator (ms_memopt/allocators/torch.py).
+ * both tie rules), its VMM pool, PyTorch's caching allocator with and without expandable
+ * segments (ms_memopt/allocators/torch*.py) and pool mode (ms_memopt/allocators/pool.py: its
+ * regions, and its malloc/free with the cache region's eviction).
  *
  * The pure-Python models are the readable reference; this file repeats their rules in C so
  * that replay and simulate run at millions of events per second. tests/test_fastpool.py holds
@@ -1768,11 +1770,20 @@ static void fields_init(Fields *f, PyObject *sample) {
     f->type = type;
 }
 
+/* a row: a tuple of Event's fields in its order (action, id, size, addr, stream, pool, time,
+ * tag, step), as ms_memopt.workload generates them for simulate */
+#define ROW_FIELDS 9
+static const int ROW_INDEX[F_COUNT] = {0, 1, 2, 3, 4, 5, 7};
+
 /* a new reference to field ``k`` of ``ev``, or NULL with an exception */
 static inline PyObject *field(Fields *f, PyObject *ev, int k) {
     if (Py_TYPE(ev) == f->type) {
         PyObject *v = *(PyObject **)((char *)ev + f->offset[k]);
         if (v) { Py_INCREF(v); return v; }
+    } else if (PyTuple_CheckExact(ev) && PyTuple_GET_SIZE(ev) == ROW_FIELDS) {
+        PyObject *v = PyTuple_GET_ITEM(ev, ROW_INDEX[k]);
+        Py_INCREF(v);
+        return v;
     }
     return PyObject_GetAttr(ev, f->name[k]);
 }

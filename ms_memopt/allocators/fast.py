@@ -16,7 +16,8 @@ Fast classes (reference in brackets):
   ``max_split_size_mb`` runs the reference)
 * ``torch-expandable``: :class:`FastTorchExpandableAllocator`
   (:class:`~.torch_expandable.TorchExpandableAllocator`)
-* ``pool``: :class:`FastPoolModeAllocator` (:class:`~.pool.PoolModeAllocator`, its regions in C)
+* ``pool``: :class:`FastPoolModeAllocator` (:class:`~.pool.PoolModeAllocator`: its regions,
+  ``malloc``/``free`` with the cache's eviction, and the batch loop in C)
 
 Example:
     >>> pool = FastMindSporePool(capacity=8 * 2**30)          # doctest: +SKIP
