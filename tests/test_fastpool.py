@@ -382,3 +382,19 @@ def test_pool_mode_batch_loop_forgets_evicted_tensors_as_simulate_does(chunked, 
     assert stop == ref_stop
     assert addr_of == ref_addr
     assert _pool_state(quick) == _pool_state(ref)
+
+
+@needs_fast
+@pytest.mark.parametrize("chunked", [False, True])
+@settings(max_examples=25)
+@given(ops=_pool_ops, sample_every=st.sampled_from([0, 1, 7, None]))
+def test_pool_mode_replays_identically(chunked, ops, sample_every):
+    """replay() drives pool mode's batch loop too (no forgetting there, as the reference)."""
+    events = _events_from(ops)
+    events += [Event("free", id=e.id) for e in events[::3] if e.action == "alloc"]  # frees after evictions
+    results = [replay(Trace(list(events)), model, sample_every=sample_every) for model in _pool_models(chunked)]
+    ref, quick = (r.to_dict() for r in results)
+    for speed in ("events_per_s", "cpu_events_per_s"):
+        ref.pop(speed), quick.pop(speed)
+    assert quick == ref
+    assert results[1].final_layout == results[0].final_layout
