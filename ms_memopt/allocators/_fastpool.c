@@ -833,10 +833,6 @@ static long long pm_malloc(Core *c, long long raw, i64 stream, PyObject *pool, P
     if (evicting) {
         PyObject *key = PyLong_FromUnsignedLongLong((u64)addr), *value = PyLong_FromUnsignedLongLong(size);
         int bad = !key || !value || PyObject_SetItem(order, key, value) < 0;
-        /* a tensor id _run may have noted for this address belongs to an earlier entry */
-        if (!bad && PyDict_GET_SIZE(c->pm_tid_of) && PyDict_DelItem(c->pm_tid_of, key) < 0) {
-            if (PyErr_ExceptionMatches(PyExc_KeyError)) PyErr_Clear(); else bad = 1;
-        }
         Py_XDECREF(key); Py_XDECREF(value); Py_DECREF(order);
         if (bad) return -1;
     }
@@ -844,6 +840,16 @@ static long long pm_malloc(Core *c, long long raw, i64 stream, PyObject *pool, P
     if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
     *region = ri;
     return addr;
+}
+
+/* the tensor id _run noted for a cache entry at ``addr`` is gone: a malloc that did not note
+ * the new entry's id (the method, or _run without forget) placed one there; -1 on error */
+static int pm_unnote(Core *c, int region, PyObject *addr) {
+    if (!(c->pm_flags[region] & PM_EVICTING) || !PyDict_GET_SIZE(c->pm_tid_of)) return 0;
+    if (PyDict_DelItem(c->pm_tid_of, addr) == 0) return 0;
+    if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
+    PyErr_Clear();
+    return 0;
 }
 
 /* PoolModeAllocator.free; -1 on error */
@@ -1685,7 +1691,7 @@ static PyObject *Core_malloc(Core *c, PyObject *const *args, Py_ssize_t nargs, P
         stream = PyLong_AsLongLong(stream_obj);
         if (stream == -1 && PyErr_Occurred()) return NULL;
     }
-    int region;
+    int region = -1;
     long long addr = c->kind == KIND_TORCH ? torch_malloc(c, raw, stream, tag)
                    : c->kind == KIND_EXPANDABLE ? x_malloc(c, raw, stream, tag)
                    : c->kind == KIND_VMM ? v_malloc(c, raw, stream, pool, tag)
@@ -1693,7 +1699,9 @@ static PyObject *Core_malloc(Core *c, PyObject *const *args, Py_ssize_t nargs, P
                    : core_malloc(c, raw, stream, pool, tag);
     if (addr == -1) return NULL;
     if (addr == -2) Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong((u64)addr);
+    PyObject *out = PyLong_FromUnsignedLongLong((u64)addr);
+    if (out && c->kind == KIND_POOLMODE && pm_unnote(c, region, out) < 0) Py_CLEAR(out);
+    return out;
 }
 
 /* free the live buffer at ``addr`` (nothing when there is none); -1 on error */
@@ -1861,8 +1869,11 @@ static PyObject *Core_run(Core *c, PyObject *args) {
         PyObject *addr_obj = PyLong_FromUnsignedLongLong((u64)addr);
         int bad = !id || !addr_obj;
         if (!bad && forget) {
+            /* the evicted tensors go first (the new entry may sit at an evicted address) */
             bad = PyList_GET_SIZE(c->pm_evicted) && pm_forget(c, address_of) < 0;
             if (!bad && (c->pm_flags[region] & PM_EVICTING)) bad = PyDict_SetItem(c->pm_tid_of, addr_obj, id) < 0;
+        } else if (!bad && c->kind == KIND_POOLMODE) {
+            bad = pm_unnote(c, region, addr_obj) < 0;
         }
         if (bad || PyDict_SetItem(address_of, id, addr_obj) < 0) { Py_XDECREF(id); Py_XDECREF(addr_obj); return NULL; }
         Py_DECREF(id); Py_DECREF(addr_obj);
