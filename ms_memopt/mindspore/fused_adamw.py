@@ -401,10 +401,11 @@ class FusedAdamW(nn.Optimizer):
         self._state_order = [m[i] for i in order] + [v[i] for i in order] + [masters[i] for i in order
                                                                                if i in masters]
         self._combine_state()
-        wds = self._weight_decays()
-        # per parameter: (learning-rate index, weight decay, master index or -1): graph constants
-        self._graph_plan = tuple((i if self.is_group_lr else 0, float(wds[i]), self._master_of.get(i, -1))
-                                 for i in range(len(params)))
+        # per parameter, graph constants: weight decay, whether 16-bit (updated through its
+        # master); and the float32 weights the update runs on (the parameter or its master)
+        self._graph_wd = tuple(float(wd) for wd in self._weight_decays())
+        self._graph_low = tuple(i in masters for i in range(len(params)))
+        self._weights32 = ms.ParameterTuple(masters.get(i, params[i]) for i in range(len(params)))
         # The step's scalars (beta**t, eps * sqrt(1 - beta2**t)) in float64 on CPU, as the
         # PyNative step computes them on the host: in float32, 1 - beta2**t loses ~1e-5 of its
         # value to cancellation early on (0.999 is not a float32). Devices: float32 (as
@@ -466,22 +467,18 @@ class FusedAdamW(nn.Optimizer):
             beta2_power = ops.cast(beta2_power, ms.float32)
         else:
             beta1_power, beta2_power, eps = self._zero, self._zero, self._eps32
-        updated = []
-        for k in range(len(self._graph_plan)):
-            lr_index, weight_decay, master_index = self._graph_plan[k]
-            lr = lrs[lr_index] if self.is_group_lr else lrs
-            weights, grad = self._parameters[k], gradients[k]
-            if master_index >= 0:
-                weights = self.masters[master_index]
-                grad = ops.cast(grad, ms.float32)
-            if weight_decay != 0.0:
-                grad = ops.depend(grad, self._decay(weights, lr * weight_decay, weights))
-            done = self._adam(weights, self.moments1[k], self.moments2[k], beta1_power, beta2_power,
-                              lr, self.beta1, self.beta2, eps, grad)
-            if master_index >= 0:
-                done = ops.assign(self._parameters[k], ops.cast(ops.depend(weights, done),
-                                                                 self._parameters[k].dtype))
-            updated.append(done)
+        # hyper_map, not a Python loop: graph mode unrolls a loop into nested calls, over the
+        # call-depth limit at ~100 parameters
+        if self.is_group_lr:
+            updated = self.hyper_map(ops.partial(_graph_update, self._adam, self._decay, beta1_power, beta2_power,
+                                                 eps, self.beta1, self.beta2),
+                                     lrs, self._graph_wd, self._parameters, self._weights32, self.moments1,
+                                     self.moments2, gradients, self._graph_low)
+        else:
+            updated = self.hyper_map(ops.partial(_graph_update, self._adam, self._decay, beta1_power, beta2_power,
+                                                 eps, self.beta1, self.beta2, lrs),
+                                     self._graph_wd, self._parameters, self._weights32, self.moments1,
+                                     self.moments2, gradients, self._graph_low)
         return ops.depend(self.assignadd(self.global_step, self.global_step_increase_tensor), updated)
 
     # -- the CPU step: one compiled AdamW pass ------------------------------------------------
@@ -611,6 +608,26 @@ class FusedAdamW(nn.Optimizer):
         return combine_tensor_list_contiguous(
             [g if g.is_contiguous() else g.contiguous() for g in (gradients[i] for i in region.param_indices)],
             True)
+
+
+_graph_update = ops.MultitypeFuncGraph("fused_adamw_graph_update")
+
+
+@_graph_update.register("Function", "Function", "Tensor", "Tensor", "Tensor", "Number", "Number", "Tensor",
+                        "Number", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Bool")
+def _graph_update_one(adam, decay, beta1_power, beta2_power, eps, beta1, beta2, lr, weight_decay, param,
+                      weights, m, v, grad, low_precision):
+    """One parameter's graph-mode update (``FusedAdamW._graph_step``), in place: decay the
+    float32 ``weights`` (the parameter, or its master), ``ops.Adam`` on weights, m, v; for a
+    16-bit parameter, write the master into it once."""
+    if low_precision:
+        grad = ops.cast(grad, ms.float32)
+    if weight_decay != 0.0:
+        grad = ops.depend(grad, decay(weights, lr * weight_decay, weights))
+    done = adam(weights, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps, grad)
+    if low_precision:
+        done = ops.assign(param, ops.cast(ops.depend(weights, done), param.dtype))
+    return done
 
 
 #: parameter dtypes the compiled host step handles, and their ``native.adamw`` kind
