@@ -7,7 +7,7 @@ import pytest
 ms = pytest.importorskip("mindspore")
 from mindspore import Parameter, Tensor, nn  # noqa: E402
 
-from ms_memopt.mindspore.fused_adamw import FusedAdamW  # noqa: E402
+from ms_memopt.mindspore.fused_adamw import FusedAdamW, FusedAdamWGraph  # noqa: E402
 from ms_memopt.mindspore.model import GPT, GPTConfig, GPTWithLoss, synthetic_batches, synthetic_dataset  # noqa: E402
 
 pytestmark = pytest.mark.mindspore
@@ -331,7 +331,7 @@ def test_graph_step_agrees_with_the_pynative_step(np_dtype):
         try:
             params, groups = _grouped(np_dtype)
             opt = FusedAdamW(groups, learning_rate=1e-2, weight_decay=0.1)
-            assert opt._graph == (mode == ms.GRAPH_MODE)
+            assert opt._graph == (mode == ms.GRAPH_MODE) == isinstance(opt, FusedAdamWGraph)
             for g in grads:
                 opt(g)
             results[mode] = ([p.asnumpy().astype(np.float32) for p in params], int(opt.global_step.asnumpy()[0]))
@@ -355,6 +355,22 @@ def test_graph_step_matches_float64_reference(graph_mode, np_dtype, tol, bias_co
         ref = reference_adamw(init[i], [g[i] for g in grads], 1e-2, wd=0.1, bias_correction=bias_correction)
         assert p.dtype == Tensor(init[i]).dtype
         np.testing.assert_allclose(p.asnumpy().astype(np.float64), ref, rtol=tol, atol=tol)
+
+
+def test_graph_flag_overrides_the_context():
+    """``graph=`` picks the step whatever the context mode: a graph step built in PyNative runs
+    eagerly (op by op) and trains the same."""
+    _, params = _params(np.float32)
+    assert type(FusedAdamW(params, graph=True)) is FusedAdamWGraph
+    assert type(FusedAdamW(params, graph=False)) is FusedAdamW
+    init, params = _params(np.float32)
+    opt = FusedAdamW(params, learning_rate=1e-2, weight_decay=0.1, graph=True)
+    grads = _grads(np.float32, 3)
+    for g in grads:
+        opt(tuple(Tensor(x) for x in g))
+    for i, p in enumerate(params):
+        ref = reference_adamw(init[i], [g[i] for g in grads], 1e-2, wd=0.1)
+        np.testing.assert_allclose(p.asnumpy().astype(np.float64), ref, rtol=2e-6, atol=2e-6)
 
 
 def _contiguous(tensors) -> bool:

@@ -49,12 +49,25 @@ what we replace; ``ops.FusedCastAdamWeightDecay`` keeps no float32 master and ha
 correction (and is scalar off Intel too); ``mint.optim.FusedAdamW`` has no CPU kernel.
 
 Works in PyNative mode (MindSpore's default), with ``Model.train``, MindFormers' ``Trainer``
-and functional loops. Not in graph mode: there a training cell compiles the optimizer into its
-graph, and this step runs from Python, so the constructor refuses graph mode with a clear error.
+and functional loops, as described above. **Graph mode** (``mode=GRAPH_MODE``, MindFormers'
+``context.mode: 0``; decided when the optimizer is built, or ``graph=True/False``): a training
+cell compiles the optimizer's ``construct`` into its own graph, where no Python runs per step,
+so the step is MindSpore ops only (``FusedAdamWGraph.construct``): per parameter (``hyper_map``), the same
+decay + ``ops.Adam`` (+ one fp16/bf16 write from the master) on the parameter's view in the
+parameter region and on its own ``m``, ``v`` (and ``master``) Parameters, which are views into
+**one** contiguous optimizer-region buffer (``combine_tensor_list_contiguous``; a compiled graph
+updates Parameters where their storage is, so they stay there). Graph-mode state is per
+parameter (``fused_adamw.m.<parameter name>``), so checkpoints do not carry over between the
+two modes. What graph mode does not have: the gradient region (the graph compiler places the
+gradients), the CPU host pass, and one kernel per bucket (the graph runs two per decayed
+parameter).
+
 The state (``m``, ``v``, ``master``, ``global_step``) is made of ``Parameter``s, so
 ``ms.save_checkpoint(optimizer, path)`` / ``load_param_into_net(optimizer, ...)`` round-trip.
-Loading replaces parameter data (``set_data``), which breaks the views; the next step notices
-(data pointers no longer match) and rebuilds the region from the loaded values.
+Loading replaces parameter data (``set_data``), which breaks the views; the PyNative step
+notices (data pointers no longer match) and rebuilds the region from the loaded values; in
+graph mode call ``restore_regions()`` after loading (``CompactionCallback`` does after a
+live compaction).
 
 Example:
     >>> opt = FusedAdamW(net.trainable_params(), learning_rate=1e-3, weight_decay=0.01)  # doctest: +SKIP
@@ -73,7 +86,7 @@ from mindspore.hal.contiguous_tensors_handle import combine_tensor_list_contiguo
 
 from .. import native
 
-__all__ = ["FusedAdamW", "Bucket"]
+__all__ = ["FusedAdamW", "FusedAdamWGraph", "Bucket"]
 
 
 @dataclass
@@ -159,19 +172,28 @@ class FusedAdamW(nn.Optimizer):
         weight_decay: decoupled weight decay (float). As in ``nn.AdamWeightDecay`` without
             groups, parameters whose name contains ``beta`` or ``gamma`` are not decayed.
         bias_correction: divide the moments by ``1 - beta**t``.
+        graph: build the graph-mode step (MindSpore ops that a training cell compiles into its
+            graph); default: whether the context is in graph mode now.
 
     The update runs in float32 for float32, float16 and bfloat16 parameters; low-precision
     parameters keep a float32 master copy in the optimizer state. Gradients must come in the
     parameter dtype (checked once, on the first step).
     """
 
+    def __new__(cls, *args, graph: bool | None = None, **kwargs):
+        # graph mode: a training cell compiles the optimizer's construct into its own graph, so
+        # the step must be MindSpore ops only. A subclass holds that construct, so the compiler
+        # never sees the Python step (with both in one construct behind `if self._graph`, the
+        # compile inside MindFormers' wrapper resolved a PyNative-only method and failed).
+        if cls is FusedAdamW and (ms.get_context("mode") == ms.GRAPH_MODE if graph is None else graph):
+            cls = FusedAdamWGraph
+        return super().__new__(cls, *args, **kwargs)
+
     def __init__(self, params, learning_rate=1e-3, beta1: float = 0.9, beta2: float = 0.999,
                  eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True,
                  graph: bool | None = None) -> None:
         super().__init__(learning_rate, params, weight_decay)
-        # graph mode: a training cell compiles the optimizer into its own graph, so the step
-        # must be MindSpore ops only (see _graph_step); decided once, here
-        self._graph = ms.get_context("mode") == ms.GRAPH_MODE if graph is None else bool(graph)
+        self._graph = isinstance(self, FusedAdamWGraph)
         if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
             raise ValueError(f"beta1 and beta2 must be in [0, 1), got {beta1}, {beta2}")
         if eps <= 0:
@@ -340,13 +362,8 @@ class FusedAdamW(nn.Optimizer):
         self._grad_dtypes_checked = True
 
     def construct(self, gradients):
-        if self._graph:
-            return self._graph_step(gradients)
-        return self._eager_step(gradients)
-
-    def _eager_step(self, gradients):
         """PyNative: the step runs from Python (region checks, the compiled CPU pass or one
-        ``ms.jit`` update graph)."""
+        ``ms.jit`` update graph). Graph mode: :class:`FusedAdamWGraph`'s ``construct``."""
         if not self._grad_dtypes_checked:
             self._check_grad_dtypes(gradients)
         if self._native:
@@ -447,39 +464,6 @@ class FusedAdamW(nn.Optimizer):
             self._combine_state()
             moved = True
         return moved
-
-    def _graph_step(self, gradients):
-        """The step as MindSpore ops, compiled into the training graph (graph mode).
-
-        Per parameter, in place on its views into the regions: the fp32 weights (the parameter,
-        or the master of an fp16/bf16 one) decayed, ``w -= lr * wd * w``
-        (``ApplyGradientDescent``), then one ``ops.Adam`` (m, v and weights), then for fp16/bf16
-        the master written to the parameter once. Bias correction as in the PyNative step
-        (``_bias_terms``), with ``beta**t`` computed in the graph from ``global_step`` (in
-        float64 on CPU, as the host does; float32 on devices)."""
-        lrs = self.get_lr()
-        if self.bias_correction:
-            step = ops.cast(self.global_step, self._one.dtype) + self._one
-            beta1_power = ops.pow(self._beta1, step)
-            beta2_power = ops.pow(self._beta2, step)
-            eps = ops.cast(self._eps * ops.sqrt(self._one - beta2_power), ms.float32)
-            beta1_power = ops.cast(beta1_power, ms.float32)
-            beta2_power = ops.cast(beta2_power, ms.float32)
-        else:
-            beta1_power, beta2_power, eps = self._zero, self._zero, self._eps32
-        # hyper_map, not a Python loop: graph mode unrolls a loop into nested calls, over the
-        # call-depth limit at ~100 parameters
-        if self.is_group_lr:
-            updated = self.hyper_map(ops.partial(_graph_update, self._adam, self._decay, beta1_power, beta2_power,
-                                                 eps, self.beta1, self.beta2),
-                                     lrs, self._graph_wd, self._parameters, self._weights32, self.moments1,
-                                     self.moments2, gradients, self._graph_low)
-        else:
-            updated = self.hyper_map(ops.partial(_graph_update, self._adam, self._decay, beta1_power, beta2_power,
-                                                 eps, self.beta1, self.beta2, lrs),
-                                     self._graph_wd, self._parameters, self._weights32, self.moments1,
-                                     self.moments2, gradients, self._graph_low)
-        return ops.depend(self.assignadd(self.global_step, self.global_step_increase_tensor), updated)
 
     # -- the CPU step: one compiled AdamW pass ------------------------------------------------
     def _native_pieces(self) -> dict:
@@ -610,6 +594,46 @@ class FusedAdamW(nn.Optimizer):
             True)
 
 
+class FusedAdamWGraph(FusedAdamW):
+    """:class:`FusedAdamW` with its graph-mode step: what ``FusedAdamW(...)`` builds when the
+    context is in graph mode (or with ``graph=True``). Same constructor, state layout described
+    in ``FusedAdamW._make_graph_state``; its ``construct`` is MindSpore ops only, so a training
+    cell can compile it into its graph."""
+
+    def construct(self, gradients):
+        """The step as MindSpore ops, compiled into the training graph (graph mode).
+
+        Per parameter, in place on its views into the regions: the fp32 weights (the parameter,
+        or the master of an fp16/bf16 one) decayed, ``w -= lr * wd * w``
+        (``ApplyGradientDescent``), then one ``ops.Adam`` (m, v and weights), then for fp16/bf16
+        the master written to the parameter once. Bias correction as in the PyNative step
+        (``_bias_terms``), with ``beta**t`` computed in the graph from ``global_step`` (in
+        float64 on CPU, as the host does; float32 on devices)."""
+        lrs = self.get_lr()
+        if self.bias_correction:
+            step = ops.cast(self.global_step, self._one.dtype) + self._one
+            beta1_power = ops.pow(self._beta1, step)
+            beta2_power = ops.pow(self._beta2, step)
+            eps = ops.cast(self._eps * ops.sqrt(self._one - beta2_power), ms.float32)
+            beta1_power = ops.cast(beta1_power, ms.float32)
+            beta2_power = ops.cast(beta2_power, ms.float32)
+        else:
+            beta1_power, beta2_power, eps = self._zero, self._zero, self._eps32
+        # hyper_map, not a Python loop: graph mode unrolls a loop into nested calls, over the
+        # call-depth limit at ~100 parameters
+        if self.is_group_lr:
+            updated = self.hyper_map(ops.partial(_graph_update, self._adam, self._decay, beta1_power, beta2_power,
+                                                 eps, self.beta1, self.beta2),
+                                     lrs, self._graph_wd, self._parameters, self._weights32, self.moments1,
+                                     self.moments2, gradients, self._graph_low)
+        else:
+            updated = self.hyper_map(ops.partial(_graph_update, self._adam, self._decay, beta1_power, beta2_power,
+                                                 eps, self.beta1, self.beta2, lrs),
+                                     self._graph_wd, self._parameters, self._weights32, self.moments1,
+                                     self.moments2, gradients, self._graph_low)
+        return ops.depend(self.assignadd(self.global_step, self.global_step_increase_tensor), updated)
+
+
 _graph_update = ops.MultitypeFuncGraph("fused_adamw_graph_update")
 
 
@@ -617,7 +641,7 @@ _graph_update = ops.MultitypeFuncGraph("fused_adamw_graph_update")
                         "Number", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Bool")
 def _graph_update_one(adam, decay, beta1_power, beta2_power, eps, beta1, beta2, lr, weight_decay, param,
                       weights, m, v, grad, low_precision):
-    """One parameter's graph-mode update (``FusedAdamW._graph_step``), in place: decay the
+    """One parameter's graph-mode update (``FusedAdamWGraph.construct``), in place: decay the
     float32 ``weights`` (the parameter, or its master), ``ops.Adam`` on weights, m, v; for a
     16-bit parameter, write the master into it once."""
     if low_precision:
