@@ -195,17 +195,32 @@ class PolicySummary:
                 "seeds": [r.to_dict() for r in self.seeds]}
 
 
+def _recipe_allocator(allocator) -> tuple[str, dict]:
+    """The model name and options of ``baseline`` and ``compact`` for a recipe's
+    ``memopt.allocator`` (recipe names use ``_``, model names ``-``).
+
+    ``increase_size``, ``pregrow`` and ``init_size`` set up MindSpore's pool and only reach its
+    models. ``pool`` (train in pool mode, for ``ms-memopt run``) simulates its baseline on
+    MindSpore's pool: pool mode itself is the ``pool`` policy, with regions from the plan."""
+    name = allocator.name.replace("_", "-")
+    if name == "pool":
+        name = "mindspore"
+    if name not in ("mindspore", "mindspore-bestfit"):
+        return name, {}
+    options = {"increase_size": allocator.increase_size}
+    if allocator.pregrow:
+        options["pregrow"] = True
+    elif allocator.init_size:
+        options["init_size"] = allocator.init_size
+    return name, options
+
+
 def config_from_recipe(recipe, **overrides) -> SimConfig:
     """The :class:`SimConfig` a recipe asks for (``memopt.scan_every``, ``compact_every``,
     ``watch``, ``allocator``; capacity = ``memopt.device.hbm``)."""
     mem = recipe.memopt
-    a = mem.allocator
-    options = {"increase_size": a.increase_size}
-    if a.pregrow:
-        options["pregrow"] = True
-    elif a.init_size:
-        options["init_size"] = a.init_size
-    cfg = SimConfig(steps=mem.workload.steps, capacity=recipe.capacity, allocator=a.name,
+    name, options = _recipe_allocator(mem.allocator)
+    cfg = SimConfig(steps=mem.workload.steps, capacity=recipe.capacity, allocator=name,
                     allocator_options=options, scan_every=mem.scan_every,
                     compact_every=mem.compact_every,
                     watch=dict(mem.watch) or {WATCH_TAG: 4_200_000_000}, seed=mem.workload.seed)
