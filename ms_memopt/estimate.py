@@ -39,7 +39,7 @@ __all__ = [
     "model_params", "stage_params", "stage_param_split", "StageParams", "in_flight_chunks", "logits_bytes",
     "routed_tokens", "alltoall_bytes", "routed_activation_bytes", "stage_moe_layers",
     "in_flight_micro_batches", "stage_activation_bytes", "recompute_group_bytes", "communication_bytes",
-    "FUSION_BUCKET",
+    "FUSION_BUCKET", "optimizer_shard_ways", "gathered_layer_bytes",
 ]
 
 #: the region names, in report order
@@ -613,12 +613,64 @@ def alltoall_bytes(recipe: Recipe, tokens: int | None = None) -> int:
     return 2 * copies * model.hidden_size * DTYPE_BYTES[model.compute_dtype]
 
 
+def optimizer_shard_ways(recipe: Recipe) -> tuple[int, int]:
+    """Over how many cards ZeRO / MindSpore's parallel optimizer shards one card's dense weights
+    and its routed-expert weights: ``(dense, experts)``.
+
+    A weight is sharded over its replicas. Dense weights are replicated over data parallel.
+    Routed experts: MindFormers 2.0.0's ``FFNGroupedGEMM.shard`` lays the expert weights out as
+    ``(ep, None)`` on the MoE device matrix ``(dp x tp / ep, ep)`` (``device_matrix.py``,
+    ``MoeLayoutManager.init_dp_cp_tp_ep_layout``): split by ``expert_parallel`` only, replicated
+    over ``data_parallel x model_parallel / expert_parallel``. ``optimizer_weight_shard_size``
+    caps the ways when it divides the replicas (MindSpore: otherwise it "will not be effective").
+
+    Example: DeepSeek-V3 671B (d 4, t 8, ep 32, shard size 256) -> ``(4, 1)``: its experts
+    have no replica to shard over.
+    """
+    par = recipe.parallel
+    size = par.optimizer_weight_shard_size
+
+    def capped(replicas: int) -> int:
+        return size if 0 < size < replicas and replicas % size == 0 else replicas
+    return capped(par.data_parallel), capped(max(1, par.data_parallel * par.model_parallel // par.expert_parallel))
+
+
+def gathered_layer_bytes(recipe: Recipe) -> int:
+    """What the parallel optimizer all-gathers to run the largest layer: the layer's sharded
+    weights whole again (0 without ``enable_parallel_optimizer``, or when nothing of the layer is
+    sharded). Under pipeline parallel MindSpore moves the all-gather after the weight's cast to
+    the compute dtype (``InsertAllGatherAfterCast`` in ``mindspore/ccsrc/frontend/parallel``), so the gathered copy
+    is 16-bit; without, it gathers the stored dtype and casts (both copies).
+
+    One layer at a time is a lower bound: with ``parallel_optimizer_comm_recompute`` False the
+    gathered weights stay for the backward.
+
+    Example: TeleChat3-105B's MoE layer (192 experts of 3 x 2560 x 1536, ep 1, replicas 32):
+    4.2 GiB in BF16.
+    """
+    par, model = recipe.parallel, recipe.model
+    if not par.enable_parallel_optimizer:
+        return 0
+    dense_ways, expert_ways = optimizer_shard_ways(recipe)
+    t, ep = par.model_parallel, par.expert_parallel
+    moe_layers = 0 if model.moe is None else model.moe.moe_layers_below(model.num_layers)
+    kinds = [_layer_split(model, False, t, ep)] if moe_layers < model.num_layers else []
+    if moe_layers:
+        kinds.append(_layer_split(model, True, t, ep))
+    most = max((dense if dense_ways > 1 else 0.0) + (experts if expert_ways > 1 else 0.0) for dense, experts in kinds)
+    width = DTYPE_BYTES[model.compute_dtype]
+    if par.pipeline_stage == 1 and DTYPE_BYTES[model.param_init_type] != width:
+        width += DTYPE_BYTES[model.param_init_type]
+    return int(round(most * width))
+
+
 def communication_bytes(recipe: Recipe, grad_bytes: int) -> dict[str, int]:
     """Communication buffers per card by kind; explicit ``memopt.communication`` values win.
 
     Defaults: with data parallel, one fused gradient bucket of MindSpore's 64 MB fusion
     threshold (no larger than the gradients): AllReduce without ZeRO, ReduceScatter + AllGather
-    with it; with pipeline parallel, send and receive buffers for one boundary activation in
+    with it (with MindSpore's parallel optimizer the AllGather holds at least one layer's
+    gathered weights, :func:`gathered_layer_bytes`); with pipeline parallel, send and receive buffers for one boundary activation in
     each direction (``4 sbh`` bytes, ``/t`` with sequence parallel); with MoE, the all-to-all
     buffers (:func:`alltoall_bytes`).
     """
@@ -631,7 +683,7 @@ def communication_bytes(recipe: Recipe, grad_bytes: int) -> dict[str, int]:
     defaults = {
         "allreduce_bucket": bucket if dp and mem.zero_stage == 0 else 0,
         "reduce_scatter_bucket": bucket if dp and mem.zero_stage >= 1 else 0,
-        "allgather_bucket": bucket if dp and mem.zero_stage >= 1 else 0,
+        "allgather_bucket": max(bucket if dp and mem.zero_stage >= 1 else 0, gathered_layer_bytes(recipe)),
         "p2p_buffers": 2 * boundary if par.pipeline_stage > 1 else 0,
         "alltoall_buffers": alltoall_bytes(recipe),
     }
@@ -731,17 +783,23 @@ def _stage_estimate(recipe: Recipe, stage: int, params: StageParams, checkpoint_
     model, par, mem = recipe.model, recipe.parallel, recipe.memopt
     d, z = par.data_parallel, mem.zero_stage
     # ZeRO shards a parameter over its replicas: dense weights over data parallel, routed
-    # experts over data_parallel x model_parallel / expert_parallel
-    expert_ways = max(1, d * par.model_parallel // par.expert_parallel)
+    # experts over data_parallel x model_parallel / expert_parallel (capped by
+    # optimizer_weight_shard_size): optimizer_shard_ways
+    dense_ways, expert_ways = optimizer_shard_ways(recipe)
 
     def sharded(per_param: float, stage_from: int) -> int:
-        return (_shard(params.dense * per_param, d, z >= stage_from)
+        return (_shard(params.dense * per_param, dense_ways, z >= stage_from)
                 + _shard(params.experts * per_param, expert_ways, z >= stage_from))
 
     p_dtype = model.param_init_type
-    # MindSpore's parallel optimizer stores the weights sharded too (gathered for the forward);
-    # its gradients are reduce-scattered to the shard, except the pipeline's accumulation
-    # buffer, which stays whole unless gradient_accumulation_shard
+    # MindSpore's parallel optimizer (level1) stores the weights sharded too, gathered for the
+    # forward (gathered_layer_bytes); its gradients are reduce-scattered to the shard, except
+    # the pipeline's accumulation buffer. That buffer is MindFormers' MFPipelineWithLossScaleCell
+    # accu_grads = optimizer.parameters.clone(init="zeros") (mindformers/wrapper/wrapper.py):
+    # one per parameter, in the parameter's dtype, and MindSpore's SetClonedTensorShapeForOptimizer
+    # (mindspore/ccsrc/frontend/parallel/parameter_manager.cc) gives "accu_grads" clones the
+    # parameter's model-parallel slice shape (whole over data parallel) unless
+    # grad_accumulation_shard (optimizer_level level2/level3), then the optimizer shard's shape
     po = par.enable_parallel_optimizer
     param_bytes = sharded(DTYPE_BYTES[p_dtype], 1 if po else 3)
     grads_split = po and (par.pipeline_stage == 1 or par.gradient_accumulation_shard)
@@ -767,6 +825,24 @@ def _stages(recipe: Recipe, checkpoint_every: int | None) -> list[StageEstimate]
     layers = recipe.stage_layers()
     return [_stage_estimate(recipe, i, p, checkpoint_every, layers[i])
             for i, p in enumerate(stage_param_split(recipe))]
+
+
+def _over_budget_notes(recipe: Recipe, stages: list[StageEstimate]) -> list[str]:
+    """Why a plan does not fit, when one of MindSpore's sharding switches explains it: the
+    pipeline's whole FP32 accumulation buffer, routed experts held whole on every card."""
+    par, model = recipe.parallel, recipe.model
+    worst = max(stages, key=lambda s: (s.total, -s.stage))
+    notes = []
+    if model.moe is not None and par.expert_parallel == 1:
+        notes.append(f"expert_parallel 1: every card holds all {model.moe.num_experts} routed experts of its layers "
+                     f"(MindFormers shards expert weights by expert_parallel only)")
+    if par.enable_parallel_optimizer and par.pipeline_stage > 1 and not par.gradient_accumulation_shard:
+        sharded = dataclasses.replace(recipe, parallel=dataclasses.replace(par, gradient_accumulation_shard=True))
+        alt = max(s.total for s in _stages(sharded, recipe.memopt.checkpoint_every))
+        notes.append(f"gradients: the pipeline's accumulation buffer (accu_grads, {worst.regions['gradients'] / 2**30:.1f} "
+                     f"GiB on stage {worst.stage}) is whole over data parallel with "
+                     f"gradient_accumulation_shard False; with True the worst stage is {alt / 2**30:.1f} GiB")
+    return notes
 
 
 def estimate(recipe: Recipe) -> Estimate:
@@ -813,6 +889,8 @@ def estimate(recipe: Recipe) -> Estimate:
                 notes.append(NOTHING_FITS + " (1 .. the layers on a stage): add parallelism or ZeRO sharding")
     else:
         notes.append("no capacity: set memopt.device.hbm or context.max_device_memory")
+    if capacity is not None and max(s.total for s in stages) > capacity:
+        notes.extend(_over_budget_notes(recipe, stages))
     if recipe.memopt.params is not None:
         notes.append(f"parameter count set by memopt.params ({recipe.memopt.params}); "
                      f"the shapes give {model_params(recipe.model)}")

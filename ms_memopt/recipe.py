@@ -163,7 +163,14 @@ class ParallelConfig:
     vocab_emb_dp: bool = True
     enable_parallel_optimizer: bool = False
     expert_parallel: int = 1
-    gradient_accumulation_shard: bool = False   # parallel.parallel_optimizer_config (MindFormers' default)
+    # parallel.parallel_optimizer_config: MindSpore 2.10's context starts with
+    # grad_accumulation_shard False (its reset() docstring says True; the running context says
+    # False), and MindFormers' TrainingArguments default it to False too; optimizer_level
+    # "level2"/"level3" turns it on
+    gradient_accumulation_shard: bool = False
+    # how many replicas of a weight the parallel optimizer shards it over: -1 = all of them
+    # (parallel_optimizer_config.optimizer_weight_shard_size, MindSpore's default -1)
+    optimizer_weight_shard_size: int = -1
 
     @property
     def cards(self) -> int:
@@ -788,6 +795,12 @@ def _read_parallel(r: _Reader, data: dict) -> tuple[ParallelConfig, int | None]:
         r.typos(pc, "parallel_config", _SECTION_KEYS["parallel_config"])
         r.typos(par, "parallel", _SECTION_KEYS["parallel"])
     pos = r.integer(minimum=1)
+    poc = r.section(par, "parallel_optimizer_config", "parallel.parallel_optimizer_config")
+    poc_path = "parallel.parallel_optimizer_config"
+    # MindSpore's set_parallel_optimizer_config: level2 shards the gradients (the accumulation
+    # buffer) too, level3 also the weights again before the backward
+    level = r.get(poc, "optimizer_level", f"{poc_path}.optimizer_level", r.choice("level1", "level2", "level3"),
+                  "level1")
     config = ParallelConfig(
         data_parallel=r.get(pc, "data_parallel", f"{p}.data_parallel", pos, 1),
         model_parallel=r.get(pc, "model_parallel", f"{p}.model_parallel", pos, 1),
@@ -798,12 +811,24 @@ def _read_parallel(r: _Reader, data: dict) -> tuple[ParallelConfig, int | None]:
         enable_parallel_optimizer=r.get(par, "enable_parallel_optimizer",
                                         "parallel.enable_parallel_optimizer", r.boolean, False),
         expert_parallel=r.get(pc, "expert_parallel", f"{p}.expert_parallel", pos, 1),
-        gradient_accumulation_shard=r.get(
-            r.section(par, "parallel_optimizer_config", "parallel.parallel_optimizer_config"),
-            "gradient_accumulation_shard", "parallel.parallel_optimizer_config.gradient_accumulation_shard",
-            r.boolean, False),
+        gradient_accumulation_shard=r.get(poc, "gradient_accumulation_shard",
+                                          f"{poc_path}.gradient_accumulation_shard", r.boolean, False)
+        or level in ("level2", "level3"),
+        optimizer_weight_shard_size=r.get(poc, "optimizer_weight_shard_size", f"{poc_path}.optimizer_weight_shard_size",
+                                          _shard_size(r), -1),
     )
     return config, par.get("__zero_stage__")
+
+
+def _shard_size(r: _Reader) -> Callable[[Any, str], int]:
+    """``optimizer_weight_shard_size``: a positive integer or -1 (all replicas)."""
+    positive = r.integer(minimum=1)
+
+    def conv(value: Any, path: str) -> int:
+        if value == -1 and not isinstance(value, bool):
+            return -1
+        return positive(value, path)
+    return conv
 
 
 def _read_recompute(r: _Reader, data: dict, stages: int) -> RecomputeConfig:
@@ -1034,8 +1059,9 @@ def _check_consistency(r: _Reader, recipe: Recipe) -> Recipe:
     elif model.num_layers % (pp * model.pp_interleave_num) and pp * model.pp_interleave_num > 1:
         remainder = model.num_layers % (pp * model.pp_interleave_num)
         recipe = dataclasses.replace(recipe, notes=recipe.notes + (
-            f"no offset: MindFormers asks for offsets summing to num_layers % (stages x chunks) = {remainder}; "
-            f"planned with one more layer on each of the last {remainder} (virtual) stages",))
+            f"offset 0 (or none) with num_layers % (stages x chunks) = {remainder}: MindFormers 2.0.0 refuses "
+            f"this (its LayerSetting asks for offsets summing to {remainder}); planned with one more layer on "
+            f"each of the last {remainder} (virtual) stages",))
     moe = model.moe
     if moe is not None:
         ep = par.expert_parallel

@@ -60,7 +60,15 @@ def record_mark(tag: str) -> None:
     """Under ``ms-memopt record``, put a ``mark`` event (``tag``) into the recording here, e.g.
     around a compaction; does nothing otherwise."""
     if _RECORDING:
-        print(f"{RECORD_MARK} {tag}", file=sys.stderr, flush=True)
+        _write_record_line(f"{RECORD_MARK} {tag}")
+
+
+def _write_record_line(text: str) -> None:
+    """``text`` and its newline in one write(2) to stderr. ``print`` issues two writes, and the
+    pool's C++ log lines (other threads, same fd) landed between them: the marker was glued to
+    the front of a pool line. One write of under PIPE_BUF bytes is never split on a pipe."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (text + "\n").encode())
 
 logger = logging.getLogger("ms_memopt.scan")
 
@@ -364,7 +372,7 @@ class Scanner:
         Never raises for a failing source: the failure is logged once and the source skipped.
         """
         if _RECORDING:   # under `ms-memopt record`: a step event in the recorded pool log
-            print(f"{RECORD_STEP} {step}", file=sys.stderr, flush=True)
+            _write_record_line(f"{RECORD_STEP} {step}")
         try:
             if not force and not self.due(step):
                 return None

@@ -195,17 +195,32 @@ class PolicySummary:
                 "seeds": [r.to_dict() for r in self.seeds]}
 
 
+def _recipe_allocator(allocator) -> tuple[str, dict]:
+    """The model name and options of ``baseline`` and ``compact`` for a recipe's
+    ``memopt.allocator`` (recipe names use ``_``, model names ``-``).
+
+    ``increase_size``, ``pregrow`` and ``init_size`` set up MindSpore's pool and only reach its
+    models. ``pool`` (train in pool mode, for ``ms-memopt run``) simulates its baseline on
+    MindSpore's pool: pool mode itself is the ``pool`` policy, with regions from the plan."""
+    name = allocator.name.replace("_", "-")
+    if name == "pool":
+        name = "mindspore"
+    if name not in ("mindspore", "mindspore-bestfit"):
+        return name, {}
+    options = {"increase_size": allocator.increase_size}
+    if allocator.pregrow:
+        options["pregrow"] = True
+    elif allocator.init_size:
+        options["init_size"] = allocator.init_size
+    return name, options
+
+
 def config_from_recipe(recipe, **overrides) -> SimConfig:
     """The :class:`SimConfig` a recipe asks for (``memopt.scan_every``, ``compact_every``,
     ``watch``, ``allocator``; capacity = ``memopt.device.hbm``)."""
     mem = recipe.memopt
-    a = mem.allocator
-    options = {"increase_size": a.increase_size}
-    if a.pregrow:
-        options["pregrow"] = True
-    elif a.init_size:
-        options["init_size"] = a.init_size
-    cfg = SimConfig(steps=mem.workload.steps, capacity=recipe.capacity, allocator=a.name,
+    name, options = _recipe_allocator(mem.allocator)
+    cfg = SimConfig(steps=mem.workload.steps, capacity=recipe.capacity, allocator=name,
                     allocator_options=options, scan_every=mem.scan_every,
                     compact_every=mem.compact_every,
                     watch=dict(mem.watch) or {WATCH_TAG: 4_200_000_000}, seed=mem.workload.seed)
@@ -338,8 +353,9 @@ class _Run:
         self.dead = False
         self.seconds = 0.0
 
-    def feed(self, step: int, batch: list) -> bool:
-        """Run one step's events; ``False`` once the job has died (OOM)."""
+    def feed(self, step: int, batch: list[tuple]) -> bool:
+        """Run one step's events, as rows (:meth:`StepWorkload.step_rows`: ``Event(*row)`` is
+        the event; no object per event); ``False`` once the job has died (OOM)."""
         if self.dead:
             return False
         started = time.perf_counter()
@@ -356,19 +372,19 @@ class _Run:
         index, count = 0, len(batch)
         while index < count:
             if fast_run is not None:
-                index, _, _, _, oom = fast_run(batch, index, count, addr_of, watch, False)
+                # forget: a pool-mode cache eviction drops its tensors from addr_of (as _forget)
+                index, _, _, _, oom = fast_run(batch, index, count, addr_of, watch, False, True)
                 if oom:
-                    self._fail(batch[index], step)
+                    self._fail(Event(*batch[index]), step)
                     break
                 if index == count:
                     break
-            event = batch[index]
+            row = batch[index]
             index += 1
-            action = event.action
+            action, tid, size, _, _, pool, _, tag, _ = row
             if action == "alloc":
-                tag = event.tag
                 if tag in watch:
-                    extra = {"tag": tag, "size": event.size}
+                    extra = {"tag": tag, "size": size}
                     if region_metrics is not None:
                         extra["region_frag"] = _note_regions(result, region_metrics())
                     lf = model.largest_free()
@@ -378,33 +394,31 @@ class _Run:
                     if self.forecaster is not None:
                         self.forecaster.add(step, lf)
                     if on_watch is not None:
-                        on_watch(WatchPoint(result.policy, result.seed, step, "watch", event, model, self))
-                addr = malloc(event.size, pool=event.pool, tag=tag)
+                        on_watch(WatchPoint(result.policy, result.seed, step, "watch", Event(*row), model, self))
+                addr = malloc(size, pool=pool, tag=tag)
                 if addr is None:
-                    self._fail(event, step)
+                    self._fail(Event(*row), step)
                     break
                 if drain is not None:
                     gone = drain()
                     if gone:
                         self._forget(gone, step)
-                addr_of[event.id] = addr
+                addr_of[tid] = addr
                 if tag_of is not None:
-                    tag_of[event.id] = tag
+                    tag_of[tid] = tag
                 if record is not None:
-                    self.size_of[event.id] = event.size
-                    record.append(Event("alloc", id=event.id, size=event.size, addr=addr, pool=event.pool,
-                                        tag=tag, step=step))
+                    self.size_of[tid] = size
+                    record.append(Event("alloc", id=tid, size=size, addr=addr, pool=pool, tag=tag, step=step))
             elif action == "free":
-                addr = addr_of.pop(event.id, None)
+                addr = addr_of.pop(tid, None)
                 if addr is not None:
                     free(addr)
                     if tag_of is not None:
-                        tag_of.pop(event.id, None)
+                        tag_of.pop(tid, None)
                     if record is not None:
-                        record.append(Event("free", id=event.id, size=self.size_of.pop(event.id, event.size),
-                                            addr=addr, step=step))
-            elif action == "mark" and event.tag != "optimizer_end":
-                note_mark(event.tag, event.size)
+                        record.append(Event("free", id=tid, size=self.size_of.pop(tid, size), addr=addr, step=step))
+            elif action == "mark" and tag != "optimizer_end":
+                note_mark(tag, size)
             elif action == "mark":
                 scan = cfg.scan_every and step % cfg.scan_every == 0
                 forecaster = self.forecaster
@@ -500,14 +514,14 @@ def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig,
     runs = [_Run(spec, policy, cfg, seed, timeline, on_watch, placed.get(policy)) for policy in policies]
     gen = StepWorkload(spec, seed)
     started = time.perf_counter()
-    batch = gen.prologue()
+    batch = gen.prologue_rows()
     generation = time.perf_counter() - started
     alive = [run for run in runs if run.feed(0, batch)]
     for step in range(1, cfg.steps + 1):
         if not alive:
             break
         started = time.perf_counter()
-        batch = gen.step(step)
+        batch = gen.step_rows(step)
         generation += time.perf_counter() - started
         alive = [run for run in alive if run.feed(step, batch)]
         if on_step is not None:

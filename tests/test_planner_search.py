@@ -98,6 +98,45 @@ def test_symmetry_rules_keep_the_search_exact(buffers, prefer):
     assert search_place(buffers, optimum - 1, prefer=prefer).exhausted
 
 
+@st.composite
+def decomposing_instances(draw):
+    """Short buffers in a few time windows bridged by longer ones: once the bridges are placed,
+    the windows are independent parts, each searched with its own ranking."""
+    n = draw(st.integers(3, 7))
+    result = []
+    for i in range(n):
+        if draw(st.booleans()):  # inside one window [4w, 4w + 4)
+            window = 4 * draw(st.integers(0, 2))
+            lower = window + draw(st.integers(0, 2))
+            upper = draw(st.integers(lower + 1, window + 4))
+        else:  # a bridge across window boundaries
+            lower = draw(st.integers(0, 6))
+            upper = draw(st.integers(lower + 3, 12))
+        result.append(Buffer(f"b{i}", lower, upper, draw(st.integers(1, 6))))
+    return result
+
+
+@given(decomposing_instances(), st.sampled_from(sorted(PREORDERS)), st.sampled_from(["python", "auto"]))
+@settings(max_examples=120, deadline=None)
+def test_parts_ranked_by_their_own_live_totals_keep_the_search_exact(buffers, prefer, engine):
+    # each decomposed part is re-ranked by the unplaced bytes of its sections at that moment;
+    # the optimum must still be found and one byte less still proven impossible
+    optimum = _optimum_by_permutations(buffers)
+    found = search_place(buffers, optimum, prefer=prefer, engine=engine)
+    assert found.offsets is not None and validate(buffers, found.offsets, capacity=optimum) == []
+    assert search_place(buffers, optimum - 1, prefer=prefer, engine=engine).exhausted
+
+
+@given(decomposing_instances(), st.integers(0, 4), st.sampled_from(sorted(PREORDERS)))
+@settings(max_examples=80, deadline=None)
+def test_native_and_python_agree_on_decomposing_instances(buffers, slack, prefer):
+    _native_or_skip()
+    capacity = lower_bound(buffers) + slack
+    python = search_place(buffers, capacity, prefer=prefer, engine="python")
+    native = search_place(buffers, capacity, prefer=prefer, engine="native")
+    assert (python.offsets, python.exhausted, python.nodes) == (native.offsets, native.exhausted, native.nodes)
+
+
 # ---------------------------------------------------------------- generated strips
 
 def test_cut_strip_is_a_valid_packing_with_the_challenging_sets_grain():
@@ -143,6 +182,20 @@ def test_stalled_search_stops_long_before_the_time_limit():
         assert solution.stopped == "stalled" and solution.seconds < 300
         assert solution.gap == pytest.approx(solution.arena / solution.best_bound - 1)
         assert solution.gap > 0
+
+
+def test_pack_reports_when_the_capacity_was_first_met(tmp_path, capsys):
+    inst = cut_strip(seed=2, pieces=100)
+    solution = pack(inst.buffers, capacity=inst.capacity, time_limit=120)
+    assert solution.fits and 0 <= solution.fit_seconds <= solution.seconds
+    assert pack(inst.buffers, time_limit=1).fit_seconds is None  # no capacity asked for
+    loose = pack(inst.buffers, capacity=10 * inst.capacity, time_limit=5)
+    assert loose.fits and loose.fit_seconds <= loose.seconds  # greedy already fits
+    path = tmp_path / "strip.csv"
+    write_instance(inst.buffers, path)
+    assert main(["pack", str(path), "--capacity", str(inst.capacity), "--json", "--no-progress"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] and report["fit_seconds"] <= report["seconds"]
 
 
 def test_solution_reports_its_gap_and_why_it_stopped():

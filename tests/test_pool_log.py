@@ -130,6 +130,27 @@ def test_step_and_mark_lines_become_events():
                                                            ("step", 13, None)]
 
 
+def test_a_marker_glued_to_the_front_of_a_pool_line_gives_both_events():
+    # seen in a live recording: the marker's newline came after a pool line another thread wrote
+    parser = PoolLogParser()
+    events = list(parser.feed_all(["ms-memopt step 3" + _alloc_line(0x1000, 512, 512),
+                                   "ms-memopt mark compaction_begin" + _free_line(0x1000, 0),
+                                   "ms-memopt step 4"]))
+    assert [(e.action, e.step, e.tag) for e in events if e.action != "segment_alloc"] == [
+        ("step", 3, None), ("alloc", None, None), ("mark", None, "compaction_begin"), ("free", None, None),
+        ("step", 4, None)]
+    assert parser.counts.skipped_lines == 0 and parser.counts.pool_lines == 2
+
+
+def test_record_markers_are_one_write_each(monkeypatch):
+    import ms_memopt.scan as scan
+    writes = []
+    monkeypatch.setattr(scan, "_RECORDING", True)
+    monkeypatch.setattr(scan.os, "write", lambda fd, data: writes.append(data) or len(data))
+    scan.record_mark("compaction_begin")
+    assert writes == [b"ms-memopt mark compaction_begin\n"]
+
+
 def test_a_lost_free_is_inferred_before_the_address_is_reused():
     parser = PoolLogParser()
     events = list(parser.feed_all([_alloc_line(0x1010, 512, 512), _alloc_line(0x1010, 512, 512)]))
@@ -203,3 +224,10 @@ def test_ascend_enhanced_pool_lines(tmp_path):
     assert default_allocator(trace) == "mindspore"
     result = replay(trace, create("mindspore"))
     assert result.address_match == 1.0 and result.final_layout_match is True
+
+
+def test_a_digit_run_longer_than_any_64_bit_number_is_a_skipped_line():
+    # int() of thousands of digits raises ValueError (CPython's int_max_str_digits): never reached
+    parser = PoolLogParser()
+    assert parser.feed(_alloc_line(0x1000, 512, 512).replace("size:512B", "size:" + "9" * 5000 + "B")) == []
+    assert parser.counts.skipped_lines == 1

@@ -279,6 +279,9 @@ def test_pool_debug_dump_older_allocator_text_and_eager_free(tmp_path):
     (('"addr_":0x12c140000000,"size_":4194304', '"addr_":0x13c140000000,"size_":4194304'), "lies in no mem block"),
     (("stream id : 1, is persistent : 0\n", "what is this\n"), "unexpected line"),
     (("status_\":used,", "status_\":lost,"), "status_"),
+    # a digit run longer than any 64-bit number: int() of it would raise ValueError (found by the fuzz test)
+    (("is persistent : 0, stream id : 1,", "is persistent : 0, stream id : " + "9" * 5000 + ","), "stream id"),
+    (('"size_":4194304,"stream_id_":1', '"size_":' + "4" * 5000 + ',"stream_id_":1'), "expected a mem buf line"),
 ])
 def test_pool_debug_dump_errors(tmp_path, edit, message):
     text = (DATA / "MemoryDebugInfo0.txt").read_text().replace(*edit, 1)

@@ -381,3 +381,39 @@ def test_timeline_reader_drops_a_torn_line_and_names_a_bad_one(tmp_path):
     path.write_text(good + '{"policy":"baseline","step":3,"kind":"scan"}\n')
     with pytest.raises(InputError, match="timeline.jsonl:2.*free_total"):
         _rows(path)
+
+
+@pytest.mark.parametrize("name, model", [("mindspore", "mindspore"), ("mindspore_vmm", "mindspore-vmm"),
+                                         ("torch", "torch"), ("torch_expandable", "torch-expandable"),
+                                         ("pool", "mindspore")])
+def test_every_recipe_allocator_name_simulates(tmp_path, name, model):
+    """Recipe names use ``_``; the MindSpore pool's set-up keys reach only MindSpore's models;
+    ``pool`` (pool-mode training for ``run``) simulates its baseline on MindSpore's pool."""
+    if not RECIPE.exists():
+        pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
+    from ms_memopt.recipe import load_recipe
+    from ms_memopt.simulate import config_from_recipe
+    from ms_memopt.workload import spec_from_recipe
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(RECIPE.read_text().replace("    name: mindspore\n", f"    name: {name}\n", 1))
+    recipe = load_recipe(path)
+    cfg = config_from_recipe(recipe, steps=3)
+    assert cfg.allocator == model
+    assert ("increase_size" in cfg.allocator_options) == (model == "mindspore")
+    out = simulate(spec_from_recipe(recipe), cfg, seeds=[0])
+    assert all(s.seeds[0].oom_step is None for s in out.values())
+
+
+@pytest.mark.parametrize("args, key, text", [
+    (["--allocator", "pool"], "--allocator", "--policy pool"),
+    (["--allocator", "torch", "--allocator-option", "bogus=1"], "--allocator-option", "max_split_size_mb"),
+])
+def test_cli_bad_allocator_choice_exits_2(capsys, args, key, text):
+    if not RECIPE.exists():
+        pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
+    from ms_memopt.cli import main
+
+    assert main(["simulate", str(RECIPE), "--steps", "2", "--ranks", "1", *args]) == 2
+    err = capsys.readouterr().err
+    assert key in err and text in err and "Traceback" not in err

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import inspect
 
 from ..errors import InputError
 from .base import AllocatorModel, OOMRecord
@@ -45,9 +46,23 @@ def create(name: str, capacity: int | None = None, *, fast: bool | None = None, 
     options and it is built; ``False`` the pure-Python reference; ``True`` insists on the fast path.
 
     Raises:
-        InputError: unknown model name; ``fast=True`` and no fast path.
+        InputError: unknown model name; an option the model does not take; ``fast=True`` and
+            no fast path.
     """
-    return model_class(name, fast=fast, options=options)(capacity=capacity, **options)
+    cls = model_class(name, fast=fast, options=options)
+    _check_options(name, options)
+    return cls(capacity=capacity, **options)
+
+
+def _check_options(name: str, options: dict) -> None:
+    """An unknown option names the model's own (its reference class's keyword arguments)."""
+    module_name, class_name = MODELS[name]
+    accepted = [p for p in inspect.signature(getattr(importlib.import_module(module_name), class_name)).parameters
+                if p not in ("self", "capacity")]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise InputError(f"allocator {name!r} takes no option {unknown[0]!r}; its options: "
+                         f"{', '.join(accepted) or 'none'}", key="--allocator-option")
 
 
 def model_class(name: str, *, fast: bool | None = None, options: dict | None = None) -> type[AllocatorModel]:

@@ -12,7 +12,8 @@ region            holds (tags)                                         policy in
 ``activations``   saved activations, checkpoint inputs, recomputes     ring of chunks, one per
                                                                        micro-batch, each filled
                                                                        from its top down
-``communication`` AllReduce / ReduceScatter buckets, P2P buffers        best fit (the arena)
+``communication`` AllReduce / ReduceScatter buckets, P2P buffers,       best fit (the arena)
+                  MoE all-to-all buffers
 ``workspace``     op workspaces, weight gradients, optimizer temps,    best fit
                   evaluation, checkpoint staging, logging
 ``workspace.cache`` per-shape cached tensors                           FIFO ring; when full the
@@ -44,7 +45,7 @@ from ..layout import Block, Layout, Segment
 from ..metrics import frag_ratio
 from .base import AllocatorModel
 
-__all__ = ["REGION_OF_TAG", "PoolModeAllocator", "region_sizes_for_workload"]
+__all__ = ["REGION_OF_TAG", "PoolModeAllocator", "region_sizes_for_workload", "moe_load_headroom"]
 
 _ALIGN = 512
 _SHIFT = 64
@@ -58,7 +59,7 @@ REGION_OF_TAG = {
     "optimizer": "optimizer",
     "activation": "activations", "checkpoint_input": "activations", "recompute": "activations",
     "allreduce": "communication", "reduce_scatter": "communication", "allgather": "communication",
-    "p2p": "communication",
+    "p2p": "communication", "alltoall": "communication",
     "shape_cache": "workspace.cache",
 }
 _RING = {"activations"}
@@ -257,7 +258,9 @@ class PoolModeAllocator(AllocatorModel):
     """
 
     name = "pool"
-    #: the region type (ms_memopt.allocators.fast has a compiled one with the same methods)
+    #: the region type (ms_memopt.allocators.fast has a compiled one with the same methods;
+    #: its FastPoolModeAllocator repeats :meth:`malloc` and :meth:`free` in C, so a change of
+    #: their rules goes to _fastpool.c too: tests/test_fastpool.py fails until it does)
     region_class = _Region
 
     @staticmethod
@@ -397,12 +400,36 @@ def _region_sizes(regions) -> dict[str, int]:
     return {str(r.name): int(r.size) for r in items}
 
 
+def moe_load_headroom(spec, samples: int = 1) -> float:
+    """The routed load (relative to the balanced load, 1) a region must hold for ``samples``
+    MoE layer passes at once: their mean plus four standard deviations of their sum, capped at
+    every token coming to this card (``E / L``). One pass's load is the workload's
+    ``Beta(a L, a (E - L)) x E / L`` (``a = 1 / moe_load_cv^2``), whose coefficient of variation
+    is ``sqrt((E - L) / (L (a E + 1)))``; ``samples`` independent passes add up to
+    ``samples + 4 cv sqrt(samples)``.
+
+    Example: 4 of 16 experts per card, cv 0.2: one pass's load varies by 8.7%, so 1.35.
+        >>> from types import SimpleNamespace as S
+        >>> round(moe_load_headroom(S(moe_experts=16, moe_local_experts=4, moe_load_cv=0.2)), 2)
+        1.35
+    """
+    experts, local = max(spec.moe_experts, spec.moe_local_experts), max(1, spec.moe_local_experts)
+    if spec.moe_load_cv <= 0 or experts <= local:
+        return float(samples)
+    a = 1.0 / spec.moe_load_cv ** 2
+    cv = ((experts - local) / (local * (a * experts + 1))) ** 0.5
+    return min(samples + 4 * cv * samples ** 0.5, samples * experts / local)
+
+
 def region_sizes_for_workload(spec, capacity: int | None = None) -> dict[str, int]:
     """Region sizes (bytes) for one card's workload: parameters and optimizer exactly; the
     activation ring for ``in_flight + 1`` micro-batches at ``seq_max`` plus two layers of slack;
-    the communication arena for the AllReduce buffer, the buckets and four P2P buffers; the
-    workspace for the largest transient set (backward workspaces + weight gradient, or the
-    optimizer's two FP32 temporaries) plus the extra allocations, with 25% slack; the cache
+    the communication arena for the AllReduce buffer, the buckets, four P2P buffers and, with
+    MoE, the all-to-all dispatch and combine buffers sized by the routed tokens at the load
+    :func:`moe_load_headroom` allows; the workspace for the largest transient set (backward
+    workspaces + weight gradient, or the optimizer's two FP32 temporaries) plus the routed
+    expert activations (kept for the backward by every in-flight micro-batch's MoE layers
+    without recompute, one layer's with) and the extra allocations, with 25% slack; the cache
     what is left of ``capacity`` up to 2 GiB (at least 64 shapes' worth).
     """
     scale = spec.seq_max / spec.seq_length if spec.seq_max else 1.0
@@ -418,13 +445,22 @@ def region_sizes_for_workload(spec, capacity: int | None = None) -> dict[str, in
     workspace_set = spec.workspace_bytes * scale + spec.param_bytes / spec.layers
     optimizer_temps = 2 * (spec.param_bytes * 2 / max(1, spec.optimizer_groups))
     extras = spec.extra_size * (spec.extra_lifetime_steps + 1) if spec.extra_probability else 0
+    moe_passes = len(spec.moe_layers)
+    alltoall = routed = 0.0
+    if moe_passes and (spec.alltoall_bytes or spec.expert_activation_bytes):
+        # the two buffers of one pass (dispatch receive, combine) live together; without
+        # recompute every in-flight micro-batch keeps each MoE layer's routed activations
+        alltoall = spec.alltoall_bytes * scale * moe_load_headroom(spec)
+        kept = (spec.in_flight + 1) * moe_passes if not spec.recompute_every else 1
+        routed = spec.expert_activation_bytes * scale * moe_load_headroom(spec, kept)
     sizes = {
         "parameters": spec.param_bytes + spec.layers * _ALIGN,
         "gradients": spec.grad_bytes + spec.layers * _ALIGN,
         "optimizer": spec.optimizer_bytes + spec.layers * _ALIGN,
         "activations": int(ring * 1.02),
-        "communication": int(spec.allreduce_bytes + spec.buckets * spec.bucket_bytes + 4 * spec.p2p_bytes * scale) + 2**20,
-        "workspace": int((max(workspace_set, optimizer_temps) + extras) * 1.25),
+        "communication": int(spec.allreduce_bytes + spec.buckets * spec.bucket_bytes + 4 * spec.p2p_bytes * scale
+                             + alltoall) + 2**20,
+        "workspace": int((max(workspace_set, optimizer_temps) + routed + extras) * 1.25),
     }
     floor = 64 * spec.cache_bytes_per_shape
     sizes = {k: (v + _ALIGN - 1) // _ALIGN * _ALIGN for k, v in sizes.items()}

@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         "stopped": solution.stopped,
         "method": solution.method,
         "seconds": round(solution.seconds, 3),
+        "fit_seconds": None if solution.fit_seconds is None else round(solution.fit_seconds, 3),
     }
     if args.out:
         report["out"] = str(args.out)
@@ -134,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
             ("ratio", f"{solution.ratio:.6f}" + ("  (optimal)" if solution.optimal else "")),
             ("optimal", _optimality(solution)),
             ("capacity", "-" if capacity is None else
-             f"{capacity} B ({format_size(capacity)}): {'fits' if solution.fits else 'DOES NOT FIT'}"),
+             f"{capacity} B ({format_size(capacity)}): " +
+             (f"fits (first fit after {solution.fit_seconds:.3f} s)" if solution.fits else "DOES NOT FIT")),
             ("valid", "yes (no overlap in time x address)" if solution.valid else
              "NO: " + "; ".join(solution.problems[:3])),
             ("method", solution.method + (f" (stopped: {solution.stopped})" if solution.stopped else "")),

@@ -143,6 +143,9 @@ def configure_job(job, recipe, args):
 
     cfg = job.cfg
     if args.allocator:
+        if args.allocator == "pool":
+            raise InputError("pool mode is the `pool` policy, with regions from the plan: use --policy pool; "
+                             "--allocator names the model of baseline and compact", key="--allocator")
         if args.allocator not in MODELS:
             raise InputError(f"unknown allocator {args.allocator!r}; expected one of {', '.join(MODELS)}",
                              key="--allocator")

@@ -53,8 +53,10 @@ _NODE_LIMIT_GROWTH = 2
 class _Best:
     """The best verified placement so far, the best proven lower bound, and the progress bar."""
 
-    def __init__(self, buffers: list[Buffer], bound: int) -> None:
+    def __init__(self, buffers: list[Buffer], bound: int, capacity: int | None = None) -> None:
         self.buffers = buffers
+        self.capacity = capacity
+        self.fit_at: float | None = None  # perf_counter() when a placement first fit the capacity
         self.offsets: dict[str, int] | None = None
         self.arena: int | None = None
         self.method = ""
@@ -97,6 +99,8 @@ class _Best:
                           RuntimeWarning, stacklevel=3)
             return False
         self.offsets, self.arena, self.method = offsets, arena, method
+        if self.fit_at is None and self.capacity is not None and arena <= self.capacity:
+            self.fit_at = time.perf_counter()
         self._progressed()
         return True
 
@@ -142,7 +146,7 @@ def pack(buffers: Iterable[Buffer], capacity: int | None = None, time_limit: flo
     greedy_until = started + limit * _GREEDY_SHARE
     bound = lower_bound(items)
     goal = max(bound, int(bound * (1.0 + gap)))
-    best = _Best(items, bound)
+    best = _Best(items, bound, capacity)
     bar = tqdm(total=round(limit, 1), unit="s", delay=1.0, disable=not progress, leave=False,
                desc="pack", bar_format="{desc}: {n:.1f}/{total:.1f} s |{bar}|{postfix}")
     best.bar = bar
@@ -171,7 +175,8 @@ def pack(buffers: Iterable[Buffer], capacity: int | None = None, time_limit: flo
     return Solution(offsets=best.offsets, arena=best.arena, lower_bound=bound, ratio=ratio,
                     valid=not problems, seconds=seconds, method=best.method,
                     optimal=best.arena <= best.proven, capacity=capacity, problems=problems,
-                    proven_bound=best.proven, stopped=stop)
+                    proven_bound=best.proven, stopped=stop,
+                    fit_seconds=None if best.fit_at is None else best.fit_at - started)
 
 
 def _seconds(value: float | None, default: float, name: str) -> float:

@@ -45,7 +45,7 @@ def library() -> ctypes.CDLL | None:
         return None
     function = lib.ms_memopt_search
     pointer = ctypes.c_void_p
-    function.argtypes = [ctypes.c_int64] * 3 + [pointer] * 14 + [ctypes.c_int64, ctypes.c_double, pointer]
+    function.argtypes = [ctypes.c_int64] * 3 + [pointer] * 17 + [ctypes.c_int64, ctypes.c_double, pointer]
     function.restype = ctypes.c_int
     _loaded = lib
     return lib

@@ -14,7 +14,12 @@ enum { FOUND = 0, NONE = 1, ABORT = 2 };
 
 typedef struct {
     int64_t n, count, capacity;
-    const int64_t *first, *last, *size, *rank;
+    const int64_t *first, *last, *size;
+    int64_t *rank;                      /* preorder rank; re-ranked inside each decomposed part */
+    const int64_t *area, *width;        /* preorder keys besides the live total */
+    char prefer[3];                     /* the preorder's letters, e.g. "TAW" */
+    int64_t *epoch;                     /* per placed buffer: the part (ranking) it was placed in */
+    int64_t cur_epoch, epochs;
     const int64_t *twin;                /* same lifetime and size, just before by rank; or -1 */
     const int64_t *kin_ptr, *kin;       /* the other buffers of the same lifetime */
     const int64_t *ov_ptr, *ov_idx;     /* overlaps: buffers alive at a common time */
@@ -44,6 +49,52 @@ static int compare_keys(const void *pa, const void *pb) {
     return 0;
 }
 
+/* preorder key of one buffer, for rank_part: smaller first */
+typedef struct { int64_t key[3], buffer; } Pre;
+
+static int compare_pre(const void *pa, const void *pb) {
+    const Pre *a = (const Pre *)pa, *b = (const Pre *)pb;
+    for (int k = 0; k < 3; ++k) {
+        if (a->key[k] != b->key[k]) return a->key[k] < b->key[k] ? -1 : 1;
+    }
+    return a->buffer < b->buffer ? -1 : (a->buffer > b->buffer);
+}
+
+/* Rank the buffers of a part by the preorder with the live totals as they are now (the
+ * reference: _Solver._rank_part); the old ranks go to saved. */
+static void rank_part(Solver *s, const int64_t *inside, int64_t count, int64_t *saved) {
+    Pre *pre = (Pre *)malloc(sizeof(Pre) * (size_t)(count > 0 ? count : 1));
+    for (int64_t j = 0; j < count; ++j) {
+        const int64_t v = inside[j];
+        int64_t total = 0;
+        for (int64_t t = s->first[v]; t < s->last[v]; ++t) {
+            if (s->total[t] > total) total = s->total[t];
+        }
+        for (int k = 0; k < 3; ++k) {
+            const char c = s->prefer[k];
+            pre[j].key[k] = c == 'T' ? -total : c == 'A' ? -s->area[v] : -s->width[v];
+        }
+        pre[j].buffer = v;
+        saved[j] = s->rank[v];
+    }
+    qsort(pre, (size_t)count, sizeof(Pre), compare_pre);
+    for (int64_t j = 0; j < count; ++j) s->rank[pre[j].buffer] = j;
+    free(pre);
+}
+
+/* Search one part with its own ranking and epoch; restore the ranks afterwards. */
+static int search_part(Solver *s, int64_t *inside, int64_t count, int64_t lo, int64_t hi) {
+    int64_t *saved = (int64_t *)malloc(sizeof(int64_t) * (size_t)(count > 0 ? count : 1));
+    rank_part(s, inside, count, saved);
+    const int64_t outer = s->cur_epoch;
+    s->cur_epoch = ++s->epochs;
+    int status = search(s, inside, count, lo, hi, -1, -1, NULL, 0);
+    s->cur_epoch = outer;
+    for (int64_t j = 0; j < count; ++j) s->rank[inside[j]] = saved[j];
+    free(saved);
+    return status;
+}
+
 static int decompose(Solver *s, const int64_t *members, int64_t m, int64_t lo, int64_t hi) {
     int64_t *inside = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m > 0 ? m : 1));
     int status = FOUND;
@@ -58,7 +109,7 @@ static int decompose(Solver *s, const int64_t *members, int64_t m, int64_t lo, i
             int64_t v = members[j];
             if (!s->placed[v] && s->first[v] < part_hi && s->last[v] > part_lo) inside[count++] = v;
         }
-        if (count > 0) status = search(s, inside, count, part_lo, part_hi, -1, -1, NULL, 0);
+        if (count > 0) status = search_part(s, inside, count, part_lo, part_hi);
         part_lo = part_hi;
     }
     free(inside);
@@ -74,6 +125,7 @@ static int place_and_recurse(Solver *s, int64_t u, int64_t off, int64_t rank,
     char *placed = s->placed;
     placed[u] = 1;
     s->offset[u] = off;
+    s->epoch[u] = s->cur_epoch;
     /* raise the minimum offset of the unplaced buffers u overlaps */
     const int64_t ov_begin = s->ov_ptr[u], ov_end = s->ov_ptr[u + 1];
     int64_t *raised = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)(ov_end - ov_begin + 1));
@@ -203,7 +255,8 @@ static int search(Solver *s, const int64_t *members, int64_t m, int64_t lo, int6
         const int64_t u = keys[k].buffer;
         for (int64_t j = s->kin_ptr[u]; j < s->kin_ptr[u + 1] && !stacked; ++j) {
             const int64_t w = s->kin[j];
-            stacked = s->placed[w] && s->offset[w] + s->size[w] == off && s->rank[w] > keys[k].rank;
+            stacked = s->placed[w] && s->epoch[w] == s->cur_epoch && s->offset[w] + s->size[w] == off &&
+                      s->rank[w] > keys[k].rank;
         }
         if (stacked) continue;
         status = place_and_recurse(s, keys[k].buffer, off, keys[k].rank, members, m, lo, hi, keys, count);
@@ -216,7 +269,8 @@ static int search(Solver *s, const int64_t *members, int64_t m, int64_t lo, int6
 /* Entry point: returns FOUND / NONE / ABORT; offsets and the node count are written back. */
 int ms_memopt_search(int64_t n, int64_t count, int64_t capacity,
                      const int64_t *first, const int64_t *last, const int64_t *size,
-                     const int64_t *rank, const int64_t *twin, const int64_t *kin_ptr,
+                     int64_t *rank, const int64_t *area, const int64_t *width, const char *prefer,
+                     const int64_t *twin, const int64_t *kin_ptr,
                      const int64_t *kin, const int64_t *ov_ptr,
                      const int64_t *ov_idx,
                      const int64_t *inc_ptr, const int64_t *inc_owner,
@@ -225,6 +279,11 @@ int ms_memopt_search(int64_t n, int64_t count, int64_t capacity,
     Solver s;
     s.n = n; s.count = count; s.capacity = capacity;
     s.first = first; s.last = last; s.size = size; s.rank = rank; s.twin = twin;
+    s.area = area; s.width = width;
+    memcpy(s.prefer, prefer, 3);
+    s.epoch = (int64_t *)calloc((size_t)(n > 0 ? n : 1), sizeof(int64_t));
+    s.cur_epoch = 0;
+    s.epochs = 0;
     s.kin_ptr = kin_ptr; s.kin = kin;
     s.ov_ptr = ov_ptr; s.ov_idx = ov_idx; s.inc_ptr = inc_ptr; s.inc_owner = inc_owner;
     s.total = total; s.cuts = cuts; s.offset = offset;
@@ -243,10 +302,11 @@ int ms_memopt_search(int64_t n, int64_t count, int64_t capacity,
         for (int64_t v = 0; v < n; ++v) {
             if (first[v] < part_hi && last[v] > part_lo) members[m++] = v;
         }
-        status = search(&s, members, m, part_lo, part_hi, -1, -1, NULL, 0);
+        status = search_part(&s, members, m, part_lo, part_hi);
         part_lo = part_hi;
     }
     *nodes_out = s.nodes;
+    free(s.epoch);
     free(members);
     free(s.floor);
     free(s.min_off);

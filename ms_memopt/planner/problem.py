@@ -72,6 +72,8 @@ class Solution:
             search ruled every smaller arena out (0 means "not computed": use ``lower_bound``).
         stopped: why the search stopped ("bound reached", "proven optimal", "gap reached",
             "stalled", "time limit"), empty when no search ran.
+        fit_seconds: wall seconds from the call's start until the first verified placement
+            within ``capacity`` was found (None without a capacity or when none fit).
     """
 
     offsets: dict[str, int]
@@ -86,6 +88,7 @@ class Solution:
     problems: list[str] = field(default_factory=list)
     proven_bound: int = 0
     stopped: str = ""
+    fit_seconds: float | None = None
 
     @property
     def best_bound(self) -> int:
@@ -98,7 +101,7 @@ class Solution:
         (0.0 when proven optimal).
 
         Example:
-            >>> Solution({}, 1001, 1000, 1.001, True, 0.0, "greedy").gap
+            >>> round(Solution({}, 1001, 1000, 1.001, True, 0.0, "greedy").gap, 9)
             0.001
         """
         bound = self.best_bound

@@ -25,7 +25,12 @@ sections, undo records, Python recursion) is this project's own:
   of the same lifetime and a higher rank.
 * **Dynamic decomposition.** When no unplaced buffer crosses a section boundary any more, the
   two sides are independent: each is solved on its own, and if one has no solution the node
-  fails at once (no search over combinations of the two sides).
+  fails at once (no search over combinations of the two sides). Each part gets its own
+  preorder, ranked like the whole instance but by the unplaced bytes of its sections *at that
+  moment* (MiniMalloc sorts every part it creates afresh): the buffers that now bound a part's
+  height come first. Without it, three of MiniMalloc's eleven challenging instances (E, H, I)
+  were out of reach in 60 s; with it, one of the preorders packs each in under 20,000 nodes.
+  The same-lifetime stacking rule compares ranks only between buffers placed under one ranking.
 * **Restarts.** :func:`search_place` runs with one preorder; callers restart with each of
   :data:`PREORDERS` under a node limit that doubles per round (MiniMalloc's round robin).
 
@@ -138,11 +143,15 @@ class _Solver:
         np.add.at(delta, first, 1)
         np.add.at(delta, last - 1, -1)
         self.cuts = np.cumsum(delta)[:count - 1] if count > 1 else np.zeros(0, dtype=np.int64)
+        self.sub, self.prefer = sub, prefer
         peak = live_peak_per_buffer(sub)
         key = PREORDERS[prefer]
         order = sorted(range(n), key=lambda i: (key(sub[i], int(peak[i])), i))
         self.rank = np.empty(n, dtype=np.int64)
         self.rank[order] = np.arange(n)
+        # per placed buffer, the part (and so the ranking) it was placed in; see _search_part
+        self.epoch = np.zeros(n, dtype=np.int64)
+        self.cur_epoch = self.epochs = 0
         self.twin = self._twins(sub)
         self.kin_ptr, self.kin = self._kin(sub)
         self.overlaps = self._overlaps()
@@ -180,7 +189,7 @@ class _Solver:
         kin = self.kin[self.kin_ptr[u]:self.kin_ptr[u + 1]]
         if kin.size == 0:
             return False
-        below = kin[self.placed[kin] & (self.offset[kin] + self.size[kin] == off)]
+        below = kin[self.placed[kin] & (self.epoch[kin] == self.cur_epoch) & (self.offset[kin] + self.size[kin] == off)]
         return bool((self.rank[below] > rank).any())
 
     def _overlaps(self) -> list[np.ndarray]:
@@ -225,7 +234,7 @@ class _Solver:
             status = _FOUND
             for lo, hi in self._split(0, self.count):
                 members = np.flatnonzero((self.first < hi) & (self.last > lo))
-                status = self._search(members, lo, hi, -1, -1)
+                status = self._search_part(members, lo, hi)
                 if status != _FOUND:
                     break
         finally:
@@ -253,8 +262,13 @@ class _Solver:
         def ptr(array):
             return None if array is None else array.ctypes.data_as(ctypes.c_void_p)
 
+        rank = self.rank.copy()  # the compiled search re-ranks parts in place
+        area = np.fromiter((b.area for b in self.sub), dtype=np.int64, count=self.n)
+        width = np.fromiter((b.lifetime for b in self.sub), dtype=np.int64, count=self.n)
+        prefer = ctypes.create_string_buffer(self.prefer.encode("ascii"), 3)
         status = lib.ms_memopt_search(self.n, self.count, self.capacity, ptr(self.first), ptr(self.last),
-                                      ptr(self.size), ptr(self.rank), ptr(self.twin), ptr(self.kin_ptr),
+                                      ptr(self.size), ptr(rank), ptr(area), ptr(width),
+                                      ctypes.cast(prefer, ctypes.c_void_p), ptr(self.twin), ptr(self.kin_ptr),
                                       ptr(self.kin), ptr(ov_ptr), ptr(ov_idx),
                                       ptr(inc_ptr), ptr(inc_owner), ptr(total), ptr(cuts), ptr(offset),
                                       -1 if node_limit is None else int(node_limit), seconds,
@@ -320,6 +334,7 @@ class _Solver:
         # place u; raise the minimum offset of the unplaced buffers it overlaps
         placed[u] = True
         self.offset[u] = off
+        self.epoch[u] = self.cur_epoch
         neighbours = self.overlaps[u]
         neighbours = neighbours[~placed[neighbours]]
         raised = neighbours[min_off[neighbours] < top]
@@ -375,7 +390,29 @@ class _Solver:
             inside = unplaced[(first < part_hi) & (last > part_lo)]
             if inside.size == 0:
                 continue
-            status = self._search(inside, part_lo, part_hi, -1, -1)
+            status = self._search_part(inside, part_lo, part_hi)
             if status != _FOUND:
                 return status
         return _FOUND
+
+    def _search_part(self, inside: np.ndarray, lo: int, hi: int) -> int:
+        """Search an independent part with its own preorder, ranked by the unplaced bytes of
+        the sections as they are now (MiniMalloc re-sorts each part it decomposes into).
+
+        Placements made here get a fresh epoch: the same-lifetime stacking rule compares ranks
+        only between buffers placed under the same ranking.
+        """
+        saved = self.rank[inside].copy()
+        key = PREORDERS[self.prefer]
+        totals = [int(self.total[self.first[i]:self.last[i]].max()) for i in inside.tolist()]
+        order = sorted(range(len(inside)), key=lambda j: (key(self.sub[int(inside[j])], totals[j]),
+                                                          int(inside[j])))
+        self.rank[inside[order]] = np.arange(len(inside))
+        outer = self.cur_epoch
+        self.epochs += 1
+        self.cur_epoch = self.epochs
+        try:
+            return self._search(inside, lo, hi, -1, -1)
+        finally:
+            self.cur_epoch = outer
+            self.rank[inside] = saved

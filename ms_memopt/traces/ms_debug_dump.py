@@ -47,15 +47,18 @@ from .fields import parse_address
 __all__ = ["FORMAT", "looks_like_pool_debug_dump", "read_pool_debug_dump", "layout_at", "address_of"]
 
 FORMAT = "mindspore-pool-debug-dump"
+# decimal fields: at most 20 digits (2**64 has 20); a longer run is not a MindSpore number, and
+# int() of thousands of digits raises ValueError (CPython's int_max_str_digits)
+_N = r"\d{1,20}"
 _STAT = re.compile(r"^The dynamic memory pool(?:\[[^\]]*\])? stat info\s*:")
-_IN_USE = re.compile(r"^In used mem buf info for (?P<allocator>.*), mem_bufs size : (?P<count>\d+)\s*$")
-_STREAM = re.compile(r"^stream id : (?P<stream>\d+), is persistent : (?P<persistent>\S+)\s*$")
+_IN_USE = re.compile(r"^In used mem buf info for (?P<allocator>.*), mem_bufs size : (?P<count>" + _N + r")\s*$")
+_STREAM = re.compile(r"^stream id : (?P<stream>" + _N + r"), is persistent : (?P<persistent>\S+)\s*$")
 _DEBUG = re.compile(r"^Dump debug info for (?P<allocator>.*?)\s*$")
 _SECTION = re.compile(r"^(?P<what>Mem block info|Free mem buf info|Eager free mem buf info) - total count : "
-                      r"(?P<count>\d+)\s*$")
-_BUF = re.compile(r'^\{"addr_":(?P<addr>[^,]*),"size_":(?P<size>\d+),"stream_id_":(?P<stream>\d+),'
+                      r"(?P<count>" + _N + r")\s*$")
+_BUF = re.compile(r'^\{"addr_":(?P<addr>[^,]*),"size_":(?P<size>' + _N + r'),"stream_id_":(?P<stream>' + _N + r'),'
                   r'"status_":(?P<status>[^,]*),"owner_name_":(?P<owner>.*),"alloc_type_":(?P<type>[^,]*)\}$')
-_BLOCK = re.compile(r'^\{"addr_":(?P<addr>[^,]*),"size_":(?P<size>\d+),"stream_id_":(?P<stream>\d+)'
+_BLOCK = re.compile(r'^\{"addr_":(?P<addr>[^,]*),"size_":(?P<size>' + _N + r'),"stream_id_":(?P<stream>' + _N + r')'
                     r'(?:,"min_addr_":[^,]*,"max_addr_":[^,]*)?\}$')
 _LIVE = {"used", "used_by_event"}
 _FREE = {"idle", "eager_free"}
@@ -66,7 +69,7 @@ def looks_like_pool_debug_dump(first_line: str) -> bool:
     return bool(_STAT.match(first_line.lstrip("\ufeff").strip()))
 
 
-def _allocator_key(brief: str) -> tuple[bool, int, bool]:
+def _allocator_key(brief: str, source: str, line: int) -> tuple[bool, int, bool]:
     """(persistent, stream, small) from ``Mem buf allocator, enable vmm : 0, is persistent : 1, ...``."""
     def flag(name: str) -> str | None:
         match = re.search(name + r" : (\w+)", brief)
@@ -74,6 +77,8 @@ def _allocator_key(brief: str) -> tuple[bool, int, bool]:
     persistent = flag("is persistent") in ("1", "true")
     stream = flag("stream id")
     small = flag("is small") in ("1", "true")
+    if stream and stream.isdigit() and len(stream) > 20:
+        raise InputError(f"stream id: expected a number below 2**64, got {len(stream)} digits", source=source, line=line)
     return persistent, int(stream) if stream and stream.isdigit() else 0, small
 
 
@@ -138,13 +143,13 @@ def read_pool_debug_dump(path: str | Path) -> Layout:
         if not text:
             continue
         if match := _IN_USE.match(text):
-            key = _allocator_key(match["allocator"])
+            key = _allocator_key(match["allocator"], source, number)
             for buf_match, line in take(int(match["count"]), _BUF, "mem buf"):
                 bufs.setdefault(key, []).append(buf_of(buf_match, line))
         elif _STREAM.match(text):
             continue
         elif match := _DEBUG.match(text):
-            allocator = _allocator_key(match["allocator"])
+            allocator = _allocator_key(match["allocator"], source, number)
             blocks.setdefault(allocator, [])
         elif match := _SECTION.match(text):
             if allocator is None:

@@ -90,30 +90,32 @@ _FREE_MARK = "Free memory details"
 _ASCEND_REQUEST_MARK = "Allocate tensor mem, size :"     # Ascend's enhanced pool (AbstractDynamicMemPool)
 _ASCEND_RETURN_MARK = "Allocate tensor mem, return :"
 _ASCEND_FREE_MARK = "Do free tensor mem :"
-_PREFIX = r"\[(?:V12906|DEBUG)\] [A-Z_]+\((?P<pid>\d+),(?P<tid>[0-9a-fA-F]+),[^)]*\):\S+ \[[^\]]*\] \w+\] "
-_COUNTERS = (r"total allocated mem:(?P<total>\d+)B, peak used mem:(?P<peak>\d+)B, in used mem:(?P<in_use>\d+)B, "
-             r"(?:used by event mem:(?P<by_event>\d+)B, )?(?:actual peak used mem:\d+B, )?"
-             r"total idle mem:(?P<idle>\d+)B\.")
+_PREFIX = r"\[(?:V12906|DEBUG)\] [A-Z_]+\((?P<pid>\d{1,20}),(?P<tid>[0-9a-fA-F]+),[^)]*\):\S+ \[[^\]]*\] \w+\] "
+_COUNTERS = (r"total allocated mem:(?P<total>\d{1,20})B, peak used mem:(?P<peak>\d{1,20})B, in used mem:(?P<in_use>\d{1,20})B, "
+             r"(?:used by event mem:(?P<by_event>\d{1,20})B, )?(?:actual peak used mem:\d+B, )?"
+             r"total idle mem:(?P<idle>\d{1,20})B\.")
 # 2.10 writes persistent_mem and stream id; older releases (MS_LOG(DEBUG), GLOG_v=0) neither
 _ALLOC = re.compile(_PREFIX + r"Alloc memory details, name:(?P<name>[^,]*), (?:persistent_mem:(?P<persistent>[01]), )?"
-                    r"(?:stream id: (?P<stream>\d+), )?address:(?P<addr>0x[0-9a-fA-F]+), size:(?P<size>\d+)B, "
+                    r"(?:stream id: (?P<stream>\d{1,20}), )?address:(?P<addr>0x[0-9a-fA-F]+), size:(?P<size>\d{1,20})B, "
                     + _COUNTERS)
 _FREE = re.compile(_PREFIX + r"Free memory details, name:(?P<name>[^,]*), address:(?P<addr>0x[0-9a-fA-F]+), "
                    + _COUNTERS)
 # DefaultEnhancedAscendMemoryPool (ascend_memory_pool.cc), the pool Ascend uses whenever the
 # memory VLOG is on: a request line (before the lock), a return line and a free line (inside it)
-_ASCEND_REQUEST = re.compile(_PREFIX + r"Allocate tensor mem, size : (?P<size>\d+), align_size : \d+, "
+_ASCEND_REQUEST = re.compile(_PREFIX + r"Allocate tensor mem, size : (?P<size>\d{1,20}), align_size : \d+, "
                              r"from_persistent_mem : (?P<persistent>[01]|true|false), need_recycle : \w+, "
-                             r"stream_id : (?P<stream>\d+)\.")
+                             r"stream_id : (?P<stream>\d{1,20})\.")
 _ASCEND_RETURN = re.compile(_PREFIX + r'Allocate tensor mem, return : \{"addr_":(?P<addr>0x[0-9a-fA-F]+),'
-                            r'"size_":(?P<aligned>\d+),"stream_id_":(?P<stream>\d+),.*\}, stat info : '
-                            r'\{"used_size_":(?P<in_use>\d+),"peak_size_":(?P<peak>\d+),"alloc_size_":(?P<total>\d+),'
-                            r'"idle_size_":(?P<idle>\d+),"used_by_event_size_":(?P<by_event>\d+),'
+                            r'"size_":(?P<aligned>\d{1,20}),"stream_id_":(?P<stream>\d{1,20}),.*\}, stat info : '
+                            r'\{"used_size_":(?P<in_use>\d{1,20}),"peak_size_":(?P<peak>\d{1,20}),"alloc_size_":(?P<total>\d{1,20}),'
+                            r'"idle_size_":(?P<idle>\d{1,20}),"used_by_event_size_":(?P<by_event>\d{1,20}),'
                             r'"eager_free_size_":\d+\}\.\s*$')
 _ASCEND_FREE = re.compile(_PREFIX + r"Do free tensor mem : (?P<addr>0x[0-9a-fA-F]+), return : (?P<ok>[01]|true|false)\.")
 # searched at the end of a line: another writer's text without a newline may come first
-_STEP = re.compile(r"ms-memopt step (?P<step>\d+)\s*$")
+_STEP = re.compile(r"ms-memopt step (?P<step>\d{1,20})\s*$")
 _MARK = re.compile(r"ms-memopt mark (?P<tag>[\w.:-]+)\s*$")
+# or a marker glued to the front of a pool log line (the marker's newline written after it)
+_GLUED = re.compile(r"(?P<marker>ms-memopt (?:step \d{1,20}|mark [\w.:-]+))(?P<rest>\[(?:V12906|DEBUG)\] .*)$", re.S)
 _MAX_NOTED = 20             # line numbers of skipped lines kept for the report
 _SNIFF_LINES = 2000
 
@@ -181,6 +183,12 @@ class PoolLogParser:
     def feed(self, line: str) -> list[Event]:
         """The events ``line`` means; unrelated lines give none."""
         self._line += 1
+        if (STEP_LINE in line or _MARK_LINE in line) and (glued := _GLUED.search(line)):
+            # both halves are whole: the marker's event first (it was written first), then the line's
+            self._line -= 1
+            events = self.feed(glued.group("marker"))
+            self._line -= 1
+            return events + self.feed(glued.group("rest"))
         if _ALLOC_MARK in line or _ALLOC_FUNCTION in line:
             if _ASCEND_REQUEST_MARK in line:
                 return self._ascend_request(_ASCEND_REQUEST.search(line))
