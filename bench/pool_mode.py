@@ -23,8 +23,11 @@ the machine is shared and noisy):
 3. ``recompute_step_ratio``: training-step time with recompute / without.
 4. A pool-mode training run against a normal run over ``--steps`` steps: final losses and the
    largest per-step difference.
+5. Graph mode (mode 0): FusedAdamW's graph step (MindSpore ops, per parameter) against
+   ``nn.AdamWeightDecay``, the optimizer alone and the whole training step
+   (``--graph-only`` runs just this part).
 
-Usage: ``python bench/pool_mode.py [--quick]``; the last line is one JSON object.
+Usage: ``python bench/pool_mode.py [--quick] [--graph-only]``; the last line is one JSON object.
 """
 from __future__ import annotations
 
@@ -98,6 +101,53 @@ def optimizer_step_times(cfg: GPTConfig, rounds: int, per_round: int) -> dict:
             "round_ratio_quartiles": [float(q) for q in np.percentile(ratios, [25, 50, 75])], "n_elements": int(sum(p.size for p in setups["FusedAdamW"][2])),
             **{name: float(np.median(s[3])) for name, s in setups.items()},
             **{f"{name}_min": float(np.min(s[3])) for name, s in setups.items()}}
+
+
+def graph_mode_step_times(cfg: GPTConfig, rounds: int, per_round: int, batch: int = 8) -> dict:
+    """Graph mode (mode 0): median seconds per optimizer step (each optimizer called alone, so
+    compiled as its own graph) and per whole training step (``TrainOneStepCell``: the
+    optimizer compiled into the training graph), FusedAdamW against ``nn.AdamWeightDecay``,
+    interleaved round by round. The context mode is restored afterwards."""
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        rng = np.random.default_rng(1)
+        batches = [(Tensor(x), Tensor(y)) for x, y in synthetic_batches(cfg, batch, 2, seed=3)]
+        setups = {}
+        for name, make in (("AdamWeightDecay", lambda ps: nn.AdamWeightDecay(ps, 1e-3, weight_decay=0.01)),
+                           ("FusedAdamW", lambda ps: FusedAdamW(ps, 1e-3, weight_decay=0.01))):
+            params = GPT(cfg).trainable_params()
+            grads = tuple(Tensor(rng.normal(size=p.shape).astype(np.float32) * 1e-2) for p in params)
+            opt = make(params)
+            net = GPTWithLoss(GPT(cfg))
+            train = nn.TrainOneStepCell(net, make(net.trainable_params()))
+            for _ in range(3):     # the first call compiles
+                opt(grads)
+                train(*batches[0]).asnumpy()
+            _sync(params)
+            setups[name] = (opt, grads, params, train, [], [])
+        for r in range(rounds):
+            for opt, grads, params, train, opt_times, step_times in setups.values():
+                start = time.perf_counter()
+                for _ in range(per_round):
+                    opt(grads)
+                _sync(params)
+                opt_times.append((time.perf_counter() - start) / per_round)
+                start = time.perf_counter()
+                for _ in range(per_round):
+                    loss = train(*batches[r % 2])
+                loss.asnumpy()
+                step_times.append((time.perf_counter() - start) / per_round)
+    finally:
+        ms.set_context(mode=previous)
+    med = {name: (float(np.median(s[4])), float(np.median(s[5]))) for name, s in setups.items()}
+    return {"n_tensors": len(setups["FusedAdamW"][2]),
+            "optimizer_ms": {name: round(m[0] * 1e3, 3) for name, m in med.items()},
+            "optimizer_ratio_median": round(med["FusedAdamW"][0] / med["AdamWeightDecay"][0], 4),
+            "optimizer_round_ratio_quartiles": [round(float(q), 4) for q in np.percentile(
+                np.array(setups["FusedAdamW"][4]) / np.array(setups["AdamWeightDecay"][4]), [25, 50, 75])],
+            "train_step_ms": {name: round(m[1] * 1e3, 3) for name, m in med.items()},
+            "train_step_ratio_median": round(med["FusedAdamW"][1] / med["AdamWeightDecay"][1], 4)}
 
 
 def train_step_times(cfg: GPTConfig, k: int, batch: int, steps: int) -> dict[str, float]:
@@ -233,9 +283,22 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (smoke run)")
     parser.add_argument("--k", type=int, default=4, help="checkpoint_every for the activation figures")
     parser.add_argument("--steps", type=int, default=50, help="training steps of the loss comparison")
+    parser.add_argument("--graph-only", action="store_true",
+                        help="only the graph-mode (mode 0) step times of FusedAdamW vs nn.AdamWeightDecay")
     args = parser.parse_args()
     quick = args.quick
     k = args.k
+    graph_rounds, graph_per_round = (6, 3) if quick else (30, 5)
+    graph_times = {label: graph_mode_step_times(cfg, graph_rounds, graph_per_round)
+                   for label, cfg in (("demo", DEMO), ("many_small", MANY_SMALL))}
+    for label, times in graph_times.items():
+        print(f"graph mode, {label} model ({times['n_tensors']} tensors): optimizer step "
+              f"{times['optimizer_ms']['FusedAdamW']:.2f} vs {times['optimizer_ms']['AdamWeightDecay']:.2f} ms "
+              f"(ratio {times['optimizer_ratio_median']:.3f}); training step {times['train_step_ms']['FusedAdamW']:.2f} "
+              f"vs {times['train_step_ms']['AdamWeightDecay']:.2f} ms (ratio {times['train_step_ratio_median']:.3f})")
+    if args.graph_only:
+        print(json.dumps({"graph_mode": graph_times}))
+        return 0
 
     rounds, per_round = (6, 3) if quick else (30, 5)
     opt_by_model = {}
@@ -316,6 +379,7 @@ def main() -> int:
 
     print(json.dumps({
         "fused_step_ratio": round(fused_ratio, 4),
+        "graph_mode": graph_times,
         "fused_step_ms": round(opt_times["FusedAdamW"] * 1e3, 3),
         "adamweightdecay_step_ms": round(opt_times["AdamWeightDecay"] * 1e3, 3),
         "n_param_tensors": opt_times["n_tensors"],

@@ -7,7 +7,10 @@ must give the same results. Prints a table, then as the last line one JSON objec
 {"seconds", "cpu_seconds", "reference_seconds", "reference_cpu_seconds", "ratio", "events_per_s", ...}
 (``cpu_seconds``: this process's CPU time, which a busy machine skews less than the wall clock).
 
-Usage: python bench/simulate.py [--steps 1000] [--seed 0] [--recipe PATH]
+Usage: python bench/simulate.py [--steps 1000] [--seed 0] [--recipe PATH] [--parts]
+
+``--parts`` splits the CPU seconds of one lock-step run (compiled models) into event generation
+and each policy's share (where the time goes; docs/simulation.md) and prints one JSON line.
 
 ``--study`` runs the study of docs/simulation.md instead (10 seeds x 3 policies, controls,
 ablation, sensitivity; two worker processes) and prints its tables and one JSON line.
@@ -141,6 +144,42 @@ def _run_jobs(jobs, args) -> None:
     print(json.dumps({"seconds": round(seconds, 1), "steps": args.steps, "study": table}))
 
 
+def parts(args) -> None:
+    """CPU seconds (this process) of one lock-step run: generation, each policy's feed."""
+    from ms_memopt.simulate import _Run
+    from ms_memopt.workload import StepWorkload
+
+    recipe = load_recipe(args.recipe)
+    spec = spec_from_recipe(recipe)
+    cfg = config_from_recipe(recipe, steps=args.steps, seed=args.seed)
+    cfg.allocator_options.update(args.options)
+    clock = time.process_time
+    started = clock()
+    runs = [_Run(spec, policy, cfg, args.seed, None) for policy in POLICIES]
+    gen = StepWorkload(spec, args.seed)
+    cpu = dict.fromkeys(POLICIES, 0.0)
+    generation = 0.0
+    alive = runs
+    for step in range(args.steps + 1):
+        if not alive:
+            break
+        t = clock()
+        batch = gen.step_rows(step) if step else gen.prologue_rows()
+        generation += clock() - t
+        still = []
+        for run in alive:
+            t = clock()
+            if run.feed(step, batch):
+                still.append(run)
+            cpu[run.result.policy] += clock() - t
+        alive = still
+    total = clock() - started
+    print(json.dumps({"cpu_seconds": round(total, 2), "generation": round(generation, 2),
+                      **{p: round(v, 2) for p, v in cpu.items()},
+                      "oom_step": {r.result.policy: r.result.oom_step for r in runs},
+                      "pool_evictions": getattr(runs[POLICIES.index("pool")].model, "evictions", None)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "dense_100b_1024x910c.yaml"))
@@ -153,10 +192,14 @@ def main() -> None:
     parser.add_argument("--policy", default=",".join(POLICIES), help="study: policies of the main runs")
     parser.add_argument("--main-only", action="store_true", help="study: only the 3 policies x seeds")
     parser.add_argument("--workers", type=int, default=2, help="worker processes of the study")
+    parser.add_argument("--parts", action="store_true", help="CPU seconds of generation and of each policy")
     args = parser.parse_args()
     args.options = _options(args.allocator_option or [])
     if args.study:
         study(args)
+        return
+    if args.parts:
+        parts(args)
         return
     recipe = load_recipe(args.recipe)
     spec = spec_from_recipe(recipe)

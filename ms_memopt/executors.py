@@ -9,11 +9,15 @@ The job simulator (:mod:`ms_memopt.job`) and sweeps hand every rank stream to on
   (``tcp://host:8786``), or, with no address, Dask's own local cluster on this machine
   (``distributed.LocalCluster``; ``processes=False`` keeps its workers as threads of this
   process, which CI uses to test the engine path without starting processes);
-* ``"ray"``: on a Ray cluster (``ray.init(address=...)``; no address starts Ray locally).
+* ``"ray"``: on a Ray cluster (``ray.init(address=...)``: ``host:6379`` from a node of the
+  cluster, ``ray://head:10001`` through Ray Client); no address starts Ray's local mode on
+  this machine (``ray.init("local", num_cpus=workers, include_dashboard=False)``), and a Ray this
+  process already initialised is used as it is and left running.
 
 Nothing here schedules: each engine does. Results come back in task order whatever order
-tasks finish in, so a run gives the same answer on every executor. Task functions must be
-importable by the workers (module-level functions of an installed ``ms_memopt``).
+tasks finish in, so a run gives the same answer on every executor, and a failing task raises
+its own exception on every executor. Task functions must be importable by the workers
+(module-level functions of an installed ``ms_memopt``, or builtins).
 
 Example:
     >>> run_tasks(abs, [-2, 3, -5], executor="local", workers=1)
@@ -139,30 +143,90 @@ def _run_dask(fn, tasks: list, address: str | None, workers: int, processes: boo
             cluster.close()
 
 
+def _call(fn: Callable[[Any], Any], task: Any) -> Any:
+    """``fn(task)``: the one function Ray registers, so ``fn`` may be any picklable callable
+    (``ray.remote`` refuses builtins such as ``abs`` and turns a class such as ``int`` into an actor)."""
+    return fn(task)
+
+
+def _ray_reachable(address: str, timeout: float = 10.0) -> str | None:
+    """Why a ``host:port`` or ``ray://host:port`` address cannot be reached, or ``None``.
+
+    Ray retries an unreachable GCS address for minutes (822 s for ``127.0.0.1:1`` with Ray
+    2.60), logging a line every few seconds; one TCP connection attempt answers in ``timeout``
+    seconds at most. Other forms (``auto``, ``local``) are left to ``ray.init``.
+    """
+    import socket
+
+    hostport = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def _ray_auth_hint(exc: Exception) -> str:
+    """A hint when joining a cluster failed and this process does not send Ray's token.
+
+    Ray 2.60 clusters check a token by default (``~/.ray/auth_token`` on the head), but a
+    driver that joins one sends it only with ``RAY_AUTH_MODE=token``; without it Ray retries
+    for ~20 s and reports a failed connection, not a refused token.
+    """
+    if not isinstance(exc, ConnectionError) or os.environ.get("RAY_AUTH_MODE"):
+        return ""
+    return ("; if the cluster checks Ray's token, set RAY_AUTH_MODE=token and give the head's "
+            "token in RAY_AUTH_TOKEN or ~/.ray/auth_token")
+
+
 def _run_ray(fn, tasks: list, address: str | None, workers: int, done: Callable[[int, Any], None]) -> None:
     try:
         import ray
     except ImportError:
-        raise InputError("the Ray executor needs the 'ray' package (pip install 'ray[default]')",
+        raise InputError("the Ray executor needs the 'ray' package (pip install 'ms-memopt[ray]')",
                          key="--executor") from None
-    started_here = not ray.is_initialized()
-    if started_here:
+    joined_here = not ray.is_initialized()   # else: the caller's own ray.init
+    if joined_here:
+        if address is not None:
+            why = _ray_reachable(address)
+            if why is not None:
+                raise InputError(f"cannot reach the Ray cluster at {address}: {why}", key="--address")
         try:
             if address is None:
-                ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+                # "local": a new instance of our own; ray.init() without it joins whatever
+                # cluster RAY_ADDRESS or /tmp/ray/ray_current_cluster names (even a dead one)
+                ray.init(address="local", num_cpus=workers, include_dashboard=False, log_to_driver=False)
             else:
                 ray.init(address=address, log_to_driver=False)
-        except ConnectionError as exc:
-            raise InputError(f"cannot reach the Ray cluster at {address}: {exc}", key="--address") from None
+        except (ConnectionError, ValueError) as exc:
+            # ConnectionError: no cluster there (``auto``), or one that refused us; ValueError:
+            # a ray:// address without Ray Client's package (ray[client]), or one Ray cannot parse
+            raise InputError(f"cannot use the Ray cluster at {address}: {exc}{_ray_auth_hint(exc)}",
+                             key="--address") from None
+    remote = ray.remote(_call)
+    refs = [remote.remote(fn, task) for task in tasks]
+    index_of = {ref: index for index, ref in enumerate(refs)}
+    pending = list(refs)
     try:
-        remote = ray.remote(fn)
-        refs = [remote.remote(task) for task in tasks]
-        index_of = {ref: index for index, ref in enumerate(refs)}
-        pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             for ref in ready:
-                done(index_of[ref], ray.get(ref))
+                try:
+                    value = ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:
+                    # the task's own exception, as the local executor raises it (Ray's error,
+                    # with the worker's traceback, is its __cause__)
+                    if isinstance(exc.cause, Exception):
+                        raise exc.cause from exc
+                    raise
+                done(index_of[ref], value)
     finally:
-        if started_here:
+        if joined_here:
             ray.shutdown()
+        else:
+            # a cluster we joined but did not start goes on: leave it no orphan tasks
+            for ref in pending:
+                ray.cancel(ref)

@@ -355,8 +355,9 @@ class _Run:
         self.dead = False
         self.seconds = 0.0
 
-    def feed(self, step: int, batch: list) -> bool:
-        """Run one step's events; ``False`` once the job has died (OOM)."""
+    def feed(self, step: int, batch: list[tuple]) -> bool:
+        """Run one step's events, as rows (:meth:`StepWorkload.step_rows`: ``Event(*row)`` is
+        the event; no object per event); ``False`` once the job has died (OOM)."""
         if self.dead:
             return False
         started = time.perf_counter()
@@ -373,19 +374,19 @@ class _Run:
         index, count = 0, len(batch)
         while index < count:
             if fast_run is not None:
-                index, _, _, _, oom = fast_run(batch, index, count, addr_of, watch, False)
+                # forget: a pool-mode cache eviction drops its tensors from addr_of (as _forget)
+                index, _, _, _, oom = fast_run(batch, index, count, addr_of, watch, False, True)
                 if oom:
-                    self._fail(batch[index], step)
+                    self._fail(Event(*batch[index]), step)
                     break
                 if index == count:
                     break
-            event = batch[index]
+            row = batch[index]
             index += 1
-            action = event.action
+            action, tid, size, _, _, pool, _, tag, _ = row
             if action == "alloc":
-                tag = event.tag
                 if tag in watch:
-                    extra = {"tag": tag, "size": event.size}
+                    extra = {"tag": tag, "size": size}
                     if region_metrics is not None:
                         extra["region_frag"] = _note_regions(result, region_metrics())
                     lf = model.largest_free()
@@ -395,33 +396,31 @@ class _Run:
                     if self.forecaster is not None:
                         self.forecaster.add(step, lf)
                     if on_watch is not None:
-                        on_watch(WatchPoint(result.policy, result.seed, step, "watch", event, model, self))
-                addr = malloc(event.size, pool=event.pool, tag=tag)
+                        on_watch(WatchPoint(result.policy, result.seed, step, "watch", Event(*row), model, self))
+                addr = malloc(size, pool=pool, tag=tag)
                 if addr is None:
-                    self._fail(event, step)
+                    self._fail(Event(*row), step)
                     break
                 if drain is not None:
                     gone = drain()
                     if gone:
                         self._forget(gone, step)
-                addr_of[event.id] = addr
+                addr_of[tid] = addr
                 if tag_of is not None:
-                    tag_of[event.id] = tag
+                    tag_of[tid] = tag
                 if record is not None:
-                    self.size_of[event.id] = event.size
-                    record.append(Event("alloc", id=event.id, size=event.size, addr=addr, pool=event.pool,
-                                        tag=tag, step=step))
+                    self.size_of[tid] = size
+                    record.append(Event("alloc", id=tid, size=size, addr=addr, pool=pool, tag=tag, step=step))
             elif action == "free":
-                addr = addr_of.pop(event.id, None)
+                addr = addr_of.pop(tid, None)
                 if addr is not None:
                     free(addr)
                     if tag_of is not None:
-                        tag_of.pop(event.id, None)
+                        tag_of.pop(tid, None)
                     if record is not None:
-                        record.append(Event("free", id=event.id, size=self.size_of.pop(event.id, event.size),
-                                            addr=addr, step=step))
-            elif action == "mark" and event.tag != "optimizer_end":
-                note_mark(event.tag, event.size)
+                        record.append(Event("free", id=tid, size=self.size_of.pop(tid, size), addr=addr, step=step))
+            elif action == "mark" and tag != "optimizer_end":
+                note_mark(tag, size)
             elif action == "mark":
                 scan = cfg.scan_every and step % cfg.scan_every == 0
                 forecaster = self.forecaster
@@ -517,14 +516,14 @@ def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig,
     runs = [_Run(spec, policy, cfg, seed, timeline, on_watch, placed.get(policy)) for policy in policies]
     gen = StepWorkload(spec, seed)
     started = time.perf_counter()
-    batch = gen.prologue()
+    batch = gen.prologue_rows()
     generation = time.perf_counter() - started
     alive = [run for run in runs if run.feed(0, batch)]
     for step in range(1, cfg.steps + 1):
         if not alive:
             break
         started = time.perf_counter()
-        batch = gen.step(step)
+        batch = gen.step_rows(step)
         generation += time.perf_counter() - started
         alive = [run for run in alive if run.feed(step, batch)]
         if on_step is not None:

@@ -215,23 +215,48 @@ class StepWorkload:
         self._cache: OrderedDict[int, list[int]] = OrderedDict()  # length -> live tensor ids
         self._extras_due: dict[int, list[int]] = {}                # step -> ids to free then
         self.shapes_seen: set[int] = set()
-        self._events: list[Event] = []
+        self._events: list[tuple] = []
         self._moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
 
     # ids and emitters --------------------------------------------------------------------
-    # positional Event(action, id, size, addr, stream, pool, time, tag, step): the hot path
+    # rows: tuples of Event's fields in its order (action, id, size, addr, stream, pool, time,
+    # tag, step); a tuple costs a fifth of an Event, and simulate reads rows as they are
     def _alloc(self, size: int, tag: str, pool: str | None = None) -> int:
         self._next_id += 1
-        self._events.append(Event("alloc", self._next_id, size, None, 0, pool, None, tag, None))
+        self._events.append(("alloc", self._next_id, size, None, 0, pool, None, tag, None))
         return self._next_id
 
     def _free(self, tid: int) -> None:
-        self._events.append(Event("free", tid))
+        self._events.append(("free", tid, 0, None, 0, None, None, None, None))
+
+    # a layer's tensors come in groups: one call per group, not per tensor (the hot path)
+    def _allocs(self, sizes: list[int], tag: str) -> list[int]:
+        """One alloc per size, in order; their ids."""
+        first = self._next_id + 1
+        self._next_id += len(sizes)
+        self._events.extend([("alloc", first + i, size, None, 0, None, None, tag, None) for i, size in enumerate(sizes)])
+        return list(range(first, self._next_id + 1))
+
+    def _frees(self, tids) -> None:
+        """One free per id, in the order given."""
+        self._events.extend([("free", tid, 0, None, 0, None, None, None, None) for tid in tids])
 
     # the parts -------------------------------------------------------------------------------
     def prologue(self) -> list[Event]:
         """Persistent tensors allocated once before step 1: weights, FP32 gradient
         accumulation, optimizer states (one tensor per layer each), in that order."""
+        return [Event(*row) for row in self.prologue_rows()]
+
+    def step(self, step: int) -> list[Event]:
+        """The events of training step ``step`` (1-based): its ``step`` event, the 1F1B
+        forward/backward passes (each opened by a ``mark`` ``"forward:M"`` / ``"backward:M"``,
+        M the micro-batch), the communication, the optimizer and a ``mark``
+        ``"optimizer_end"`` (where compaction may run)."""
+        return [Event(*row) for row in self.step_rows(step)]
+
+    def prologue_rows(self) -> list[tuple]:
+        """:meth:`prologue` as rows: tuples of the :class:`~ms_memopt.events.Event` fields in
+        their order (``Event(*row)`` is the event); what :mod:`ms_memopt.simulate` consumes."""
         s = self.spec
         self._events = []
         for total, tag in ((s.param_bytes, "parameter"), (s.grad_bytes, "gradient"),
@@ -241,13 +266,10 @@ class StepWorkload:
         out, self._events = self._events, []
         return out
 
-    def step(self, step: int) -> list[Event]:
-        """The events of training step ``step`` (1-based): its ``step`` event, the 1F1B
-        forward/backward passes (each opened by a ``mark`` ``"forward:M"`` / ``"backward:M"``,
-        M the micro-batch), the communication, the optimizer and a ``mark``
-        ``"optimizer_end"`` (where compaction may run)."""
+    def step_rows(self, step: int) -> list[tuple]:
+        """:meth:`step` as rows (see :meth:`prologue_rows`)."""
         s = self.spec
-        self._events = [Event("step", step=step)]
+        self._events = [("step", None, 0, None, 0, None, None, None, step)]
         for tid in self._extras_due.pop(step, ()):
             self._free(tid)
         # every draw of the step happens here, in a fixed order, so that a seed fixes the stream
@@ -263,17 +285,17 @@ class StepWorkload:
         for phase, m in _one_f_one_b(s.micro_batches, s.in_flight):
             # a named moment per pass: pool mode places a micro-batch's activations by it
             if phase == "F":
-                self._events.append(Event("mark", tag=f"forward:{m}", size=self._kept_bytes(lengths[m]),
-                                          step=step))
+                self._events.append(("mark", None, self._kept_bytes(lengths[m]), None, 0, None, None,
+                                     f"forward:{m}", step))
                 saved[m] = self._forward(lengths[m], counters, hooks, m)
             else:
-                self._events.append(Event("mark", tag=f"backward:{m}", step=step))
+                self._events.append(("mark", None, 0, None, 0, None, None, f"backward:{m}", step))
                 self._backward(saved.pop(m), lengths[m], counters, hooks, m)
         if hooks["allreduce_id"] is None:
             hooks["allreduce_id"] = self._alloc(s.allreduce_bytes, WATCH_TAG)
         self._communicate(hooks["allreduce_id"])
         self._optimizer()
-        self._events.append(Event("mark", tag="optimizer_end", step=step))
+        self._events.append(("mark", None, 0, None, 0, None, None, "optimizer_end", step))
         out, self._events = self._events, []
         return out
 
@@ -405,11 +427,11 @@ class StepWorkload:
         cache_at = self._cache_layers("forward")
         for layer in range(s.layers):
             self._maybe_extra(counters, hooks)
-            ws = [self._alloc(size, "workspace") for size in wss]
+            ws = self._allocs(wss, "workspace")
             for part in cache_at.get(layer, ()):
                 self._cache_shape(length, part)
             if not k:
-                saved.append([self._alloc(size, "activation") for size in acts])
+                saved.append(self._allocs(acts, "activation"))
             elif layer % k == 0:
                 saved.append([self._alloc(inp, "checkpoint_input")])
             else:
@@ -423,8 +445,7 @@ class StepWorkload:
                     saved[-1].append(self._alloc(moe[1], "expert_activation"))
                 for tid in reversed(buffers):
                     self._free(tid)
-            for tid in reversed(ws):
-                self._free(tid)
+            self._frees(reversed(ws))
             if layer == 0:
                 self._free(recv)
         self._free(self._alloc(_aligned(s.p2p_bytes * scale), "p2p"))
@@ -450,7 +471,7 @@ class StepWorkload:
             if k and (layer % k == k - 1 or layer == s.layers - 1):
                 # recompute the whole segment's activations before its backward
                 recomputed = [self._alloc(act, "recompute") for _ in range(layer - layer % k, layer + 1)]
-            ws = [self._alloc(size, "grad_workspace") for size in wss]
+            ws = self._allocs(wss, "grad_workspace")
             for part in cache_at.get(back_index, ()):
                 self._cache_shape(length, part)
             moe = self._moe_sizes(hooks, micro_batch, layer, scale)
@@ -458,17 +479,13 @@ class StepWorkload:
             if moe is not None and k:        # recompute regenerates the routed activations
                 buffers.append(self._alloc(moe[1], "expert_activation"))
             wgrad = self._alloc(grad_size, "weight_grad")   # BF16, cast-added into the FP32 buffer
-            self._free(wgrad)
-            for tid in reversed(buffers):
-                self._free(tid)
-            for tid in reversed(ws):
-                self._free(tid)
+            frees = [wgrad, *reversed(buffers), *reversed(ws)]
             if k:
-                self._free(recomputed.pop())
-            for tid in reversed(saved[layer]):
-                self._free(tid)
+                frees.append(recomputed.pop())
+            frees.extend(reversed(saved[layer]))
             if layer == 0:
-                self._free(recv)
+                frees.append(recv)
+            self._frees(frees)
         self._free(self._alloc(_aligned(s.p2p_bytes * scale), "p2p"))
 
     def _communicate(self, allreduce_id: int) -> None:

@@ -252,3 +252,149 @@ def test_pool_mode_region_matches_the_reference(chunked, ops):
         assert (quick.head, quick.stack_top, quick.allocated) == (ref.head, ref.stack_top, ref.allocated)
     assert quick.free_keys == ref.free_keys and quick.largest_free() == ref.largest_free()
     assert quick.segment() == ref.segment()
+
+
+# pool mode: small regions so that rings wrap, the cache evicts and regions run out
+_POOL_REGIONS = {"parameters": 64 * 512, "activations": 96 * 512, "communication": 32 * 512,
+                 "workspace": 48 * 512, "workspace.cache": 40 * 512}
+_POOL_TAGS = ["parameter", "activation", "recompute", "allreduce", "p2p", "workspace", "shape_cache",
+              "shape_cache", "shape_cache", "unrouted", None]
+_pool_ops = st.lists(st.one_of(
+    st.tuples(st.just("malloc"), st.one_of(st.integers(0, 20 * 512), st.integers(1, 24).map(lambda k: k * 512)),
+              st.sampled_from(_POOL_TAGS),
+              st.sampled_from([None, "persistent", "communication", "workspace.cache"])),
+    st.tuples(st.just("free"), st.integers(0, 10**6)),
+    st.tuples(st.just("note_mark"), st.sampled_from(["forward:0", "forward:1", "backward:0", "optimizer_end", None]),
+              st.integers(0, 60).map(lambda k: k * 512)),
+    st.tuples(st.just("drain")),
+), min_size=20, max_size=200)
+
+
+def _pool_models(chunked: bool, regions=None):
+    from ms_memopt.allocators.pool import PoolModeAllocator
+
+    regions = regions or _POOL_REGIONS
+    return (PoolModeAllocator(capacity=2**20, regions=regions, chunked=chunked),
+            fast.FastPoolModeAllocator(capacity=2**20, regions=regions, chunked=chunked))
+
+
+def _pool_state(model):
+    return (model.reserved, model.allocated, model.peak_reserved, model.peak_allocated, model.evictions,
+            model.largest_free(), model.region_metrics(), [o.to_dict() for o in model.ooms], model.layout(),
+            {name: (list(r.order.items()), r.allocated, r.head) for name, r in model.regions.items()})
+
+
+@needs_fast
+@pytest.mark.parametrize("chunked", [False, True])
+@settings(max_examples=40)
+@given(ops=_pool_ops)
+def test_pool_mode_matches_the_reference(chunked, ops):
+    """Pool mode's malloc/free in C: routing, ring and chunk placement, the cache's FIFO
+    eviction (and what drain_evicted reports), region OOMs, counters, layouts."""
+    ref, quick = _pool_models(chunked)
+    live: list[int] = []
+    for op in ops:
+        if op[0] == "malloc":
+            _, size, tag, pool = op
+            got = quick.malloc(size, pool=pool, tag=tag)
+            assert got == ref.malloc(size, pool=pool, tag=tag)
+            if got is not None:
+                live.append(got)
+        elif op[0] == "free":
+            if live:
+                addr = live.pop(op[1] % len(live))
+                ref.free(addr)
+                quick.free(addr)
+        elif op[0] == "note_mark":
+            ref.note_mark(op[1], op[2])
+            quick.note_mark(op[1], op[2])
+        else:
+            assert quick.drain_evicted() == ref.drain_evicted()
+    assert _pool_state(quick) == _pool_state(ref)
+    assert quick.drain_evicted() == ref.drain_evicted()
+
+
+def _events_from(ops) -> list[Event]:
+    """ops as an event stream: allocs with fresh ids, frees of random live ids, marks."""
+    events, live, next_id = [], [], 0
+    for op in ops:
+        if op[0] == "malloc":
+            next_id += 1
+            events.append(Event("alloc", id=next_id, size=op[1], tag=op[2], pool=op[3]))
+            live.append(next_id)
+        elif op[0] == "free" and live:
+            events.append(Event("free", id=live.pop(op[1] % len(live))))
+        elif op[0] == "note_mark":
+            events.append(Event("mark", tag=op[1], size=op[2]))
+    return events
+
+
+@needs_fast
+@pytest.mark.parametrize("chunked", [False, True])
+@settings(max_examples=40)
+@given(ops=_pool_ops, watch=st.sampled_from([None, {"allreduce": 1}, {"shape_cache": 1}]))
+def test_pool_mode_batch_loop_forgets_evicted_tensors_as_simulate_does(chunked, ops, watch):
+    """``_run(..., forget=True)`` against simulate's loop over the reference: after every
+    malloc the evicted addresses are drained and their tensors leave address_of; the batch stops
+    at marks, watched requests (served here through ``malloc``, as simulate does) and OOMs."""
+    ref, quick = _pool_models(chunked)
+    events = _events_from(ops)
+    ref_addr: dict[int, int] = {}
+    ref_stop = None
+    for index, event in enumerate(events):
+        if event.action == "alloc":
+            addr = ref.malloc(event.size, pool=event.pool, tag=event.tag)
+            if addr is None:
+                ref_stop = index
+                break
+            gone = set(ref.drain_evicted())
+            for tid in [t for t, a in ref_addr.items() if a in gone]:
+                del ref_addr[tid]
+            ref_addr[event.id] = addr
+        elif event.action == "free":
+            addr = ref_addr.pop(event.id, None)
+            if addr is not None:
+                ref.free(addr)
+        else:
+            ref.note_mark(event.tag, event.size)
+    addr_of: dict[int, int] = {}
+    index, stop = 0, None
+    while index < len(events):
+        index, _, _, _, oom = quick._run(events, index, len(events), addr_of, watch, False, True)
+        if oom:
+            stop = index
+            break
+        if index == len(events):
+            break
+        event = events[index]
+        index += 1
+        if event.action == "alloc":      # a watched request: served by the Python loop
+            addr = quick.malloc(event.size, pool=event.pool, tag=event.tag)
+            if addr is None:
+                stop = index - 1
+                break
+            gone = set(quick.drain_evicted())
+            for tid in [t for t, a in addr_of.items() if a in gone]:
+                del addr_of[tid]
+            addr_of[event.id] = addr
+        else:
+            quick.note_mark(event.tag, event.size)
+    assert stop == ref_stop
+    assert addr_of == ref_addr
+    assert _pool_state(quick) == _pool_state(ref)
+
+
+@needs_fast
+@pytest.mark.parametrize("chunked", [False, True])
+@settings(max_examples=25)
+@given(ops=_pool_ops, sample_every=st.sampled_from([0, 1, 7, None]))
+def test_pool_mode_replays_identically(chunked, ops, sample_every):
+    """replay() drives pool mode's batch loop too (no forgetting there, as the reference)."""
+    events = _events_from(ops)
+    events += [Event("free", id=e.id) for e in events[::3] if e.action == "alloc"]  # frees after evictions
+    results = [replay(Trace(list(events)), model, sample_every=sample_every) for model in _pool_models(chunked)]
+    ref, quick = (r.to_dict() for r in results)
+    for speed in ("events_per_s", "cpu_events_per_s"):
+        ref.pop(speed), quick.pop(speed)
+    assert quick == ref
+    assert results[1].final_layout == results[0].final_layout

@@ -7,7 +7,7 @@ import pytest
 ms = pytest.importorskip("mindspore")
 from mindspore import Parameter, Tensor, nn  # noqa: E402
 
-from ms_memopt.mindspore.fused_adamw import FusedAdamW  # noqa: E402
+from ms_memopt.mindspore.fused_adamw import FusedAdamW, FusedAdamWGraph  # noqa: E402
 from ms_memopt.mindspore.model import GPT, GPTConfig, GPTWithLoss, synthetic_batches, synthetic_dataset  # noqa: E402
 
 pytestmark = pytest.mark.mindspore
@@ -301,16 +301,159 @@ def test_compiled_cpu_step_agrees_with_the_compiled_graph(monkeypatch, np_dtype)
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol * 0.1)
 
 
-def test_graph_mode_is_refused_with_a_clear_error():
-    """In graph mode a training cell compiles the optimizer into its graph; FusedAdamW's step
-    runs from Python, so it refuses graph mode at construction instead of failing to compile."""
+@pytest.fixture
+def graph_mode():
+    """Graph mode (mode 0) for one test: a training cell compiles the optimizer into its graph."""
     mode = ms.get_context("mode")
     ms.set_context(mode=ms.GRAPH_MODE)
-    try:
-        with pytest.raises(RuntimeError, match="FusedAdamW needs PyNative mode"):
-            FusedAdamW([ms.Parameter(ms.Tensor(np.ones(4, np.float32)), name="w")])
-    finally:
+    yield
+    ms.set_context(mode=mode)
+
+
+def _grouped(np_dtype):
+    _, params = _params(np_dtype, names=["w0", "w1.gamma", "w2", "w3"])
+    groups = [{"params": params[:2], "lr": 1e-2}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}]
+    return params, groups
+
+
+@pytest.mark.parametrize("np_dtype", [np.float32, np.float16])
+def test_graph_step_agrees_with_the_pynative_step(np_dtype):
+    """In graph mode the step is MindSpore ops (per parameter: decay, ``ops.Adam``, the fp16
+    write), compiled as the optimizer's graph; it computes the PyNative step's update. 40 steps,
+    weight decay on and off (and the gamma rule), two learning-rate groups: weights agree to
+    float32 rounding (fp16 parameters to one fp16 rounding step), the step count exactly."""
+    steps = 40
+    grads = [tuple(Tensor(x) for x in g) for g in _grads(np_dtype, steps)]
+    results = {}
+    for mode in (ms.PYNATIVE_MODE, ms.GRAPH_MODE):
+        previous = ms.get_context("mode")
         ms.set_context(mode=mode)
+        try:
+            params, groups = _grouped(np_dtype)
+            opt = FusedAdamW(groups, learning_rate=1e-2, weight_decay=0.1)
+            assert opt._graph == (mode == ms.GRAPH_MODE) == isinstance(opt, FusedAdamWGraph)
+            for g in grads:
+                opt(g)
+            results[mode] = ([p.asnumpy().astype(np.float32) for p in params], int(opt.global_step.asnumpy()[0]))
+        finally:
+            ms.set_context(mode=previous)
+    assert results[ms.GRAPH_MODE][1] == results[ms.PYNATIVE_MODE][1] == steps
+    tol = 2e-6 if np_dtype == np.float32 else 1e-3
+    for a, b in zip(results[ms.GRAPH_MODE][0], results[ms.PYNATIVE_MODE][0]):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * 0.1)
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("np_dtype,tol", [(np.float32, 2e-6), (np.float16, 2e-3)])
+def test_graph_step_matches_float64_reference(graph_mode, np_dtype, tol, bias_correction):
+    init, params = _params(np_dtype)
+    opt = FusedAdamW(params, learning_rate=1e-2, weight_decay=0.1, bias_correction=bias_correction)
+    grads = _grads(np_dtype, 6)
+    for g in grads:
+        opt(tuple(Tensor(x) for x in g))
+    for i, p in enumerate(params):
+        ref = reference_adamw(init[i], [g[i] for g in grads], 1e-2, wd=0.1, bias_correction=bias_correction)
+        assert p.dtype == Tensor(init[i]).dtype
+        np.testing.assert_allclose(p.asnumpy().astype(np.float64), ref, rtol=tol, atol=tol)
+
+
+def test_graph_flag_overrides_the_context():
+    """``graph=`` picks the step whatever the context mode: a graph step built in PyNative runs
+    eagerly (op by op) and trains the same."""
+    _, params = _params(np.float32)
+    assert type(FusedAdamW(params, graph=True)) is FusedAdamWGraph
+    assert type(FusedAdamW(params, graph=False)) is FusedAdamW
+    init, params = _params(np.float32)
+    opt = FusedAdamW(params, learning_rate=1e-2, weight_decay=0.1, graph=True)
+    grads = _grads(np.float32, 3)
+    for g in grads:
+        opt(tuple(Tensor(x) for x in g))
+    for i, p in enumerate(params):
+        ref = reference_adamw(init[i], [g[i] for g in grads], 1e-2, wd=0.1)
+        np.testing.assert_allclose(p.asnumpy().astype(np.float64), ref, rtol=2e-6, atol=2e-6)
+
+
+def _contiguous(tensors) -> bool:
+    ptrs = [t.data_ptr() for t in tensors]
+    return all(b == a + t.nbytes for a, b, t in zip(ptrs, ptrs[1:], tensors))
+
+
+def _state_in_region(opt) -> bool:
+    """Every state Parameter is a view of the one optimizer-region buffer, which holds its values."""
+    whole = np.concatenate([p.asnumpy().reshape(-1) for p in opt._state_order])
+    return (_contiguous(opt._state_order) and opt._state_order[0].data_ptr() == opt._state_handle[0:1].data_ptr()
+            and np.array_equal(opt._state_handle[0:whole.size].asnumpy(), whole))
+
+
+class _Losses(ms.train.Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_step_end(self, run_context):
+        self.losses.append(float(run_context.original_args().net_outputs.asnumpy()))
+
+
+def _model_train(make_optimizer, *callbacks, cfg=TINY, steps=6):
+    net = GPTWithLoss(GPT(cfg))
+    opt = make_optimizer(net.trainable_params())
+    losses = _Losses()
+    ms.train.Model(net, optimizer=opt).train(1, synthetic_dataset(cfg, 4, steps, seed=5), callbacks=[losses, *callbacks],
+                                             dataset_sink_mode=False)
+    return losses.losses, net, opt
+
+
+def test_model_train_in_graph_mode_equals_nn_adamweightdecay(graph_mode):
+    """``Model.train`` in graph mode compiles FusedAdamW's step into the training graph. Without
+    bias correction its update is ``nn.AdamWeightDecay``'s; the losses agree to float32
+    rounding (``ops.Adam`` vs ``AdamWeightDecay``'s kernel: the same rule, operations in another
+    order). Weights and state stay in their contiguous regions."""
+    plain, _, _ = _model_train(lambda p: nn.AdamWeightDecay(p, 1e-2, weight_decay=0.01))
+    fused, net, opt = _model_train(lambda p: FusedAdamW(p, 1e-2, weight_decay=0.01, bias_correction=False))
+    assert opt._graph and len(fused) == 6 and fused[-1] < fused[0]
+    np.testing.assert_allclose(fused, plain, rtol=1e-5)
+    assert _state_in_region(opt)
+    params = [net.trainable_params()[i] for i in opt.regions[0].param_indices]
+    assert _contiguous(params)
+    assert int(opt.global_step.asnumpy()[0]) == 6
+
+
+def test_graph_mode_compaction_restores_the_regions_bit_identically(graph_mode, tmp_path):
+    """A live compaction gives every parameter and state tensor its own storage; the callback
+    then re-forms FusedAdamW's regions (``restore_regions``) and the graphs recompile against
+    them: losses and weights bit-identical to the run without compaction, state contiguous."""
+    from ms_memopt.mindspore.compaction import CompactionCallback
+
+    make = lambda p: FusedAdamW(p, 1e-2, weight_decay=0.01)
+    ref_losses, ref_net, _ = _model_train(make)
+    callback = CompactionCallback(every=2, log_dir=tmp_path, barrier=None)
+    losses, net, opt = _model_train(make, callback)
+    assert losses == ref_losses
+    for a, b in zip(net.trainable_params(), ref_net.trainable_params()):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy(), err_msg=a.name)
+    assert [r["regions_restored"] for r in callback.records] == [True] * 3
+    assert _state_in_region(opt)
+    assert _contiguous([net.trainable_params()[i] for i in opt.regions[0].param_indices])
+
+
+def test_graph_mode_checkpoint_resume_is_identical(graph_mode, tmp_path):
+    """Graph-mode state (one m, v per parameter, named ``fused_adamw.m.<name>``) round-trips
+    through a checkpoint; ``restore_regions()`` after the load puts it back in one region."""
+    batches = list(synthetic_batches(TINY, 4, 4, seed=7))
+    net = GPTWithLoss(GPT(TINY))
+    opt = FusedAdamW(net.trainable_params(), 1e-2, weight_decay=0.01)
+    _train(net, opt, batches[:2])
+    path = str(tmp_path / "opt.ckpt")
+    ms.save_checkpoint(opt, path)
+    assert {"global_step", f"fused_adamw.m.{net.trainable_params()[0].name}"} <= set(ms.load_checkpoint(path))
+    continued = _train(net, opt, batches[2:])
+
+    net2 = GPTWithLoss(GPT(GPTConfig(**{**TINY.to_dict(), "seed": 99})))
+    opt2 = FusedAdamW(net2.trainable_params(), 1e-2, weight_decay=0.01)
+    ms.load_param_into_net(opt2, ms.load_checkpoint(path))
+    assert opt2.restore_regions() and _state_in_region(opt2)
+    assert _train(net2, opt2, batches[2:]) == continued
+    assert int(opt2.global_step.asnumpy()[0]) == 4
 
 
 def test_data_ptr_of_any_tensor_waits_for_queued_kernels():

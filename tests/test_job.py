@@ -265,33 +265,64 @@ def test_job_level_controls_and_ablation_on_the_tight_small_card():
     assert run(lambda s: s.without("dynamic_seq")).job_oom_step is None
 
 
-def test_ray_path_through_a_fake_ray(monkeypatch):
-    """Ray is not installed here: the Ray executor is checked against a stand-in with Ray's
-    documented calls (init, remote, wait, get, shutdown), finishing tasks in reverse order."""
-    import sys
-    import types
+@pytest.mark.slow
+def test_results_identical_on_ray_local_mode_with_progress_across_ranks(monkeypatch):
+    """The real Ray, in its local mode (run_tasks starts it with ``ray.init("local", num_cpus=2,
+    include_dashboard=False)`` and shuts it down): the same figures as inline for the same
+    seeds, and one progress tick per rank stream of both jobs. Local mode is our own instance:
+    a RAY_ADDRESS (or the last ``ray start``'s address file) does not send it elsewhere."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    jobs = [small_job(steps=30, groups=2, policies=("baseline", "compact")),
+            small_job(steps=30, groups=2, policies=("baseline", "compact"), seed=1)]
+    inline = reproducible_figures(simulate_jobs(jobs, workers=1))
+    seen = []
+    on_ray = reproducible_figures(simulate_jobs(jobs, executor="ray", workers=2,
+                                                on_stream=lambda done, total: seen.append((done, total))))
+    assert on_ray == inline
+    assert seen == [(i, 8) for i in range(1, 9)]
+    assert not ray.is_initialized()           # joined here, so left here
 
+
+@pytest.mark.slow
+def test_ray_runs_any_callable_and_raises_the_task_error_on_a_cluster_it_joined():
+    """On a Ray already running (as on a cluster the user started), run_tasks takes builtins
+    and classes as task functions (``ray.remote`` alone refuses ``abs`` and makes ``int`` an
+    actor), raises a failing task's own exception, and leaves the cluster running."""
+    ray = pytest.importorskip("ray")
     from ms_memopt.executors import run_tasks
 
-    calls = []
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        done = []
+        assert run_tasks(abs, [-1, 2, -3], executor="ray", on_done=lambda i, v: done.append(i)) == [1, 2, 3]
+        assert sorted(done) == [0, 1, 2]
+        with pytest.raises(ValueError, match="invalid literal"):
+            run_tasks(int, ["1", "x"], executor="ray")
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()
 
-    class Ref:
-        def __init__(self, value):
-            self.value = value
 
-    fake = types.ModuleType("ray")
-    fake.is_initialized = lambda: False
-    fake.init = lambda **kw: calls.append(("init", kw))
-    fake.shutdown = lambda: calls.append(("shutdown",))
-    fake.remote = lambda fn: types.SimpleNamespace(remote=lambda task: Ref(fn(task)))
-    fake.wait = lambda pending, num_returns=1: ([pending[-1]], pending[:-1])
-    fake.get = lambda ref: ref.value
-    monkeypatch.setitem(sys.modules, "ray", fake)
-    done = []
-    out = run_tasks(abs, [-1, 2, -3], executor="ray", address="ray://head:10001",
-                    on_done=lambda i, v: done.append(i))
-    assert out == [1, 2, 3] and done == [2, 1, 0]
-    assert calls[0] == ("init", {"address": "ray://head:10001", "log_to_driver": False}) and calls[-1] == ("shutdown",)
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "ray://127.0.0.1:1"])
+def test_unreachable_ray_cluster_is_an_input_error_at_once(address):
+    """Ray itself retries an unreachable address for minutes (docs/verified.md); run_tasks
+    answers after one refused connection."""
+    pytest.importorskip("ray")
+    from ms_memopt.errors import InputError
+    from ms_memopt.executors import run_tasks
+
+    with pytest.raises(InputError, match="--address: cannot reach the Ray cluster at .*refused"):
+        run_tasks(abs, [1], executor="ray", address=address)
+
+
+def test_cli_unreachable_ray_cluster_exits_2(capsys):
+    _recipe()
+    pytest.importorskip("ray")
+    from ms_memopt.cli import main
+
+    assert main(["simulate", str(RECIPE), "--steps", "1", "--executor", "ray", "--address", "127.0.0.1:1"]) == 2
+    assert "--address: cannot reach the Ray cluster" in capsys.readouterr().err
 
 
 def test_ray_missing_is_an_input_error(monkeypatch):

@@ -1,5 +1,7 @@
 /* Compiled fast path of allocator models: the MindSpore pool (ms_memopt/allocators/mindspore.py,
- * both tie rules) and PyTorch's caching allocator (ms_memopt/allocators/torch.py).
+ * both tie rules), its VMM pool, PyTorch's caching allocator with and without expandable
+ * segments (ms_memopt/allocators/torch*.py) and pool mode (ms_memopt/allocators/pool.py: its
+ * regions, and its malloc/free with the cache region's eviction).
  *
  * The pure-Python models are the readable reference; this file repeats their rules in C so
  * that replay and simulate run at millions of events per second. tests/test_fastpool.py holds
@@ -62,7 +64,10 @@ typedef struct {
 
 typedef struct { u64 addr, size; i64 stream; } Recorded;
 
-enum { KIND_MINDSPORE, KIND_TORCH, KIND_REGION, KIND_EXPANDABLE, KIND_VMM };
+enum { KIND_MINDSPORE, KIND_TORCH, KIND_REGION, KIND_EXPANDABLE, KIND_VMM, KIND_POOLMODE };
+
+#define PM_ROUTES 64          /* pool mode: (tag, pool) -> region pairs remembered by identity */
+enum { PM_EVICTING = 1, PM_RING = 2 };
 
 typedef struct {
     PyObject_HEAD
@@ -94,6 +99,15 @@ typedef struct {
     u64 range_size, next_base;
     /* mindspore-vmm: mapped 2 MiB chunks as sorted runs [start, end), their count, the cap */
     u64 *cstart, *cend; Py_ssize_t nruns, capruns, capruns2; long long chunks, max_chunks, eager_frees;
+    /* pool mode (pool.py's PoolModeAllocator): its regions (FastRegion objects, strong
+     * references) with their PM_* flags; the route cache: (tag, pool) objects -> region index
+     * (-1: none), held strongly so that identity stays meaningful; addresses evicted since the
+     * last drain; address -> tensor id of cache entries placed by _run (forgetting them in
+     * address_of without a scan); evictions so far */
+    PyObject **pm_regions; int *pm_flags; Py_ssize_t pm_n;
+    PyObject *pm_route_tag[PM_ROUTES], *pm_route_pool[PM_ROUTES]; int pm_route_index[PM_ROUTES]; int pm_nroutes;
+    PyObject *pm_evicted, *pm_tid_of;
+    long long evictions;
 } Core;
 
 #define EMPTY_KEY (~0ULL)
@@ -569,6 +583,12 @@ static long long torch_malloc(Core *c, long long raw, i64 stream, PyObject *tag)
 /* ---- a pool-mode region (pool.py's _Region) ------------------------------------------------ */
 static int core_free(Core *c, u64 addr);
 
+static int not_region(Core *c) {
+    if (c->kind == KIND_REGION) return 0;
+    PyErr_SetString(PyExc_TypeError, "a pool-mode region method on a model that is not a region");
+    return 1;
+}
+
 /* the free buffer containing ``addr``, or -1 */
 static int32_t region_free_at(Core *c, u64 addr) {
     int32_t b = h_get(c, addr);
@@ -595,7 +615,7 @@ static int32_t region_carve(Core *c, u64 addr, u64 size) {
 static PyObject *Region_init_range(Core *c, PyObject *args) {
     unsigned long long addr, size;
     int chunked;
-    if (!PyArg_ParseTuple(args, "KKp", &addr, &size, &chunked)) return NULL;
+    if (not_region(c) || !PyArg_ParseTuple(args, "KKp", &addr, &size, &chunked)) return NULL;
     if (get_alloc(c, 0, 0, 0) < 0) return NULL;
     if (new_segment_at(c, 0, addr, size, size != 0) < 0) return NULL;
     c->raddr = addr; c->rsize = size; c->head = addr; c->stack_floor = addr; c->stack_open = 0;
@@ -603,19 +623,17 @@ static PyObject *Region_init_range(Core *c, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* take(size, ring, fallback=True): the address, or None */
-static PyObject *Region_take(Core *c, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"size", "ring", "fallback", NULL};
-    unsigned long long size;
-    int ring, fallback = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Kp|p", names, &size, &ring, &fallback)) return NULL;
+/* _Region.take: ``size`` bytes at the ring head (chunked: below the open chunk's top) when
+ * ``ring``, else (or when that has no room and ``fallback``) best fit; the address, -2 when
+ * nothing fits, -1 on error */
+static long long region_take(Core *c, u64 size, int ring, int fallback) {
     int32_t b = -2;
     int stacked = 0;
     if (ring) {
         if (c->chunked) {
             if (c->stack_open && c->stack_top >= c->stack_floor + size) {
                 b = region_carve(c, c->stack_top - size, size);
-                if (b == -1) return NULL;
+                if (b == -1) return -1;
             }
             stacked = b >= 0;
         } else {
@@ -625,18 +643,19 @@ static PyObject *Region_take(Core *c, PyObject *args, PyObject *kwargs) {
                 if (f >= 0 && !c->bufs[f].used && c->bufs[f].size >= size) b = f;
             }
         }
-        if (b < 0 && !fallback) Py_RETURN_NONE;
+        if (b < 0 && !fallback) return -2;
     }
+    if (c->nallocs == 0) return -2;
     Alloc *a = &c->allocs[0];
     if (b < 0) {
         Py_ssize_t at = lower_bound(a, size, 0);
-        if (at == a->nkeys) Py_RETURN_NONE;
+        if (at == a->nkeys) return -2;
         b = a->keys[at].buf;
         key_pop(a->keys, &a->nkeys, at);
     } else {
         unindex_buf(c, b);
     }
-    if (c->bufs[b].size - size >= ALIGN && cut(c, b, size) < 0) return NULL;
+    if (c->bufs[b].size - size >= ALIGN && cut(c, b, size) < 0) return -1;
     c->bufs[b].used = 1;
     c->allocated += (long long)c->bufs[b].size;
     if (stacked) c->stack_top = c->bufs[b].addr;
@@ -644,10 +663,32 @@ static PyObject *Region_take(Core *c, PyObject *args, PyObject *kwargs) {
         c->head = c->bufs[b].addr + c->bufs[b].size;
         if (c->head >= c->raddr + c->rsize) c->head = c->raddr;
     }
-    return PyLong_FromUnsignedLongLong(c->bufs[b].addr);
+    return (long long)c->bufs[b].addr;
+}
+
+/* _Region.release: the bytes freed (0 when no live buffer starts at ``addr``), -1 on error */
+static long long region_release(Core *c, u64 addr) {
+    int32_t b = h_get(c, addr);
+    if (b < 0 || c->bufs[b].used != 1) return 0;
+    u64 freed = c->bufs[b].size;
+    if (core_free(c, addr) < 0) return -1;
+    return (long long)freed;
+}
+
+/* take(size, ring, fallback=True): the address, or None */
+static PyObject *Region_take(Core *c, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"size", "ring", "fallback", NULL};
+    unsigned long long size;
+    int ring, fallback = 1;
+    if (not_region(c) || !PyArg_ParseTupleAndKeywords(args, kwargs, "Kp|p", names, &size, &ring, &fallback)) return NULL;
+    long long addr = region_take(c, size, ring, fallback);
+    if (addr == -1) return NULL;
+    if (addr == -2) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong((u64)addr);
 }
 
 static PyObject *Region_open_chunk(Core *c, PyObject *arg) {
+    if (not_region(c)) return NULL;
     long long size = PyLong_AsLongLong(arg);
     if (size == -1 && PyErr_Occurred()) return NULL;
     c->stack_open = 0;
@@ -673,16 +714,15 @@ static PyObject *Region_close_chunk(Core *c, PyObject *unused) {
 }
 
 static PyObject *Region_release(Core *c, PyObject *arg) {
+    if (not_region(c)) return NULL;
     unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
     if (addr == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return PyLong_FromLong(0); }
-    int32_t b = h_get(c, addr);
-    if (b < 0 || c->bufs[b].used != 1) return PyLong_FromLong(0);
-    u64 freed = c->bufs[b].size;
-    if (core_free(c, addr) < 0) return NULL;
-    return PyLong_FromUnsignedLongLong(freed);
+    long long freed = region_release(c, addr);
+    return freed < 0 ? NULL : PyLong_FromLongLong(freed);
 }
 
 static PyObject *Region_size_of(Core *c, PyObject *arg) {
+    if (not_region(c)) return NULL;
     unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
     if (addr == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     int32_t b = h_get(c, addr);
@@ -713,6 +753,195 @@ static PyObject *Region_get(Core *c, void *which) {
     case 1: if (!c->stack_open) Py_RETURN_NONE; return PyLong_FromUnsignedLongLong(c->stack_top);
     default: return PyLong_FromUnsignedLongLong(c->stack_floor);
     }
+}
+
+/* ---- pool mode (pool.py's PoolModeAllocator over FastRegion cores) -------------------------
+ * The regions stay separate FastRegion objects (their layouts, metrics and chunks are
+ * PoolModeAllocator's Python code); this is its malloc and free: routing, the cache region's
+ * eviction in FIFO order (region.order, an OrderedDict, as in the reference), the counters. An
+ * address belongs to the region whose range holds it, and is live there exactly when the
+ * reference's _owner holds it. */
+static PyObject *str_region_for, *str_order, *str_popitem;
+static PyTypeObject CoreType;
+
+static inline Core *pm_region(Core *c, Py_ssize_t i) { return (Core *)c->pm_regions[i]; }
+
+/* the region index serving (tag, pool): PoolModeAllocator.region_for's answer, remembered by
+ * the identity of the two objects; -1 none, -2 error */
+static int pm_route(Core *c, PyObject *tag, PyObject *pool) {
+    for (int k = 0; k < c->pm_nroutes; k++)
+        if (c->pm_route_tag[k] == tag && c->pm_route_pool[k] == pool) return c->pm_route_index[k];
+    PyObject *region = PyObject_CallMethodObjArgs((PyObject *)c, str_region_for, tag, pool, NULL);
+    if (!region) return -2;
+    int index = -1;
+    for (Py_ssize_t i = 0; i < c->pm_n; i++)
+        if (c->pm_regions[i] == region) index = (int)i;
+    Py_DECREF(region);
+    if (c->pm_nroutes < PM_ROUTES) {
+        Py_INCREF(tag); Py_INCREF(pool);
+        c->pm_route_tag[c->pm_nroutes] = tag; c->pm_route_pool[c->pm_nroutes] = pool;
+        c->pm_route_index[c->pm_nroutes++] = index;
+    }
+    return index;
+}
+
+/* evict the oldest entry of the cache region ``ri`` (``order`` its OrderedDict): 1 done, 0
+ * nothing left to evict, -1 error */
+static int pm_evict_oldest(Core *c, Py_ssize_t ri, PyObject *order) {
+    Py_ssize_t left = PyObject_Size(order);
+    if (left <= 0) return left < 0 ? -1 : 0;
+    PyObject *item = PyObject_CallMethodObjArgs(order, str_popitem, Py_False, NULL);
+    if (!item) return -1;
+    PyObject *old = PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2 ? PyTuple_GET_ITEM(item, 0) : NULL;
+    unsigned long long addr = old ? PyLong_AsUnsignedLongLong(old) : (unsigned long long)-1;
+    if (addr == (unsigned long long)-1 && PyErr_Occurred()) { Py_DECREF(item); return -1; }
+    if (!old) { Py_DECREF(item); PyErr_SetString(PyExc_TypeError, "region.order.popitem() gave no (addr, size)"); return -1; }
+    long long freed = region_release(pm_region(c, ri), addr);
+    int bad = freed < 0 || PyList_Append(c->pm_evicted, old) < 0;
+    Py_DECREF(item);
+    if (bad) return -1;
+    c->allocated -= freed;
+    c->evictions++;
+    return 1;
+}
+
+/* PoolModeAllocator.malloc: the address (``*region`` its region index), -2 after recording an
+ * OOM, -1 on error */
+static long long pm_malloc(Core *c, long long raw, i64 stream, PyObject *pool, PyObject *tag, int *region) {
+    u64 size = raw > (long long)ALIGN ? round_up((u64)raw, ALIGN) : ALIGN;
+    int ri = pm_route(c, tag, pool);
+    if (ri == -2) return -1;
+    if (ri < 0) return record_oom(c, PyLong_FromUnsignedLongLong(size), stream, tag);
+    Core *r = pm_region(c, ri);
+    int evicting = c->pm_flags[ri] & PM_EVICTING, ring = (c->pm_flags[ri] & PM_RING) != 0;
+    /* the cache is a strict FIFO ring: the oldest entries (just ahead of the head) go first */
+    long long addr = region_take(r, size, ring, !evicting);
+    PyObject *order = NULL;
+    if (evicting) {
+        order = PyObject_GetAttr(c->pm_regions[ri], str_order);
+        if (!order) return -1;
+        while (addr == -2) {
+            int done = pm_evict_oldest(c, ri, order);
+            if (done < 0) { Py_DECREF(order); return -1; }
+            if (!done) break;
+            addr = region_take(r, size, ring, 0);
+        }
+        if (addr == -2) addr = region_take(r, size, 0, 1);   /* larger than its free space in ring order */
+    }
+    if (addr == -1) { Py_XDECREF(order); return -1; }
+    if (addr == -2) { Py_XDECREF(order); return record_oom(c, PyLong_FromUnsignedLongLong(size), stream, tag); }
+    if (evicting) {
+        PyObject *key = PyLong_FromUnsignedLongLong((u64)addr), *value = PyLong_FromUnsignedLongLong(size);
+        int bad = !key || !value || PyObject_SetItem(order, key, value) < 0;
+        Py_XDECREF(key); Py_XDECREF(value); Py_DECREF(order);
+        if (bad) return -1;
+    }
+    c->allocated += (long long)r->bufs[h_get(r, (u64)addr)].size;
+    if (c->allocated > c->peak_allocated) c->peak_allocated = c->allocated;
+    *region = ri;
+    return addr;
+}
+
+/* the tensor id _run noted for a cache entry at ``addr`` is gone: a malloc that did not note
+ * the new entry's id (the method, or _run without forget) placed one there; -1 on error */
+static int pm_unnote(Core *c, int region, PyObject *addr) {
+    if (!(c->pm_flags[region] & PM_EVICTING) || !PyDict_GET_SIZE(c->pm_tid_of)) return 0;
+    if (PyDict_DelItem(c->pm_tid_of, addr) == 0) return 0;
+    if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* PoolModeAllocator.free; -1 on error */
+static int pm_free(Core *c, u64 addr) {
+    for (Py_ssize_t i = 0; i < c->pm_n; i++) {
+        Core *r = pm_region(c, i);
+        if (!r->rsize || addr < r->raddr || addr >= r->raddr + r->rsize) continue;
+        int32_t b = h_get(r, addr);
+        if (b < 0 || r->bufs[b].used != 1) return 0;
+        if (c->pm_flags[i] & PM_EVICTING) {
+            PyObject *key = PyLong_FromUnsignedLongLong(addr);
+            PyObject *order = key ? PyObject_GetAttr(c->pm_regions[i], str_order) : NULL;
+            int bad = !order || (PyObject_DelItem(order, key) < 0 && !PyErr_ExceptionMatches(PyExc_KeyError));
+            if (!bad) PyErr_Clear();
+            if (!bad && PyDict_GET_SIZE(c->pm_tid_of) && PyDict_DelItem(c->pm_tid_of, key) < 0) {
+                if (PyErr_ExceptionMatches(PyExc_KeyError)) PyErr_Clear(); else bad = 1;
+            }
+            Py_XDECREF(key); Py_XDECREF(order);
+            if (bad) return -1;
+        }
+        long long freed = region_release(r, addr);
+        if (freed < 0) return -1;
+        c->allocated -= freed;
+        return 0;
+    }
+    return 0;
+}
+
+/* simulate's _forget inside _run: every address_of entry whose address was evicted goes (the
+ * tensor id _run noted for the address when it is still there, else a scan); the list empties */
+static int pm_forget(Core *c, PyObject *address_of) {
+    Py_ssize_t n = PyList_GET_SIZE(c->pm_evicted);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *addr = PyList_GET_ITEM(c->pm_evicted, k);
+        PyObject *tid = PyDict_GetItemWithError(c->pm_tid_of, addr);
+        if (!tid && PyErr_Occurred()) return -1;
+        if (tid) {
+            Py_INCREF(tid);
+            if (PyDict_DelItem(c->pm_tid_of, addr) < 0) { Py_DECREF(tid); return -1; }
+            PyObject *now = PyDict_GetItemWithError(address_of, tid);
+            int same = now ? PyObject_RichCompareBool(now, addr, Py_EQ) : 0;
+            if (same > 0 && PyDict_DelItem(address_of, tid) < 0) same = -1;
+            Py_DECREF(tid);
+            if (same < 0 || (!now && PyErr_Occurred())) return -1;
+            if (same) continue;
+        }
+        /* not placed by _run (or its tensor is gone): the reference's scan */
+        PyObject *gone = PyList_New(0), *key, *value;
+        Py_ssize_t pos = 0;
+        if (!gone) return -1;
+        while (PyDict_Next(address_of, &pos, &key, &value)) {
+            int eq = PyObject_RichCompareBool(value, addr, Py_EQ);
+            if (eq < 0 || (eq && PyList_Append(gone, key) < 0)) { Py_DECREF(gone); return -1; }
+        }
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(gone); j++)
+            if (PyDict_DelItem(address_of, PyList_GET_ITEM(gone, j)) < 0) { Py_DECREF(gone); return -1; }
+        Py_DECREF(gone);
+    }
+    return PyList_SetSlice(c->pm_evicted, 0, n, NULL);
+}
+
+/* _pool_init(regions, flags): the FastRegion objects in the reference's order, PM_* flags */
+static PyObject *Pool_init(Core *c, PyObject *args) {
+    PyObject *regions, *flags;
+    if (c->kind != KIND_POOLMODE) { PyErr_SetString(PyExc_TypeError, "_pool_init on a model that is not pool mode"); return NULL; }
+    if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &regions, &PyTuple_Type, &flags)) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(regions);
+    if (c->pm_n || PyTuple_GET_SIZE(flags) != n) { PyErr_SetString(PyExc_ValueError, "_pool_init: once, one flag per region"); return NULL; }
+    c->pm_regions = PyMem_Calloc(n ? n : 1, sizeof(PyObject *));
+    c->pm_flags = PyMem_Calloc(n ? n : 1, sizeof(int));
+    if (!c->pm_regions || !c->pm_flags) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *region = PyTuple_GET_ITEM(regions, i);
+        if (!PyObject_TypeCheck(region, &CoreType) || ((Core *)region)->kind != KIND_REGION) {
+            PyErr_SetString(PyExc_TypeError, "_pool_init: the regions must be FastRegion objects");
+            return NULL;
+        }
+        long flag = PyLong_AsLong(PyTuple_GET_ITEM(flags, i));
+        if (flag == -1 && PyErr_Occurred()) return NULL;
+        Py_INCREF(region);
+        c->pm_regions[i] = region; c->pm_flags[i] = (int)flag; c->pm_n = i + 1;
+    }
+    Py_RETURN_NONE;
+}
+
+/* drain_evicted(): the addresses evicted since the last call */
+static PyObject *Pool_drain(Core *c, PyObject *unused) {
+    if (!c->pm_evicted) return PyList_New(0);
+    PyObject *out = c->pm_evicted, *fresh = PyList_New(0);
+    if (!fresh) return NULL;
+    c->pm_evicted = fresh;
+    return out;
 }
 
 /* ---- PyTorch with expandable segments (torch_expandable.py) ------------------------------- */
@@ -1462,12 +1691,17 @@ static PyObject *Core_malloc(Core *c, PyObject *const *args, Py_ssize_t nargs, P
         stream = PyLong_AsLongLong(stream_obj);
         if (stream == -1 && PyErr_Occurred()) return NULL;
     }
+    int region = -1;
     long long addr = c->kind == KIND_TORCH ? torch_malloc(c, raw, stream, tag)
                    : c->kind == KIND_EXPANDABLE ? x_malloc(c, raw, stream, tag)
-                   : c->kind == KIND_VMM ? v_malloc(c, raw, stream, pool, tag) : core_malloc(c, raw, stream, pool, tag);
+                   : c->kind == KIND_VMM ? v_malloc(c, raw, stream, pool, tag)
+                   : c->kind == KIND_POOLMODE ? pm_malloc(c, raw, stream, pool, tag, &region)
+                   : core_malloc(c, raw, stream, pool, tag);
     if (addr == -1) return NULL;
     if (addr == -2) Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong((u64)addr);
+    PyObject *out = PyLong_FromUnsignedLongLong((u64)addr);
+    if (out && c->kind == KIND_POOLMODE && pm_unnote(c, region, out) < 0) Py_CLEAR(out);
+    return out;
 }
 
 /* free the live buffer at ``addr`` (nothing when there is none); -1 on error */
@@ -1502,7 +1736,8 @@ static int core_free(Core *c, u64 addr) {
 }
 
 static int model_free(Core *c, u64 addr) {
-    return c->kind == KIND_EXPANDABLE ? x_free(c, addr) : c->kind == KIND_VMM ? v_free(c, addr) : core_free(c, addr);
+    return c->kind == KIND_EXPANDABLE ? x_free(c, addr) : c->kind == KIND_VMM ? v_free(c, addr)
+         : c->kind == KIND_POOLMODE ? pm_free(c, addr) : core_free(c, addr);
 }
 
 static PyObject *Core_free(Core *c, PyObject *arg) {
@@ -1543,26 +1778,38 @@ static void fields_init(Fields *f, PyObject *sample) {
     f->type = type;
 }
 
+/* a row: a tuple of Event's fields in its order (action, id, size, addr, stream, pool, time,
+ * tag, step), as ms_memopt.workload generates them for simulate */
+#define ROW_FIELDS 9
+static const int ROW_INDEX[F_COUNT] = {0, 1, 2, 3, 4, 5, 7};
+
 /* a new reference to field ``k`` of ``ev``, or NULL with an exception */
 static inline PyObject *field(Fields *f, PyObject *ev, int k) {
     if (Py_TYPE(ev) == f->type) {
         PyObject *v = *(PyObject **)((char *)ev + f->offset[k]);
         if (v) { Py_INCREF(v); return v; }
+    } else if (PyTuple_CheckExact(ev) && PyTuple_GET_SIZE(ev) == ROW_FIELDS) {
+        PyObject *v = PyTuple_GET_ITEM(ev, ROW_INDEX[k]);
+        Py_INCREF(v);
+        return v;
     }
     return PyObject_GetAttr(ev, f->name[k]);
 }
 
 /* The replay/simulate hot loop: events[start:stop] while they are allocs and frees.
- * run(events, start, stop, address_of, watch, use_stream) -> (index, allocs, known, matched, oom)
+ * run(events, start, stop, address_of, watch, use_stream, forget=False) -> (index, allocs, known, matched, oom)
+ * ``forget`` (pool mode; simulate): the tensors a cache eviction drops leave ``address_of``
+ * before the new entry goes in (simulate's drain_evicted + _forget after every malloc).
  * ``index`` is the first event not handled: a non-alloc/free event, an alloc whose tag is a key
  * of ``watch`` (not served), or with ``oom`` true an alloc that failed (OOM recorded). ``known``
  * and ``matched`` count allocs with a recorded address and those placed there. */
 static PyObject *Core_run(Core *c, PyObject *args) {
     PyObject *events, *address_of, *watch;
     Py_ssize_t start, stop;
-    int use_stream;
-    if (!PyArg_ParseTuple(args, "O!nnO!Op", &PyList_Type, &events, &start, &stop, &PyDict_Type, &address_of,
-                          &watch, &use_stream)) return NULL;
+    int use_stream, forget = 0;
+    if (!PyArg_ParseTuple(args, "O!nnO!Op|p", &PyList_Type, &events, &start, &stop, &PyDict_Type, &address_of,
+                          &watch, &use_stream, &forget)) return NULL;
+    forget = forget && c->kind == KIND_POOLMODE;
     if (watch != Py_None && !PyDict_Check(watch)) { PyErr_SetString(PyExc_TypeError, "watch must be a dict or None"); return NULL; }
     if (stop > PyList_GET_SIZE(events)) stop = PyList_GET_SIZE(events);
     long long allocs = 0, known = 0, matched = 0;
@@ -1609,15 +1856,26 @@ static PyObject *Core_run(Core *c, PyObject *args) {
         Py_XDECREF(size_obj); Py_XDECREF(stream_obj);
         if (!size_obj || !pool || (use_stream && !stream_obj) || PyErr_Occurred()) { Py_DECREF(tag); Py_XDECREF(pool); return NULL; }
         allocs++;
+        int region = -1;
         long long addr = c->kind == KIND_TORCH ? torch_malloc(c, raw, stream, tag)
                        : c->kind == KIND_EXPANDABLE ? x_malloc(c, raw, stream, tag)
-                       : c->kind == KIND_VMM ? v_malloc(c, raw, stream, pool, tag) : core_malloc(c, raw, stream, pool, tag);
+                       : c->kind == KIND_VMM ? v_malloc(c, raw, stream, pool, tag)
+                       : c->kind == KIND_POOLMODE ? pm_malloc(c, raw, stream, pool, tag, &region)
+                       : core_malloc(c, raw, stream, pool, tag);
         Py_DECREF(tag); Py_DECREF(pool);
         if (addr == -1) return NULL;
         if (addr == -2) { oom = 1; break; }
         PyObject *id = field(&f, ev, F_ID);
         PyObject *addr_obj = PyLong_FromUnsignedLongLong((u64)addr);
-        if (!id || !addr_obj || PyDict_SetItem(address_of, id, addr_obj) < 0) { Py_XDECREF(id); Py_XDECREF(addr_obj); return NULL; }
+        int bad = !id || !addr_obj;
+        if (!bad && forget) {
+            /* the evicted tensors go first (the new entry may sit at an evicted address) */
+            bad = PyList_GET_SIZE(c->pm_evicted) && pm_forget(c, address_of) < 0;
+            if (!bad && (c->pm_flags[region] & PM_EVICTING)) bad = PyDict_SetItem(c->pm_tid_of, addr_obj, id) < 0;
+        } else if (!bad && c->kind == KIND_POOLMODE) {
+            bad = pm_unnote(c, region, addr_obj) < 0;
+        }
+        if (bad || PyDict_SetItem(address_of, id, addr_obj) < 0) { Py_XDECREF(id); Py_XDECREF(addr_obj); return NULL; }
         Py_DECREF(id); Py_DECREF(addr_obj);
         PyObject *rec = field(&f, ev, F_ADDR);
         if (!rec) return NULL;
@@ -1848,7 +2106,13 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     else if (strcmp(kind, "region") == 0) c->kind = KIND_REGION;
     else if (strcmp(kind, "expandable") == 0) c->kind = KIND_EXPANDABLE;
     else if (strcmp(kind, "vmm") == 0) c->kind = KIND_VMM;
-    else { PyErr_Format(PyExc_ValueError, "kind must be 'mindspore' or 'torch', got %s", kind); return -1; }
+    else if (strcmp(kind, "poolmode") == 0) c->kind = KIND_POOLMODE;
+    else { PyErr_Format(PyExc_ValueError, "kind must be mindspore, torch, region, expandable, vmm or poolmode, got %s", kind); return -1; }
+    if (c->kind == KIND_POOLMODE && !c->pm_evicted) {
+        c->pm_evicted = PyList_New(0);
+        c->pm_tid_of = PyDict_New();
+        if (!c->pm_evicted || !c->pm_tid_of) return -1;
+    }
     c->divisions = divisions;
     c->bounded = capacity != Py_None;
     if (c->bounded) {
@@ -1871,9 +2135,18 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     return 0;
 }
 
+static void pm_clear(Core *c) {
+    for (Py_ssize_t i = 0; i < c->pm_n; i++) Py_CLEAR(c->pm_regions[i]);
+    for (int k = 0; k < c->pm_nroutes; k++) { Py_CLEAR(c->pm_route_tag[k]); Py_CLEAR(c->pm_route_pool[k]); }
+    c->pm_nroutes = 0;
+    Py_CLEAR(c->pm_evicted); Py_CLEAR(c->pm_tid_of);
+}
+
 static void Core_dealloc(Core *c) {
     PyObject_GC_UnTrack(c);
     Py_CLEAR(c->dict);
+    pm_clear(c);
+    PyMem_Free(c->pm_regions); PyMem_Free(c->pm_flags);
     for (Py_ssize_t i = 0; i < c->nallocs; i++) {
         PyMem_Free(c->allocs[i].segs); PyMem_Free(c->allocs[i].keys); PyMem_Free(c->allocs[i].unm);
         PyMem_Free(c->allocs[i].ekeys);
@@ -1884,8 +2157,13 @@ static void Core_dealloc(Core *c) {
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
-static int Core_traverse(Core *c, visitproc visit, void *arg) { Py_VISIT(c->dict); return 0; }
-static int Core_clear(Core *c) { Py_CLEAR(c->dict); return 0; }
+static int Core_traverse(Core *c, visitproc visit, void *arg) {
+    Py_VISIT(c->dict);
+    for (Py_ssize_t i = 0; i < c->pm_n; i++) Py_VISIT(c->pm_regions[i]);
+    Py_VISIT(c->pm_evicted); Py_VISIT(c->pm_tid_of);
+    return 0;
+}
+static int Core_clear(Core *c) { Py_CLEAR(c->dict); pm_clear(c); return 0; }
 
 static PyMethodDef Core_methods[] = {
     {"malloc", (PyCFunction)(void (*)(void))Core_malloc, METH_FASTCALL | METH_KEYWORDS,
@@ -1897,7 +2175,7 @@ static PyMethodDef Core_methods[] = {
     {"release_segment", (PyCFunction)(void (*)(void))Core_release_segment, METH_VARARGS | METH_KEYWORDS,
      "release the block at addr if it is idle"},
     {"_run", (PyCFunction)Core_run, METH_VARARGS,
-     "_run(events, start, stop, address_of, watch, use_stream) -> (index, allocs, known, matched, oom)"},
+     "_run(events, start, stop, address_of, watch, use_stream, forget=False) -> (index, allocs, known, matched, oom)"},
     {"largest_free", (PyCFunction)Core_largest_free, METH_NOARGS, "the largest idle buffer, bytes"},
     {"_segments", (PyCFunction)Core_segments, METH_NOARGS, "every segment with its buffers"},
     {"_add_segment", (PyCFunction)Core_add_segment, METH_VARARGS, "restore one recorded segment"},
@@ -1915,6 +2193,9 @@ static PyMethodDef Core_methods[] = {
     {"close_chunk", (PyCFunction)Region_close_chunk, METH_NOARGS, "region: the open chunk closes"},
     {"release", (PyCFunction)Region_release, METH_O, "region: release(addr) -> bytes freed"},
     {"size_of", (PyCFunction)Region_size_of, METH_O, "region: bytes of the buffer at addr"},
+    {"_pool_init", (PyCFunction)Pool_init, METH_VARARGS, "pool mode: _pool_init(regions, flags)"},
+    {"drain_evicted", (PyCFunction)Pool_drain, METH_NOARGS,
+     "pool mode: the addresses the cache region evicted since the last call"},
     {NULL}
 };
 
@@ -1925,6 +2206,7 @@ static PyMemberDef Core_members[] = {
     {"peak_allocated", T_LONGLONG, offsetof(Core, peak_allocated), 0, "largest allocated, bytes"},
     {"segment_allocs", T_LONGLONG, offsetof(Core, segment_allocs), 0, "blocks taken from the device"},
     {"eager_frees", T_LONGLONG, offsetof(Core, eager_frees), 0, "vmm: eager frees (defrag) so far"},
+    {"evictions", T_LONGLONG, offsetof(Core, evictions), 0, "pool mode: cache entries evicted so far"},
     {NULL}
 };
 
@@ -1970,6 +2252,9 @@ PyMODINIT_FUNC PyInit__fastpool(void) {
     str_addr = PyUnicode_InternFromString("addr");
     str_alloc = PyUnicode_InternFromString("alloc");
     str_free = PyUnicode_InternFromString("free");
+    str_region_for = PyUnicode_InternFromString("region_for");
+    str_order = PyUnicode_InternFromString("order");
+    str_popitem = PyUnicode_InternFromString("popitem");
     if (PyType_Ready(&CoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

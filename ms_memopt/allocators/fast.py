@@ -16,7 +16,8 @@ Fast classes (reference in brackets):
   ``max_split_size_mb`` runs the reference)
 * ``torch-expandable``: :class:`FastTorchExpandableAllocator`
   (:class:`~.torch_expandable.TorchExpandableAllocator`)
-* ``pool``: :class:`FastPoolModeAllocator` (:class:`~.pool.PoolModeAllocator`, its regions in C)
+* ``pool``: :class:`FastPoolModeAllocator` (:class:`~.pool.PoolModeAllocator`: its regions,
+  ``malloc``/``free`` with the cache's eviction, and the batch loop in C)
 
 Example:
     >>> pool = FastMindSporePool(capacity=8 * 2**30)          # doctest: +SKIP
@@ -234,10 +235,29 @@ if ModelCore is not None:
                       for *_, pieces in self._segments() for addr, size, used in pieces]
             return Segment(self.addr, self.size, blocks, pool=self.name)
 
-    class FastPoolModeAllocator(PoolModeAllocator):
-        """:class:`~ms_memopt.allocators.pool.PoolModeAllocator` with compiled regions."""
+    class FastPoolModeAllocator(ModelCore, PoolModeAllocator):
+        """:class:`~ms_memopt.allocators.pool.PoolModeAllocator` with compiled regions and a
+        compiled ``malloc``/``free``/``_run``: routing (the reference's :meth:`region_for`,
+        remembered per tag and pool), the cache region's FIFO eviction, ``drain_evicted`` and the
+        counters (``allocated``, ``peak_allocated``, ``evictions``) are the C state's; an address
+        belongs to the region whose range holds it (the reference's ``_owner`` map, which the
+        compiled model does not keep). Layouts, metrics, routing and chunk marks are the
+        reference's Python code over the :class:`FastRegion` objects."""
 
         region_class = FastRegion
+        # the reference's, not ModelCore's (which knows nothing of regions)
+        largest_free = PoolModeAllocator.largest_free
+        empty_cache = AllocatorModel.empty_cache
+        note_segment_alloc = AllocatorModel.note_segment_alloc
+        release_segment = AllocatorModel.release_segment
+
+        def __init__(self, capacity: int | None = None, regions=None, route: dict[str, str] | None = None,
+                     chunked: bool = False) -> None:
+            ModelCore.__init__(self, capacity, kind="poolmode")
+            PoolModeAllocator.__init__(self, capacity, regions, route, chunked)
+            del self._owner, self._evicted        # kept in C (see the class docstring)
+            regions = tuple(self.regions.values())
+            self._pool_init(regions, tuple((1 if r.evicting else 0) | (2 if r.ring else 0) for r in regions))
 
     FAST_MODELS.update({"mindspore": FastMindSporePool, "mindspore-bestfit": FastMindSporeBestFitPool,
                         "mindspore-vmm": FastMindSporeVMMPool, "torch": FastTorchCachingAllocator,

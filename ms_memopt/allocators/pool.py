@@ -258,7 +258,9 @@ class PoolModeAllocator(AllocatorModel):
     """
 
     name = "pool"
-    #: the region type (ms_memopt.allocators.fast has a compiled one with the same methods)
+    #: the region type (ms_memopt.allocators.fast has a compiled one with the same methods;
+    #: its FastPoolModeAllocator repeats :meth:`malloc` and :meth:`free` in C, so a change of
+    #: their rules goes to _fastpool.c too: tests/test_fastpool.py fails until it does)
     region_class = _Region
 
     @staticmethod

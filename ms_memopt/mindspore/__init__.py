@@ -13,6 +13,7 @@ import importlib
 
 _EXPORTS: dict[str, str] = {
     "FusedAdamW": "fused_adamw",
+    "FusedAdamWGraph": "fused_adamw",
     "enable_pool_mode": "pool_mode",
     "reserve_pool": "pool_mode",
     "activation_bytes": "pool_mode",

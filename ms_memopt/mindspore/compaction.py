@@ -61,7 +61,7 @@ from ..scan import SCAN_LOG_NAME, ScanLog, check_forecast_within, record_mark, r
 from .cells import training_parts
 from .pool_log_source import wait_for_queued_ops
 
-__all__ = ["live_compact", "LiveCompactionReport", "register", "unregister", "registered",
+__all__ = ["live_compact", "restore_regions", "LiveCompactionReport", "register", "unregister", "registered",
            "long_lived_tensors", "CompactionCallback", "StoreBarrier", "BarrierTimeout",
            "CompactionError", "MindSporeArenaBackend"]
 
@@ -113,6 +113,33 @@ def long_lived_tensors(*cells: Any, extra: Iterable[Parameter] = ()) -> list[Par
     for p in list(extra) + registered():
         seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+def restore_regions(*cells: Any) -> bool:
+    """Ask every optimizer among ``cells`` and their sub-cells that keeps contiguous regions
+    (:class:`~ms_memopt.mindspore.fused_adamw.FusedAdamW`: ``restore_regions()``) to re-form
+    them after a live compaction gave each tensor its own storage; returns whether any moved.
+
+    Live compaction relocates tensor by tensor, so a pool-mode region comes out as adjacent
+    but separate allocations. Re-forming it copies them into one buffer and frees the
+    compacted copies in one piece (one free block where they were). When anything moved,
+    compiled graphs are dropped again so that they recompile against the regions (graph mode
+    has no Python step that would notice).
+    """
+    seen: set[int] = set()
+    moved = False
+    for cell in cells:
+        if cell is None or not hasattr(cell, "cells_and_names"):
+            continue
+        for _, sub in cell.cells_and_names():
+            restore = getattr(sub, "restore_regions", None)
+            if id(sub) in seen or not callable(restore):
+                continue
+            seen.add(id(sub))
+            moved = bool(restore()) or moved
+    if moved:
+        _recompile_graphs()
+    return moved
 
 
 # --- live compaction --------------------------------------------------------------------------
@@ -555,6 +582,7 @@ class CompactionCallback(Callback):
             tensors = long_lived_tensors(network, optimizer, extra=self.tensors)
             if tensors:
                 live_report = live_compact(tensors, verify=self.verify)
+        regions_restored = restore_regions(network, optimizer) if live_report is not None else False
         seconds = time.perf_counter() - t0
         if recording():
             wait_for_queued_ops()      # the pool calls the compaction queued come before its end mark
@@ -574,6 +602,7 @@ class CompactionCallback(Callback):
             "seconds": seconds,
             "arenas": [r.to_dict() for r in arena_reports],
             "live": live_report.to_dict() if live_report else None,
+            "regions_restored": regions_restored,
         }
         if pool_before is not None:
             record.update(frag_ratio_before=pool_before.frag_ratio, frag_ratio_after=pool_after.frag_ratio,

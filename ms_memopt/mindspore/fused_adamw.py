@@ -49,12 +49,25 @@ what we replace; ``ops.FusedCastAdamWeightDecay`` keeps no float32 master and ha
 correction (and is scalar off Intel too); ``mint.optim.FusedAdamW`` has no CPU kernel.
 
 Works in PyNative mode (MindSpore's default), with ``Model.train``, MindFormers' ``Trainer``
-and functional loops. Not in graph mode: there a training cell compiles the optimizer into its
-graph, and this step runs from Python, so the constructor refuses graph mode with a clear error.
+and functional loops, as described above. **Graph mode** (``mode=GRAPH_MODE``, MindFormers'
+``context.mode: 0``; decided when the optimizer is built, or ``graph=True/False``): a training
+cell compiles the optimizer's ``construct`` into its own graph, where no Python runs per step,
+so the step is MindSpore ops only (``FusedAdamWGraph.construct``): per parameter (``hyper_map``), the same
+decay + ``ops.Adam`` (+ one fp16/bf16 write from the master) on the parameter's view in the
+parameter region and on its own ``m``, ``v`` (and ``master``) Parameters, which are views into
+**one** contiguous optimizer-region buffer (``combine_tensor_list_contiguous``; a compiled graph
+updates Parameters where their storage is, so they stay there). Graph-mode state is per
+parameter (``fused_adamw.m.<parameter name>``), so checkpoints do not carry over between the
+two modes. What graph mode does not have: the gradient region (the graph compiler places the
+gradients), the CPU host pass, and one kernel per bucket (the graph runs two per decayed
+parameter).
+
 The state (``m``, ``v``, ``master``, ``global_step``) is made of ``Parameter``s, so
 ``ms.save_checkpoint(optimizer, path)`` / ``load_param_into_net(optimizer, ...)`` round-trip.
-Loading replaces parameter data (``set_data``), which breaks the views; the next step notices
-(data pointers no longer match) and rebuilds the region from the loaded values.
+Loading replaces parameter data (``set_data``), which breaks the views; the PyNative step
+notices (data pointers no longer match) and rebuilds the region from the loaded values; in
+graph mode call ``restore_regions()`` after loading (``CompactionCallback`` does after a
+live compaction).
 
 Example:
     >>> opt = FusedAdamW(net.trainable_params(), learning_rate=1e-3, weight_decay=0.01)  # doctest: +SKIP
@@ -73,7 +86,7 @@ from mindspore.hal.contiguous_tensors_handle import combine_tensor_list_contiguo
 
 from .. import native
 
-__all__ = ["FusedAdamW", "Bucket"]
+__all__ = ["FusedAdamW", "FusedAdamWGraph", "Bucket"]
 
 
 @dataclass
@@ -159,21 +172,28 @@ class FusedAdamW(nn.Optimizer):
         weight_decay: decoupled weight decay (float). As in ``nn.AdamWeightDecay`` without
             groups, parameters whose name contains ``beta`` or ``gamma`` are not decayed.
         bias_correction: divide the moments by ``1 - beta**t``.
+        graph: build the graph-mode step (MindSpore ops that a training cell compiles into its
+            graph); default: whether the context is in graph mode now.
 
     The update runs in float32 for float32, float16 and bfloat16 parameters; low-precision
     parameters keep a float32 master copy in the optimizer state. Gradients must come in the
     parameter dtype (checked once, on the first step).
     """
 
+    def __new__(cls, *args, graph: bool | None = None, **kwargs):
+        # graph mode: a training cell compiles the optimizer's construct into its own graph, so
+        # the step must be MindSpore ops only. A subclass holds that construct, so the compiler
+        # never sees the Python step (with both in one construct behind `if self._graph`, the
+        # compile inside MindFormers' wrapper resolved a PyNative-only method and failed).
+        if cls is FusedAdamW and (ms.get_context("mode") == ms.GRAPH_MODE if graph is None else graph):
+            cls = FusedAdamWGraph
+        return super().__new__(cls, *args, **kwargs)
+
     def __init__(self, params, learning_rate=1e-3, beta1: float = 0.9, beta2: float = 0.999,
-                 eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True) -> None:
-        if ms.get_context("mode") == ms.GRAPH_MODE:
-            # its step runs from Python (host gradient region, its own compiled update); in graph
-            # mode a training cell compiles the optimizer into its graph, which cannot run that
-            raise RuntimeError("FusedAdamW needs PyNative mode (mindspore.set_context(mode=PYNATIVE_MODE), "
-                               "MindFormers context.mode: 1): in graph mode the optimizer is compiled into "
-                               "the training graph, and FusedAdamW's step runs from Python")
+                 eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True,
+                 graph: bool | None = None) -> None:
         super().__init__(learning_rate, params, weight_decay)
+        self._graph = isinstance(self, FusedAdamWGraph)
         if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
             raise ValueError(f"beta1 and beta2 must be in [0, 1), got {beta1}, {beta2}")
         if eps <= 0:
@@ -189,10 +209,18 @@ class FusedAdamW(nn.Optimizer):
         self.regions: list[DtypeRegion] = self._make_regions()
         self.buckets: list[Bucket] = [b for r in self.regions for b in r.buckets]
         # CPU: the whole step is one compiled AdamW pass on host memory
-        self._native = (_native_kernel() and all(r.dtype in _NATIVE_KIND for r in self.regions)
+        self._native = (not self._graph and _native_kernel() and all(r.dtype in _NATIVE_KIND for r in self.regions)
                         and self.global_step.dtype == ms.int32)
         for region in self.regions:
             self._combine(region)
+        # the graph output of the last step that read each set of host gradient buffers
+        self._pending: list[Tensor | None] = [None, None]
+        self._host_step = 0
+        self._global_step_ptr = None
+        self._grad_dtypes_checked = False
+        if self._graph:
+            self._make_graph_state()
+            return
         zeros = lambda n: Tensor(np.zeros(n, np.float32))
         # ParameterTuples register the state with the Cell, so save_checkpoint(optimizer) has it.
         self.moments1 = ms.ParameterTuple(
@@ -210,11 +238,6 @@ class FusedAdamW(nn.Optimizer):
         self._plan = self._step_plan()
         if self._native:
             self._pieces = self._native_pieces()
-        # the graph output of the last step that read each set of host gradient buffers
-        self._pending: list[Tensor | None] = [None, None]
-        self._host_step = 0
-        self._global_step_ptr = None
-        self._grad_dtypes_checked = False
 
     # -- construction -------------------------------------------------------------------------
     def _make_regions(self) -> list[DtypeRegion]:
@@ -266,7 +289,7 @@ class FusedAdamW(nn.Optimizer):
         for k, bucket in enumerate(region.buckets):
             for j in range(bucket.first, bucket.first + bucket.count):
                 region.grad_targets.append((k, (int(ends[j]) - bucket.start) * region.itemsize))
-        if _host_memory() and not self._native:
+        if _host_memory() and not self._native and not self._graph:
             self._make_host_gradient_region(region)
 
     @staticmethod
@@ -339,6 +362,8 @@ class FusedAdamW(nn.Optimizer):
         self._grad_dtypes_checked = True
 
     def construct(self, gradients):
+        """PyNative: the step runs from Python (region checks, the compiled CPU pass or one
+        ``ms.jit`` update graph). Graph mode: :class:`FusedAdamWGraph`'s ``construct``."""
         if not self._grad_dtypes_checked:
             self._check_grad_dtypes(gradients)
         if self._native:
@@ -364,6 +389,81 @@ class FusedAdamW(nn.Optimizer):
         if host:
             self._pending[turn] = done
         return True
+
+    # -- graph mode: the step compiled into the training graph --------------------------------
+    def _make_graph_state(self) -> None:
+        """Graph mode's state: one ``m``, ``v`` (and, for fp16/bf16, ``master``) float32
+        ``Parameter`` per parameter, named ``fused_adamw.{m,v,master}.<parameter name>``, all
+        moved into **one** contiguous buffer (``combine_tensor_list_contiguous``) in the order
+        of the parameter region: m of every parameter, then v, then the masters. That buffer is
+        the optimizer region; a compiled graph reads and updates Parameters where their storage
+        is, so the views stay in it (checked: data pointers and the buffer's contents after
+        graph-mode steps)."""
+        params = list(self._parameters)
+        order = [i for region in self.regions for i in region.param_indices]
+
+        def state(prefix: str, i: int, init: Tensor | None = None) -> Parameter:
+            value = init if init is not None else Tensor(np.zeros(params[i].shape, np.float32))
+            return Parameter(value, name=f"fused_adamw.{prefix}.{params[i].name}", requires_grad=False)
+
+        m = {i: state("m", i) for i in order}
+        v = {i: state("v", i) for i in order}
+        masters = {i: state("master", i, params[i].astype(ms.float32)) for i in order
+                   if params[i].dtype != ms.float32}
+        self.moments1 = ms.ParameterTuple(m[i] for i in range(len(params)))
+        self.moments2 = ms.ParameterTuple(v[i] for i in range(len(params)))
+        master_ids = sorted(masters)
+        self.masters = ms.ParameterTuple(masters[i] for i in master_ids)
+        self._master_of = {i: k for k, i in enumerate(master_ids)}   # parameter index -> master
+        self._state_order = [m[i] for i in order] + [v[i] for i in order] + [masters[i] for i in order
+                                                                               if i in masters]
+        self._combine_state()
+        # per parameter, graph constants: weight decay, whether 16-bit (updated through its
+        # master); and the float32 weights the update runs on (the parameter or its master)
+        self._graph_wd = tuple(float(wd) for wd in self._weight_decays())
+        self._graph_low = tuple(i in masters for i in range(len(params)))
+        self._weights32 = ms.ParameterTuple(masters.get(i, params[i]) for i in range(len(params)))
+        # The step's scalars (beta**t, eps * sqrt(1 - beta2**t)) in float64 on CPU, as the
+        # PyNative step computes them on the host: in float32, 1 - beta2**t loses ~1e-5 of its
+        # value to cancellation early on (0.999 is not a float32). Devices: float32 (as
+        # MindFormers' AdamW), where float64 kernels may be missing.
+        scalar = ms.float64 if _host_memory() else ms.float32
+        self._beta1 = Tensor(self.beta1, scalar)
+        self._beta2 = Tensor(self.beta2, scalar)
+        self._eps = Tensor(self.eps, scalar)
+        self._one = Tensor(1.0, scalar)
+        self._zero = Tensor(0.0, ms.float32)
+        self._eps32 = Tensor(self.eps, ms.float32)
+
+    def _combine_state(self) -> None:
+        self._state_handle = combine_tensor_list_contiguous(self._state_order, True)
+        self._state_ptrs = [p.data_ptr() for p in self._state_order]
+
+    def restore_regions(self) -> bool:
+        """Move parameters and optimizer state back into their contiguous regions after
+        something gave them separate storage (live compaction, ``set_data``, a checkpoint
+        load); returns whether anything moved. Values are kept bit for bit.
+
+        The PyNative step does this itself on the next step; in graph mode there is no Python
+        per step, so :class:`~ms_memopt.mindspore.compaction.CompactionCallback` calls it after
+        each live compaction (the compiled graphs, dropped by the compaction, then recompile
+        against the regions). Call it yourself after loading a checkpoint in graph mode.
+        """
+        moved = False
+        for region in self.regions:
+            params = [self._parameters[i] for i in region.param_indices]
+            if any(p.data_ptr() != ptr for p, ptr in zip(params, region.data_ptrs)):
+                moved = True
+        if not self._graph:
+            self._ensure_regions()
+            return moved
+        if moved:
+            for region in self.regions:
+                self._combine(region)
+        if any(p.data_ptr() != ptr for p, ptr in zip(self._state_order, self._state_ptrs)):
+            self._combine_state()
+            moved = True
+        return moved
 
     # -- the CPU step: one compiled AdamW pass ------------------------------------------------
     def _native_pieces(self) -> dict:
@@ -492,6 +592,66 @@ class FusedAdamW(nn.Optimizer):
         return combine_tensor_list_contiguous(
             [g if g.is_contiguous() else g.contiguous() for g in (gradients[i] for i in region.param_indices)],
             True)
+
+
+class FusedAdamWGraph(FusedAdamW):
+    """:class:`FusedAdamW` with its graph-mode step: what ``FusedAdamW(...)`` builds when the
+    context is in graph mode (or with ``graph=True``). Same constructor, state layout described
+    in ``FusedAdamW._make_graph_state``; its ``construct`` is MindSpore ops only, so a training
+    cell can compile it into its graph."""
+
+    def construct(self, gradients):
+        """The step as MindSpore ops, compiled into the training graph (graph mode).
+
+        Per parameter, in place on its views into the regions: the fp32 weights (the parameter,
+        or the master of an fp16/bf16 one) decayed, ``w -= lr * wd * w``
+        (``ApplyGradientDescent``), then one ``ops.Adam`` (m, v and weights), then for fp16/bf16
+        the master written to the parameter once. Bias correction as in the PyNative step
+        (``_bias_terms``), with ``beta**t`` computed in the graph from ``global_step`` (in
+        float64 on CPU, as the host does; float32 on devices)."""
+        lrs = self.get_lr()
+        if self.bias_correction:
+            step = ops.cast(self.global_step, self._one.dtype) + self._one
+            beta1_power = ops.pow(self._beta1, step)
+            beta2_power = ops.pow(self._beta2, step)
+            eps = ops.cast(self._eps * ops.sqrt(self._one - beta2_power), ms.float32)
+            beta1_power = ops.cast(beta1_power, ms.float32)
+            beta2_power = ops.cast(beta2_power, ms.float32)
+        else:
+            beta1_power, beta2_power, eps = self._zero, self._zero, self._eps32
+        # hyper_map, not a Python loop: graph mode unrolls a loop into nested calls, over the
+        # call-depth limit at ~100 parameters
+        if self.is_group_lr:
+            updated = self.hyper_map(ops.partial(_graph_update, self._adam, self._decay, beta1_power, beta2_power,
+                                                 eps, self.beta1, self.beta2),
+                                     lrs, self._graph_wd, self._parameters, self._weights32, self.moments1,
+                                     self.moments2, gradients, self._graph_low)
+        else:
+            updated = self.hyper_map(ops.partial(_graph_update, self._adam, self._decay, beta1_power, beta2_power,
+                                                 eps, self.beta1, self.beta2, lrs),
+                                     self._graph_wd, self._parameters, self._weights32, self.moments1,
+                                     self.moments2, gradients, self._graph_low)
+        return ops.depend(self.assignadd(self.global_step, self.global_step_increase_tensor), updated)
+
+
+_graph_update = ops.MultitypeFuncGraph("fused_adamw_graph_update")
+
+
+@_graph_update.register("Function", "Function", "Tensor", "Tensor", "Tensor", "Number", "Number", "Tensor",
+                        "Number", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Bool")
+def _graph_update_one(adam, decay, beta1_power, beta2_power, eps, beta1, beta2, lr, weight_decay, param,
+                      weights, m, v, grad, low_precision):
+    """One parameter's graph-mode update (``FusedAdamWGraph.construct``), in place: decay the
+    float32 ``weights`` (the parameter, or its master), ``ops.Adam`` on weights, m, v; for a
+    16-bit parameter, write the master into it once."""
+    if low_precision:
+        grad = ops.cast(grad, ms.float32)
+    if weight_decay != 0.0:
+        grad = ops.depend(grad, decay(weights, lr * weight_decay, weights))
+    done = adam(weights, m, v, beta1_power, beta2_power, lr, beta1, beta2, eps, grad)
+    if low_precision:
+        done = ops.assign(param, ops.cast(ops.depend(weights, done), param.dtype))
+    return done
 
 
 #: parameter dtypes the compiled host step handles, and their ``native.adamw`` kind

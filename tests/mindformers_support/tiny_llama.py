@@ -12,8 +12,9 @@ here and handed to ``Trainer(model=...)``):
 * ``plain``: MindFormers' AdamW, no ms-memopt;
 * ``callbacks``: + ``LayoutScanCallback`` and ``CompactionCallback`` (every 2 steps);
 * ``pool``: + ``enable_pool_mode`` (recompute every layer, contiguous parameters) and both callbacks;
-* ``fused_plain``: ``FusedAdamW`` instead of AdamW, no ms-memopt otherwise (PyNative only:
-  FusedAdamW refuses graph mode);
+* ``fused_plain``: ``FusedAdamW`` instead of AdamW (same betas, eps, weight decay and
+  learning-rate schedule, built from the YAML like the Trainer builds AdamW's), no ms-memopt
+  otherwise; in graph mode its step is compiled into MindFormers' training graph;
 * ``fused_pool``: ``FusedAdamW`` + pool mode + both callbacks.
 
 ``entry`` does what MindFormers' ``run_mindformer.py`` does with ``--register_path``
@@ -94,6 +95,31 @@ def _model(config):
     return LlamaForCausalLM(LlamaConfig(**model_config))
 
 
+def _lr_schedule(config):
+    """The YAML's learning-rate schedule as the Trainer builds it for its own AdamW
+    (``total_steps: -1`` becomes epochs x steps per epoch)."""
+    import copy
+    from mindformers.core.lr import build_lr
+    lr_config = copy.deepcopy(config.lr_schedule)
+    if lr_config.total_steps in (None, -1):
+        lr_config.total_steps = STEPS * config.runner_config.epochs
+    return build_lr(lr_config)
+
+
+def _state_in_one_region(optimizer) -> bool | None:
+    """Graph mode: whether FusedAdamW's state Parameters are still back-to-back views of one
+    buffer (the optimizer region) holding their values; None for the PyNative step (flat
+    per-bucket state)."""
+    if not optimizer._graph:
+        return None
+    state = optimizer._state_order
+    ptrs = [p.data_ptr() for p in state]
+    whole = np.concatenate([p.asnumpy().reshape(-1) for p in state])
+    return (all(b == a + p.nbytes for a, b, p in zip(ptrs, ptrs[1:], state))
+            and ptrs[0] == optimizer._state_handle[0:1].data_ptr()
+            and bool(np.array_equal(optimizer._state_handle[0:whole.size].asnumpy(), whole)))
+
+
 def train_run(name: str, mode: int, out: Path) -> dict:
     import mindspore as ms
     from mindformers import Trainer
@@ -109,7 +135,10 @@ def train_run(name: str, mode: int, out: Path) -> dict:
         result["pool_regions"] = {r.name: r.size for r in plan.regions}
     optimizer = None
     if name.startswith("fused"):
-        optimizer = FusedAdamW(model.trainable_params(), learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8)
+        optimizer = FusedAdamW(model.trainable_params(), learning_rate=_lr_schedule(config),
+                               beta1=config.optimizer.betas[0], beta2=config.optimizer.betas[1],
+                               eps=config.optimizer.eps, weight_decay=config.optimizer.weight_decay)
+        result["fused_graph_step"] = optimizer._graph
     losses = LossLog()
     callbacks = [losses]
     log_dir = out / name / "memlog"
@@ -125,6 +154,11 @@ def train_run(name: str, mode: int, out: Path) -> dict:
     result["seconds"] = time.perf_counter() - started
     result["losses"] = losses.losses
     result["trainable_bytes"] = int(sum(p.size * p.itemsize for p in model.trainable_params()))
+    # the final weights, to compare runs closer than their losses show
+    np.savez(out / f"{name}.weights.npz", **{p.name: p.asnumpy() for p in model.trainable_params()})
+    if optimizer is not None:
+        result["optimizer_steps"] = int(optimizer.global_step.asnumpy().reshape(-1)[0])
+        result["state_in_one_region"] = _state_in_one_region(optimizer)
     if scan is not None:
         result["scans"] = [r.to_dict() if hasattr(r, "to_dict") else r.__dict__ for r in scan.records]
         result["compactions"] = compaction.records
