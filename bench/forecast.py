@@ -197,6 +197,24 @@ def _run_all(jobs: list[tuple], workers: int) -> list[dict]:
     return sorted(out, key=lambda r: (r["label"], r["seed"]))
 
 
+def _matched(forecast: dict, baseline: list[dict]) -> dict:
+    """The forecast against one baseline's settings, on both axes at once: the fewest false alarms
+    of a setting that warns as many OOM runs at least as early (matched lead), and the longest
+    lead of a setting that warns as many runs with at most the forecast's false alarms (matched
+    false alarms). ``forecast_ahead``: fewer false alarms at matched lead and a longer lead at
+    matched false alarms (a baseline with no such setting counts as behind on that axis)."""
+    def as_good(s: dict) -> bool:
+        return (s["warned_share"] or 0) >= (forecast["warned_share"] or 0)
+
+    early = [s for s in baseline if as_good(s) and (s["median_lead_steps"] or 0) >= forecast["median_lead_steps"]]
+    clean = [s for s in baseline if as_good(s) and s["false_alarms"] <= forecast["false_alarms"]]
+    at_lead = min(early, key=lambda s: s["false_alarms"], default=None)
+    at_fa = max(clean, key=lambda s: s["median_lead_steps"] or 0, default=None)
+    ahead = ((at_lead is None or at_lead["false_alarms"] > forecast["false_alarms"])
+             and (at_fa is None or (at_fa["median_lead_steps"] or 0) < forecast["median_lead_steps"]))
+    return {"at_forecast_lead": at_lead, "at_forecast_false_alarms": at_fa, "forecast_ahead": ahead}
+
+
 def _fmt(s: dict) -> str:
     share = "-" if s["warned_share"] is None else f"{s['warned_share']:.2f} ({s['warned']}/{s['oom_runs']})"
     lead = "-" if s["median_lead_steps"] is None else f"{s['median_lead_steps']:g}"
@@ -278,9 +296,22 @@ def main() -> None:
                       default=(None, None))
         best_clean[rule] = None if sc is None else {"setting": key, **sc}
         print(f"  {rule:<12} " + ("no setting without false alarms" if sc is None else f"{key:<26} {_fmt(sc)}"))
+    rules = {rule: score(eval_runs, chosen[rule], **kw) for rule in ("frag_ratio", "margin", "forecast")}
+    matched = {rule: _matched(rules["forecast"], [score(eval_runs, k, **kw) | {"setting": k} for k in keys])
+               for rule, keys in (("frag_ratio", [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS]),
+                                  ("margin", [f"margin:{m}" for m in MARGINS]))}
+    print(f"\nthe calibrated forecast ({chosen['forecast']}) against each baseline's best setting on the evaluation "
+          "seeds (chosen there, which favours the baseline)")
+    for rule, m in matched.items():
+        lead, fa = m["at_forecast_lead"], m["at_forecast_false_alarms"]
+        print(f"  {rule:<12} to warn as many runs as early: "
+              + ("no setting does" if lead is None else f"{lead['setting']}, {lead['false_alarms']} false alarms")
+              + f" (forecast {rules['forecast']['false_alarms']}); with at most the forecast's false alarms: "
+              + ("no setting warns as many runs" if fa is None else
+                 f"{fa['setting']}, median lead {fa['median_lead_steps']:g}")
+              + f" (forecast {rules['forecast']['median_lead_steps']:g}); forecast ahead: {m['forecast_ahead']}")
     seconds = time.perf_counter() - started
     print(f"\n{len(runs)} runs in {seconds:.0f} s")
-    rules = {rule: score(eval_runs, chosen[rule], **kw) for rule in ("frag_ratio", "margin", "forecast")}
     print(json.dumps({"rules": rules,
                       "settings": chosen,
                       "calibration": f"most aggressive setting with <= {args.max_false_alarms} false alarms on the "
@@ -288,6 +319,7 @@ def main() -> None:
                       "today": {rule: {"setting": today[rule], **score(eval_runs, today[rule], **kw)}
                                 for rule in ("frag_ratio", "margin")},
                       "best_without_false_alarms": best_clean,
+                      "matched": matched,
                       "calibration_seeds": calib, "evaluation_seeds": evals, "steps": steps,
                       "check_every": args.check_every, "censor": args.censor, "min_lead": args.min_lead,
                       "runs": len(runs), "seconds": round(seconds, 1)}))
