@@ -1,8 +1,9 @@
 """Benchmark: does the forecast warn earlier, and falsely less often, than the two alarms?
 
 Runs many seeds of the 100B recipe and of its sensitivity variants under the ``baseline``
-policy — some that OOM (the reference, more shape variety, more micro-batches, +4 GiB) and
-some that never do (all variation off, bounded variation, +8 GiB) — and replays each run's
+policy — some that OOM (the reference, more shape variety, more micro-batches) and some that
+do not within the run (+4 GiB, which OOMs at 1550-1780 when run 2000 steps; +8 GiB, bounded
+variation, all variation off) — and replays each run's
 samples through three warning rules, checked every ``--check-every`` steps (a scan):
 
 (a) ``frag_ratio``: some sample since the last check has a frag ratio above a threshold
@@ -22,17 +23,23 @@ forecast the median error of the crossing step it estimated at its first warning
 1000 steps long: at 600, three of six reference seeds that OOM at 624-748 counted as runs
 that never OOM, and every rule that warned them 200 steps ahead was charged a false alarm.
 
-Calibration and evaluation use different seeds (``--calib-seeds`` 0-5, the seeds looked at
-while the method was designed; ``--eval-seeds`` 10-13 by default). Every rule is calibrated
+Calibration and evaluation use different seeds (``--calib-seeds`` 0-9, among them the seeds
+looked at while the method was designed; ``--eval-seeds`` 40-51 by default, 12 seeds: 36 OOM
+runs and 37 without, enough that false alarms can differ at all). Every rule is calibrated
 the same way: on the calibration seeds, its most aggressive setting with at most
 ``--max-false-alarms`` (0) false alarms: the largest share of OOM runs warned in time, then
 the longest median lead. The evaluation seeds are then scored with it; that is what the JSON's
 ``rules`` holds. Rules (a) and (b) are also scored at today's defaults (3.0, 0.5).
 
+Two comparisons do without a calibration: ``matched`` (the baseline's setting that matches the
+forecast on one axis, read on the other) and ``dominance`` (every baseline setting against the
+forecast's whole operating curve: is some forecast setting at least as good on warned runs,
+lead and false alarms, and better on one).
+
 Usage: nice -n 10 python bench/forecast.py [--steps 1000] [--workers 2] [--full]
 
-``--full`` is the full study: 10 evaluation and 10 calibration seeds, more variants (about an
-hour on 2 cores). The last line is one JSON object
+About 150 s on an idle 2-core machine. ``--full`` is the full study: 20 evaluation seeds and
+more variants. The last line is one JSON object
 ``{"rules": {"frag_ratio": R, "margin": R, "forecast": R}, ...}``, each
 ``R = {"warned_share", "median_lead_steps", "false_alarm_rate", "runs"}``.
 """
@@ -215,6 +222,31 @@ def _matched(forecast: dict, baseline: list[dict]) -> dict:
     return {"at_forecast_lead": at_lead, "at_forecast_false_alarms": at_fa, "forecast_ahead": ahead}
 
 
+def _dominance(forecasts: list[dict], baseline: list[dict]) -> dict:
+    """Every setting of one baseline against the forecast's operating curve, without any
+    calibration: a setting is dominated when some forecast setting warns at least as many OOM
+    runs in time, with at least its median lead and at most its false alarms, and is better on
+    one of the three. ``undominated`` are the baseline settings no forecast setting matches
+    (``by`` names, for each dominated one, the forecast setting with the fewest false alarms,
+    then the longest lead)."""
+    def lead(s: dict) -> float:
+        return s["median_lead_steps"] or 0
+
+    def beats(f: dict, b: dict) -> bool:
+        at_least = f["warned"] >= b["warned"] and lead(f) >= lead(b) and f["false_alarms"] <= b["false_alarms"]
+        return at_least and (f["warned"] > b["warned"] or lead(f) > lead(b) or f["false_alarms"] < b["false_alarms"])
+
+    by = {}
+    for b in baseline:
+        better = [f for f in forecasts if beats(f, b)]
+        by[b["setting"]] = max(better, key=lambda f: (-f["false_alarms"], lead(f)), default={}).get("setting")
+    undominated = [b for b in baseline if by[b["setting"]] is None]
+    return {"dominated": sum(v is not None for v in by.values()), "settings": len(baseline), "by": by,
+            "undominated": [{k: b[k] for k in ("setting", "warned", "median_lead_steps", "false_alarms",
+                                               "false_alarm_rate")} for b in undominated],
+            "undominated_min_false_alarm_rate": min((b["false_alarm_rate"] for b in undominated), default=None)}
+
+
 def _fmt(s: dict) -> str:
     share = "-" if s["warned_share"] is None else f"{s['warned_share']:.2f} ({s['warned']}/{s['oom_runs']})"
     lead = "-" if s["median_lead_steps"] is None else f"{s['median_lead_steps']:g}"
@@ -227,8 +259,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "dense_100b_1024x910c.yaml"))
     parser.add_argument("--steps", type=int, default=1000, help="steps per run (default 1000)")
-    parser.add_argument("--calib-seeds", default=None, help="comma-separated (default 0-5; --full 0-9)")
-    parser.add_argument("--eval-seeds", default=None, help="comma-separated (default 10-13; --full 10-19)")
+    parser.add_argument("--calib-seeds", default=None, help="comma-separated (default 0-9)")
+    parser.add_argument("--eval-seeds", default=None, help="comma-separated (default 40-51; --full 40-59)")
     parser.add_argument("--check-every", type=int, default=10, help="steps between checks (scans)")
     parser.add_argument("--censor", type=int, default=150,
                         help="a warning in a run's last CENSOR steps is no false alarm (default 150)")
@@ -241,9 +273,8 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="the full study (1000 steps, more seeds and variants)")
     args = parser.parse_args()
     steps = args.steps
-    calib = [int(s) for s in (args.calib_seeds or ("0,1,2,3,4,5,6,7,8,9" if args.full else "0,1,2,3,4,5")).split(",")]
-    evals = [int(s) for s in (args.eval_seeds or (",".join(map(str, range(10, 20))) if args.full
-                                                 else "10,11,12,13")).split(",")]
+    calib = [int(s) for s in (args.calib_seeds or ",".join(map(str, range(10)))).split(",")]
+    evals = [int(s) for s in (args.eval_seeds or ",".join(map(str, range(40, 60 if args.full else 52)))).split(",")]
     if set(calib) & set(evals):
         parser.error("calibration and evaluation seeds must differ")
     started = time.perf_counter()
@@ -310,6 +341,17 @@ def main() -> None:
               + ("no setting warns as many runs" if fa is None else
                  f"{fa['setting']}, median lead {fa['median_lead_steps']:g}")
               + f" (forecast {rules['forecast']['median_lead_steps']:g}); forecast ahead: {m['forecast_ahead']}")
+    forecast_curve = [score(eval_runs, k, **kw) | {"setting": k} for k in FORECASTS]
+    dominance = {rule: _dominance(forecast_curve, [score(eval_runs, k, **kw) | {"setting": k} for k in keys])
+                 for rule, keys in (("frag_ratio", [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS]),
+                                    ("margin", [f"margin:{m}" for m in MARGINS]))}
+    print("\noperating curves on the evaluation seeds (no calibration): each baseline setting against every "
+          "forecast setting; dominated = some forecast setting warns as many OOM runs, as early, with at most "
+          "its false alarms, and is better on one")
+    for rule, d in dominance.items():
+        rest = ", ".join(f"{b['setting']} (false alarms {b['false_alarm_rate']:.2f})" for b in d["undominated"])
+        print(f"  {rule:<12} {d['dominated']} of {d['settings']} settings dominated"
+              + (f"; not dominated: {rest}" if rest else ""))
     seconds = time.perf_counter() - started
     print(f"\n{len(runs)} runs in {seconds:.0f} s")
     print(json.dumps({"rules": rules,
@@ -320,6 +362,7 @@ def main() -> None:
                                 for rule in ("frag_ratio", "margin")},
                       "best_without_false_alarms": best_clean,
                       "matched": matched,
+                      "dominance": dominance,
                       "calibration_seeds": calib, "evaluation_seeds": evals, "steps": steps,
                       "check_every": args.check_every, "censor": args.censor, "min_lead": args.min_lead,
                       "runs": len(runs), "seconds": round(seconds, 1)}))
