@@ -69,6 +69,10 @@ HORIZONS = (25, 50, 100, 150, 200)
 RISKS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
 WINDOWS = (5, 10)          # steps per window of the forecast (6 windows before the first forecast)
 FORECASTS = [f"forecast:{w}:{h}:{r}" for w in WINDOWS for h in HORIZONS for r in RISKS]
+#: every setting of each rule, by rule; the two baselines first
+SETTINGS = {"frag_ratio": [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS], "margin": [f"margin:{m}" for m in MARGINS],
+            "forecast": FORECASTS}
+BASELINES = ("frag_ratio", "margin")
 TODAY = {"frag_ratio": 3.0, "margin": 0.5}
 
 
@@ -290,9 +294,7 @@ def main() -> None:
     kw = {"min_lead": args.min_lead, "censor": args.censor}
 
     ck = {**kw, "max_false_alarms": args.max_false_alarms}
-    chosen = {"frag_ratio": calibrate(calib_runs, [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS], **ck),
-              "margin": calibrate(calib_runs, [f"margin:{m}" for m in MARGINS], **ck),
-              "forecast": calibrate(calib_runs, FORECASTS, **ck)}
+    chosen = {rule: calibrate(calib_runs, keys, **ck) for rule, keys in SETTINGS.items()}
     today = {rule: f"{rule}:{value}" for rule, value in TODAY.items()}
 
     print(f"{len(runs)} runs of {steps} steps, checks every {args.check_every} steps; calibration seeds {calib}, "
@@ -306,7 +308,7 @@ def main() -> None:
     print(f"\n{'rule (setting)':<34} {'seeds':<6} {'warned share':>14} {'lead':>10} {'false alarms':>14} "
           f"{'xing err':>12}")
     table = {}
-    for rule in ("frag_ratio", "margin", "forecast"):
+    for rule in SETTINGS:
         settings = [("calibrated", chosen[rule])] + ([("today", today[rule])] if rule in today else [])
         for name, key in settings:
             for seeds_name, subset in (("calib", calib_runs), ("eval", eval_runs)):
@@ -314,23 +316,21 @@ def main() -> None:
                 table[f"{key} [{seeds_name}]"] = s
                 print(f"{key + ' (' + name + ')':<34} {seeds_name:<6} {_fmt(s)}")
     print(f"\nsweep on the evaluation seeds (for reference; the settings above were chosen on calibration seeds)")
-    for key in [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS] + [f"margin:{m}" for m in MARGINS] + FORECASTS:
+    for key in [key for keys in SETTINGS.values() for key in keys]:
         print(f"  {key:<32} {_fmt(score(eval_runs, key, **kw))}")
     print("\nlongest median lead among settings without a false alarm (evaluation seeds; a rule's "
           "lead at its own false-alarm rate is not comparable)")
     best_clean = {}
-    for rule, keys in (("frag_ratio", [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS]),
-                       ("margin", [f"margin:{m}" for m in MARGINS]), ("forecast", FORECASTS)):
+    for rule, keys in SETTINGS.items():
         clean = [(score(eval_runs, k, **kw), k) for k in keys]
         clean = [(sc, k) for sc, k in clean if sc["false_alarm_rate"] == 0 and sc["warned_share"]]
         sc, key = max(clean, key=lambda c: (c[0]["warned_share"], c[0]["median_lead_steps"] or 0),
                       default=(None, None))
         best_clean[rule] = None if sc is None else {"setting": key, **sc}
         print(f"  {rule:<12} " + ("no setting without false alarms" if sc is None else f"{key:<26} {_fmt(sc)}"))
-    rules = {rule: score(eval_runs, chosen[rule], **kw) for rule in ("frag_ratio", "margin", "forecast")}
-    matched = {rule: _matched(rules["forecast"], [score(eval_runs, k, **kw) | {"setting": k} for k in keys])
-               for rule, keys in (("frag_ratio", [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS]),
-                                  ("margin", [f"margin:{m}" for m in MARGINS]))}
+    rules = {rule: score(eval_runs, chosen[rule], **kw) for rule in SETTINGS}
+    curves = {rule: [score(eval_runs, k, **kw) | {"setting": k} for k in keys] for rule, keys in SETTINGS.items()}
+    matched = {rule: _matched(rules["forecast"], curves[rule]) for rule in BASELINES}
     print(f"\nthe calibrated forecast ({chosen['forecast']}) against each baseline's best setting on the evaluation "
           "seeds (chosen there, which favours the baseline)")
     for rule, m in matched.items():
@@ -341,10 +341,7 @@ def main() -> None:
               + ("no setting warns as many runs" if fa is None else
                  f"{fa['setting']}, median lead {fa['median_lead_steps']:g}")
               + f" (forecast {rules['forecast']['median_lead_steps']:g}); forecast ahead: {m['forecast_ahead']}")
-    forecast_curve = [score(eval_runs, k, **kw) | {"setting": k} for k in FORECASTS]
-    dominance = {rule: _dominance(forecast_curve, [score(eval_runs, k, **kw) | {"setting": k} for k in keys])
-                 for rule, keys in (("frag_ratio", [f"frag_ratio:{t}" for t in FRAG_THRESHOLDS]),
-                                    ("margin", [f"margin:{m}" for m in MARGINS]))}
+    dominance = {rule: _dominance(curves["forecast"], curves[rule]) for rule in BASELINES}
     print("\noperating curves on the evaluation seeds (no calibration): each baseline setting against every "
           "forecast setting; dominated = some forecast setting warns as many OOM runs, as early, with at most "
           "its false alarms, and is better on one")
@@ -359,7 +356,7 @@ def main() -> None:
                       "calibration": f"most aggressive setting with <= {args.max_false_alarms} false alarms on the "
                                      f"calibration seeds",
                       "today": {rule: {"setting": today[rule], **score(eval_runs, today[rule], **kw)}
-                                for rule in ("frag_ratio", "margin")},
+                                for rule in BASELINES},
                       "best_without_false_alarms": best_clean,
                       "matched": matched,
                       "dominance": dominance,
