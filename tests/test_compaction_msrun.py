@@ -91,7 +91,7 @@ def _msrun(tmp_path: Path, die_rank: int, die_mode: str, barrier_timeout: float,
         pytest.skip("msrun is not installed next to this Python")
     port = _free_port()
     cmd = [str(msrun), "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
-           f"--master_port={port}", "--join=True", "--cluster_time_out=60",
+           f"--master_port={port}", "--join=True", "--cluster_time_out=300",
            f"--log_dir={tmp_path / 'logs'}", str(script), str(out), str(die_rank), die_mode, str(barrier_timeout)]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,

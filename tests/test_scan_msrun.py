@@ -65,7 +65,7 @@ def test_msrun_two_workers_one_log_per_rank_and_report_merges(tmp_path):
     env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONPATH=str(REPO),
                GLOG_v="3")
     cmd = [str(msrun), "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "--join=True", "--cluster_time_out=60",
+           f"--master_port={_free_port()}", "--join=True", "--cluster_time_out=300",
            f"--log_dir={tmp_path / 'msrun_logs'}", str(script), str(memlog)]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
