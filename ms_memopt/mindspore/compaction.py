@@ -359,6 +359,11 @@ def _call_with_deadline(fn: Callable[[], Any], seconds: float, what: str) -> Any
 
 #: the TCPStore this process opened for each (host, port); see :func:`_process_store`
 _STORES: dict[tuple[str, int], Any] = {}
+#: one lock per address, held while its store is opened: a retry after a timed-out connection
+#: waits for the first attempt (still running in its daemon thread) instead of opening a second
+#: store on the same port; other addresses do not wait for it
+_OPENING: dict[tuple[str, int], threading.Lock] = {}
+_OPENING_LOCK = threading.Lock()
 #: how many barriers this process made for each (host, port, prefix): their keys never meet
 _BARRIERS_MADE: dict[tuple[str, int, str], itertools.count] = {}
 
@@ -375,15 +380,18 @@ def _process_store(host: str, port: int, *, world_size: int, is_master: bool, ti
     lets a second barrier on the same port (a second ``CompactionCallback``) share it instead of
     failing to bind.
     """
-    store = _STORES.get((host, port))
-    if store is None:
-        from mindspore.mint.distributed import TCPStore
+    with _OPENING_LOCK:
+        opening = _OPENING.setdefault((host, port), threading.Lock())
+    with opening:
+        store = _STORES.get((host, port))
+        if store is None:
+            from mindspore.mint.distributed import TCPStore
 
-        store = TCPStore(host, port, world_size=world_size, is_master=is_master,
-                         timeout=timedelta(seconds=timeout))
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))    # survives interpreter teardown
-        _STORES[(host, port)] = store
-    return store
+            store = TCPStore(host, port, world_size=world_size, is_master=is_master,
+                             timeout=timedelta(seconds=timeout))
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))    # survives interpreter teardown
+            _STORES[(host, port)] = store
+        return store
 
 
 class StoreBarrier:
