@@ -315,21 +315,22 @@ def main() -> None:
                 s = score(subset, key, **kw)
                 table[f"{key} [{seeds_name}]"] = s
                 print(f"{key + ' (' + name + ')':<34} {seeds_name:<6} {_fmt(s)}")
+    # every setting scored once on the evaluation seeds; the sweep, the clean leads, `matched` and
+    # `dominance` read these
+    curves = {rule: [score(eval_runs, k, **kw) | {"setting": k} for k in keys] for rule, keys in SETTINGS.items()}
     print(f"\nsweep on the evaluation seeds (for reference; the settings above were chosen on calibration seeds)")
-    for key in [key for keys in SETTINGS.values() for key in keys]:
-        print(f"  {key:<32} {_fmt(score(eval_runs, key, **kw))}")
+    for s in [s for curve in curves.values() for s in curve]:
+        print(f"  {s['setting']:<32} {_fmt(s)}")
     print("\nlongest median lead among settings without a false alarm (evaluation seeds; a rule's "
           "lead at its own false-alarm rate is not comparable)")
     best_clean = {}
-    for rule, keys in SETTINGS.items():
-        clean = [(score(eval_runs, k, **kw), k) for k in keys]
-        clean = [(sc, k) for sc, k in clean if sc["false_alarm_rate"] == 0 and sc["warned_share"]]
-        sc, key = max(clean, key=lambda c: (c[0]["warned_share"], c[0]["median_lead_steps"] or 0),
-                      default=(None, None))
-        best_clean[rule] = None if sc is None else {"setting": key, **sc}
-        print(f"  {rule:<12} " + ("no setting without false alarms" if sc is None else f"{key:<26} {_fmt(sc)}"))
+    for rule, curve in curves.items():
+        clean = [s for s in curve if s["false_alarm_rate"] == 0 and s["warned_share"]]
+        sc = max(clean, key=lambda s: (s["warned_share"], s["median_lead_steps"] or 0), default=None)
+        best_clean[rule] = None if sc is None else {"setting": sc["setting"], **sc}
+        print(f"  {rule:<12} " + ("no setting without false alarms" if sc is None
+                                  else f"{sc['setting']:<26} {_fmt(sc)}"))
     rules = {rule: score(eval_runs, chosen[rule], **kw) for rule in SETTINGS}
-    curves = {rule: [score(eval_runs, k, **kw) | {"setting": k} for k in keys] for rule, keys in SETTINGS.items()}
     matched = {rule: _matched(rules["forecast"], curves[rule]) for rule in BASELINES}
     print(f"\nthe calibrated forecast ({chosen['forecast']}) against each baseline's best setting on the evaluation "
           "seeds (chosen there, which favours the baseline)")

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,11 +187,6 @@ def test_barrier_over_two_processes_and_their_exit():
     dies at exit: MindSpore 2.10's store client, destroyed after its master's process ended,
     crashed with SIGSEGV in 12 of 40 such exits before stores were kept for the process's life
     (so three pairs catch that with odds of about two in three)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     pairs = []
