@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from typing import IO
 
 from .allocators import create, model_class
-from .allocators.base import AllocatorModel
+from .allocators.base import AllocatorModel, oom_kind
 from .allocators.fast import batch_runner
 from .events import Event
 from .forecast import Forecast, Forecaster
@@ -123,8 +123,9 @@ class PolicyResult:
     """One policy, one seed; sizes in bytes, ratios as defined in :mod:`ms_memopt.metrics`.
 
     ``frag_at_oom`` is the frag ratio of the last scan before the OOM; ``oom_kind`` is
-    ``"fragmentation"`` when the failing request was smaller than ``free_total`` at that
-    moment, else ``"capacity"``; ``allocated_at_oom`` is what was in use when it failed (the
+    ``"fragmentation"`` when the failing request was at most ``free_total + device_free`` at
+    that moment (it would fit if the free memory were one piece), else ``"capacity"``
+    (:func:`~ms_memopt.allocators.base.oom_kind`); ``allocated_at_oom`` is what was in use when it failed (the
     monitor's reading at the OOM; ``peak_allocated`` is the run's maximum). ``frag_before_compaction``/``frag_after_compaction`` are the
     worst over all compactions; ``frag_after_compaction_segment_max`` the worst frag ratio
     inside one segment (pool block) right after a compaction (what compaction can reach in one
@@ -311,6 +312,10 @@ def _free_total(model: AllocatorModel) -> int:
     return model.reserved - model.allocated
 
 
+def _device_free(model: AllocatorModel) -> int | None:
+    return None if model.capacity is None else max(model.capacity - model.reserved, 0)
+
+
 def _make_model(policy: str, spec: WorkloadSpec, cfg: SimConfig) -> AllocatorModel:
     if policy == "pool":
         return model_class("pool", fast=cfg.allocator_options.get("fast")).for_workload(spec, capacity=cfg.capacity)
@@ -487,7 +492,8 @@ class _Run:
         result.free_total_at_oom = free_total
         result.allocated_at_oom = model.allocated
         result.largest_free_at_oom = oom.largest_free if oom else model.largest_free()
-        result.oom_kind = "fragmentation" if event.size < free_total else "capacity"
+        # the model's own record when it made one (the numbers replay reports), else the same rule
+        result.oom_kind = oom.kind if oom is not None else oom_kind(event.size, free_total, _device_free(model))
         result.frag_at_oom = self.track.last_scan_frag
         self.track.sample(step, "oom", free_total, result.largest_free_at_oom,
                           {"tag": event.tag, "size": event.size, "oom_kind": result.oom_kind})

@@ -24,9 +24,9 @@ import importlib
 import inspect
 
 from ..errors import InputError
-from .base import AllocatorModel, OOMRecord
+from .base import AllocatorModel, OOMRecord, oom_kind
 
-__all__ = ["AllocatorModel", "OOMRecord", "MODELS", "create", "model_class"]
+__all__ = ["AllocatorModel", "OOMRecord", "MODELS", "create", "model_class", "oom_kind"]
 
 # name -> (module, class); imported on first use so one model's cost is not every model's
 MODELS: dict[str, tuple[str, str]] = {

@@ -17,7 +17,39 @@ from typing import ClassVar
 from ..layout import Layout
 from ..metrics import LayoutMetrics, measure
 
-__all__ = ["AllocatorModel", "OOMRecord"]
+__all__ = ["AllocatorModel", "OOMRecord", "oom_kind"]
+
+
+def oom_kind(size: int, free_total: int, device_free: int | None = None) -> str:
+    """What kind of OOM a failed request of ``size`` bytes is: ``"fragmentation"`` or ``"capacity"``.
+
+    The one rule every OOM label comes from (:attr:`OOMRecord.kind`, the simulator's
+    ``oom_kind``): ``"fragmentation"`` when ``size <= free_total + device_free``, else
+    ``"capacity"``. ``free_total`` is the reserved bytes no live tensor holds and
+    ``device_free`` the device memory the pool has not reserved yet (``None``: unknown or
+    unbounded, counted as 0); see docs/metrics.md.
+
+    Why both: an OOM is a request the model cannot serve without exceeding the configured
+    capacity, and the memory still free under that capacity is ``free_total + device_free``.
+    When that covers the request, it would have been served had the free memory been one
+    contiguous piece: what failed it is how the free memory is split (every hole in the pool
+    too small, and the unreserved rest too small for a new block), i.e. fragmentation, which
+    compaction or pool mode can fix. When it does not, no placement could have served it: the
+    demand exceeds the card (capacity). Counting only ``free_total`` would call a request
+    that fits in the holes plus the unreserved memory a capacity problem, which it is not.
+
+    Example: a 6 GiB card with 2 GiB of holes inside the pool and 2 GiB not reserved yet;
+    3 GiB fit in the 4 GiB free, not in one piece:
+
+        >>> GiB = 2**30
+        >>> oom_kind(3 * GiB, free_total=2 * GiB, device_free=2 * GiB)
+        'fragmentation'
+        >>> oom_kind(5 * GiB, free_total=2 * GiB, device_free=2 * GiB)
+        'capacity'
+        >>> oom_kind(4 * GiB, free_total=2 * GiB, device_free=2 * GiB)  # exactly all that is free
+        'fragmentation'
+    """
+    return "fragmentation" if size <= free_total + (device_free or 0) else "capacity"
 
 
 @dataclass(slots=True)
@@ -25,7 +57,7 @@ class OOMRecord:
     """A request the model could not serve; sizes in bytes, measured at the moment of failure.
 
     ``kind`` is ``"fragmentation"`` when ``size <= free_total + device_free`` (enough memory
-    in total, but not in one piece), else ``"capacity"``.
+    in total, but not in one piece), else ``"capacity"``: :func:`oom_kind`.
     """
 
     size: int
@@ -41,8 +73,7 @@ class OOMRecord:
 
     @property
     def kind(self) -> str:
-        available = self.free_total + (self.device_free or 0)
-        return "fragmentation" if self.size <= available else "capacity"
+        return oom_kind(self.size, self.free_total, self.device_free)
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -36,9 +36,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds for the whole packing (default {DEFAULT_TIME_LIMIT:g})")
     parser.add_argument("--gap", type=float, default=0.0,
                         help="stop once arena <= lower bound x (1 + GAP) (default 0: aim for the bound)")
+    # argparse %-formats help strings: a literal percent sign is written %%
     parser.add_argument("--stall", type=float, default=None, metavar="S",
                         help="stop improving after S seconds without progress (default "
-                             f"{DEFAULT_STALL:.0%} of the time limit, at least 1 s)")
+                             f"{DEFAULT_STALL * 100:g}%% of the time limit, at least 1 s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", metavar="OFFSETS.csv", help="write id,offset rows here")
