@@ -75,9 +75,11 @@ def _ok(results: dict, name: str) -> dict:
     return run
 
 
-def _check_memopt_records(log_dir: Path, trainable_bytes: int) -> None:
+def _check_memopt_records(log_dir: Path, trainable_bytes: int, moved_bytes: int) -> None:
     """Scans and compactions together in rank_0/scan.jsonl; 3 live compactions; gradient bytes
-    are the model's trainable parameters (not also AdamW's m and v: cb_params.optimizer is None)."""
+    are the model's trainable parameters (not also AdamW's m and v: cb_params.optimizer is None).
+    Pool mode's weights (and FusedAdamW's regions) are never relocated: each compaction moves
+    ``moved_bytes`` (what lives outside the regions) and counts the region members it left."""
     records = _scan_log(log_dir / "rank_0" / "scan.jsonl")
     kinds = [(r.get("kind", "scan"), r["step"]) for r in records if r["step"] > 1]   # + a first scan at step 1
     assert kinds == [(k, s) for s in (2, 4, 6) for k in ("scan", "compaction")]
@@ -85,8 +87,11 @@ def _check_memopt_records(log_dir: Path, trainable_bytes: int) -> None:
     assert all(r["extra"]["gradient_bytes"] == trainable_bytes for r in scans)
     compactions = [r for r in records if r.get("kind") == "compaction"]
     assert len(compactions) == 3
-    assert all(r["live"]["verified"] and r["live"]["recompiled"] and r["bytes_moved"] > 3 * trainable_bytes
+    # (+ the optimizer's scalars: step counter, learning rate)
+    assert all(r["live"]["skipped_in_regions"] > 0 and moved_bytes <= r["bytes_moved"] < moved_bytes + 1024
                for r in compactions)
+    assert all(r["live"]["verified"] for r in compactions)
+    assert all(r["pool"]["kind"] == "cpu-bestfit" and r["live_skipped"] is None for r in compactions)
 
 
 def test_pool_mode_and_callbacks_leave_the_losses_bit_identical(runs):
@@ -101,7 +106,8 @@ def test_pool_mode_and_callbacks_leave_the_losses_bit_identical(runs):
     # regions from the plan; activations estimated from model.config (LlamaConfig) by the recipe reader
     assert pool["pool_regions"]["parameters.float32"] == pool["trainable_bytes"]
     assert pool["pool_regions"]["activations"] > 0
-    _check_memopt_records(out / "pool" / "memlog", pool["trainable_bytes"])
+    # AdamW's m and v moved; the weights stay in their region
+    _check_memopt_records(out / "pool" / "memlog", pool["trainable_bytes"], 2 * pool["trainable_bytes"])
 
 
 def _weights(out: Path, name: str) -> dict:
@@ -120,9 +126,12 @@ def test_fused_adamw_with_pool_mode_and_callbacks(runs):
     assert fused_pool["losses"] == fused_plain["losses"]
     alone, pooled = _weights(out, "fused_plain"), _weights(out, "fused_pool")
     assert all(np.array_equal(alone[k], pooled[k]) for k in alone)
-    _check_memopt_records(out / "fused_pool" / "memlog", fused_pool["trainable_bytes"])
-    if mode == 0:   # graph mode: the callback re-formed the optimizer region after each compaction
-        assert [c["regions_restored"] for c in fused_pool["compactions"]] == [True] * 3
+    # PyNative: the per-bucket m and v moved, the parameter region stayed; graph mode: parameters
+    # and state all live in regions, nothing moved, nothing to restore
+    moved = 0 if mode == 0 else 2 * fused_pool["trainable_bytes"]
+    _check_memopt_records(out / "fused_pool" / "memlog", fused_pool["trainable_bytes"], moved)
+    assert [c["regions_restored"] for c in fused_pool["compactions"]] == [False] * 3
+    if mode == 0:
         assert fused_pool["state_in_one_region"] and fused_plain["state_in_one_region"]
     # MindFormers' AdamW with the same betas, eps and schedule: the same rule, its float32
     # operations in another order (m*b1 + g*(1-b1) vs m + (g-m)*(1-b1); bias correction on m and

@@ -61,6 +61,8 @@ from ..metrics import measure
 from ..errors import InputError
 from ..scan import SCAN_LOG_NAME, ScanLog, check_forecast_within, record_mark, recording
 from .cells import training_parts
+from .pool_info import PoolInfo, detect_pool
+from .regions import is_pinned
 from .pool_log_source import wait_for_queued_ops
 
 __all__ = ["live_compact", "restore_regions", "LiveCompactionReport", "register", "unregister", "registered",
@@ -119,14 +121,13 @@ def long_lived_tensors(*cells: Any, extra: Iterable[Parameter] = ()) -> list[Par
 
 def restore_regions(*cells: Any) -> bool:
     """Ask every optimizer among ``cells`` and their sub-cells that keeps contiguous regions
-    (:class:`~ms_memopt.mindspore.fused_adamw.FusedAdamW`: ``restore_regions()``) to re-form
-    them after a live compaction gave each tensor its own storage; returns whether any moved.
+    (:class:`~ms_memopt.mindspore.fused_adamw.FusedAdamW`: ``restore_regions()``) to bring
+    back tensors that were given their own storage (a checkpoint load's ``set_data``); returns
+    whether any moved. The values are copied into the region, which is never formed a second
+    time. When anything moved, compiled graphs are dropped so that they bind to the regions
+    again (graph mode has no Python step that would notice).
 
-    Live compaction relocates tensor by tensor, so a pool-mode region comes out as adjacent
-    but separate allocations. Re-forming it copies them into one buffer and frees the
-    compacted copies in one piece (one free block where they were). When anything moved,
-    compiled graphs are dropped again so that they recompile against the regions (graph mode
-    has no Python step that would notice).
+    Live compaction itself leaves region members where they are (:mod:`.regions`).
     """
     seen: set[int] = set()
     moved = False
@@ -153,15 +154,17 @@ class LiveCompactionReport:
 
     tensors: int
     bytes: int
-    seconds: float
-    evacuate_seconds: float
-    restore_seconds: float
-    verified: bool
-    recompiled: bool
-    device_reserved_before: int
-    device_reserved_after: int
-    device_allocated_before: int
-    device_allocated_after: int
+    #: tensors left where they are: members of a region ``FusedAdamW`` or pool mode formed
+    skipped_in_regions: int = 0
+    seconds: float = 0.0
+    evacuate_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    verified: bool = False
+    recompiled: bool = False
+    device_reserved_before: int = 0
+    device_reserved_after: int = 0
+    device_allocated_before: int = 0
+    device_allocated_after: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -228,6 +231,11 @@ def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: b
     for p in params:
         if not isinstance(p, Parameter):
             raise TypeError(f"only Parameters can be relocated in place, got {type(p).__name__}")
+    # a region member shares its storage with the whole region: never relocated on its own
+    pinned = [p for p in params if is_pinned(p)]
+    params = [p for p in params if not is_pinned(p)]
+    if not params:
+        return LiveCompactionReport(tensors=0, bytes=0, skipped_in_regions=len(pinned))
     if order not in ("size", "given"):
         raise ValueError(f"order must be 'size' or 'given', got {order!r}")
     if recompile is None:
@@ -271,7 +279,7 @@ def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: b
             if not _same_bits(p.asnumpy(), h):
                 raise CompactionError(f"parameter {p.name} changed during compaction")
     return LiveCompactionReport(
-        tensors=len(params), bytes=int(sum(h.nbytes for h in hosts)),
+        tensors=len(params), bytes=int(sum(h.nbytes for h in hosts)), skipped_in_regions=len(pinned),
         seconds=time.perf_counter() - t0, evacuate_seconds=t1 - t0, restore_seconds=t2 - t1,
         verified=verify, recompiled=bool(recompile),
         device_reserved_before=reserved_before, device_reserved_after=_memory("reserved"),
@@ -512,6 +520,14 @@ class CompactionCallback(Callback):
             else they are the most fragmented arena's (``None`` without either: MindSpore has
             no public API for the pool's largest free block).
         live: relocate the network's and optimizer's Parameters (plus registered ones).
+            ``"auto"`` (default): on CPU only. On Ascend a Parameter lives in the pool's
+            *persistent* memory (``set_from_persistent_mem(tensor->is_parameter())``), and a
+            relocated copy (``move_to``) is a new, common-pool allocation: relocation would pull
+            the weights into the pool that fragments, and cannot merge the common pool's holes.
+            There the record says so (``live_skipped``) and names the remedy for the job's
+            pool (:class:`~ms_memopt.mindspore.pool_info.PoolInfo`); arenas are still compacted.
+            Members of a ``FusedAdamW`` or pool-mode region are never relocated (they are
+            contiguous already, and their storage is the region's).
         tensors: more Parameters to relocate.
         log_dir: the scans' log directory: records go to ``log_dir/rank_N/scan.jsonl``, beside
             a ``LayoutScanCallback``'s scans with the same ``log_dir``; ``None``: no log.
@@ -531,7 +547,8 @@ class CompactionCallback(Callback):
                  when_forecast_within: int | None = None, forecast_from: Any = None,
                  arenas: Sequence[Arena] = (),
                  layout_fn: Callable[[], Any] | None = None,
-                 live: bool = True, tensors: Sequence[Parameter] = (), log_dir: str | os.PathLike | None = None,
+                 live: bool | str = "auto", tensors: Sequence[Parameter] = (),
+                 log_dir: str | os.PathLike | None = None,
                  barrier_timeout: float = 60.0, barrier: Any = "auto", verify: bool = True) -> None:
         super().__init__()
         if every < 1:
@@ -547,13 +564,38 @@ class CompactionCallback(Callback):
         self.frag_fn = frag_fn
         self.arenas = list(arenas)
         self.layout_fn = layout_fn
+        if live not in (True, False, "auto"):
+            raise ValueError(f"live must be True, False or 'auto', got {live!r}")
         self.live = live
+        self._pool: PoolInfo | None = None
         self.tensors = list(tensors)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.barrier_timeout = barrier_timeout
         self._barrier = barrier
         self.verify = verify
         self.records: list[dict] = []
+
+    @property
+    def pool(self) -> PoolInfo:
+        """The job's pool (detected once, at the first compaction)."""
+        if self._pool is None:
+            self._pool = detect_pool()
+        return self._pool
+
+    def _live_skipped(self) -> str | None:
+        """Why this job's Parameters are not relocated, or ``None`` when they are."""
+        if self.live is False:
+            return "live=False"
+        if self.live is True or self.pool.device == "CPU":
+            return None
+        if self.pool.vmm:
+            return ("VMM pool: physical memory is mapped on demand and does not fragment; relocating Parameters "
+                    "would only move them from persistent into common memory. Nothing to do.")
+        return ("Parameters live in the persistent pool on Ascend and a relocated copy would be a common-pool "
+                "allocation: no relocation through MindSpore 2.10's public API both keeps them persistent and "
+                "merges the common pool's holes. Remedies that work on this pool: MS_ALLOC_CONF=enable_vmm:True "
+                "(driver >= 24.0.0), pool mode, or a larger init_size set in the launch script; "
+                "see `ms-memopt doctor` on a recording.")
 
     @property
     def barrier(self) -> Any:
@@ -618,11 +660,13 @@ class CompactionCallback(Callback):
         t0 = time.perf_counter()
         arena_reports = [a.compact() for a in self.arenas]
         live_report = None
-        if self.live:
+        skipped = self._live_skipped()
+        if skipped is None:
             tensors = long_lived_tensors(network, optimizer, extra=self.tensors)
             if tensors:
                 live_report = live_compact(tensors, verify=self.verify)
-        regions_restored = restore_regions(network, optimizer) if live_report is not None else False
+        moved = live_report is not None and live_report.tensors > 0
+        regions_restored = restore_regions(network, optimizer) if moved else False
         seconds = time.perf_counter() - t0
         if recording():
             wait_for_queued_ops()      # the pool calls the compaction queued come before its end mark
@@ -642,7 +686,9 @@ class CompactionCallback(Callback):
             "seconds": seconds,
             "arenas": [r.to_dict() for r in arena_reports],
             "live": live_report.to_dict() if live_report else None,
+            "live_skipped": skipped if self.live is not False else None,
             "regions_restored": regions_restored,
+            "pool": self.pool.to_dict(),
         }
         if pool_before is not None:
             record.update(frag_ratio_before=pool_before.frag_ratio, frag_ratio_after=pool_after.frag_ratio,

@@ -7,11 +7,19 @@ A drop-in for ``nn.AdamWeightDecay``. The layout:
   parameters with the same learning rate and weight decay are adjacent: a *bucket*;
 * **optimizer region**: per bucket, flat float32 ``Parameter``s ``m`` and ``v`` (and, for
   fp16/bf16 parameters, a float32 ``master``), in the order of the parameter region;
-* **gradient region** (graph path): each step's gradients of one dtype in one flat buffer
-  (padded like the parameter region): on a device, combined by
-  ``combine_tensor_list_contiguous`` into a fresh buffer each step; on CPU without the
-  compiled kernel, copied by address into two persistent sets of per-bucket buffers used in
-  turn (``_copy_gradients``). The compiled CPU step needs none: it reads the gradients in place.
+* **gradient region** (the device step): each step's gradients of one bucket concatenated, with
+  the region's alignment padding, into one flat buffer *inside* the compiled update graph, so it
+  is an ordinary pool allocation that goes back to the pool when the step ends. (Not
+  ``combine_tensor_list_contiguous``: its buffers never return to the pool. On Ascend,
+  ``AscendResManager::AllocDeviceMemoryForTensorList`` builds the pieces from a raw pointer
+  with ``from_mem_pool`` false; on CPU, 30 combines of 512 KiB still held 15 MiB after every
+  handle was deleted. A region formed per step leaked the whole gradient size every step.)
+  The compiled CPU step needs none: it reads the gradients in place.
+
+The parameter and optimizer regions are formed **once**, when the optimizer is built, and
+live as long as the process (for the same reason). When something gives a parameter or a state
+tensor new storage (a checkpoint load's ``set_data``), the step copies the new values into the
+region and points the tensor back at its place there (``_rehome``): no second region.
 
 One step on CPU (the library :mod:`ms_memopt.native` built, as ``pip install`` does with a C
 compiler): one compiled AdamW pass over host memory (:func:`ms_memopt.native.adamw`),
@@ -21,9 +29,10 @@ it: decay, moments and update read each buffer once and write each once, in the 
 thread, with no graph launch and no gradient copy.
 MindSpore's own CPU kernels cannot do that pass vectorised on this AMD CPU (see below).
 
-One step elsewhere (devices, or no compiled library): per dtype,
-gather the gradients into the gradient region, then one compiled graph (``ms.jit``, a single
-launch from Python) does, per bucket over its whole range: cast the gradient to float32 (fp16/bf16), decay the float32 weights in place
+One step elsewhere (the **device step**: Ascend, or CPU without the compiled library, or
+``MS_MEMOPT_NATIVE=0``, which forces it so that the tests run the code an Ascend card runs):
+one compiled graph (``ms.jit``, a single launch from Python) does, per bucket over its whole
+range: gather the bucket's gradients into its flat gradient, cast it to float32 (fp16/bf16), decay the float32 weights in place
 (``ApplyGradientDescent`` with the weights as their own delta: ``w -= lr * wd * w``), one
 ``ops.Adam`` kernel (m, v and weights in place), and for low-precision parameters write the
 cast master into the parameter region once. For fp32 parameters the weights are the region
@@ -81,10 +90,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, mint, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 from mindspore.hal.contiguous_tensors_handle import combine_tensor_list_contiguous
 
 from .. import native
+from .regions import pin
 
 __all__ = ["FusedAdamW", "FusedAdamWGraph", "Bucket"]
 
@@ -140,10 +150,9 @@ class DtypeRegion:
     # where each parameter sits in its bucket: (bucket position in the region, byte offset in
     # it); the same offsets hold in the bucket's m, v and gradient buffers
     grad_targets: list[tuple[int, int]] = field(default_factory=list)
-    # host gradient region (CPU without the compiled kernel): two sets of per-bucket buffers
-    # used in turn
-    grad_buffers: list[list[Tensor]] = field(default_factory=list)
-    grad_buffer_ptrs: list[list[int]] = field(default_factory=list)
+    # element offset of each parameter in ``flat`` (region order), and its padding after it
+    offsets: list[int] = field(default_factory=list)
+    paddings: list[int] = field(default_factory=list)
 
     @property
     def itemsize(self) -> int:
@@ -213,8 +222,6 @@ class FusedAdamW(nn.Optimizer):
                         and self.global_step.dtype == ms.int32)
         for region in self.regions:
             self._combine(region)
-        # the graph output of the last step that read each set of host gradient buffers
-        self._pending: list[Tensor | None] = [None, None]
         self._host_step = 0
         self._global_step_ptr = None
         self._grad_dtypes_checked = False
@@ -236,6 +243,7 @@ class FusedAdamW(nn.Optimizer):
                                          requires_grad=False))
         self.masters = ms.ParameterTuple(masters)
         self._plan = self._step_plan()
+        self._gather = self._gather_plan()
         if self._native:
             self._pieces = self._native_pieces()
 
@@ -274,6 +282,7 @@ class FusedAdamW(nn.Optimizer):
         """Move the region's parameters into one contiguous buffer and keep views of it."""
         params = [self._parameters[i] for i in region.param_indices]
         region.handle = combine_tensor_list_contiguous(params, True)
+        pin(*params)
         # Devices that align each tensor (512 B on Ascend) pad between them; the buckets then
         # cover the padding too. Gradients of the same shapes and dtype are combined with the
         # same padding, so flat gradient, state and region stay aligned element by element.
@@ -285,43 +294,49 @@ class FusedAdamW(nn.Optimizer):
         for bucket in region.buckets:
             bucket.view = region.handle[bucket.start:bucket.end]
         region.data_ptrs = [p.data_ptr() for p in params]
+        region.offsets = [int(e) for e in ends[:-1]]
+        region.paddings = [int(ends[j + 1] - ends[j]) - p.size for j, p in enumerate(params)]
         region.grad_targets = []
         for k, bucket in enumerate(region.buckets):
             for j in range(bucket.first, bucket.first + bucket.count):
                 region.grad_targets.append((k, (int(ends[j]) - bucket.start) * region.itemsize))
-        if _host_memory() and not self._native and not self._graph:
-            self._make_host_gradient_region(region)
 
-    @staticmethod
-    def _make_host_gradient_region(region: DtypeRegion) -> None:
-        """CPU: device memory is host memory, so each step's gradients can be copied straight
-        into persistent buffers laid out like the parameter region (one bucket each), which
-        costs ~0.1 ms where ``combine_tensor_list_contiguous`` costs ~0.8 ms for the demo
-        model's 101 gradients. Two sets are used in turn: a step writes one set while the
-        previous step's graph, still running asynchronously, may read the other."""
-        region.grad_buffers = [[mint.zeros((b.numel,), dtype=b.dtype) for b in region.buckets] for _ in range(2)]
-        region.grad_buffer_ptrs = [[t.data_ptr() for t in buffers] for buffers in region.grad_buffers]
+    def _gather_plan(self) -> tuple:
+        """Per bucket, in ``self.buckets`` order: ``((gradient index, padding elements), ...)``,
+        the pieces the device step concatenates into the bucket's flat gradient, laid out like
+        the bucket's range of the parameter region (padding included)."""
+        plan = []
+        for region in self.regions:
+            for bucket in region.buckets:
+                plan.append(tuple((region.param_indices[j], region.paddings[j])
+                                  for j in range(bucket.first, bucket.first + bucket.count)))
+        return tuple(plan)
 
     def _step_plan(self) -> tuple:
         """Per bucket, in ``self.buckets`` order, the constants the compiled step is built from:
         ``(learning-rate index, weight decay, index of its fp32 master or -1)``."""
         return tuple((b.lr_index, float(b.weight_decay), self._master_of.get(b.index, -1)) for b in self.buckets)
 
-    def _ensure_regions(self) -> None:
-        """Rebuild a region whose parameters were given new data (checkpoint load, set_data)."""
+    def _ensure_regions(self) -> bool:
+        """Bring parameters that were given new storage (checkpoint load, ``set_data``) back
+        into their region (:func:`_rehome`); returns whether any moved. The region itself is
+        never formed again: a second ``combine_tensor_list_contiguous`` would hold a second
+        region that never returns to the pool."""
+        moved = False
         for region in self.regions:
             params = [self._parameters[i] for i in region.param_indices]
-            if all(p.data_ptr() == ptr for p, ptr in zip(params, region.data_ptrs)):
+            if not _rehome(region.flat, params, region.offsets, region.data_ptrs):
                 continue
-            self._combine(region)
+            moved = True
             for bucket in region.buckets:
-                if bucket.dtype == ms.float32:
+                if bucket.dtype == ms.float32 or self._graph:   # graph mode: masters are in the state region
                     continue
                 master = self.masters[self._master_of[bucket.index]]
                 # A loaded optimizer checkpoint brings its own master; keep it when it matches
                 # the loaded parameters, otherwise (weights loaded alone) restart from them.
                 if not np.array_equal(master.astype(bucket.dtype).asnumpy(), bucket.view.asnumpy()):
                     master.copy_(bucket.view.astype(ms.float32))
+        return moved
 
     # -- regions, for pool mode ---------------------------------------------------------------
     def region_bytes(self) -> dict[str, int]:
@@ -368,26 +383,16 @@ class FusedAdamW(nn.Optimizer):
             self._check_grad_dtypes(gradients)
         if self._native:
             return self._native_step(gradients)
-        # The gradient regions first: gathering waits for the backward pass anyway, and once
-        # it is done the data-pointer checks below no longer wait on pending kernels.
-        host = all(region.grad_buffers for region in self.regions)
-        turn = self._host_step % 2
-        if host:
-            grads = self._copy_gradients(gradients, turn)
-        else:
-            grad_regions = [self._combine_gradients(region, gradients) for region in self.regions]
-            # Slicing the handle is a C++ view; Tensor.__getitem__ is a slow Python path.
-            grads = tuple(handle[b.start:b.end] for region, handle in zip(self.regions, grad_regions)
-                          for b in region.buckets)
+        # the device step: the gradients go into the update graph as they are (strided ones made
+        # contiguous first: ``is_contiguous`` reads host-side metadata only)
+        grads = tuple(g if g.is_contiguous() else g.contiguous() for g in gradients)
         self._ensure_regions()
         self._sync_step()
         self._host_step += 1
         b1p, b2p, eps = self._bias_terms(self._host_step)
         # Scalars as Tensors: Python floats would be graph constants, one compile per step.
-        done = self._update(tuple(b.view for b in self.buckets), grads,
-                            Tensor(b1p, ms.float32), Tensor(b2p, ms.float32), Tensor(eps, ms.float32))
-        if host:
-            self._pending[turn] = done
+        self._update(tuple(b.view for b in self.buckets), grads,
+                     Tensor(b1p, ms.float32), Tensor(b2p, ms.float32), Tensor(eps, ms.float32))
         return True
 
     # -- graph mode: the step compiled into the training graph --------------------------------
@@ -436,32 +441,27 @@ class FusedAdamW(nn.Optimizer):
         self._eps32 = Tensor(self.eps, ms.float32)
 
     def _combine_state(self) -> None:
+        """Form the graph-mode optimizer region once (see ``_combine``)."""
         self._state_handle = combine_tensor_list_contiguous(self._state_order, True)
+        pin(*self._state_order)
+        ends = np.cumsum([0] + [int(n) // 4 for n in self._state_handle.after_padding_sizes])
+        self._state_flat = self._state_handle[0:int(ends[-1])]
+        self._state_offsets = [int(e) for e in ends[:-1]]
         self._state_ptrs = [p.data_ptr() for p in self._state_order]
 
     def restore_regions(self) -> bool:
-        """Move parameters and optimizer state back into their contiguous regions after
-        something gave them separate storage (live compaction, ``set_data``, a checkpoint
-        load); returns whether anything moved. Values are kept bit for bit.
+        """Bring parameters and optimizer state back into their contiguous regions after
+        something gave them separate storage (``set_data``, a checkpoint load); returns whether
+        anything moved. Values are kept bit for bit, and no region is formed a second time
+        (:func:`_rehome`).
 
         The PyNative step does this itself on the next step; in graph mode there is no Python
-        per step, so :class:`~ms_memopt.mindspore.compaction.CompactionCallback` calls it after
-        each live compaction (the compiled graphs, dropped by the compaction, then recompile
-        against the regions). Call it yourself after loading a checkpoint in graph mode.
+        per step: call it yourself after loading a checkpoint (then drop the compiled graphs,
+        as :func:`ms_memopt.mindspore.compaction.restore_regions` does, so that they bind to
+        the regions again).
         """
-        moved = False
-        for region in self.regions:
-            params = [self._parameters[i] for i in region.param_indices]
-            if any(p.data_ptr() != ptr for p, ptr in zip(params, region.data_ptrs)):
-                moved = True
-        if not self._graph:
-            self._ensure_regions()
-            return moved
-        if moved:
-            for region in self.regions:
-                self._combine(region)
-        if any(p.data_ptr() != ptr for p, ptr in zip(self._state_order, self._state_ptrs)):
-            self._combine_state()
+        moved = self._ensure_regions()
+        if self._graph and _rehome(self._state_flat, self._state_order, self._state_offsets, self._state_ptrs):
             moved = True
         return moved
 
@@ -529,29 +529,12 @@ class FusedAdamW(nn.Optimizer):
         ctypes.c_int32.from_address(self.global_step.data_ptr()).value = self._host_step
         return True
 
-    def _copy_gradients(self, gradients, turn: int) -> tuple:
-        """CPU: copy every gradient into its place in buffer set ``turn``; the buckets' buffers."""
-        pending = self._pending[turn]
-        if pending is not None:
-            # the graph that read this set two steps ago must be done before it is overwritten
-            pending.data_ptr()
-        out = []
-        for region in self.regions:
-            ptrs = region.grad_buffer_ptrs[turn]
-            for i, (k, offset) in zip(region.param_indices, region.grad_targets):
-                grad = gradients[i]
-                if not grad.is_contiguous():
-                    grad = grad.contiguous()
-                # same dtype and shape as its parameter (checked on the first step): fits its slot
-                ctypes.memmove(ptrs[k] + offset, grad.data_ptr(), grad.nbytes)
-            out.extend(region.grad_buffers[turn])
-        return tuple(out)
-
     @ms.jit(backend="ms_backend")
     def _update(self, views, grads, beta1_power, beta2_power, eps):
         """Every bucket's update as one compiled graph: one launch from Python per step.
 
-        Per bucket: the fp32 weights (the region view itself, or the master of fp16/bf16
+        Per bucket: its gradients concatenated (with the region's padding, ``_gather``) into
+        one flat gradient, a graph temporary that goes back to the pool after the step; the fp32 weights (the region view itself, or the master of fp16/bf16
         parameters) decayed in place, ``w -= lr * wd * w`` (``ApplyGradientDescent`` with the
         weights as their own delta: one kernel, and exact where ``w * (1 - lr * wd)`` would lose
         small decays to float32 rounding near 1; ``AssignSub(w, w * (lr * wd))`` measured
@@ -563,7 +546,7 @@ class FusedAdamW(nn.Optimizer):
         for k in range(len(self._plan)):
             lr_index, weight_decay, master_index = self._plan[k]
             lr = lrs[lr_index] if self.is_group_lr else lrs
-            weights, grad = views[k], grads[k]
+            weights, grad = views[k], _flat_gradient(grads, self._gather[k], views[k].dtype)
             if master_index >= 0:
                 weights = self.masters[master_index]
                 grad = grad.astype(ms.float32)
@@ -574,24 +557,9 @@ class FusedAdamW(nn.Optimizer):
             if master_index >= 0:
                 updated.append(views[k].copy_(weights.astype(views[k].dtype)))
         updated.append(self.assignadd(self.global_step, self.global_step_increase_tensor))
-        # A new tensor output that depends on every update: the host gradient buffers are
-        # rewritten once it is ready. (A constant output made each call wait for the graph,
-        # ~20% slower per step; the global step itself is rewritten by the next call.)
+        # A new tensor output that depends on every update. (A constant output made each call
+        # wait for the graph, ~20% slower per step.)
         return ops.depend(eps * 1.0, updated)
-
-    @staticmethod
-    def _combine_gradients(region: DtypeRegion, gradients):
-        """The gradient region of one dtype: one C++ call copies every gradient into one buffer.
-
-        Faster on CPU than reshape + concat: in PyNative ~5 ms vs ~0.8 ms (a view op per
-        tensor); inside the compiled step 2.6 vs 1.3 ms per step on the 101-tensor demo model
-        (101 graph inputs, a Reshape kernel per >=2-D gradient). combine copies raw storage, so
-        strided gradients (e.g. of a transposed weight) are made contiguous first;
-        ``is_contiguous`` reads host-side metadata only.
-        """
-        return combine_tensor_list_contiguous(
-            [g if g.is_contiguous() else g.contiguous() for g in (gradients[i] for i in region.param_indices)],
-            True)
 
 
 class FusedAdamWGraph(FusedAdamW):
@@ -656,6 +624,38 @@ def _graph_update_one(adam, decay, beta1_power, beta2_power, eps, beta1, beta2, 
 
 #: parameter dtypes the compiled host step handles, and their ``native.adamw`` kind
 _NATIVE_KIND = {ms.float32: native.FLOAT32, ms.float16: native.FLOAT16, ms.bfloat16: native.BFLOAT16}
+
+
+def _rehome(flat: Tensor, tensors: list, offsets: list[int], data_ptrs: list[int]) -> bool:
+    """Put each of ``tensors`` whose storage moved away from the region ``flat`` (its data
+    pointer is no longer ``data_ptrs[i]``) back at element ``offsets[i]`` of it: its current
+    values are copied there (``__setitem__`` on the region, in place on every device), then
+    the tensor is given a view of that range (``set_data``). Returns whether any moved.
+
+    Why not form the region again: ``combine_tensor_list_contiguous`` memory never returns to
+    the pool, so every re-formed region would stay allocated beside the old one (measured on
+    CPU: +1.4 MiB per re-forming in pool mode; on a 100B card, gigabytes)."""
+    moved = False
+    for tensor, offset, ptr in zip(tensors, offsets, data_ptrs):
+        if tensor.data_ptr() == ptr:
+            continue
+        numel = int(np.prod(tensor.shape, dtype=np.int64))
+        flat[offset:offset + numel] = tensor.reshape(-1)
+        tensor.set_data(flat[offset:offset + numel].view(tuple(tensor.shape)))
+        moved = True
+    return moved
+
+
+def _flat_gradient(grads, pieces, dtype):
+    """Inside the update graph: one bucket's gradient as one flat tensor laid out like the
+    bucket's range of the parameter region: ``pieces`` = ``((gradient index, padding
+    elements), ...)``, the padding as zeros."""
+    parts = []
+    for index, padding in pieces:
+        parts.append(grads[index].reshape(-1))
+        if padding:
+            parts.append(ops.zeros((padding,), dtype))
+    return parts[0] if len(parts) == 1 else ops.concat(parts)
 
 
 def _native_kernel() -> bool:

@@ -15,8 +15,10 @@ the :class:`~ms_memopt.poolplan.PoolPlan` it followed:
    :class:`~ms_memopt.mindspore.fused_adamw.FusedAdamW` optimizer its regions are used
    (parameters by dtype, a flat gradient buffer, flat fp32 m/v/master in parameter order).
 3. **The activation region** is sized for the largest recompute group (see
-   :func:`activation_bytes`) and, on Ascend, reserved up front with
-   ``ms.runtime.set_memory(init_size=...)`` (see docs/pool_mode.md for why this option).
+   :func:`activation_bytes`). On Ascend's best-fit pool the plan is reserved up front with
+   ``ms.runtime.set_memory(init_size=...)`` when that can still work (before the pool's first
+   allocation, and only if nothing called ``set_memory`` yet); otherwise the plan's notes say
+   why not and what to do instead (:func:`reserve_pool`). Under VMM nothing is reserved.
 
 Blocks must take the hidden state as first input and return one tensor of the same shape;
 extra inputs, positional or keyword (masks, position ids, MindFormers LLaMA's
@@ -42,9 +44,11 @@ from ..estimate import layer_activation_bytes, layer_input_bytes, recompute_grou
 from ..errors import InputError
 from ..poolplan import PoolPlan
 from ..recipe import ModelConfig, recipe_from_dict
+from .pool_info import detect_pool
+from .regions import pin
 
 __all__ = ["enable_pool_mode", "RecomputeGroup", "Passthrough", "find_blocks", "activation_bytes",
-           "ActivationEstimate", "reserve_pool", "gpt_activation_estimator", "layer_model_config",
+           "ActivationEstimate", "reserve_pool", "memory_settings", "gpt_activation_estimator", "layer_model_config",
            "config_activation_estimator"]
 
 _GB = 1024 ** 3
@@ -196,11 +200,16 @@ def _combine_parameters(network: nn.Cell) -> dict[str, int]:
     handles = []
     for name, params in by_dtype.items():
         handle = combine_tensor_list_contiguous(params, True)
+        pin(*params)
         handles.append(handle)
         sizes[f"parameters.{name}"] = int(handle.total_padding_size)
     # The handles only describe the buffers (parameters keep them alive); kept for inspection.
     network._pool_mode_handles = handles
     return sizes
+
+
+def _align(nbytes: int, alignment: int) -> int:
+    return -(-int(nbytes) // alignment) * alignment if alignment > 1 else int(nbytes)
 
 
 def _itemsize(dtype) -> int:
@@ -292,35 +301,117 @@ def _default_estimator(network: nn.Cell) -> Callable[[int], tuple[int, int]] | N
     return None
 
 
-def reserve_pool(plan: PoolPlan, *, headroom: float = 0.0, optimize_level: str | None = None,
-                 force: bool = False) -> str:
-    """Reserve ``plan.total`` bytes up front via ``ms.runtime.set_memory(init_size=...)``.
+#: the MindSpore settings ``set_memory`` writes, as ``get_context`` names them and as
+#: ``set_memory`` takes them: a call passes every one, read back first, so none is reset
+_MEMORY_SETTINGS = (("memory_optimize_level", "optimize_level"), ("max_device_memory", "max_size"),
+                    ("mempool_block_size", "increase_size"))
 
-    The pool's first block then holds every region, so nothing is cut from blocks grown
-    later. Only done on Ascend (or with ``force``), only once per process (MindSpore
-    refuses a second ``set_memory``), and before the first device allocation to take effect.
+
+def memory_settings() -> dict[str, object]:
+    """The job's memory settings as ``ms.get_context`` reads them (``memory_optimize_level``,
+    ``max_device_memory``, ``mempool_block_size``): what no ms-memopt call may change."""
+    return {key: ms.get_context(key) for key, _ in _MEMORY_SETTINGS}
+
+
+def _set_memory_arguments(init_size: str, optimize_level: str | None) -> dict[str, str]:
+    """``set_memory``'s arguments: ``init_size`` and every other one as the job has it now
+    (``set_memory`` writes its own default for each argument not given: a plain
+    ``set_memory(init_size=...)`` after ``set_context(memory_optimize_level="O1")`` read 0 back,
+    which turns SOMAS off for every graph compiled afterwards)."""
+    current = memory_settings()
+    level = current["memory_optimize_level"]
+    kwargs = {"init_size": init_size,
+              "increase_size": _gb(current["mempool_block_size"]),
+              "max_size": _gb(current["max_device_memory"]),
+              "optimize_level": optimize_level or ("O1" if str(level) in ("1", "O1") else "O0")}
+    return kwargs
+
+
+def _gb(value: object) -> str:
+    """A context memory value (a float in GB, or ``"20GB"``) as ``set_memory`` takes it."""
+    text = str(value).strip().upper()
+    number = float(text[:-2]) if text.endswith("GB") else float(text)
+    return f"{number:g}GB"
+
+
+def _memory_configured() -> bool:
+    """Whether ``set_memory`` was called in this process already (MindSpore allows one call;
+    MindFormers' ``build_context`` makes it when the config has ``max_device_memory``)."""
+    try:
+        from mindspore._c_expression import RuntimeConf
+        return bool(RuntimeConf.get_instance().is_memory_configured())
+    except (ImportError, AttributeError):      # another release: set_memory itself will say
+        return False
+
+
+def _pool_started() -> bool:
+    """Whether the device pool has made its first allocation: it reads ``init_size`` once, then
+    (``std::call_once`` in the Ascend pool's ``GetInstance``), so a later ``set_memory`` reserves
+    nothing. ``memory_reserved`` is 0 until then (and always on CPU)."""
+    try:
+        return int(ms.runtime.memory_reserved()) > 0
+    except Exception:
+        return False
+
+
+_HOW_TO_RESERVE = ("reserve in the launch script instead, before the first tensor and before MindFormers builds "
+                   "its context: ms.runtime.set_memory(init_size={init!r}, increase_size=..., max_size=..., "
+                   "optimize_level=...) with every argument your job uses (set_memory can be called once and "
+                   "writes its default for any argument left out; MindFormers' context keys max_device_memory, "
+                   "mempool_block_size and memory_optimize_level reach set_memory but have no init_size)")
+
+
+def reserve_pool(plan: PoolPlan, *, headroom: float = 0.0, optimize_level: str | None = None,
+                 force: bool = False, pool=None) -> str:
+    """Reserve the plan's regions up front through ``ms.runtime.set_memory(init_size=...)``,
+    or say why that cannot work in this job. Never changes a setting the job made.
+
+    The reservation is ``2 * plan.total * (1 + headroom)``: the Ascend pool's ``Initialize``
+    splits ``init_size`` in half, persistent and common. It is refused (and the returned text
+    says what to do instead) when:
+
+    * the device is not Ascend (unless ``force``): CPU's pool ignores ``init_size``;
+    * the pool maps memory on demand (VMM): it does not use ``init_size`` at all;
+    * ``set_memory`` was already called (by the launch script or MindFormers' context);
+    * the pool has already allocated: it reads ``init_size`` once, at its first allocation.
+
+    Otherwise every other ``set_memory`` argument is passed as the job has it now, and the
+    settings are read back afterwards.
 
     Args:
         plan: the plan to reserve for.
         headroom: extra fraction on top of ``plan.total`` (workspace the plan does not know).
-        optimize_level: ``"O1"`` asks graph mode for static (SOMAS) activation reuse.
+        optimize_level: ``"O1"`` asks graph mode for static (SOMAS) reuse; default: unchanged.
+        pool: a :class:`~ms_memopt.mindspore.pool_info.PoolInfo` (default: detected).
 
     Returns:
-        What was done, for the plan's notes.
+        What was done, for the plan's notes: starts with ``"reserved"`` or ``"not reserved"``.
     """
-    target = ms.get_context("device_target")
-    if target != "Ascend" and not force:
-        return f"not reserved: device {target} (set_memory only shapes the Ascend/GPU pools)"
-    gb = max(plan.total * (1.0 + headroom) / _GB, 1.0 / 1024)
+    pool = pool or detect_pool()
+    gb = max(2.0 * plan.total * (1.0 + headroom) / _GB, 1.0 / 1024)
     init = f"{math.ceil(gb * 1000) / 1000:.3f}GB"
-    kwargs = {"init_size": init}
-    if optimize_level:
-        kwargs["optimize_level"] = optimize_level
+    if pool.device != "Ascend" and not force:
+        return f"not reserved: device {pool.device} (set_memory's init_size only shapes the Ascend pool)"
+    if pool.vmm and not force:
+        return (f"not reserved: the VMM pool maps memory on demand and does not use init_size ({pool.basis}); "
+                "nothing to reserve")
+    if _memory_configured():
+        return "not reserved: set_memory was already called in this process; " + _HOW_TO_RESERVE.format(init=init)
+    if _pool_started():
+        return ("not reserved: the device pool has already allocated, and it reads init_size only at its first "
+                "allocation; " + _HOW_TO_RESERVE.format(init=init))
+    before = memory_settings()
+    kwargs = _set_memory_arguments(init, optimize_level)
     try:
         ms.runtime.set_memory(**kwargs)
-    except RuntimeError as exc:  # already configured by the user or an earlier call
-        return f"not reserved: {exc}"
-    return f"set_memory({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+    except (RuntimeError, ValueError) as exc:
+        return f"not reserved: set_memory refused ({exc}); " + _HOW_TO_RESERVE.format(init=init)
+    after = memory_settings()
+    changed = {k: (before[k], after[k]) for k in before if str(before[k]) != str(after[k])
+               and not (k == "memory_optimize_level" and optimize_level)}
+    if changed:   # a MindSpore release whose set_memory writes more than it takes: say so loudly
+        warnings.warn(f"reserve_pool: set_memory changed {changed}", RuntimeWarning, stacklevel=2)
+    return f"reserved: set_memory({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
 
 
 def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, checkpoint_every: int = 6,
@@ -376,17 +467,18 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
                       "boundary_bytes)", UserWarning, stacklevel=2)
     estimate = activation_bytes(per_block, boundary, len(indices), k)
 
-    if isinstance(optimizer, FusedAdamW):
+    pool = detect_pool()
+    fused = isinstance(optimizer, FusedAdamW)
+    params = list(network.trainable_params())
+    if fused:
         sizes = dict(optimizer.region_bytes())
     else:
-        params = list(network.trainable_params())
-        if combine_parameters:
-            sizes = _combine_parameters(network)
-        else:
-            sizes = {}
-            for p in params:
-                key = f"parameters.{_dtype_name(p.dtype)}"
-                sizes[key] = sizes.get(key, 0) + p.size * _itemsize(p.dtype)
+        # from the shapes, aligned as the device aligns each tensor: the reservation must come
+        # before anything is allocated, so before the parameters are combined
+        sizes = {}
+        for p in params:
+            key = f"parameters.{_dtype_name(p.dtype)}"
+            sizes[key] = sizes.get(key, 0) + _align(p.size * _itemsize(p.dtype), alignment)
         sizes["gradients"] = sum(p.size * _itemsize(p.dtype) for p in params)
         # AdamW-like state: fp32 m and v, plus an fp32 master for low-precision parameters.
         sizes["optimizer"] = sum(p.size * (8 if p.dtype == ms.float32 else 12) for p in params)
@@ -405,12 +497,17 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
         "activation_with_recompute": estimate.with_recompute,
         "activation_ratio": estimate.ratio,
         "batch_size": batch_size,
-        "device": ms.get_context("device_target"),
+        "device": pool.device,
+        "pool": pool.to_dict(),
     }
-    plan = PoolPlan.build(sizes, alignment, rings=("activations",), notes=notes)
-    if reserve is True or (reserve == "auto" and ms.get_context("device_target") == "Ascend"):
-        plan.notes["reservation"] = reserve_pool(plan, optimize_level=optimize_level, force=reserve is True)
+    if reserve is True or (reserve == "auto" and pool.device == "Ascend"):
+        reservation = reserve_pool(PoolPlan.build(sizes, alignment, rings=("activations",)),
+                                   optimize_level=optimize_level, force=reserve is True, pool=pool)
     else:
-        plan.notes["reservation"] = "not reserved (reserve=%r, device %s)" % (reserve, ms.get_context("device_target"))
+        reservation = f"not reserved (reserve={reserve!r}, device {pool.device})"
+    if not fused and combine_parameters:
+        sizes.update(_combine_parameters(network))      # the regions as they came out
+    notes["reservation"] = reservation
+    plan = PoolPlan.build(sizes, alignment, rings=("activations",), notes=notes)
     network._pool_plan = plan
     return plan
