@@ -477,6 +477,10 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
                       f"- steps {meta.get('start_step')}..{meta.get('steps')}; wall time {meta.get('seconds', 0):.1f} s; "
                       f"scans {meta.get('scans')}; compactions {meta.get('compactions')}; "
                       f"checkpoints: {', '.join(Path(c).name for c in meta.get('checkpoints') or []) or 'none'}"]
+            pool = meta.get("pool") or {}
+            if pool:
+                lines.append(f"- memory pool: **{pool.get('kind')}** ({pool.get('mode')}"
+                             f"{', SOMAS' if pool.get('somas') else ''}). {pool.get('explain', '')}")
             lines += [f"- note: {n}" for n in meta.get("notes") or []]
         if train_log.is_file():
             rows = _rows_of(train_log)

@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -315,6 +315,12 @@ class Scanner:
             forecasts are recorded (``watch.NAME.forecast``) but never warn.
         rank: written into every record.
         source_reason: why the first source was picked (``source="auto"``), for the first record.
+        pool: the job's pool, as a mapping with at least ``kind`` and ``vmm`` (the MindSpore
+            adapter passes ``PoolInfo.to_dict()``); written into every record's
+            ``extra["pool"]``. Under VMM (``vmm`` true) physical memory is mapped on demand, so
+            a watched request fits when the memory that can still be mapped (``free_total +
+            device_free``: idle and eager-freed pages count) covers it, whatever the holes;
+            the record says so in ``extra["vmm"]``.
 
     Raises:
         InputError: ``every <= 0``, a bad watch size, a negative ``frag_warn`` or
@@ -324,7 +330,7 @@ class Scanner:
     def __init__(self, sources: list[Source], *, log: ScanLog | None = None, every: int = 100,
                  watch: Mapping[str, object] | None = None, frag_warn: float | None = 3.0,
                  rank: int = 0, source_reason: str | None = None, keep: int = 1000,
-                 forecast_within: int | None = None) -> None:
+                 forecast_within: int | None = None, pool: Mapping | None = None) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
             raise InputError(f"every must be a positive integer, got {every!r}", key="every")
         if frag_warn is not None and (isinstance(frag_warn, bool) or not isinstance(frag_warn, (int, float))
@@ -343,6 +349,7 @@ class Scanner:
         self.forecasters = {name: Forecaster(size, window=every) for name, size in self.watch.items()}
         self.rank = rank
         self.source_reason = source_reason
+        self.pool = dict(pool) if pool is not None else None
         self.records: list[ScanRecord] = []
         self.failed: dict[str, str] = {}
         self.scan_seconds: list[float] = []
@@ -422,7 +429,10 @@ class Scanner:
         return record
 
     def _record(self, step: int, source: Source, reading: Reading) -> ScanRecord:
-        watch = check_watch(reading, self.watch)
+        vmm = bool(self.pool and self.pool.get("vmm"))
+        mappable = reading.free_total + (reading.device_free or 0)
+        # under VMM any free page can be mapped behind a new range: what fits is what can be mapped
+        watch = check_watch(replace(reading, largest_free=mappable) if vmm else reading, self.watch)
         ratio = None if reading.largest_free is None else frag_ratio(reading.free_total, reading.largest_free)
         histogram = reading.hole_histogram
         warnings = []
@@ -441,12 +451,18 @@ class Scanner:
                     f"predicted OOM: watched request {name!r} ({format_size(result['size'])}) would not fit: "
                     f"largest free block {_fmt(reading.largest_free)}, free total {format_size(reading.free_total)}, "
                     f"device free {_fmt(reading.device_free)}")
-        if ratio is not None and self.frag_warn is not None and ratio > self.frag_warn:
+        if ratio is not None and self.frag_warn is not None and ratio > self.frag_warn and not vmm:
             warnings.append(f"frag_ratio {ratio:.2f} > frag_warn {self.frag_warn:g} "
                             f"(free {format_size(reading.free_total)}, largest block {_fmt(reading.largest_free)})")
         for text in warnings:
             logger.warning("rank %d step %d: %s", self.rank, step, text)
         extra = dict(reading.extra)
+        if self.pool is not None:
+            extra["pool"] = self.pool
+        if vmm:
+            extra["vmm"] = {"mappable": mappable,
+                            "note": "VMM pool: holes in the layout do not decide OOMs; a request fits when the "
+                                    "memory that can still be mapped covers it"}
         if self._first:
             extra["source_description"] = source.describe()
             if self.source_reason:

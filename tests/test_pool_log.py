@@ -37,23 +37,75 @@ def _free_line(addr: int, in_use: int, total: int = 1 << 30, pid: int = 7) -> st
             f"used by event mem:0B, actual peak used mem:{in_use}B, total idle mem:{total - in_use}B.")
 
 
-def _ascend_lines(addr: int, size: int, in_use: int, total: int, tid: str = "7f01") -> list[str]:
-    """The two lines DefaultEnhancedAscendMemoryPool::AllocTensorMem writes (MindSpore source)."""
-    prefix = f"[V12906] DEVICE(9,{tid},python):2026-12-01-06:47:05.892.425 [mindspore/ccsrc/plugin/res_manager/" \
-             "ascend/mem_manager/ascend_memory_pool.cc:150] AllocTensorMem] "
-    aligned = (size + 511) // 512 * 512
-    return [prefix + f"Allocate tensor mem, size : {size}, align_size : {aligned}, from_persistent_mem : 0, "
-                     "need_recycle : 0, stream_id : 0.",
-            prefix + f'Allocate tensor mem, return : {{"addr_":{addr:#x},"size_":{aligned},"stream_id_":0,'
-                     f'"status_":used,"owner_name_":Default/MatMul-op1,"alloc_type_":0}}, stat info : '
-                     f'{{"used_size_":{in_use},"peak_size_":{in_use},"alloc_size_":{total},'
-                     f'"idle_size_":{total - in_use},"used_by_event_size_":0,"eager_free_size_":0}}.']
+# --- MindSpore 2.10's format strings -------------------------------------------------------
+# Exactly as they are in the 2.10 wheel's binaries (found with `strings -n 8`; the order of the
+# pieces, what is streamed between them, the functions and the line numbers read from the
+# machine code with `objdump -d`). Never seen on a device.
+# Ascend's DefaultEnhancedAscendMemoryPool (ascend_memory_pool.cc), from
+# mindspore/lib/plugin/ascend/libmindspore_ascend_res_manager.so:
+ASCEND_REQUEST = ("Allocate tensor mem, size : ", ", align_size : ", ", need_recycle : ")   # AllocTensorMem:255
+ASCEND_RETURN = ("Allocate tensor mem, return : ", ", stat info : ")                        # AllocTensorMem:301
+ASCEND_FAILED = "Allocate tensor mem, return nullptr."                 # AllocTensorMem:260, MS_LOG(INFO)
+ASCEND_FREE_REQUEST = "Free tensor mem, device addr : "                # FreeTensorMem:341
+ASCEND_FREE = ("Do free tensor mem : ", ", return : ")                 # DoFreeTensorMem:379
+ASCEND_CONTINUOUS = "Alloc continuous tensor mem, stream id : "         # AllocContinuousTensorMem:308
+ASCEND_PART = "Free part tensor mems."                                  # FreePartTensorMems:387
+ASCEND_FUNCTIONS = ("AllocTensorMem", "FreeTensorMem", "DoFreeTensorMem", "AllocContinuousTensorMem",
+                    "FreePartTensorMems")
+ASCEND_FILE = "mindspore/ccsrc/plugin/ascend/res_manager/mem_manager/ascend_memory_pool.cc"
+# MemBuf::ToJson() and MemStat::ToJson() (JsonBuilder: {"key":value,...}, values unquoted), same .so
+MEMBUF_KEYS = ("addr_", "size_", "stream_id_", "status_", "owner_name_", "alloc_type_")
+MEMSTAT_KEYS = ("used_size_", "peak_size_", "alloc_size_", "idle_size_", "used_by_event_size_", "eager_free_size_")
+# DynamicMemPoolBestFit (mem_dynamic_allocator.cc: CPU, and Ascend with older_pool:True), from
+# mindspore/lib/libmindspore_memory_pool.so (_alloc_line/_free_line above: the recorded lines' format)
+CPU_ALLOC = ("Alloc memory details, name:", ", persistent_mem:", ", stream id: ", ", address:", ", size:",
+             "B, total allocated mem:", "B, peak used mem:", "B, in used mem:", "B, used by event mem:",
+             "B, actual peak used mem:", "B, total idle mem:")                  # AllocTensorMem:260
+CPU_FREE = ("Free memory details, name:", ", address:", ", total allocated mem:")   # FreeTensorMemInner:811
+CPU_FUNCTIONS = ("AllocTensorMem", "FreeTensorMemInner")
+GiB = 1 << 30
+BASE = 0x12C0_4000_0000
 
 
-def _ascend_free(addr: int, ok: int = 1, tid: str = "7f01") -> str:
-    return (f"[V12906] DEVICE(9,{tid},python):2026-12-01-06:47:05.999.000 [mindspore/ccsrc/plugin/res_manager/"
-            f"ascend/mem_manager/ascend_memory_pool.cc:230] DoFreeTensorMem] Do free tensor mem : {addr:#x}, "
-            f"return : {ok}.")
+def _ascend(tid: str, line: int, function: str, message: str, level: str = "V12906", pid: int = 9) -> str:
+    # the prefix as MindSpore's LogWriter writes it (submodule 6 = DEVICE, the number the binary passes)
+    return (f"[{level}] DEVICE({pid},{tid},python):2026-12-01-06:47:05.892.425 [{ASCEND_FILE}:{line}] "
+            f"{function}] {message}")
+
+
+def _request(tid: str, size: int, align: int, recycle: int = 0) -> str:
+    a, b, c = ASCEND_REQUEST
+    return _ascend(tid, 255, "AllocTensorMem", f"{a}{size}{b}{align}{c}{recycle}.")
+
+
+def _json(keys: tuple[str, ...], values: tuple) -> str:
+    return "{" + ",".join(f'"{k}":{v}' for k, v in zip(keys, values)) + "}"
+
+
+def _return(tid: str, addr: int, size: int, stat: tuple[int, int, int, int] | None, owner: str = "",
+            stream: int = 0) -> str:
+    """``stat``: (used, peak, alloc, idle) of the pool after the allocation, or None: no stat part."""
+    a, b = ASCEND_RETURN
+    membuf = _json(MEMBUF_KEYS, (f"{addr:#x}", size, stream, "used", owner, "Kernel"))
+    tail = "" if stat is None else b + _json(MEMSTAT_KEYS, (*stat, 0, 0))
+    return _ascend(tid, 301, "AllocTensorMem", f"{a}{membuf}{tail}.")
+
+
+def _stat(used: int, peak: int, alloc: int = GiB) -> tuple[int, int, int, int]:
+    return used, peak, alloc, alloc - used
+
+
+def _free_request(tid: str, addr: int) -> str:
+    return _ascend(tid, 341, "FreeTensorMem", f"{ASCEND_FREE_REQUEST}{addr:#x}.")
+
+
+def _do_free(tid: str, addr: int, ok: int = 1) -> str:
+    a, b = ASCEND_FREE
+    return _ascend(tid, 379, "DoFreeTensorMem", f"{a}{addr:#x}{b}{ok}.")
+
+
+def _continuous(tid: str, stream: int = 0) -> str:
+    return _ascend(tid, 308, "AllocContinuousTensorMem", f"{ASCEND_CONTINUOUS}{stream}.")
 
 
 # --- the model: multimap tie rule -------------------------------------------------------------
@@ -207,23 +259,102 @@ def test_jsonl_round_trip_replays_the_same(tmp_path):
     assert got["address_match"] == 1.0 and got["final_layout_match"] is True
 
 
-def test_ascend_enhanced_pool_lines(tmp_path):
-    base = 0x12C0_4000_0000
-    lines = ["[INFO] other", *_ascend_lines(base, 1000, 1024, 1 << 30),
-             *_ascend_lines(base + 1024, 4096, 5120, 1 << 30),
-             _ascend_free(base, ok=0),            # awaited by an event: not a free yet
-             _ascend_free(base)]
+def test_ascend_enhanced_pool_lines_replay(tmp_path):
+    a = "7f01"
+    lines = ["[INFO] other", _request(a, 1000, 1024), _return(a, BASE, 1024, _stat(1024, 1024), "Default/MatMul-op1"),
+             _request(a, 4096, 4096), _return(a, BASE + 1024, 4096, _stat(5120, 5120)),
+             _free_request(a, BASE), _do_free(a, BASE, ok=0),      # still used by an event: not a free yet
+             _do_free(a, BASE)]                                     # WaitEvent frees it: no Free line
     path = tmp_path / "ascend.log"
     path.write_text("\n".join(lines) + "\n")
-    trace = load_trace(path)
+    trace = load_trace(path)        # found by content
     assert trace.meta["pool"] == "AbstractDynamicMemPool"
-    assert [(e.action, e.id, e.size) for e in trace.events] == [
-        ("segment_alloc", None, 1 << 30), ("alloc", 1, 1000), ("alloc", 2, 4096), ("free", 1, 0)]
-    assert trace.meta["pool_log"]["counter_mismatches"] == 0
+    assert [(e.action, e.id, e.size, e.tag) for e in trace.events] == [
+        ("segment_alloc", None, GiB, None), ("alloc", 1, 1000, "Default/MatMul-op1"), ("alloc", 2, 4096, None),
+        ("free", 1, 0, None)]
+    log = trace.meta["pool_log"]
+    assert log["counter_mismatches"] == 0 and log["skipped_lines"] == 0 and log["frees_returned_0"] == 1
+    assert log["pool_lines"] == 7 and log["unpaired_allocations"] == 0
     from ms_memopt.cli.replay_cmd import default_allocator
     assert default_allocator(trace) == "mindspore"
     result = replay(trace, create("mindspore"))
     assert result.address_match == 1.0 and result.final_layout_match is True
+
+
+def test_ascend_two_threads_interleaved_continuous_and_torn_lines():
+    a, b = "7f00aa", "7f00bb"
+    lines = [
+        _request(a, 1000, 1024),                                    # 1  before the lock: threads interleave
+        _request(b, 4096, 4096),                                    # 2
+        _return(b, BASE, 4096, _stat(4096, 4096)),                  # 3  b's return first: pairs with line 2
+        _return(a, BASE + 4096, 1024, _stat(5120, 5120)),           # 4  a's: pairs with line 1
+        _request(a, 300, 512)[:-25],                                # 5  torn: skipped and counted
+        _return(a, BASE + 5120, 512, _stat(5632, 5632)),            # 6  no request line: size = aligned
+        _free_request(b, BASE), _do_free(b, BASE, ok=0),            # 7, 8  kept for an event
+        _continuous(a),                                             # 9  no sizes, no addresses
+        _free_request(a, BASE + 4096), _do_free(a, BASE + 4096),    # 10, 11
+        _do_free(b, BASE),                                          # 12 the event's free
+        _request(a, 2048, 2048),                                    # 13
+        # 3 KiB continuous memory now in used_size_; the pool grew for the continuous allocation
+        _return(a, BASE + 8192, 2048, _stat(512 + 2048 + 3072, 5632 + 2048, 2 * GiB)),   # 14
+        _request(b, 100, 512), _return(b, BASE, 512, _stat(512 + 2048 + 512 + 3072, 6144, 2 * GiB)),  # 15, 16
+        _request(a, 1 << 40, 1 << 40),                                             # 17
+        _ascend(a, 260, "AllocTensorMem", ASCEND_FAILED, level="INFO"),            # 18 out of memory
+        _do_free(b, BASE + 0x8000_0000),                            # 19 a continuous piece: address never seen
+        _request(b, 512, 512), _return(b, BASE + 10240, 512, None),                 # 20, 21 no stat part
+        _ascend(b, 387, "FreePartTensorMems", ASCEND_PART),         # 22
+    ]
+    parser = PoolLogParser()
+    events = list(parser.feed_all(lines))
+    assert [(e.action, e.id, e.addr, e.size) for e in events] == [
+        ("segment_alloc", None, BASE, GiB),
+        ("alloc", 1, BASE, 4096), ("alloc", 2, BASE + 4096, 1000), ("alloc", 3, BASE + 5120, 512),
+        ("free", 2, None, 0), ("free", 1, None, 0),
+        ("alloc", 4, BASE + 8192, 2048),                            # no segment_alloc for the 1 GiB growth
+        ("alloc", 5, BASE, 100), ("alloc", 6, BASE + 10240, 512)]
+    assert {live.id: live.size for live in parser.live.values()} == {3: 512, 4: 2048, 5: 512, 6: 512}   # aligned
+    meta = parser.meta()
+    assert meta["skipped_lines"] == 1 and meta["skipped_at_lines"] == [5]
+    assert meta["unpaired_allocations"] == 1 and meta["frees_returned_0"] == 1
+    assert meta["continuous_allocations"] == 1 and meta["unattributed_growths"] == 1
+    assert meta["untracked_in_use"] == 3072 and meta["counter_mismatches"] == 0
+    assert meta["failed_allocations"] == 1 and meta["unmatched_frees"] == 1 and meta["partial_frees"] == 1
+    assert meta["pool_lines"] == len(lines) - 1 and meta["pid"] == 9
+    assert meta["counters"]["in_use"] == 6144 and meta["counters"]["reserved"] == 2 * GiB
+    assert parser.pool == "AbstractDynamicMemPool" and parser.segments == {BASE: (GiB, "common")}
+
+
+def test_ascend_lines_of_the_old_guessed_format_are_skipped_not_read():
+    # the format this reader once expected (from_persistent_mem, stream_id): 2.10 writes neither
+    old = _ascend("7f01", 255, "AllocTensorMem", "Allocate tensor mem, size : 1000, align_size : 1024, "
+                  "from_persistent_mem : 0, need_recycle : 0, stream_id : 0.")
+    parser = PoolLogParser()
+    assert parser.feed(old) == [] and parser.counts.skipped_lines == 1
+
+
+def _wheel_library(*parts: str) -> bytes:
+    import importlib.util
+    spec = importlib.util.find_spec("mindspore")          # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("mindspore is not installed")
+    path = Path(next(iter(spec.submodule_search_locations)), "lib", *parts)
+    if not path.is_file():
+        pytest.skip(f"{path} is absent (this MindSpore wheel has no such library)")
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("library, pieces", [
+    (("plugin", "ascend", "libmindspore_ascend_res_manager.so"),
+     (*ASCEND_REQUEST, *ASCEND_RETURN, ASCEND_FAILED, ASCEND_FREE_REQUEST, *ASCEND_FREE, ASCEND_CONTINUOUS,
+      ASCEND_PART, *ASCEND_FUNCTIONS, ASCEND_FILE, *MEMBUF_KEYS, *MEMSTAT_KEYS)),
+    (("libmindspore_memory_pool.so",), (*CPU_ALLOC, *CPU_FREE, *CPU_FUNCTIONS, *MEMBUF_KEYS)),
+], ids=["ascend_res_manager", "memory_pool"])
+def test_the_format_strings_the_reader_relies_on_are_in_the_installed_binaries(library, pieces):
+    """A MindSpore that changes a log line fails here, before a recording is misread."""
+    data = _wheel_library(*library)
+    # each piece is a C string of its own or the tail of a longer one (the linker shares tails)
+    missing = [piece for piece in pieces if piece.encode() + b"\0" not in data]
+    assert not missing, f"{'/'.join(library)} no longer holds {missing}: check the pool log's format"
 
 
 def test_a_digit_run_longer_than_any_64_bit_number_is_a_skipped_line():

@@ -500,3 +500,25 @@ def test_device_source_falls_back_to_probe_on_an_unreadable_dump(tmp_path):
     pool = _fragmented_pool()
     reading = DeviceSource(FakeDevice(pool, dumps=[dump]), probe_granularity=MiB).read()
     assert reading.extra["largest_from"] == "probe" and reading.largest_free == pool.largest_free()
+
+
+def test_under_vmm_a_scan_judges_by_what_can_be_mapped_not_by_the_holes():
+    """A VMM pool maps pages on demand: a request larger than every hole still fits while the
+    free memory covers it, and no frag warning is raised for holes."""
+    from ms_memopt.scan import Reading, Scanner, Source
+
+    class Fixed(Source):
+        name = "fixed"
+
+        def read(self):
+            return Reading(reserved=10 << 30, allocated=4 << 30, free_total=6 << 30, largest_free=1 << 30,
+                           device_free=2 << 30)
+
+    for vmm, fits in ((True, True), (False, False)):
+        scanner = Scanner([Fixed()], every=1, watch={"bucket": "4GB"}, frag_warn=1.0,
+                          pool={"kind": "ascend-vmm" if vmm else "ascend-bestfit", "vmm": vmm})
+        record = scanner.step(1)
+        assert record.watch["bucket"]["fits"] is fits
+        assert record.extra["pool"]["vmm"] is vmm
+        assert ("vmm" in record.extra) is vmm
+        assert any("frag_ratio" in w for w in record.warnings) is (not vmm)

@@ -76,6 +76,11 @@ def test_run_command_trains_a_token_file_and_writes_the_report(tmp_path, capsys)
     for figure in ("loss.png", "scan_fragmentation.png", "memory_map.png"):
         assert f"]({figure})" in report and (out / figure).stat().st_size > 5000
     assert "trained steps 1..2 of 2 on CPU" in (out / "run.log").read_text()
+    # the pool is named in the summary, the report and every scan record
+    assert summary["pool"]["kind"] == "cpu-bestfit" and summary["pool"]["holes_decide_ooms"] is True
+    assert "memory pool: **cpu-bestfit**" in report
+    scans = [json.loads(line) for line in (out / "rank_0" / "scan.jsonl").read_text().splitlines()]
+    assert all(r["extra"]["pool"]["kind"] == "cpu-bestfit" for r in scans if r.get("kind", "scan") == "scan")
 
 
 @pytest.mark.mindspore

@@ -34,13 +34,36 @@ def run(args: argparse.Namespace) -> int:
         device = dataclasses.replace(recipe.memopt.device, hbm=hbm)
         recipe = dataclasses.replace(recipe, memopt=dataclasses.replace(recipe.memopt, device=device))
     result = estimate(recipe)
+    pool = pool_of(recipe)
     if args.json:
-        print(json.dumps(result.to_dict(per_stage=True), sort_keys=False))
+        print(json.dumps({**result.to_dict(per_stage=True), "pool": pool}, sort_keys=False))
     else:
         print(_table(result, per_stage=args.per_stage, shape=_shape(recipe)))
+        print(f"pool: {pool['kind']} ({pool['basis']}): {pool['explain']}")
     if args.fail_on_oom and result.fits is False:
         return 1
     return 0
+
+
+def pool_of(recipe: Recipe) -> dict:
+    """Which pool the recipe's job runs on (``memopt.allocator.name``), and what that means:
+    under VMM (``mindspore_vmm``, MindSpore 2.10's default on 910B/910_93 with a driver >= 24.0.0)
+    holes do not decide OOMs; under the best-fit pool (``mindspore``: ``enable_vmm:False``,
+    ``older_pool:True``, older drivers, 910A, the field report's stack) they do."""
+    name = recipe.memopt.allocator.name
+    vmm = name == "mindspore_vmm"
+    basis = f"memopt.allocator.name: {name}"
+    if vmm:
+        explain = ("physical memory is mapped in 2 MiB pages on demand: holes do not decide OOMs; what must fit "
+                   "is the total in use against the capacity")
+    elif name == "mindspore":
+        explain = ("best-fit blocks that never merge: a large request can fail with much memory free; on Ascend "
+                   "this is the pool with MS_ALLOC_CONF=enable_vmm:False or older_pool:True, drivers older than "
+                   "24.0.0 and 910A (with VMM, MindSpore 2.10's default on 910B/910_93, it would not fragment: "
+                   "simulate with --allocator mindspore-vmm)")
+    else:
+        explain = "not a MindSpore pool model"
+    return {"kind": name, "vmm": vmm, "holes_decide_ooms": not vmm, "basis": basis, "explain": explain}
 
 
 def _count(n: int) -> str:

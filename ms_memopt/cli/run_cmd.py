@@ -201,6 +201,9 @@ def _export_memory_viz(out: Path, path: str, result) -> str:
 def _print_summary(result, summary: dict) -> None:
     losses = result.losses
     print(f"device {result.device}; optimizer {result.optimizer}; pool mode {'on' if result.pool_mode else 'off'}")
+    if result.pool:
+        print(f"memory pool: {result.pool['kind']} ({result.pool['mode']}"
+              f"{', SOMAS' if result.pool['somas'] else ''}): {result.pool['explain']}")
     if losses:
         first, last = losses[0], losses[-1]
         med = sorted(result.step_seconds)[len(result.step_seconds) // 2]

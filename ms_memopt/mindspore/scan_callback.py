@@ -34,6 +34,7 @@ from ..errors import InputError
 from ..forecast import Forecast
 from ..scan import ScanLog, ScanRecord, Source, parse_watch
 from .cells import training_parts
+from .pool_info import detect_pool
 from .sources import SOURCES, DeviceMemoryAPI, make_sources
 
 __all__ = ["LayoutScanCallback", "Scanner", "detect_rank"]
@@ -99,7 +100,7 @@ class Scanner(_scan.Scanner):
         if log_dir is not None:
             log = ScanLog(Path(log_dir) / f"rank_{rank}" / _scan.SCAN_LOG_NAME)
         super().__init__(sources, log=log, every=every, watch=watch, frag_warn=frag_warn, rank=rank,
-                         source_reason=reason, forecast_within=forecast_within)
+                         source_reason=reason, forecast_within=forecast_within, pool=detect_pool().to_dict())
 
 
 class LayoutScanCallback(Callback):

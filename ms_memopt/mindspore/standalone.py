@@ -101,9 +101,19 @@ class RunResult:
     pool_mode: bool = False
     notes: list[str] = field(default_factory=list)
     model: dict = field(default_factory=dict)
+    #: the job's device-memory pool (:meth:`~ms_memopt.mindspore.pool_info.PoolInfo.to_dict`),
+    #: with ``explain``: what fragmentation means on it
+    pool: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _pool_summary() -> dict:
+    from .pool_info import detect_pool
+
+    info = detect_pool()
+    return {**info.to_dict(), "explain": info.explain()}
 
 
 # --- device, model, data -------------------------------------------------------------------------
@@ -581,7 +591,7 @@ def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_
         mode="train", dataset_sink_mode=False, device_target=target)
     context = RunContext(params)
     result = RunResult(out=str(out), device=target, start_step=start + 1, steps=total, optimizer=opt_name,
-                       pool_mode=mem.pool_mode, notes=notes, model=cfg.to_dict())
+                       pool_mode=mem.pool_mode, notes=notes, model=cfg.to_dict(), pool=_pool_summary())
     for cb in callbacks:
         cb.on_train_begin(context)
         cb.on_train_epoch_begin(context)

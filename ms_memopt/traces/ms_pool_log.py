@@ -9,21 +9,54 @@ lines are::
     [V12906] PRE_ACT(PID,TID,python):TIME [.../mem_dynamic_allocator.cc:260] AllocTensorMem] Alloc memory details, name:Unknown, persistent_mem:0, stream id: 0, address:0x7fb667fff010, size:1024B, total allocated mem:1073741824B, peak used mem:1024B, in used mem:1024B, used by event mem:0B, actual peak used mem:1024B, total idle mem:1073740800B.
     [V12906] PRE_ACT(PID,TID,python):TIME [.../mem_dynamic_allocator.cc:811] FreeTensorMemInner] Free memory details, name:Unknown, address:0x7fb667fffc10, total allocated mem:..., in used mem:3072B, ..., total idle mem:...B.
 
-Ascend's default pool (``AbstractDynamicMemPool``) switches to its logging wrapper
-``DefaultEnhancedAscendMemoryPool`` whenever the memory VLOG is on, which writes (read in
-MindSpore's source, ``plugin/res_manager/ascend/mem_manager/ascend_memory_pool.cc``; not yet
-seen on a device)::
+Ascend's default pool (``AbstractDynamicMemPool``) is wrapped by its logging class
+``DefaultEnhancedAscendMemoryPool`` whenever the memory VLOG is on
+(``AscendMemoryPool::UseEnhancedMemoryPool`` tests the VLOG range for 12906). In MindSpore 2.10
+its lines are (``mindspore/ccsrc/plugin/ascend/res_manager/mem_manager/ascend_memory_pool.cc``,
+the file name the binary logs; the format strings are those of the 2.10 wheel's
+``mindspore/lib/plugin/ascend/libmindspore_ascend_res_manager.so``, found with ``strings``, and
+the order of the pieces, the functions, the line numbers and the log levels were read from its
+machine code with ``objdump -d``; **never seen on a device**)::
 
-    ... AllocTensorMem] Allocate tensor mem, size : 1000, align_size : 1024, from_persistent_mem : 0, need_recycle : 0, stream_id : 0.
-    ... AllocTensorMem] Allocate tensor mem, return : {"addr_":0x12c0...,"size_":1024,"stream_id_":0,"status_":used,...}, stat info : {"used_size_":...,"peak_size_":...,"alloc_size_":...,"idle_size_":...,"used_by_event_size_":...,"eager_free_size_":...}.
-    ... DoFreeTensorMem] Do free tensor mem : 0x12c0..., return : 1.
+    [V12906] DEVICE(PID,TID,python):TIME [.../ascend_memory_pool.cc:255] AllocTensorMem] Allocate tensor mem, size : 1000, align_size : 1024, need_recycle : 0.
+    [V12906] DEVICE(PID,TID,python):TIME [.../ascend_memory_pool.cc:301] AllocTensorMem] Allocate tensor mem, return : {"addr_":0x12c040000000,"size_":1024,"stream_id_":0,"status_":used,"owner_name_":Default/MatMul-op1,"alloc_type_":Kernel}, stat info : {"used_size_":1024,"peak_size_":1024,"alloc_size_":1073741824,"idle_size_":1073740800,"used_by_event_size_":0,"eager_free_size_":0}.
+    [V12906] DEVICE(PID,TID,python):TIME [.../ascend_memory_pool.cc:341] FreeTensorMem] Free tensor mem, device addr : 0x12c040000000.
+    [V12906] DEVICE(PID,TID,python):TIME [.../ascend_memory_pool.cc:379] DoFreeTensorMem] Do free tensor mem : 0x12c040000000, return : 1.
+    [V12906] DEVICE(PID,TID,python):TIME [.../ascend_memory_pool.cc:308] AllocContinuousTensorMem] Alloc continuous tensor mem, stream id : 0.
+    [V12906] DEVICE(PID,TID,python):TIME [.../ascend_memory_pool.cc:387] FreePartTensorMems] Free part tensor mems.
+    [INFO] DEVICE(PID,TID,python):TIME [.../ascend_memory_pool.cc:260] AllocTensorMem] Allocate tensor mem, return nullptr.
 
-The request line is written before the pool's lock is taken, so it is paired with the return
-line of the same thread (TID in the prefix); ``return : 0`` (a buffer still awaited by a
-stream event) is not a free: the pool frees it later and logs again. Such a recording has
-``meta["pool"] == "AbstractDynamicMemPool"`` and replays through ``mindspore``; with
-``MS_ALLOC_CONF=older_pool:True`` Ascend writes the CPU lines below and replays through
-``mindspore-bestfit``.
+(``DEVICE`` is the submodule number 6 the binary passes; the reader takes any name.) The request
+line (size asked, ``align_size``, ``need_recycle``) is written before the pool's lock is taken,
+the return line (``MemBuf::ToJson()``, then ``MemStat::ToJson()`` of the pool) inside it: an
+allocation is the return line paired with the last request line *of the same thread* (TID in
+the prefix); a return line without one (lost) gives the aligned size as the size and is counted
+(``unpaired_allocations``). A return line without its ``stat info`` part is read too (no
+counters, so no block growth is seen). The request line has no persistent flag and no stream:
+the stream is the MemBuf's, ``pool`` stays unset. ``FreeTensorMem`` writes its line before the
+lock and calls ``DoFreeTensorMem``, which writes the free inside it; ``WaitEvent`` and
+``SyncAllEvents`` call ``DoFreeTensorMem`` alone. So the free is the ``Do free tensor mem`` line
+with ``return : 1``; ``return : 0`` (a buffer still used by a stream event, freed later with
+its own line, or an address the pool does not know) is no free (``frees_returned_0``), and the
+``Free tensor mem, device addr`` line is only recognised.
+
+A failed allocation (``return nullptr``, an ``INFO`` line) drops its thread's request
+(``failed_allocations``).
+
+``AllocContinuousTensorMem`` (e.g. communication fusion's contiguous inputs) logs the
+stream id only, no sizes and no addresses, and ``FreePartTensorMems`` logs nothing but its name:
+**their memory is not in the event stream**. The reader counts them (``continuous_allocations``,
+``partial_frees``), never invents an address, and, as the pool's ``used_size_`` then holds
+memory no event holds, takes the difference at the next counters as ``untracked_in_use``
+instead of a counter mismatch; a block growth seen first after a continuous allocation may be
+that allocation's block, so it is not made a ``segment_alloc`` (``unattributed_growths``).
+The frees of continuous pieces are frees of unknown addresses (``unmatched_frees``). Such a
+recording has ``meta["pool"] == "AbstractDynamicMemPool"`` and replays through ``mindspore``;
+with ``MS_ALLOC_CONF=older_pool:True`` Ascend's ``BestFitAscendMemoryPool`` is a
+``DynamicMemPoolBestFit`` and writes the CPU lines above, replayed through
+``mindspore-bestfit`` (from the source; the CPU lines' format strings are those of the same
+wheel's ``mindspore/lib/libmindspore_memory_pool.so``). That a block growth's allocation takes
+the new block's low end is, for Ascend, read in the source (``MemBufAllocator``), not seen.
 
 Facts the reader relies on (checked on MindSpore 2.10.0 CPU):
 
@@ -87,9 +120,14 @@ _ALIGN = 512
 _ALLOC_MARK = "Alloc memory details"          # DynamicMemPoolBestFit (CPU; Ascend older_pool)
 _ALLOC_FUNCTION = "AllocTensorMem] "           # a line torn inside the message still names its function
 _FREE_MARK = "Free memory details"
-_ASCEND_REQUEST_MARK = "Allocate tensor mem, size :"     # Ascend's enhanced pool (AbstractDynamicMemPool)
+# Ascend's enhanced pool (DefaultEnhancedAscendMemoryPool over AbstractDynamicMemPool), 2.10
+_ASCEND_REQUEST_MARK = "Allocate tensor mem, size :"
 _ASCEND_RETURN_MARK = "Allocate tensor mem, return :"
+_ASCEND_FAILED_MARK = "Allocate tensor mem, return nullptr"
 _ASCEND_FREE_MARK = "Do free tensor mem :"
+_ASCEND_FREE_REQUEST_MARK = "Free tensor mem, device addr :"
+_ASCEND_CONTINUOUS_MARK = "Alloc continuous tensor mem"
+_ASCEND_PART_MARK = "Free part tensor mems"
 _PREFIX = r"\[(?:V12906|DEBUG)\] [A-Z_]+\((?P<pid>\d{1,20}),(?P<tid>[0-9a-fA-F]+),[^)]*\):\S+ \[[^\]]*\] \w+\] "
 _COUNTERS = (r"total allocated mem:(?P<total>\d{1,20})B, peak used mem:(?P<peak>\d{1,20})B, in used mem:(?P<in_use>\d{1,20})B, "
              r"(?:used by event mem:(?P<by_event>\d{1,20})B, )?(?:actual peak used mem:\d+B, )?"
@@ -101,16 +139,27 @@ _ALLOC = re.compile(_PREFIX + r"Alloc memory details, name:(?P<name>[^,]*), (?:p
 _FREE = re.compile(_PREFIX + r"Free memory details, name:(?P<name>[^,]*), address:(?P<addr>0x[0-9a-fA-F]+), "
                    + _COUNTERS)
 # DefaultEnhancedAscendMemoryPool (ascend_memory_pool.cc), the pool Ascend uses whenever the
-# memory VLOG is on: a request line (before the lock), a return line and a free line (inside it)
-_ASCEND_REQUEST = re.compile(_PREFIX + r"Allocate tensor mem, size : (?P<size>\d{1,20}), align_size : \d+, "
-                             r"from_persistent_mem : (?P<persistent>[01]|true|false), need_recycle : \w+, "
-                             r"stream_id : (?P<stream>\d{1,20})\.")
+# memory VLOG is on. The pieces are the format strings of MindSpore 2.10's
+# libmindspore_ascend_res_manager.so, in the order its machine code streams them; size_t values
+# print as decimals, bools as 0/1, pointers as 0x... (0 for null), JSON values unquoted.
+# AllocTensorMem, before the lock: size asked, size rounded up, need_recycle
+_ASCEND_REQUEST = re.compile(_PREFIX + r"Allocate tensor mem, size : (?P<size>\d{1,20}), "
+                             r"align_size : (?P<align>\d{1,20}), need_recycle : [01]\.")
+# AllocTensorMem, inside the lock: MemBuf::ToJson(), then MemStat::ToJson() (taken as optional)
 _ASCEND_RETURN = re.compile(_PREFIX + r'Allocate tensor mem, return : \{"addr_":(?P<addr>0x[0-9a-fA-F]+),'
-                            r'"size_":(?P<aligned>\d{1,20}),"stream_id_":(?P<stream>\d{1,20}),.*\}, stat info : '
-                            r'\{"used_size_":(?P<in_use>\d{1,20}),"peak_size_":(?P<peak>\d{1,20}),"alloc_size_":(?P<total>\d{1,20}),'
-                            r'"idle_size_":(?P<idle>\d{1,20}),"used_by_event_size_":(?P<by_event>\d{1,20}),'
-                            r'"eager_free_size_":\d+\}\.\s*$')
-_ASCEND_FREE = re.compile(_PREFIX + r"Do free tensor mem : (?P<addr>0x[0-9a-fA-F]+), return : (?P<ok>[01]|true|false)\.")
+                            r'"size_":(?P<aligned>\d{1,20}),"stream_id_":(?P<stream>\d{1,20}),"status_":[^,]*,'
+                            r'"owner_name_":(?P<owner>.*),"alloc_type_":[^,{}]*\}'
+                            r'(?:, stat info : \{"used_size_":(?P<in_use>\d{1,20}),"peak_size_":(?P<peak>\d{1,20}),'
+                            r'"alloc_size_":(?P<total>\d{1,20}),"idle_size_":(?P<idle>\d{1,20}),'
+                            r'"used_by_event_size_":(?P<by_event>\d{1,20}),"eager_free_size_":\d{1,20}\})?\.\s*$')
+_PREFIX_INFO = _PREFIX.replace("V12906|DEBUG", "V12906|DEBUG|INFO")
+_ASCEND_FAILED = re.compile(_PREFIX_INFO + r"Allocate tensor mem, return nullptr\.")      # MS_LOG(INFO)
+# FreeTensorMem, before the lock; then DoFreeTensorMem, inside it (also called alone by WaitEvent)
+_ASCEND_FREE_REQUEST = re.compile(_PREFIX + r"Free tensor mem, device addr : (?:0x[0-9a-fA-F]+|0)\.")
+_ASCEND_FREE = re.compile(_PREFIX + r"Do free tensor mem : (?P<addr>0x[0-9a-fA-F]+|0), return : (?P<ok>[01])\.")
+# AllocContinuousTensorMem, before the pool call: no sizes, no addresses; FreePartTensorMems: nothing
+_ASCEND_CONTINUOUS = re.compile(_PREFIX + r"Alloc continuous tensor mem, stream id : \d{1,20}\.")
+_ASCEND_PART = re.compile(_PREFIX + r"Free part tensor mems\.")
 # searched at the end of a line: another writer's text without a newline may come first
 _STEP = re.compile(r"ms-memopt step (?P<step>\d{1,20})\s*$")
 _MARK = re.compile(r"ms-memopt mark (?P<tag>[\w.:-]+)\s*$")
@@ -149,6 +198,13 @@ class _Counts:
     inferred_frees: int = 0
     counter_mismatches: int = 0
     other_pid_lines: int = 0
+    # Ascend's enhanced pool only
+    unpaired_allocations: int = 0      # a return line without its thread's request line
+    failed_allocations: int = 0        # "return nullptr"
+    frees_returned_0: int = 0          # "Do free tensor mem : X, return : 0": no free
+    continuous_allocations: int = 0    # AllocContinuousTensorMem calls (no sizes, no addresses logged)
+    partial_frees: int = 0             # FreePartTensorMems calls (nothing logged)
+    unattributed_growths: int = 0      # block growths after a continuous allocation: no segment_alloc
     skipped_at: list[int] = field(default_factory=list)
 
 
@@ -176,7 +232,10 @@ class PoolLogParser:
         self._reserved = 0
         self._line = 0
         self._other_pids: dict[int, int] = {}
-        self._requests: dict[str, tuple[int, bool]] = {}       # thread -> (size, persistent) asked
+        self._requests: dict[str, tuple[int, int]] = {}        # thread -> (size, align_size) asked
+        self._untracked = 0         # bytes the pool counts in use that no event holds (continuous memory)
+        self._resync = False        # _untracked changed by an unknown amount: take it from the next counters
+        self._continuous_pending = False   # a continuous allocation since the last counters
         self.pool = POOL_NAME
 
     # --- lines ---------------------------------------------------------------------------
@@ -195,6 +254,13 @@ class PoolLogParser:
             if _ASCEND_RETURN_MARK in line:
                 match = _ASCEND_RETURN.search(line)
                 return self._ascend_alloc(match) if match and self._ours(match) else self._torn(match)
+            if _ASCEND_FAILED_MARK in line:
+                match = _ASCEND_FAILED.search(line)
+                if match and self._ours(match):
+                    self.counts.failed_allocations += 1
+                    self._requests.pop(match.group("tid"), None)
+                    return []
+                return self._torn(match)
             match = _ALLOC.search(line)
             if match and self._ours(match):
                 self.pool = POOL_NAME
@@ -210,9 +276,18 @@ class PoolLogParser:
         if _ASCEND_FREE_MARK in line:
             match = _ASCEND_FREE.search(line)
             if match and self._ours(match):
-                # return 0: still awaited by a stream event; its later free logs again with 1
-                return self._free(int(match.group("addr"), 16), None) if match.group("ok") in ("1", "true") else []
+                if match.group("ok") == "1":
+                    return self._free(int(match.group("addr"), 16), None)
+                # still used by a stream event (its real free logs again with 1), or unknown to the pool
+                self.counts.frees_returned_0 += 1
+                return []
             return self._torn(match)
+        if _ASCEND_FREE_REQUEST_MARK in line:      # the free itself is DoFreeTensorMem's line
+            return self._ascend_note(_ASCEND_FREE_REQUEST.search(line), None)
+        if _ASCEND_CONTINUOUS_MARK in line:
+            return self._ascend_note(_ASCEND_CONTINUOUS.search(line), "continuous_allocations")
+        if _ASCEND_PART_MARK in line:
+            return self._ascend_note(_ASCEND_PART.search(line), "partial_frees")
         if STEP_LINE in line:
             step = _STEP.search(line)
             if step:
@@ -249,48 +324,76 @@ class PoolLogParser:
         self.counters = {"reserved": int(match.group("total")), "in_use": int(match.group("in_use")),
                          "peak_used": int(match.group("peak")), "used_by_event": int(match.group("by_event") or 0),
                          "idle": int(match.group("idle"))}
-        if self.counters["in_use"] != self.allocated:
+        self._continuous_pending = False
+        untracked = self.counters["in_use"] - self.allocated
+        if self._resync:        # continuous memory came or went: the pool's count says how much is held
+            self._resync = False
+            if untracked < 0:
+                self.counts.counter_mismatches += 1
+            self._untracked = max(untracked, 0)
+        elif untracked != self._untracked:   # always 0 on the CPU pool
             self.counts.counter_mismatches += 1
+
+    def _ascend_note(self, match: re.Match | None, count: str | None) -> list[Event]:
+        """A line of the enhanced pool that makes no event (counted under ``count``)."""
+        if match is None:
+            return self._torn(None)
+        if self._ours(match) and count is not None:
+            setattr(self.counts, count, getattr(self.counts, count) + 1)
+            self._resync = True
+            self._continuous_pending = self._continuous_pending or count == "continuous_allocations"
+        return []
 
     def _ascend_request(self, match: re.Match | None) -> list[Event]:
         if match is None:
             return self._torn(None)
         if self._ours(match):   # the requested size, paired with the return line of the same thread
-            self._requests[match.group("tid")] = (int(match.group("size")),
-                                                  match.group("persistent") in ("1", "true"))
+            self._requests[match.group("tid")] = (int(match.group("size")), int(match.group("align")))
         return []
 
     def _ascend_alloc(self, match: re.Match) -> list[Event]:
         self.pool = ASCEND_POOL_NAME
-        aligned = int(match.group("aligned"))
-        size, persistent = self._requests.pop(match.group("tid"), (aligned, False))
-        if _align(size) != aligned:      # the request line was another call's: keep what is sure
-            size, persistent = aligned, False
-        return self._alloc(match, size, int(match.group("stream")), persistent, "Unknown")
+        aligned = int(match.group("aligned"))          # the MemBuf's size: what the pool holds
+        request = self._requests.pop(match.group("tid"), None)
+        if request is None or request[1] > aligned:    # lost, or another call's: keep what is sure
+            self.counts.unpaired_allocations += 1
+            size = aligned
+        else:
+            size = request[0]
+        return self._alloc(match, size, int(match.group("stream")), False, match.group("owner") or "Unknown",
+                           aligned=aligned)
 
-    def _alloc(self, match: re.Match, size: int, stream: int, persistent: bool, name: str) -> list[Event]:
+    def _alloc(self, match: re.Match, size: int, stream: int, persistent: bool, name: str,
+               aligned: int | None = None) -> list[Event]:
         events: list[Event] = []
         addr = int(match.group("addr"), 16)
         pool = "persistent" if persistent else None
-        reserved = int(match.group("total"))
-        if reserved > self._reserved:
-            # the pool grew for this request: it took the low end of the new block
-            block = reserved - self._reserved
-            self.segments[addr] = (block, pool or "common")
-            events.append(Event("segment_alloc", size=block, addr=addr, stream=stream, pool=pool))
-        self._reserved = reserved
+        counters = match.group("total") is not None     # an Ascend return line may lack them
+        if counters:
+            reserved = int(match.group("total"))
+            if reserved > self._reserved:
+                if self._continuous_pending:   # the new block may be the continuous allocation's
+                    self.counts.unattributed_growths += 1
+                else:
+                    # the pool grew for this request: it took the low end of the new block
+                    block = reserved - self._reserved
+                    self.segments[addr] = (block, pool or "common")
+                    events.append(Event("segment_alloc", size=block, addr=addr, stream=stream, pool=pool))
+            self._reserved = reserved
         old = self.live.pop(addr, None)
         if old is not None:     # its free was on a skipped line; the pool freed it before reuse
             self.counts.inferred_frees += 1
             self.allocated -= old.size
             events.append(Event("free", id=old.id))
         self._next_id += 1
-        aligned = _align(size)
+        if aligned is None:
+            aligned = _align(size)
         self.live[addr] = _Live(self._next_id, aligned)
         self.allocated += aligned
         events.append(Event("alloc", id=self._next_id, size=size, addr=addr, stream=stream, pool=pool,
                             tag=None if name == "Unknown" else name))
-        self._note_counters(match)
+        if counters:
+            self._note_counters(match)
         return events
 
     def _free(self, addr: int, match: re.Match | None) -> list[Event]:
@@ -299,6 +402,8 @@ class PoolLogParser:
             self._reserved = int(match.group("total"))
         if live is None:
             self.counts.unmatched_frees += 1
+            if self._untracked:     # perhaps a piece of continuous memory: its size is not logged
+                self._resync = True
         else:
             self.allocated -= live.size
         if match is not None:
@@ -319,6 +424,10 @@ class PoolLogParser:
         return {"pool_lines": counts.pool_lines, "skipped_lines": counts.skipped_lines,
                 "skipped_at_lines": list(counts.skipped_at), "unmatched_frees": counts.unmatched_frees,
                 "inferred_frees": counts.inferred_frees, "counter_mismatches": counts.counter_mismatches,
+                "unpaired_allocations": counts.unpaired_allocations, "failed_allocations": counts.failed_allocations,
+                "frees_returned_0": counts.frees_returned_0, "continuous_allocations": counts.continuous_allocations,
+                "partial_frees": counts.partial_frees, "unattributed_growths": counts.unattributed_growths,
+                "untracked_in_use": self._untracked,
                 "pid": self.pid, "pids": {str(k): v for k, v in pids.items()}, "counters": dict(self.counters)}
 
 
@@ -389,8 +498,8 @@ def read_pool_log(path: str | Path, *, pid: int | None = None) -> Trace:
     parser = PoolLogParser(pid=pid, source=source)
     events = list(parser.feed_all(lines))
     if not any(e.action == "alloc" for e in events):
-        raise InputError("no complete MindSpore pool line (\"Alloc memory details, ...\"); expected a stderr "
-                         "capture of a run with VLOG_v=12906", source=source)
+        raise InputError("no complete MindSpore pool line (\"Alloc memory details, ...\" or \"Allocate tensor "
+                         "mem, return : ...\"); expected a stderr capture of a run with VLOG_v=12906", source=source)
     meta = {"pool": parser.pool, "pool_log": parser.meta()}
     return Trace(events, source=source, format=FORMAT, final=parser.layout(), meta=meta)
 
