@@ -522,3 +522,45 @@ def test_under_vmm_a_scan_judges_by_what_can_be_mapped_not_by_the_holes():
         assert record.extra["pool"]["vmm"] is vmm
         assert ("vmm" in record.extra) is vmm
         assert any("frag_ratio" in w for w in record.warnings) is (not vmm)
+
+
+def test_a_probe_that_grew_a_pool_which_keeps_the_block_stops_probing():
+    """On the best-fit pool ``empty_cache`` gives nothing back (MindSpore 2.10 only warns): a
+    failed try leaves its grown block, and later tries would land in memory the probe itself
+    added. The source stops probing and says why instead of measuring its own growth."""
+    pool = _fragmented_pool()
+
+    class KeepsGrowth(FakeDevice):
+        def try_alloc(self, nbytes):
+            self.probes += 1
+            before = self.pool.reserved
+            addr = self.pool.malloc(nbytes)
+            self.pool.free(addr)
+            grown = self.pool.reserved > before
+            self.growth_kept = self.growth_kept or grown      # no empty_cache on this pool
+            return not grown
+
+    api = KeepsGrowth(pool)
+    source = DeviceSource(api, largest="probe", probe_granularity=MiB, probe_limit=16)
+    first = source.read()
+    grown_tries = api.probes
+    assert api.growth_kept and first.largest_free is not None
+    second = source.read()
+    assert second.largest_free is None and "probing stopped" in second.extra["largest_from"]
+    assert api.probes == grown_tries                              # no try after the growth
+
+
+def test_dumps_of_other_ranks_are_not_read(tmp_path):
+    from ms_memopt.mindspore.sources import own_rank_dumps
+
+    paths = [tmp_path / "rank_0" / "MemoryDebugInfo0.txt", tmp_path / "rank_1" / "MemoryDebugInfo0.txt"]
+    assert own_rank_dumps(paths, 1) == [paths[1]]
+
+
+def test_device_source_under_vmm_reports_what_can_be_mapped():
+    pool = _fragmented_pool()
+    api = FakeDevice(pool)
+    reading = DeviceSource(api, vmm=True).read()
+    assert api.probes == 0                                     # a probe would measure mapped idle pages
+    assert reading.largest_free == 256 * MiB - pool.allocated
+    assert reading.extra["largest_from"].startswith("vmm")

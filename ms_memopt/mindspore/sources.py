@@ -69,8 +69,12 @@ class DeviceMemoryAPI:
 
     def try_alloc(self, nbytes: int) -> bool:
         """Allocate ``nbytes`` on the device and free it; True when it came from a free block
-        (without growing the pool)."""
+        (without growing the pool). A try that grew the pool must give the growth back where
+        the pool allows it, and set :attr:`growth_kept` when it could not."""
         raise NotImplementedError
+
+    #: a probe grew the pool and the growth could not be given back (later probes would land in it)
+    growth_kept: bool = False
 
 
 class MindSporeDeviceAPI(DeviceMemoryAPI):
@@ -88,11 +92,17 @@ class MindSporeDeviceAPI(DeviceMemoryAPI):
         return ms.runtime.memory_stats()
 
     def capacity(self) -> int | None:
+        """The device's memory, capped by ``max_device_memory`` (what the pool may take)."""
         import mindspore as ms
         try:
-            return int(ms.hal.get_device_properties(0).total_memory)
+            total = int(ms.hal.get_device_properties(0).total_memory)
         except Exception:  # not every backend reports it (CPU does not)
             return None
+        try:
+            cap = int(float(str(ms.get_context("max_device_memory")).upper().removesuffix("GB")) * (1 << 30))
+        except (TypeError, ValueError):
+            return total
+        return min(total, cap)
 
     def debug_dump_files(self) -> list[Path]:
         roots = [self.tracker_dir] if self.tracker_dir else []
@@ -100,7 +110,7 @@ class MindSporeDeviceAPI(DeviceMemoryAPI):
         found = []
         for root in roots:
             found += [Path(p) for p in glob.glob(str(root / "**" / "MemoryDebugInfo*.txt"), recursive=True)]
-        return found
+        return own_rank_dumps(found, _this_rank())
 
     def try_alloc(self, nbytes: int) -> bool:
         import mindspore as ms
@@ -109,7 +119,35 @@ class MindSporeDeviceAPI(DeviceMemoryAPI):
         tensor = mint.empty((nbytes,), dtype=ms.uint8)
         grown = self.memory_stats().get("total_reserved_memory", 0) > before
         del tensor
+        if grown:
+            # give the block back (the enhanced pool frees idle blocks; the best-fit pool keeps
+            # it and only warns, so probing must stop: later tries would land in it)
+            ms.runtime.empty_cache()
+            self.growth_kept = self.memory_stats().get("total_reserved_memory", 0) > before
         return not grown
+
+
+def _this_rank() -> int:
+    for name in ("RANK_ID", "MS_NODE_ID", "RANK"):
+        value = os.environ.get(name)
+        if value and value.isdigit():
+            return int(value)
+    return 0
+
+
+def own_rank_dumps(paths: list[Path], rank: int) -> list[Path]:
+    """The dumps of this rank: a dump under a ``rank_N`` folder of another rank is not ours.
+
+    Example:
+        >>> [str(p) for p in own_rank_dumps([Path("t/rank_0/a.txt"), Path("t/rank_1/b.txt"), Path("c.txt")], 1)]
+        ['t/rank_1/b.txt', 'c.txt']
+    """
+    out = []
+    for path in paths:
+        ranks = [part for part in path.parts if part.startswith("rank_") and part[5:].isdigit()]
+        if not ranks or int(ranks[-1][5:]) == rank:
+            out.append(path)
+    return out
 
 
 def _tracker_path_from_env() -> Path | None:
@@ -148,18 +186,23 @@ class DeviceSource(Source):
         largest: ``"auto"`` (fresh dump, else probe), ``"dump"``, ``"probe"`` or ``"none"``.
         probe_limit: most allocations one probe scan makes.
         probe_granularity: the probe's resolution, bytes.
+        vmm: the pool maps memory on demand (``PoolInfo.vmm``): no dump or probe is read, a
+            probe would only measure mapped idle pages; ``largest_free`` is what can still be
+            mapped, ``capacity - allocated`` (eager-freed pages count as free), and
+            ``extra.largest_from`` says so.
     """
 
     name = "device"
 
     def __init__(self, api: DeviceMemoryAPI | None = None, *, largest: str = "auto", probe_limit: int = 16,
-                 probe_granularity: int = 2 * MiB) -> None:
+                 probe_granularity: int = 2 * MiB, vmm: bool = False) -> None:
         if largest not in ("auto", "dump", "probe", "none"):
             raise InputError(f"largest must be auto, dump, probe or none, got {largest!r}", key="largest")
         self.api = api or MindSporeDeviceAPI()
         self.largest = largest
         self.probe_limit = probe_limit
         self.probe_granularity = probe_granularity
+        self.vmm = vmm
         self._last_dump_mtime = 0.0
 
     def describe(self) -> str:
@@ -179,6 +222,11 @@ class DeviceSource(Source):
                  "blocks": len(blocks),
                  "largest_block": max((b[1] for b in blocks), default=0)}
         device_free = None if capacity is None else max(capacity - reserved, 0)
+        if self.vmm:
+            mappable = None if capacity is None else max(capacity - allocated, 0)
+            return Reading(reserved, allocated, reserved - allocated, mappable, device_free, None,
+                           dict(extra, largest_from="vmm: capacity - allocated, what can still be mapped; "
+                                                    "holes do not decide OOMs under VMM"))
         if self.largest in ("auto", "dump"):
             layout, path = self._fresh_dump(blocks)
             if layout is not None:
@@ -193,6 +241,10 @@ class DeviceSource(Source):
             if self.largest == "dump":
                 return Reading(reserved, allocated, reserved - allocated, None, device_free, None,
                                dict(extra, largest_from="none: no fresh dump"))
+        if self.largest in ("auto", "probe") and self.api.growth_kept:
+            return Reading(reserved, allocated, reserved - allocated, None, device_free, None,
+                           dict(extra, largest_from="none: a probe grew the pool and the pool kept the block, "
+                                                    "so probing stopped"))
         if self.largest in ("auto", "probe"):
             largest, tries = self._probe(min(reserved - allocated, extra["largest_block"] or reserved))
             extra.update(largest_from="probe", probe_allocations=tries)
@@ -226,6 +278,8 @@ class DeviceSource(Source):
                 lo = mid
             else:
                 hi = mid - 1
+                if self.api.growth_kept:   # the next tries would land in the block this one grew
+                    break
         return lo * step, tries
 
 
@@ -750,7 +804,11 @@ def make_sources(source: str | Source | Iterable[Source] = "auto", *, network=No
         target = f"unknown ({exc})"
     chosen: list[Source] = []
     if target in ("Ascend", "GPU"):
-        chosen.append(DeviceSource(api, **(device_options or {})))
+        options = dict(device_options or {})
+        if target == "Ascend" and "vmm" not in options:
+            from .pool_info import detect_pool
+            options["vmm"] = detect_pool(device=target).vmm
+        chosen.append(DeviceSource(api, **options))
         reason = f"auto: device target {target}, the pool's own statistics"
     elif arenas:
         chosen.append(ArenaSource(arenas))

@@ -27,8 +27,8 @@ Example:
     >>> seg = Segment(0x200000, 2 << 20, [Block(0x200000, 512, True), Block(0x200200, (2 << 20) - 512, False)])
     >>> write_memory_viz(path, [Event("alloc", id=1, size=500, addr=0x200000)], Layout([seg]))
     >>> from ms_memopt.traces.torch_snapshot import read_torch_snapshot
-    >>> [e.action for e in read_torch_snapshot(path).events]
-    ['alloc']
+    >>> [e.action for e in read_torch_snapshot(path).events]   # the segment's mapping is in the trace too
+    ['segment_alloc', 'alloc']
 """
 from __future__ import annotations
 
