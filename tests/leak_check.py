@@ -12,7 +12,7 @@ optimizer runs; in a graph they do not. ``--pynative`` runs the whole step in Py
 (``nn.TrainOneStepCell``) to compare the growth against ``nn.AdamWeightDecay``'s.
 
     python tests/leak_check.py POOL_LOG --optimizer fused|adamw [--pool-mode] [--compact-every N]
-        [--steps N] [--pynative]
+        [--scan-every N] [--steps N] [--pynative]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=("fused", "adamw"), default="fused")
     parser.add_argument("--pool-mode", action="store_true")
     parser.add_argument("--compact-every", type=int, default=0)
+    parser.add_argument("--scan-every", type=int, default=0)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--pynative", action="store_true")
     args = parser.parse_args()
@@ -52,6 +53,11 @@ def main() -> None:
     if args.pool_mode:
         enable_pool_mode(net, opt, checkpoint_every=2, batch_size=4)
     compaction = CompactionCallback(every=args.compact_every, barrier=None) if args.compact_every else None
+    scanner = None
+    if args.scan_every:
+        from ms_memopt.mindspore.scan_callback import Scanner
+
+        scanner = Scanner(net, opt, every=args.scan_every, log_dir=None, source="pool-log")
     batches = [(ms.Tensor(x), ms.Tensor(y)) for x, y in synthetic_batches(cfg, 4, 4)]
     if args.pynative:
         train_step = nn.TrainOneStepCell(net, opt)
@@ -70,6 +76,8 @@ def main() -> None:
         losses.append(float(train_step(x, y).asnumpy()))
         if compaction is not None:
             compaction.step(step, network=net, optimizer=opt)
+        if scanner is not None:
+            scanner.step(step)
         wait_for_queued_ops()
         capture.poll()
         in_use.append(capture.parser.counters.get("in_use", 0))
@@ -77,6 +85,7 @@ def main() -> None:
     records = compaction.records if compaction is not None else []
     print(json.dumps({"in_use": in_use, "losses": losses, "native": native,
                       "compactions": len(records),
+                      "scans": len(scanner.records) if scanner is not None else 0,
                       "moved": [r["live"]["tensors"] if r["live"] else 0 for r in records]}))
     capture.stop()
     sys.stdout.flush()

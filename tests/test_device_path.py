@@ -29,12 +29,14 @@ def _run(tmp_path, *args: str, native: str = "0") -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_fused_adamw_device_step_holds_memory_flat_over_100_steps(tmp_path):
+def test_fused_adamw_device_step_and_scans_hold_memory_flat_over_100_steps(tmp_path):
     """The device step used to gather each step's gradients with
     ``combine_tensor_list_contiguous``, whose buffers never return to the pool: in use grew by
-    the whole gradient size every step. Now the flat gradient is a graph temporary."""
-    got = _run(tmp_path, "--optimizer", "fused", "--steps", "100")
+    the whole gradient size every step. Now the flat gradient is a graph temporary. Scans of
+    the real pool every 10 steps ride along: they read the log and allocate nothing."""
+    got = _run(tmp_path, "--optimizer", "fused", "--steps", "100", "--scan-every", "10")
     assert got["native"] is False                       # the device step, not the host pass
+    assert got["scans"] == 11                           # step 1, then every 10
     warm = got["in_use"][2]
     assert got["in_use"][2:] == [warm] * 98, got["in_use"]
     assert got["losses"][-1] < got["losses"][0]
