@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ms_memopt import native
 
-needs_native = pytest.mark.skipif(not native.available(), reason="ms_memopt.native is not built")
+needs_native = pytest.mark.skipif(not native.available(), reason=f"ms_memopt.native is unavailable: {native.unavailable_reason()}")
 
 
 def test_library_is_built_where_ci_installs_the_package():

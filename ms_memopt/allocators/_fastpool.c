@@ -2236,6 +2236,13 @@ static PyTypeObject CoreType = {
     .tp_dictoffset = offsetof(Core, dict),
 };
 
+/* The sha256 of the C source this module was built from (setup.py passes it as
+ * -DMS_MEMOPT_SOURCE_HASH; ms_memopt/_build_hash.py computes it): SOURCE_HASH, which
+ * ms_memopt/allocators/fast.py compares with the tree's source to refuse a stale build. */
+#ifndef MS_MEMOPT_SOURCE_HASH
+#define MS_MEMOPT_SOURCE_HASH ""
+#endif
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_fastpool", "Compiled fast path of the allocator models.", -1, NULL,
 };
@@ -2260,5 +2267,6 @@ PyMODINIT_FUNC PyInit__fastpool(void) {
     if (!m) return NULL;
     Py_INCREF(&CoreType);
     if (PyModule_AddObject(m, "ModelCore", (PyObject *)&CoreType) < 0) { Py_DECREF(&CoreType); Py_DECREF(m); return NULL; }
+    if (PyModule_AddStringConstant(m, "SOURCE_HASH", MS_MEMOPT_SOURCE_HASH) < 0) { Py_DECREF(m); return NULL; }
     return m;
 }

@@ -6,6 +6,9 @@ keeps the state and runs ``malloc``/``free`` without Python-level work per event
 :func:`ms_memopt.allocators.create` picks it when it is built, unless the environment sets
 ``MS_MEMOPT_PURE_PYTHON=1``. ``tests/test_fastpool.py`` holds each fast model to identical
 addresses, counters and layouts as its reference on random traces and on every recorded trace.
+A stale extension, built from another ``_fastpool.c`` than the tree's (edited without
+rebuilding), is not used: a :class:`~ms_memopt._build_hash.StaleBuildWarning` names it and the
+rebuild command, and the pure-Python models run (``ms_memopt/_build_hash.py``).
 
 Fast classes (reference in brackets):
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 
+from .. import _build_hash
 from ..layout import Block, Layout, Segment
 from .base import AllocatorModel
 from .mindspore import check_options, initial_block, restore_pieces
@@ -40,10 +44,20 @@ from .torch import check_divisions, is_small_segment, merged_blocks
 
 __all__ = ["AVAILABLE", "FAST_MODELS", "batch_runner", "FastMindSporePool", "FastMindSporeBestFitPool", "FastTorchCachingAllocator"]
 
-try:
-    from ._fastpool import ModelCore
-except ImportError:          # not built (a source tree without ``pip install``): pure Python only
-    ModelCore = None
+
+def _compiled_core():
+    """The extension's ``ModelCore``, or None: not built (a source tree without ``pip
+    install``), or stale (built from another ``_fastpool.c`` than the tree's; warned)."""
+    try:
+        from . import _fastpool
+    except ImportError:
+        return None
+    stale = _build_hash.check("ms_memopt.allocators._fastpool", getattr(_fastpool, "SOURCE_HASH", None),
+                              getattr(_fastpool, "__file__", None))
+    return None if stale else _fastpool.ModelCore
+
+
+ModelCore = _compiled_core()
 
 #: whether the compiled fast path is built and allowed (``MS_MEMOPT_PURE_PYTHON`` unset)
 AVAILABLE = ModelCore is not None and not os.environ.get("MS_MEMOPT_PURE_PYTHON")
@@ -125,7 +139,8 @@ if ModelCore is not None:
 
         @staticmethod
         def supports(options: dict) -> bool:
-            return options.get("max_split_size_mb") is None
+            # these two run the pure-Python model (create() picks it)
+            return options.get("max_split_size_mb") is None and options.get("garbage_collection_threshold") is None
 
         def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
                      roundup_power2_divisions: int | None = None) -> None:

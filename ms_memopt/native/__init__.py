@@ -11,7 +11,10 @@ results (tests/test_native.py).
   (``FusedAdamW`` on CPU; ``adamw.c``).
 
 ``available()`` says whether the library loaded; ``MS_MEMOPT_NATIVE=0`` in the environment
-turns it off (the references run instead).
+turns it off (the references run instead). A stale library, built from other C sources than the
+tree's (a ``.c`` edited without rebuilding), is not used either: a
+:class:`~ms_memopt._build_hash.StaleBuildWarning` names it and the rebuild command, and
+``unavailable_reason()`` says why (``ms_memopt/_build_hash.py``).
 
 Example:
     >>> import numpy as np
@@ -32,7 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["available", "library", "move_runs", "adamw", "adamw_reference", "round_bfloat16", "FLOAT32", "FLOAT16", "BFLOAT16", "STREAM_MIN_BYTES", "STREAM_TOTAL_BYTES"]
+from .. import _build_hash
+
+__all__ = ["available", "library", "unavailable_reason", "move_runs", "adamw", "adamw_reference", "round_bfloat16", "FLOAT32", "FLOAT16", "BFLOAT16", "STREAM_MIN_BYTES", "STREAM_TOTAL_BYTES"]
 
 #: a run is copied with non-temporal stores when it is at least this long ...
 STREAM_MIN_BYTES = 4096
@@ -44,6 +49,8 @@ _c_int64_p = ctypes.POINTER(ctypes.c_int64)
 _c_float_p = ctypes.POINTER(ctypes.c_float)
 _lib: ctypes.CDLL | None = None
 _loaded = False
+_reason: str | None = None   # why _lib is None once loading was tried
+_EXTENSION = "ms_memopt.native._lib"
 
 
 def _library_path() -> Path | None:
@@ -55,15 +62,33 @@ def _library_path() -> Path | None:
     return None
 
 
+def _source_hash(lib: ctypes.CDLL) -> str | None:
+    """The hash of the C sources ``lib`` was built from (None: a build older than the hash)."""
+    if not hasattr(lib, "ms_memopt_source_hash"):
+        return None
+    lib.ms_memopt_source_hash.restype = ctypes.c_char_p
+    lib.ms_memopt_source_hash.argtypes = []
+    return lib.ms_memopt_source_hash().decode()
+
+
 def _load() -> ctypes.CDLL | None:
-    global _lib, _loaded
+    global _lib, _loaded, _reason
     if _loaded:
         return _lib
     _loaded = True
+    _lib = None
     path = _library_path()
-    if path is None or os.environ.get("MS_MEMOPT_NATIVE", "1") == "0":
+    if os.environ.get("MS_MEMOPT_NATIVE", "1") == "0":
+        _reason = "MS_MEMOPT_NATIVE=0 is set"
+        return None
+    if path is None:
+        _reason = (f"the compiled library ({_EXTENSION}, built by setup.py) is not built "
+                   "(pip install the package with a C compiler)")
         return None
     lib = ctypes.CDLL(str(path))
+    _reason = _build_hash.check(_EXTENSION, _source_hash(lib), path)
+    if _reason is not None:     # stale: built from other sources than the tree's
+        return None
     lib.mm_move_runs.restype = ctypes.c_int64
     lib.mm_move_runs.argtypes = [ctypes.c_void_p, _c_int64_p, _c_int64_p, _c_int64_p,
                                  ctypes.c_int64, ctypes.c_int64]
@@ -74,14 +99,20 @@ def _load() -> ctypes.CDLL | None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled library (``None`` when it is not built or ``MS_MEMOPT_NATIVE=0``); other
+    """The compiled library (``None`` when it is not built, stale or ``MS_MEMOPT_NATIVE=0``); other
     modules bind their own functions of it (the planner's search: ``planner/_native.py``)."""
     return _load()
 
 
 def available() -> bool:
-    """Whether the compiled library is built and enabled."""
+    """Whether the compiled library is built, matches its sources and is enabled."""
     return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`library` returns None (not built, stale, ``MS_MEMOPT_NATIVE=0``), or None."""
+    _load()
+    return _reason
 
 
 def _int64_pointer(array: np.ndarray):
@@ -100,7 +131,7 @@ def move_runs(base: int, src: np.ndarray, dst: np.ndarray, size: np.ndarray, *,
     """
     lib = _load()
     if lib is None:
-        raise RuntimeError("ms_memopt.native is not built (pip install the package with a C compiler)")
+        raise RuntimeError(f"ms_memopt.native is unavailable: {_reason}")
     src = np.ascontiguousarray(src, dtype=np.int64)
     dst = np.ascontiguousarray(dst, dtype=np.int64)
     size = np.ascontiguousarray(size, dtype=np.int64)
@@ -133,7 +164,7 @@ def adamw(w, m, v, g, n, decay, step, beta1: float, beta2: float, eps: float, *,
     """
     lib = _load()
     if lib is None:
-        raise RuntimeError("ms_memopt.native is not built (pip install the package with a C compiler)")
+        raise RuntimeError(f"ms_memopt.native is unavailable: {_reason}")
     count = len(w)
     out = np.zeros(count, np.int64) if out is None else out
     kind = np.zeros(count, np.int64) if kind is None else kind

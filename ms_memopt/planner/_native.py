@@ -5,7 +5,10 @@
 ``make`` builds it like the other compiled parts. Without it (no C compiler at install time,
 or ``MS_MEMOPT_PURE_PYTHON=1`` or ``MS_MEMOPT_NATIVE=0``, the switches the package's other
 compiled paths honour) :func:`library` returns None and the pure-Python search runs instead:
-same nodes, same answers, 10-20x fewer nodes per second.
+same nodes, same answers, 10-20x fewer nodes per second. So it does when the library is stale
+(built from other C sources than the tree's, e.g. ``_search.c`` edited without rebuilding):
+``ms_memopt.native`` refuses it with a warning naming the rebuild command, and
+:func:`unavailable_reason` says so.
 
 Example:
     >>> lib = library()  # None when no compiler is available
@@ -40,8 +43,11 @@ def library() -> ctypes.CDLL | None:
     from .. import native
 
     lib = native.library()
-    if lib is None or not hasattr(lib, "ms_memopt_search"):
-        _reason = "the compiled library (ms_memopt.native._lib, built by setup.py) is not built"
+    if lib is None:
+        _reason = native.unavailable_reason()   # not built, or stale (native warned)
+        return None
+    if not hasattr(lib, "ms_memopt_search"):
+        _reason = "the compiled library (ms_memopt.native._lib, built by setup.py) has no search"
         return None
     function = lib.ms_memopt_search
     pointer = ctypes.c_void_p

@@ -10,6 +10,17 @@
 #include <string.h>
 #include <time.h>
 
+/* The sha256 of the C sources ms_memopt.native._lib was built from (setup.py passes it as
+ * -DMS_MEMOPT_SOURCE_HASH; ms_memopt/_build_hash.py computes it). The library's one hash lives
+ * here; ms_memopt/native/__init__.py compares it with the tree's sources and refuses a stale
+ * build. Built without the macro, the library carries no hash ("") and counts as stale wherever
+ * its sources are present. */
+#ifndef MS_MEMOPT_SOURCE_HASH
+#define MS_MEMOPT_SOURCE_HASH ""
+#endif
+
+const char *ms_memopt_source_hash(void) { return MS_MEMOPT_SOURCE_HASH; }
+
 enum { FOUND = 0, NONE = 1, ABORT = 2 };
 
 typedef struct {
