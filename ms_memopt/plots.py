@@ -87,7 +87,8 @@ def size_unit(largest: float) -> tuple[int, str]:
 
 
 def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers: list[Marker] = (),
-                  title: str = "Fragmentation timeline", requests: dict[str, int] | None = None) -> Path:
+                  title: str = "Fragmentation timeline", requests: dict[str, int] | None = None,
+                  xlabel: str = "training step (faint: every sample)") -> Path:
     """Three panels against the step: ``free_total``, ``largest_free`` and ``frag_ratio``.
 
     What decides an OOM is drawn first: the largest hole's trend, the per-window minimum of
@@ -107,6 +108,7 @@ def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers:
         title: the figure title.
         requests: watched request name -> size in bytes (the AllReduce bucket), drawn as
             horizontal lines on the ``largest_free`` panel.
+        xlabel: what the x axis counts (steps; or the events of a recording).
 
     Returns:
         ``path``.
@@ -147,7 +149,7 @@ def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers:
     axes[0].set_ylabel(f"free_total ({unit})\nminimum {per}")
     axes[1].set_ylabel(f"largest_free ({unit})\nminimum {per}")
     axes[2].set_ylabel(f"frag_ratio, maximum {per}\n(free_total / largest_free - 1)")
-    axes[2].set_xlabel("training step (faint: every sample)")
+    axes[2].set_xlabel(xlabel)
     for ax in axes:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -33,7 +33,7 @@ from .events import Trace
 from .layout import DEVICE_ADDRESS_LIMIT, Layout
 from .metrics import LayoutMetrics, measure
 
-__all__ = ["ReplayResult", "replay", "same_layout", "check_bounds", "DEVICE_ADDRESS_LIMIT"]
+__all__ = ["ReplayResult", "replay", "same_layout", "check_bounds", "default_allocator", "DEVICE_ADDRESS_LIMIT"]
 
 #: every size and address of a replayed trace ends below this (bytes)
 
@@ -66,11 +66,26 @@ class ReplayResult:
     final_layout_match: bool | None = None
     #: what a what-if policy did (:mod:`ms_memopt.whatif`): its name and figures
     policy: dict | None = None
+    #: the model's address of every tensor still live at the end -> its trace id
+    live_ids: dict[int, int] = field(repr=False, default_factory=dict)
+    #: requests that took the model's slow path (:attr:`AllocatorModel.slow_path_events`)
+    slow_path_events: int = 0
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "final_layout"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("final_layout", "live_ids")}
         out["ooms"] = [o.to_dict() for o in self.ooms]
         return out
+
+
+def default_allocator(trace: Trace) -> str:
+    """The model of the allocator that recorded ``trace``: PyTorch's for its snapshots (and
+    torch_npu's msMemScope files), ``DynamicMemPoolBestFit`` for MindSpore's CPU pool logs and
+    ``ms-memopt record`` files of them, else MindSpore's default pool."""
+    if trace.format in ("torch-snapshot", "msmemscope"):
+        return "torch"
+    if trace.meta.get("pool") == "DynamicMemPoolBestFit":
+        return "mindspore-bestfit"
+    return "mindspore"
 
 
 def check_bounds(trace: Trace) -> None:
@@ -103,7 +118,8 @@ def check_bounds(trace: Trace) -> None:
 
 def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = None,
            on_sample: Callable[[int, LayoutMetrics], None] | None = None,
-           on_step: Callable[[int, AllocatorModel, dict[int, int]], AllocatorModel] | None = None) -> ReplayResult:
+           on_step: Callable[[int, AllocatorModel, dict[int, int]], AllocatorModel] | None = None,
+           stop: int | None = None) -> ReplayResult:
     """Replay ``trace`` through ``model``.
 
     Args:
@@ -116,6 +132,7 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
         on_step: called at each ``step`` event with ``(step, model, addresses)`` (trace id ->
             the model's address; the hook may update it) and returns the model to go on with:
             a policy such as compaction at step ends (:mod:`ms_memopt.whatif`).
+        stop: replay only the first ``stop`` events (the state just before event ``stop``).
 
     Returns:
         A :class:`ReplayResult`. ``events_per_s`` counts only the time spent in the model.
@@ -134,6 +151,7 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
 
     allocs = known = matched = 0
     frag_max: float | None = None
+    count = len(events) if stop is None else max(0, min(stop, len(events)))
     samples = 0
     model_seconds = cpu_seconds = 0.0
     oom_seen = 0
@@ -151,7 +169,7 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
     # a model with a compiled fast path (ms_memopt.allocators.fast) runs stretches of allocs and
     # frees in one call; the other events, and every event of the other models, run here
     batch = batch_runner(model)
-    index, count = 0, len(events)
+    index = 0
     chunk_start, cpu_start = time.perf_counter(), time.process_time()
     while index < count:
         if batch is not None:
@@ -230,7 +248,9 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
         samples=samples,
         cpu_events_per_s=len(events) / cpu_seconds if cpu_seconds > 0 else float("inf"),
         final_layout=final_layout,
-        final_layout_match=None if trace.final is None else same_layout(final_layout, trace.final),
+        final_layout_match=None if trace.final is None or count < len(events) else same_layout(final_layout, trace.final),
+        live_ids={addr: ident for ident, addr in address_of.items()},
+        slow_path_events=model.slow_path_events,
     )
 
 

@@ -162,10 +162,12 @@ def _pool_category(pool: str) -> tuple[str, str]:
 
 
 def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
-                    title: str = "Memory map") -> Path:
+                    title: str = "Memory map", outline: Sequence[tuple[int, int]] = ()) -> Path:
     """One row per snapshot: the pool's segments laid end to end in address order (gaps between
     segments, which no request can use, are left out), live blocks coloured by purpose, free
     blocks (holes) light grey, segment/region boundaries as black ticks with the region name.
+    ``outline``: ``(addr, size)`` ranges drawn with a red frame in every row where they lie
+    (``ms-memopt doctor``'s blockers).
 
     Raises:
         InputError: no snapshots.
@@ -185,7 +187,11 @@ def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
         offset = 0
         previous = None
         bars: dict[str, list[tuple[float, float]]] = {}
+        framed = []
         for seg in sorted(snap.layout.segments, key=lambda s: s.addr):
+            for addr, size in outline:
+                if seg.addr <= addr < seg.end:
+                    framed.append(((offset + addr - seg.addr) / div, size / div))
             for block in seg.blocks:
                 start = (offset + block.addr - seg.addr) / div
                 width = block.size / div
@@ -206,6 +212,8 @@ def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
         for color, spans in bars.items():
             ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color,
                            edgecolor="white" if few else "none", linewidth=0.4)
+        if framed:
+            ax.broken_barh(framed, (y - 0.4, 0.8), facecolors="none", edgecolor="red", linewidth=1.2, zorder=5)
         m = measure(snap.layout)
         ratio = "n/a" if m.frag_ratio is None else f"{m.frag_ratio:.2f}"
         ax.text(offset / div, y + 0.45, f" free {format_size(m.free_total)}, largest hole "

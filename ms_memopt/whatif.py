@@ -92,9 +92,9 @@ def pool_regions(trace: Trace, capacity: int) -> dict[str, int]:
 
 
 def replay_policy(trace: Trace, policy: str, *, allocator: str, capacity: int | None,
-                  compact_every: int = 1) -> ReplayResult:
+                  compact_every: int = 1, options: dict | None = None) -> ReplayResult:
     """Replay ``trace`` under ``policy`` (:data:`WHATIF_POLICIES`) with ``allocator`` as the
-    recording's own model; see the module docstring.
+    recording's own model (created with ``options``); see the module docstring.
 
     Raises:
         InputError: unknown policy; ``compact`` on a trace without step events; ``pool``
@@ -112,7 +112,8 @@ def replay_policy(trace: Trace, policy: str, *, allocator: str, capacity: int | 
         result.policy = {"name": "pool", "regions": regions,
                          "long_lived": sum(e.action == "alloc" and e.tag == _LONG for e in tagged.events)}
         return result
-    model = create(allocator, capacity)
+    options = dict(options or {})
+    model = create(allocator, capacity, **options)
     if policy == "baseline":
         result = replay(trace, model)
         result.policy = {"name": "baseline"}
@@ -130,7 +131,7 @@ def replay_policy(trace: Trace, policy: str, *, allocator: str, capacity: int | 
     def at_step(step: int, current: AllocatorModel, addr_of: dict[int, int]) -> AllocatorModel:
         if step % compact_every:
             return current
-        new, before, after, moves = compact_model(current, addr_of, lambda: create(allocator, capacity))
+        new, before, after, moves = compact_model(current, addr_of, lambda: create(allocator, capacity, **options))
         stats["compactions"] += 1
         stats["bytes_moved"] += sum(m.size for m in moves)
         for key, layout in (("frag_before_max", before), ("frag_after_max", after)):

@@ -99,6 +99,11 @@ class AllocatorModel(ABC):
         self.peak_reserved = 0
         self.peak_allocated = 0
         self.segment_allocs = 0
+        #: requests that took the allocator's slow path: cached memory released and the
+        #: device asked again (PyTorch's ``num_alloc_retries``), a garbage-collection sweep,
+        #: MindSpore borrowing the other pool; a surviving setting can still pay for
+        #: fragmentation in time. Counted by the pure-Python models only.
+        self.slow_path_events = 0
         self.ooms: list[OOMRecord] = []
 
     # --- requests -----------------------------------------------------------------------

@@ -15,7 +15,13 @@ verified against recorded snapshots):
 * ``max_split_size_mb``: requests below it never take a cached block at or above it; larger
   requests take a cached block only if it is < request + 20 MiB;
 * when a new segment does not fit in ``capacity``: release cached oversize blocks (with
-  ``max_split_size_mb``), retry; release every cached unsplit segment, retry; then OOM.
+  ``max_split_size_mb``), retry; release every cached unsplit segment, retry (PyTorch counts
+  this one in ``num_alloc_retries``; here ``slow_path_events``); then OOM;
+* ``garbage_collection_threshold`` (with a capacity, PyTorch's per-process memory fraction):
+  before a new segment is asked for, when reserved memory exceeds ``threshold * capacity``,
+  cached unsplit large blocks are released, those idle for at least the average *age* first
+  (age: free-block lookups in their pool since the block became free), in (stream, size,
+  address) order, repeated until the excess is reclaimed (``garbage_collect_cached_blocks``).
 
 Data structures (chosen for replay speed, docs/torch.md): blocks live in one dict keyed by
 address, each a small list ``[size, prev_addr, next_addr, live, free_list]``; every
@@ -124,13 +130,20 @@ class TorchCachingAllocator(AllocatorModel):
         capacity: device memory in bytes (``None``: unbounded).
         max_split_size_mb: ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N`` (N > 20), or ``None``.
         roundup_power2_divisions: ``roundup_power2_divisions:D`` (a power of two), or ``None``.
+        garbage_collection_threshold: ``garbage_collection_threshold:T`` (0 < T < 1), or
+            ``None``; acts only with a ``capacity`` (PyTorch: only with a memory fraction set).
     """
 
     name = "torch"
 
     def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
-                 roundup_power2_divisions: int | None = None) -> None:
+                 roundup_power2_divisions: int | None = None,
+                 garbage_collection_threshold: float | None = None) -> None:
         super().__init__(capacity)
+        gc = garbage_collection_threshold
+        if gc is not None and (isinstance(gc, bool) or not isinstance(gc, (int, float)) or not 0.0 < gc < 1.0):
+            raise InputError(f"must be a number in (0, 1), got {gc!r}", key="garbage_collection_threshold")
+        self.gc_threshold = None if gc is None else float(gc)
         if max_split_size_mb is not None:
             if isinstance(max_split_size_mb, bool) or not isinstance(max_split_size_mb, int) \
                     or max_split_size_mb <= LARGE_BUFFER // MiB:
@@ -149,6 +162,9 @@ class TorchCachingAllocator(AllocatorModel):
         self._segments: dict[int, tuple[int, int, bool]] = {}   # addr -> (size, stream, small)
         self._segment_addrs: list[int] = []                      # sorted
         self._recorded: list[tuple[int, int, int]] = []          # (addr, size, stream) for the next request
+        # garbage collection only: free-block lookups per pool, and each free block's count when it became free
+        self._lookups: dict[tuple[int, bool], int] = {}
+        self._freed_at: dict[int, int] = {}
 
     # --- requests -----------------------------------------------------------------------
     def malloc(self, size: int, *, stream: int = 0, pool: str | None = None,
@@ -165,6 +181,8 @@ class TorchCachingAllocator(AllocatorModel):
             free_list = self._pools[(stream, small)] = []
         blocks = self._blocks
         addr = None
+        if self.gc_threshold is not None:
+            self._lookups[(stream, small)] = self._lookups.get((stream, small), 0) + 1
         i = bisect_left(free_list, rsize << _SHIFT)
         if i < len(free_list):
             bsize = free_list[i] >> _SHIFT
@@ -232,15 +250,20 @@ class TorchCachingAllocator(AllocatorModel):
                 del blocks[nxt]
         block[_SIZE] = size
         insort(free_list, size << _SHIFT | addr)
+        if self.gc_threshold is not None:
+            self._freed_at[addr] = self._lookups.get(self._pool_key(free_list), 0)
 
     # --- segments -------------------------------------------------------------------------
     def _grow(self, rsize: int, small: bool, stream: int, free_list: list[int]) -> int | None:
         """alloc_block with the caching allocator's two retries; the new segment's address."""
         seg_size = allocation_size(rsize)
+        if self.gc_threshold is not None and self.capacity is not None:
+            self._garbage_collect()
         addr = self._new_segment(seg_size, stream, small, free_list)
         if addr is None and self.max_split_size is not None and self._release_oversize(rsize, free_list):
             addr = self._new_segment(seg_size, stream, small, free_list)
         if addr is None and self._release_cached():
+            self.slow_path_events += 1
             addr = self._new_segment(seg_size, stream, small, free_list)
         if addr is not None:
             # the new block is handed out directly, not through the free list
@@ -327,6 +350,42 @@ class TorchCachingAllocator(AllocatorModel):
         for addr in candidates:
             self._release(addr)
         return True
+
+    def _pool_key(self, free_list: list[int]) -> tuple[int, bool] | None:
+        return next((key for key, fl in self._pools.items() if fl is free_list), None)
+
+    def _garbage_collect(self) -> None:
+        """garbage_collect_cached_blocks: see the module docstring."""
+        threshold = int(self.gc_threshold * self.capacity)
+        if self.reserved <= threshold:
+            return
+        target = self.reserved - threshold
+
+        def candidates() -> list[tuple[int, int]]:      # (addr, age) of unsplit cached large blocks
+            out = []
+            for (stream, small), free_list in sorted(self._pools.items()):
+                if small:
+                    continue
+                lookups = self._lookups.get((stream, small), 0)
+                for key in free_list:
+                    addr = key & _MASK
+                    if self._idle(addr):
+                        out.append((addr, lookups - self._freed_at.get(addr, 0)))
+            return out
+
+        blocks = candidates()
+        if not blocks:
+            return
+        self.slow_path_events += 1
+        reclaimed = 0
+        while reclaimed < target and blocks:
+            average = sum(age for _, age in blocks) / len(blocks)
+            old = [addr for addr, age in blocks if age >= average]
+            for addr in old:      # PyTorch does not stop at the target inside one pass
+                reclaimed += self._segments[addr][0]
+                self._release(addr)
+                self._freed_at.pop(addr, None)
+            blocks = [(addr, age) for addr, age in blocks if addr in self._segments]
 
     def _release_cached(self) -> bool:
         """release_cached_blocks: every idle unsplit segment of every pool goes back."""

@@ -15,6 +15,7 @@ import json
 import math
 
 from ..errors import InputError
+from ..replay import default_allocator
 from ..traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
 from ..units import format_size, parse_size
 
@@ -28,12 +29,15 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("trace", help="trace file (format detected from its content)")
     parser.add_argument("--allocator", metavar="NAME", default=None,
-                        help=f"allocator model: {', '.join(MODELS)} (default: torch for PyTorch snapshots, "
+                        help=f"allocator model: {', '.join(MODELS)} (default: torch for PyTorch snapshots and msMemScope files, "
                              "mindspore-bestfit for MindSpore pool logs and their recordings, mindspore "
                              "otherwise)")
     parser.add_argument("--capacity", metavar="SIZE", default=None,
                         help="device memory the pool may reserve, e.g. 64GB, 96GiB (default: unbounded)")
     parser.add_argument("--format", default=None, choices=list(FORMATS), help="skip format detection")
+    parser.add_argument("--allocator-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a model option, typed per option (e.g. increase_size=512MiB, grow=add, "
+                             "max_split_size_mb=128, garbage_collection_threshold=0.8); repeatable")
     parser.add_argument("--policy", default="baseline", choices=("baseline", "compact", "pool"),
                         help="what-if: compact at the recording's step ends, or pool mode with regions sized "
                              "from the recording (needs --capacity); default baseline (docs/traces.md)")
@@ -45,16 +49,6 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="also write the trace and final layout for PyTorch's memory_viz viewer")
     parser.add_argument("--export-instances", metavar="FILE.csv", default=None,
                         help="also write the trace's buffers as an id,lower,upper,size instance for `ms-memopt pack`")
-
-
-def default_allocator(trace) -> str:
-    """The model that recorded ``trace``: PyTorch's for its snapshots, ``DynamicMemPoolBestFit``
-    for MindSpore pool logs (CPU) and ``ms-memopt record`` files, else MindSpore's default pool."""
-    if trace.format == "torch-snapshot":
-        return "torch"
-    if trace.meta.get("pool") == POOL_NAME:
-        return "mindspore-bestfit"
-    return "mindspore"
 
 
 def _policy_lines(policy: dict) -> list[str]:
@@ -84,6 +78,7 @@ def _ratio(value: float | None) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the command; returns the exit code."""
     from ..allocators import create
+    from ..allocators.options import parse_allocator_options
     from ..replay import replay
     from ..traces import load_trace
 
@@ -103,14 +98,15 @@ def run(args: argparse.Namespace) -> int:
                          "take; use `ms-memopt simulate RECIPE --policy pool`, or replay with "
                          "--allocator mindspore, mindspore-vmm, torch or torch-expandable",
                          key="--allocator")
+    options = parse_allocator_options(name, args.allocator_option)
     try:
         if args.policy == "baseline":
-            result = replay(trace, create(name, capacity))
+            result = replay(trace, create(name, capacity, **options))
         else:
             from ..whatif import replay_policy
 
             result = replay_policy(trace, args.policy, allocator=name, capacity=capacity,
-                                   compact_every=args.compact_every)
+                                   compact_every=args.compact_every, options=options)
     except NotImplementedError as exc:  # e.g. a model that cannot start from a snapshot's state
         raise InputError(f"{exc}; this trace starts from a recorded state, try --allocator "
                          f"{'torch' if trace.format == 'torch-snapshot' else 'mindspore'}",

@@ -146,6 +146,7 @@ def parse_stages(text: str | None) -> list[int] | None:
 def configure_job(job, recipe, args):
     """Apply ``--allocator``, ``--allocator-option`` and ``--compact-trigger`` to a job's simulator settings."""
     from ..allocators import MODELS
+    from ..allocators.options import parse_allocator_options
     from ..simulate import COMPACT_TRIGGERS
 
     cfg = job.cfg
@@ -165,7 +166,7 @@ def configure_job(job, recipe, args):
         if args.allocator != recipe.memopt.allocator.name:
             cfg.allocator_options = {}
         cfg.allocator = args.allocator
-    cfg.allocator_options.update(_options(args.allocator_option))
+    cfg.allocator_options.update(parse_allocator_options(cfg.allocator, args.allocator_option))
     return job
 
 
@@ -212,23 +213,6 @@ def _viz_paths(path: str, policies: tuple[str, ...]) -> dict[str, Path]:
     suffix = path.suffix or ".pickle"
     return {policy: path.with_name(f"{path.stem if path.suffix else path.name}.{policy}{suffix}")
             for policy in policies}
-
-
-def _options(items: list[str]) -> dict:
-    """``KEY=VALUE`` pairs: booleans, sizes (``8GiB``) or integers."""
-    from ..units import parse_size
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise InputError(f"expected KEY=VALUE, got {item!r}", key="--allocator-option")
-        low = value.strip().lower()
-        if low in ("true", "false"):
-            out[key] = low == "true"
-        else:
-            out[key] = parse_size(value, key="--allocator-option")
-    return out
 
 
 def _dash(value) -> str:

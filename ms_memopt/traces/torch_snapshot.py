@@ -264,6 +264,22 @@ def _our_tag(entry: dict) -> str | None:
     return None
 
 
+_STACK_DEPTH = 4     # innermost frames kept per allocation (what `doctor` shows of a blocker)
+
+
+def _stack(entry: dict) -> list[str]:
+    """The innermost Python frames of a trace entry as ``name (file:line)`` strings: the
+    caller's code rather than the allocator's own C++ (``??``, ``CUDACachingAllocator.cpp``),
+    and outside the framework's package when such frames exist."""
+    frames = entry.get("frames")
+    if not isinstance(frames, list):
+        return []
+    python = [f for f in frames if isinstance(f, dict) and isinstance(f.get("filename"), str)
+              and isinstance(f.get("name"), str) and f["filename"].endswith(".py")]
+    own = [f for f in python if "/torch/" not in f["filename"] and "/torch_npu/" not in f["filename"]]
+    return [f"{f['name']} ({f['filename']}:{f.get('line')})" for f in (own or python)[:_STACK_DEPTH]]
+
+
 def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     """Read a PyTorch / torch_npu ``_dump_snapshot`` pickle as a :class:`Trace` for ``device``.
 
@@ -295,6 +311,7 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     live_size: dict[int, int] = {}
     pre_live: dict[int, tuple[int, int]] = {}
     skipped: dict[str, int] = {}
+    frames: dict[int, list[str]] = {}     # alloc id -> its innermost frames, where recorded
     next_id = 1
     for i, entry in enumerate(raw_trace):
         where = f"device_traces[{device}][{i}]"
@@ -313,8 +330,10 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
             raise InputError(f"{where}: expected an integer 'stream', got {short_repr(stream)}", source=source)
         time = _time_seconds(entry.get("time_us"), where, source)
         if action == "alloc":
-            events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time,
-                                tag=_our_tag(entry)))
+            tag = _our_tag(entry)
+            events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time, tag=tag))
+            if tag is None and (stack := _stack(entry)):
+                frames[next_id] = stack
             live_id[addr] = next_id
             live_size[addr] = size
             next_id += 1
@@ -340,7 +359,7 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
             pre_live[block.addr] = (next_id, block.size)
             next_id += 1
     initial = reconstruct_initial(events, final, pre_live)
-    meta = {"device": device, "skipped_actions": skipped,
+    meta = {"device": device, "skipped_actions": skipped, "frames": frames,
             "allocator_settings": data.get("allocator_settings") if isinstance(data.get("allocator_settings"), dict)
             else None}
     return Trace(events, source=source, format=FORMAT, initial=initial, final=final, meta=meta)

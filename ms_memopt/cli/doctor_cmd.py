@@ -1,0 +1,195 @@
+"""``ms-memopt doctor TRACE [B] [--capacity SIZE] [--out DIR] [--json]``: what killed (or would
+kill) a recorded run, the blocks in the way, and the settings that save it, measured.
+
+Reads every format ``replay`` reads. With one recording: the verdict, the blockers and the
+remedies ranked (:mod:`ms_memopt.doctor`); ``--out DIR`` also writes ``report.md`` with the
+remedies' timelines and the memory map at the worst moment, the blockers outlined. With two:
+where they part and which fragments more. Exit codes: 0 ok, 1 with ``--fail-on-oom`` when the
+recording dies at ``--capacity``, 2 bad input.
+
+Example:
+    ms-memopt doctor snapshot.pickle --capacity 40GB
+    ms-memopt doctor run_seq2k.jsonl run_seq4k.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import InputError
+from ..units import format_size, parse_size
+
+__all__ = ["add_parser", "run", "write_report"]
+
+_SHOWN_BLOCKERS = 12
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``ms-memopt doctor``."""
+    from ..traces import FORMATS
+
+    parser.add_argument("trace", help="the recording (format detected from its content)")
+    parser.add_argument("other", nargs="?", default=None,
+                        help="a second recording: compare the two (first divergence, which fragments more)")
+    parser.add_argument("--capacity", metavar="SIZE", default=None,
+                        help="device memory the pool may reserve (e.g. 40GB); default unbounded")
+    parser.add_argument("--allocator", metavar="NAME", default=None,
+                        help="the recorded allocator's model (default: the one that recorded it)")
+    parser.add_argument("--format", default=None, choices=list(FORMATS), help="skip format detection")
+    parser.add_argument("--out", metavar="DIR", default=None, help="write report.md and its plots here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (sizes in bytes)")
+    parser.add_argument("--fail-on-oom", action="store_true",
+                        help="exit 1 when the recording runs out of memory at --capacity")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..allocators import MODELS
+    from ..doctor import compare, diagnose
+    from ..traces import load_trace
+
+    capacity = None
+    if args.capacity is not None:
+        capacity = parse_size(args.capacity, source="--capacity")
+        if capacity <= 0:
+            raise InputError(f"expected a positive size, got {args.capacity!r}", source="--capacity")
+    if args.allocator is not None and (args.allocator not in MODELS or args.allocator == "pool"):
+        raise InputError(f"unknown allocator {args.allocator!r}; expected one of "
+                         f"{', '.join(m for m in MODELS if m != 'pool')}", key="--allocator")
+    trace = _load(load_trace, args.trace, args.format)
+    if args.other is not None:
+        other = _load(load_trace, args.other, args.format)
+        comparison = compare(trace, other, capacity=capacity)
+        print(json.dumps(comparison.to_dict()) if args.json else _comparison_text(comparison))
+        return 0
+    progress = None if args.json else (lambda name: print(f"  replaying: {name}", file=sys.stderr))
+    diagnosis = diagnose(trace, capacity=capacity, allocator=args.allocator, progress=progress)
+    if args.out:
+        write_report(diagnosis, Path(args.out))
+    print(json.dumps(diagnosis.to_dict()) if args.json else _text(diagnosis, args.out))
+    return 1 if args.fail_on_oom and diagnosis.verdict.failed else 0
+
+
+def _load(load_trace, path: str, fmt: str | None):
+    from ..traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
+
+    trace = load_trace(path, format=fmt)
+    if trace.final is None and trace.meta.get("pool") in (POOL_NAME, ASCEND_POOL_NAME):
+        trace.final = recorded_final_layout(trace.events)
+    return trace
+
+
+def _ratio(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _text(d, out: str | None) -> str:
+    v = d.verdict
+    lines = [f"recording   {d.trace} ({d.format}, {d.events:,} events), replayed through {d.allocator}, capacity "
+             + (format_size(d.capacity) if d.capacity is not None else "unbounded"),
+             f"peaks       allocated {format_size(d.peak_allocated)}, reserved {format_size(d.peak_reserved)}",
+             f"verdict     {v.kind.upper()}" + (" (a request failed)" if v.failed else "")
+             + (f" at event {v.event}" if v.event is not None else "") + f": {v.text}"]
+    if d.blockers:
+        lines.append(f"blockers    {len(d.blockers)} live blocks, {format_size(d.window_bytes or 0)} to move, would "
+                     f"open the hole (largest first):")
+        for b in sorted(d.blockers, key=lambda b: -b.size)[:_SHOWN_BLOCKERS]:
+            life = "alive before the recording" if b.allocated_at is None else (
+                f"allocated at event {b.allocated_at}, " + ("never freed" if b.freed_at is None
+                                                             else f"freed at {b.freed_at}"))
+            flag = " LONG-LIVED between transients" if b.between_transients else (" long-lived" if b.long_lived else "")
+            where = f"; {b.frames[0]}" if b.frames else ""
+            lines.append(f"  {format_size(b.size):>11}  {b.tag or '-'}  {life}{flag}{where}")
+        if len(d.blockers) > _SHOWN_BLOCKERS:
+            lines.append(f"  ... {len(d.blockers) - _SHOWN_BLOCKERS} more (--json or --out lists all)")
+    elif v.request is not None:
+        lines.append("blockers    none found: no window of live blocks holds the request (a capacity limit)")
+    lines.append("remedies    (best first: survives at the capacity, then peak reserved without a capacity, then "
+                 "worst frag)")
+    base = next((r for r in d.remedies if r.setting == "baseline"), None)
+    for r in d.remedies:
+        if r.note.startswith("not measured"):
+            lines.append(f"  {r.setting:<36} {r.note}")
+            continue
+        lines.append(f"  {r.setting:<36} {'survives' if r.survives else f'{r.oom_count} OOM'}; peak reserved "
+                     f"{format_size(r.peak_reserved_unbounded)}{_saving(r, base)}; frag max {_ratio(r.frag_ratio_max)}; slow path "
+                     f"{r.slow_path_events}; {'address-verified' if r.verified else 'from the source'}")
+        lines.append(f"  {'':<36} set: {r.line}")
+    if out:
+        lines.append(f"report      {Path(out) / 'report.md'}")
+    return "\n".join(lines)
+
+
+def _saving(remedy, base) -> str:
+    """Against the recorded setting, both without a capacity."""
+    if base is None or remedy is base:
+        return ""
+    delta = base.peak_reserved_unbounded - remedy.peak_reserved_unbounded
+    return f" ({format_size(abs(delta))} {'less' if delta >= 0 else 'more'})" if delta else " (the same)"
+
+
+def _comparison_text(c) -> str:
+    lines = [f"A = {c.a}", f"B = {c.b}",
+             "first divergence: " + ("none" if c.first_divergence is None else c.difference), c.summary,
+             "matched moments (fraction of each recording): reserved / in use / largest hole"]
+    for row in c.moments:
+        cells = []
+        for side in ("a", "b"):
+            m = row[side]
+            cells.append("-" if m is None else f"{format_size(m['reserved'])} / {format_size(m['allocated'])} / "
+                                               f"{format_size(m['largest_free'])}")
+        lines.append(f"  {row['fraction']:.0%}  A {cells[0]}   B {cells[1]}")
+    return "\n".join(lines)
+
+
+def write_report(d, out: Path) -> Path:
+    """``out/report.md``: verdict, blockers, remedies, a timeline of each remedy against the
+    request, and the memory map at the worst moment with the blockers outlined."""
+    from ..plots import plot_timeline
+    from ..report import LayoutSnapshot, plot_memory_map
+
+    out.mkdir(parents=True, exist_ok=True)
+    # the recorded setting and the best four others: more lines than that cannot be told apart
+    shown = [r for r in d.remedies if r.timeline and r.setting != "baseline"][:4]
+    shown += [r for r in d.remedies if r.timeline and r.setting == "baseline"]
+    series = {r.setting: list(r.timeline) for r in shown}
+    lines = [f"# ms-memopt doctor: {Path(d.trace).name}", "",
+             f"Replayed through `{d.allocator}`, capacity "
+             + (format_size(d.capacity) if d.capacity is not None else "unbounded")
+             + f"; peaks: allocated {format_size(d.peak_allocated)}, reserved {format_size(d.peak_reserved)}.", "",
+             f"## Verdict: {d.verdict.kind}", "", d.verdict.text, ""]
+    if series:
+        requests = {"request": d.verdict.request} if d.verdict.request else None
+        plot_timeline(series, out / "remedies_timeline.png", title="largest hole under each setting",
+                      requests=requests, xlabel="event index of the recording (faint: every sample)")
+        lines += ["![largest hole under each setting](remedies_timeline.png)", ""]
+    if d.layout is not None and d.layout.segments:
+        spans = [(b.addr, b.size) for b in d.blockers]
+        plot_memory_map([LayoutSnapshot(d.verdict.event or 0, f"before event {d.verdict.event}", d.layout)],
+                        out / "memory_map.png", title="the pool at the worst moment (blockers outlined in red)",
+                        outline=spans)
+        lines += ["![memory map](memory_map.png)", ""]
+    lines += ["## Blockers", ""]
+    if d.blockers:
+        lines += [f"{len(d.blockers)} live blocks ({format_size(d.window_bytes or 0)}) whose moving or absence would "
+                  "have opened the hole.", "", "| size | tag | allocated at | freed at | long-lived | between "
+                  "transients | frames |", "|---|---|---|---|---|---|---|"]
+        for b in sorted(d.blockers, key=lambda b: -b.size):
+            lines.append(f"| {format_size(b.size)} | {b.tag or ''} | {'' if b.allocated_at is None else b.allocated_at} "
+                         f"| {'' if b.freed_at is None else b.freed_at} | {'yes' if b.long_lived else ''} | "
+                         f"{'yes' if b.between_transients else ''} | {'<br>'.join(b.frames[:2])} |")
+    else:
+        lines.append("None: no window of live blocks holds the request.")
+    lines += ["", "## Remedies, measured", "", "Ranked by survival at the capacity, then peak reserved without a capacity "
+              "(what the setting saves), then the worst frag ratio.", "",
+              "| setting | survives | OOMs | peak reserved | frag max | slow path | "
+              "model | what to set |", "|---|---|---|---|---|---|---|---|"]
+    for r in d.remedies:
+        lines.append(f"| {r.setting} | {'yes' if r.survives else 'no'} | {r.oom_count} | "
+                     f"{format_size(r.peak_reserved_unbounded)} "
+                     f"| {_ratio(r.frag_ratio_max)} | {r.slow_path_events} | "
+                     f"{'address-verified' if r.verified else 'from the source'} | `{r.line}` {r.note} |")
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
