@@ -38,7 +38,8 @@ __all__ = [
     "DTYPE_BYTES", "ModelConfig", "ParallelConfig", "RecomputeConfig", "TrainConfig", "DeviceConfig",
     "CommunicationConfig", "AllocatorConfig", "ShapeCacheConfig", "ExtraAllocsConfig",
     "WorkloadConfig", "StandaloneTrainConfig", "MemoptConfig", "Recipe", "load_recipe",
-    "recipe_from_dict", "llama_ffn_size", "LIMITS", "MoeConfig", "MlaConfig",
+    "recipe_from_dict", "llama_ffn_size", "LIMITS", "MoeConfig", "MlaConfig", "SEQ_DISTRIBUTIONS",
+    "seq_range", "schema_keys",
 ]
 
 #: bytes per element of the dtypes recipes may name
@@ -229,12 +230,21 @@ class CommunicationConfig:
 
 @dataclass(frozen=True)
 class AllocatorConfig:
-    """How the device pool is set up (consumed by the allocator models and the simulator)."""
+    """How the device pool is set up (consumed by the allocator models and the simulator).
+
+    There is no alignment key: every model aligns as its allocator does (512 bytes for
+    MindSpore's pools, PyTorch's caching allocator and pool mode); ``memopt.allocator.align``,
+    once parsed and never read, is accepted at 512 with a note and refused otherwise."""
     name: str = "mindspore"
     increase_size: int = 2**30
     pregrow: bool = False
     init_size: int | None = None
-    align: int = 512
+
+
+def _derived(rule: str) -> dict:
+    """Field metadata of a default that follows from other keys: ``rule`` is how
+    docs/recipes.md states it (tests/test_schema.py holds the table to it)."""
+    return {"default": rule}
 
 
 @dataclass(frozen=True)
@@ -254,21 +264,62 @@ class ExtraAllocsConfig:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """Knobs of the synthetic per-step alloc/free pattern (read by the simulator)."""
+    """``memopt.workload``: the knobs of the synthetic per-step alloc/free pattern.
+
+    The one schema of these keys: each field's default here is *the* default, read by the
+    recipe loader, by :class:`~ms_memopt.workload.WorkloadSpec` (the simulator's form, whose
+    fields take their defaults from these) and by ``ms-memopt run``'s sequence lengths
+    (:func:`~ms_memopt.workload.draw_sequence_length`, the one rule for both). Every
+    mechanism is off unless a recipe asks for it. ``seq_min``/``seq_max`` ``None``: derived
+    from ``seq_length`` (:func:`seq_range`); ``seed``: the recipe's top-level ``seed``.
+    """
     enabled: bool = True
-    seed: int = 0
+    seed: int = field(default=0, metadata=_derived("seed"))
     steps: int = 1000
     dynamic_seq: bool = False
     seq_distribution: str = "uniform"
-    seq_min: int = 1
-    seq_max: int = 1
+    seq_min: int | None = field(default=None, metadata=_derived("seq_length // 8"))
+    seq_max: int | None = field(default=None, metadata=_derived("seq_length"))
     seq_buckets: tuple[int, ...] = ()
     seq_align: int = 1
     long_tail: float = 0.0
     shape_cache: ShapeCacheConfig = field(default_factory=ShapeCacheConfig)
     extra_allocs: ExtraAllocsConfig = field(default_factory=ExtraAllocsConfig)
     comm_jitter: float = 0.0
-    moe_load_cv: float | None = None    # MoE routing load variation; None: 0.2 for MoE models
+    moe_load_cv: float = 0.2            # MoE routing load variation; acts on MoE layers only
+
+
+#: ``memopt.workload.seq_distribution``'s choices
+SEQ_DISTRIBUTIONS = ("uniform", "lognormal", "fixed")
+
+
+def seq_range(seq_length: int, seq_min: int | None = None, seq_max: int | None = None) -> tuple[int, int]:
+    """``(seq_min, seq_max)`` with the derived defaults filled in: ``seq_max = seq_length``,
+    ``seq_min = max(1, seq_length // 8)`` (never above ``seq_max``).
+
+    Example:
+        >>> seq_range(8192), seq_range(8192, seq_max=512), seq_range(4)
+        ((1024, 8192), (512, 512), (1, 4))
+    """
+    high = seq_length if seq_max is None else seq_max
+    low = min(max(1, seq_length // 8), high) if seq_min is None else seq_min
+    return low, high
+
+
+def schema_keys(cls: type) -> dict[str, dataclasses.Field]:
+    """The keys of a section's schema dataclass, nested sections joined by dots (``shape_cache.max_shapes``).
+
+    Example:
+        >>> sorted(schema_keys(ExtraAllocsConfig))
+        ['lifetime_steps', 'probability', 'size']
+    """
+    out: dict[str, dataclasses.Field] = {}
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+            out.update({f"{f.name}.{k}": v for k, v in schema_keys(f.default_factory).items()})
+        else:
+            out[f.name] = f
+    return out
 
 
 @dataclass(frozen=True)
@@ -404,7 +455,7 @@ def recipe_from_dict(data: Any, *, source: str = "<recipe>") -> Recipe:
     parallel, zero_stage = _read_parallel(r, data)
     recompute = _read_recompute(r, data, parallel.pipeline_stage)
     train = _read_train(r, data)
-    memopt = _read_memopt(r, data, model, parallel, train, zero_stage)
+    memopt = _read_memopt(r, data, model, parallel, train, zero_stage, notes)
     recipe = Recipe(model=model, parallel=parallel, recompute=recompute, train=train,
                     memopt=memopt, source=source, notes=tuple(notes))
     return _check_consistency(r, recipe)
@@ -875,14 +926,16 @@ _MEMOPT_KEYS = {"device", "params", "zero_stage", "grad_dtype", "master_weights"
 _DEVICE_KEYS = {"name", "hbm", "cards"}
 _COMM_KEYS = {"allreduce_bucket", "reduce_scatter_bucket", "allgather_bucket", "p2p_buffers",
               "alltoall_buffers"}
-_ALLOCATOR_KEYS = {"name", "increase_size", "pregrow", "init_size", "align"}
+_ALLOCATOR_KEYS = {f.name for f in dataclasses.fields(AllocatorConfig)}
+#: keys accepted and ignored with a note (``memopt.allocator.align``: parsed, never read, now gone)
+_RETIRED_ALLOCATOR_KEYS = {"align"}
+#: the one alignment every allocator model uses (``allocators/mindspore.ALIGN``, PyTorch's 512 B blocks)
+_MODEL_ALIGN = 512
 _COMPACT_TRIGGERS = ("forecast", "margin")    # = ms_memopt.simulate.COMPACT_TRIGGERS (tests/test_simulate.py checks)
 _ALLOCATOR_NAMES = ("mindspore", "mindspore_vmm", "torch", "torch_expandable", "pool")
-_WORKLOAD_KEYS = {"enabled", "seed", "steps", "dynamic_seq", "seq_distribution", "seq_min", "seq_max",
-                  "seq_buckets", "seq_align", "long_tail", "shape_cache", "extra_allocs", "comm_jitter",
-                  "moe_load_cv"}
-_SHAPE_CACHE_KEYS = {"bytes_per_shape", "max_shapes"}
-_EXTRA_KEYS = {"probability", "size", "lifetime_steps"}
+_WORKLOAD_KEYS = {f.name for f in dataclasses.fields(WorkloadConfig)}
+_SHAPE_CACHE_KEYS = {f.name for f in dataclasses.fields(ShapeCacheConfig)}
+_EXTRA_KEYS = {f.name for f in dataclasses.fields(ExtraAllocsConfig)}
 _TRAIN_KEYS = {"steps", "learning_rate", "batch_size", "seed", "dataset", "device", "checkpoint_every_steps"}
 
 
@@ -895,7 +948,8 @@ def _default_optimizer_dtype(optimizer_type: str | None, param_dtype: str) -> st
 
 
 def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelConfig,
-                 train: TrainConfig, zero_stage: int | None = None) -> MemoptConfig:
+                 train: TrainConfig, zero_stage: int | None = None, notes: list[str] | None = None) -> MemoptConfig:
+    notes = [] if notes is None else notes
     m = r.section(data, "memopt", "memopt")
     r.strict(m, "memopt", _MEMOPT_KEYS)
     pos = r.integer(minimum=1)
@@ -916,13 +970,21 @@ def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelC
         k: r.get(comm, k, f"memopt.communication.{k}", zero_size, None) for k in sorted(_COMM_KEYS)})
 
     alloc = r.section(m, "allocator", "memopt.allocator")
-    r.strict(alloc, "memopt.allocator", _ALLOCATOR_KEYS)
+    r.strict({k: v for k, v in alloc.items() if k not in _RETIRED_ALLOCATOR_KEYS}, "memopt.allocator",
+             _ALLOCATOR_KEYS)
+    align = r.get(alloc, "align", "memopt.allocator.align", pos, None)
+    if align is not None and align != _MODEL_ALIGN:
+        raise InputError(f"got {align}, but this key is gone: every allocator model aligns as the real allocators "
+                         f"do ({_MODEL_ALIGN} bytes) and takes no alignment, so {align} would never apply; remove "
+                         f"the key", source=r.source, key="memopt.allocator.align")
+    if align is not None:
+        notes.append(f"memopt.allocator.align is not read (every allocator model aligns to {_MODEL_ALIGN} bytes, "
+                     f"as the real allocators do); the key can be removed")
     allocator = AllocatorConfig(
         name=r.get(alloc, "name", "memopt.allocator.name", r.choice(*_ALLOCATOR_NAMES), "mindspore"),
         increase_size=r.get(alloc, "increase_size", "memopt.allocator.increase_size", size, 2**30),
         pregrow=r.get(alloc, "pregrow", "memopt.allocator.pregrow", r.boolean, False),
         init_size=r.get(alloc, "init_size", "memopt.allocator.init_size", size, None),
-        align=r.get(alloc, "align", "memopt.allocator.align", pos, 512),
     )
 
     watch_raw = m.get("watch") or {}
@@ -975,40 +1037,47 @@ def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelC
 
 
 def _read_workload(r: _Reader, w: dict, train: TrainConfig, model: ModelConfig) -> WorkloadConfig:
+    """``memopt.workload``; every default is :class:`WorkloadConfig`'s (none is written here)."""
     p = "memopt.workload"
     r.strict(w, p, _WORKLOAD_KEYS)
+    d = WorkloadConfig()
     pos = r.integer(minimum=1)
     sc = r.section(w, "shape_cache", f"{p}.shape_cache")
     r.strict(sc, f"{p}.shape_cache", _SHAPE_CACHE_KEYS)
     ea = r.section(w, "extra_allocs", f"{p}.extra_allocs")
     r.strict(ea, f"{p}.extra_allocs", _EXTRA_KEYS)
-    buckets_raw = w.get("seq_buckets") or []
-    if not isinstance(buckets_raw, (list, tuple)):
+    buckets_raw = w.get("seq_buckets")
+    if buckets_raw is not None and not isinstance(buckets_raw, (list, tuple)):
         raise r.fail(f"{p}.seq_buckets", buckets_raw, "a list of sequence lengths")
-    buckets = tuple(sorted(pos(v, f"{p}.seq_buckets[{i}]") for i, v in enumerate(buckets_raw)))
+    buckets = d.seq_buckets if buckets_raw is None else tuple(
+        sorted(pos(v, f"{p}.seq_buckets[{i}]") for i, v in enumerate(buckets_raw)))
     fraction = r.number(minimum=0, maximum=1)
+    seq_min, seq_max = seq_range(model.seq_length, r.get(w, "seq_min", f"{p}.seq_min", pos, d.seq_min),
+                                 r.get(w, "seq_max", f"{p}.seq_max", pos, d.seq_max))
     workload = WorkloadConfig(
-        enabled=r.get(w, "enabled", f"{p}.enabled", r.boolean, True),
+        enabled=r.get(w, "enabled", f"{p}.enabled", r.boolean, d.enabled),
         seed=r.get(w, "seed", f"{p}.seed", r.integer(minimum=0), train.seed),
-        steps=r.get(w, "steps", f"{p}.steps", pos, 1000),
-        dynamic_seq=r.get(w, "dynamic_seq", f"{p}.dynamic_seq", r.boolean, False),
+        steps=r.get(w, "steps", f"{p}.steps", pos, d.steps),
+        dynamic_seq=r.get(w, "dynamic_seq", f"{p}.dynamic_seq", r.boolean, d.dynamic_seq),
         seq_distribution=r.get(w, "seq_distribution", f"{p}.seq_distribution",
-                               r.choice("uniform", "lognormal", "fixed"), "uniform"),
-        seq_min=r.get(w, "seq_min", f"{p}.seq_min", pos, max(1, model.seq_length // 8)),
-        seq_max=r.get(w, "seq_max", f"{p}.seq_max", pos, model.seq_length),
+                               r.choice(*SEQ_DISTRIBUTIONS), d.seq_distribution),
+        seq_min=seq_min,
+        seq_max=seq_max,
         seq_buckets=buckets,
-        seq_align=r.get(w, "seq_align", f"{p}.seq_align", pos, 1),
-        long_tail=r.get(w, "long_tail", f"{p}.long_tail", fraction, 0.0),
+        seq_align=r.get(w, "seq_align", f"{p}.seq_align", pos, d.seq_align),
+        long_tail=r.get(w, "long_tail", f"{p}.long_tail", fraction, d.long_tail),
         shape_cache=ShapeCacheConfig(
             bytes_per_shape=r.get(sc, "bytes_per_shape", f"{p}.shape_cache.bytes_per_shape",
-                                  r.size(positive=False), 10 * 2**20),
-            max_shapes=r.get(sc, "max_shapes", f"{p}.shape_cache.max_shapes", pos, None)),
+                                  r.size(positive=False), d.shape_cache.bytes_per_shape),
+            max_shapes=r.get(sc, "max_shapes", f"{p}.shape_cache.max_shapes", pos, d.shape_cache.max_shapes)),
         extra_allocs=ExtraAllocsConfig(
-            probability=r.get(ea, "probability", f"{p}.extra_allocs.probability", fraction, 0.0),
-            size=r.get(ea, "size", f"{p}.extra_allocs.size", r.size(), 64 * 2**20),
-            lifetime_steps=r.get(ea, "lifetime_steps", f"{p}.extra_allocs.lifetime_steps", pos, 1)),
-        comm_jitter=r.get(w, "comm_jitter", f"{p}.comm_jitter", fraction, 0.0),
-        moe_load_cv=r.get(w, "moe_load_cv", f"{p}.moe_load_cv", r.number(minimum=0, maximum=10), None),
+            probability=r.get(ea, "probability", f"{p}.extra_allocs.probability", fraction,
+                              d.extra_allocs.probability),
+            size=r.get(ea, "size", f"{p}.extra_allocs.size", r.size(), d.extra_allocs.size),
+            lifetime_steps=r.get(ea, "lifetime_steps", f"{p}.extra_allocs.lifetime_steps", pos,
+                                 d.extra_allocs.lifetime_steps)),
+        comm_jitter=r.get(w, "comm_jitter", f"{p}.comm_jitter", fraction, d.comm_jitter),
+        moe_load_cv=r.get(w, "moe_load_cv", f"{p}.moe_load_cv", r.number(minimum=0, maximum=10), d.moe_load_cv),
     )
     if workload.seq_max > model.seq_length:
         raise r.fail(f"{p}.seq_max", workload.seq_max,

@@ -23,7 +23,7 @@ under ``memopt.workload`` (``enabled: false`` → every step is the same event l
 ================== =========================================================================
 dynamic lengths    ``dynamic_seq``, ``seq_distribution``, ``seq_min/max``, ``seq_align``,
                    ``seq_buckets``, ``long_tail``: per micro-batch token count; activations,
-                   workspaces and P2P buffers scale with it (:meth:`_sequence_length`)
+                   workspaces and P2P buffers scale with it (:func:`draw_sequence_length`)
 per-shape caches   ``shape_cache.bytes_per_shape`` (0 = off), ``max_shapes`` (LRU bound): the
                    first time a length is seen, tensors built for it (RoPE tables, position
                    ids, masks, op workspaces of forward and backward ops) *live on*
@@ -51,20 +51,25 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
-from typing import ClassVar
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, ClassVar
 
 import numpy as np
 
 from .errors import InputError
 from .events import Event
+from .recipe import WorkloadConfig, schema_keys, seq_range
 
 __all__ = [
     "WATCH_TAG", "MAX_STEP_EVENTS", "events_per_step", "check_step_size",
     "StepWorkload",
     "WorkloadSpec",
+    "RUN_KEYS",
+    "draw_sequence_length",
+    "sequence_lengths",
     "iter_events",
     "spec_from_recipe",
 ]
@@ -85,6 +90,26 @@ def _aligned(nbytes: float) -> int:
 
 
 # --- mechanism settings (the keys of ``memopt.workload``) --------------------------------------
+#: the ``memopt.workload`` keys that are not settings of a step (they are the run's: how many
+#: steps, the generator's seed); every other key is a :class:`WorkloadSpec` field
+RUN_KEYS = ("seed", "steps")
+
+_CONFIG_DEFAULTS = WorkloadConfig()
+
+
+def _config_value(config: WorkloadConfig, key: str) -> Any:
+    """The value of a dotted ``memopt.workload`` key (``shape_cache.max_shapes``) in ``config``."""
+    return functools.reduce(getattr, key.split("."), config)
+
+
+def _from_config(key: str) -> Any:
+    """A :class:`WorkloadSpec` field that is the ``memopt.workload`` key ``key``: its default is
+    that key's default in :class:`~ms_memopt.recipe.WorkloadConfig` (the one place defaults
+    are written), and :func:`spec_from_recipe` fills it from the recipe's value."""
+    schema_keys(WorkloadConfig)[key]          # a KeyError here names a key the schema lacks
+    return field(default=_config_value(_CONFIG_DEFAULTS, key), metadata={"key": key})
+
+
 @dataclass
 class WorkloadSpec:
     """One card's training step, sizes in bytes (per card, per micro-batch at ``seq_length``).
@@ -97,13 +122,12 @@ class WorkloadSpec:
 
     Variation (``memopt.workload``; ``enabled = False`` switches every mechanism off):
 
-    * ``dynamic_seq`` with ``seq_distribution`` (``uniform``: uniform in
-      ``[seq_min, seq_max]``; ``lognormal``: packed rows, ``seq_max`` minus a log-normal packing
-      slack of median ``seq_max / 32``; ``fixed``: always ``seq_max``), ``long_tail`` (share of
-      micro-batches drawn uniformly from ``[seq_min, seq_max]`` instead: short rows at shard
-      ends, split long documents), ``seq_align`` (lengths rounded down to a multiple: fewer
-      distinct shapes), ``seq_buckets`` (a finite set of lengths; each micro-batch pads up to
-      the smallest bucket that holds it).
+    The variation fields are the ``memopt.workload`` keys (field metadata ``key``), with
+    :class:`~ms_memopt.recipe.WorkloadConfig`'s defaults: every mechanism off unless asked for.
+
+    * ``dynamic_seq`` with the rules of :func:`draw_sequence_length` (``seq_distribution``,
+      ``seq_min``/``seq_max``, ``long_tail``, ``seq_align``, ``seq_buckets``; ``seq_min`` and
+      ``seq_max`` ``None``: from ``seq_length``).
     * ``cache_bytes_per_shape`` (0 = off) and ``cache_max_shapes`` (``None`` = unbounded, else
       LRU over that many shapes): per new shape, ``cache_tensors`` tensors live on; the share
       ``cache_backward_share`` of them belongs to backward ops and is built in the backward.
@@ -141,30 +165,31 @@ class WorkloadSpec:
     optimizer_groups: int = 8
     activation_split: tuple[float, ...] = (0.35, 0.3, 0.2, 0.15)
     workspace_split: tuple[float, ...] = (0.5, 0.3, 0.2)
-    enabled: bool = True
-    dynamic_seq: bool = True
-    seq_distribution: str = "lognormal"
-    seq_min: int = 1024
-    seq_max: int = 8192
-    seq_align: int = 16
-    seq_buckets: tuple[int, ...] = ()
-    long_tail: float = 0.05
-    cache_bytes_per_shape: int = 10 * 2**20
-    cache_max_shapes: int | None = None
+    enabled: bool = _from_config("enabled")
+    dynamic_seq: bool = _from_config("dynamic_seq")
+    seq_distribution: str = _from_config("seq_distribution")
+    seq_min: int | None = _from_config("seq_min")
+    seq_max: int | None = _from_config("seq_max")
+    seq_align: int = _from_config("seq_align")
+    seq_buckets: tuple[int, ...] = _from_config("seq_buckets")
+    long_tail: float = _from_config("long_tail")
+    cache_bytes_per_shape: int = _from_config("shape_cache.bytes_per_shape")
+    cache_max_shapes: int | None = _from_config("shape_cache.max_shapes")
     cache_tensors: int = 4
     cache_backward_share: float = 0.5
-    extra_probability: float = 0.02
-    extra_size: int = 256 * 2**20
-    extra_lifetime_steps: int = 1
-    comm_jitter: float = 0.2
+    extra_probability: float = _from_config("extra_allocs.probability")
+    extra_size: int = _from_config("extra_allocs.size")
+    extra_lifetime_steps: int = _from_config("extra_allocs.lifetime_steps")
+    comm_jitter: float = _from_config("comm_jitter")
     moe_layers: tuple[int, ...] = ()
     alltoall_bytes: int = 0
     expert_activation_bytes: int = 0
     moe_experts: int = 1
     moe_local_experts: int = 1
-    moe_load_cv: float = 0.0
+    moe_load_cv: float = _from_config("moe_load_cv")
 
     def __post_init__(self) -> None:
+        self.seq_min, self.seq_max = seq_range(self.seq_length, self.seq_min, self.seq_max)
         if self.input_bytes <= 0:
             # the layer input is one hidden-state tensor: 2sbh of the ~34sbh a layer saves
             self.input_bytes = max(_ALIGN, self.activation_bytes // 17)
@@ -179,8 +204,11 @@ class WorkloadSpec:
               "moe_routing": "moe_load_cv"}
 
     def mechanisms(self) -> dict[str, bool]:
-        """Which variation mechanisms are on (all ``False`` when ``enabled`` is off)."""
-        return {name: bool(self.enabled and getattr(self, attr)) for name, attr in self._FIELD.items()}
+        """Which variation mechanisms are on (all ``False`` when ``enabled`` is off; MoE
+        routing only with MoE layers)."""
+        on = {name: bool(self.enabled and getattr(self, attr)) for name, attr in self._FIELD.items()}
+        on["moe_routing"] = on["moe_routing"] and bool(self.moe_layers)
+        return on
 
     def without(self, *names: str) -> WorkloadSpec:
         """A copy with the named mechanisms switched off (``spec.without("shape_cache")``)."""
@@ -217,6 +245,8 @@ class StepWorkload:
         self.shapes_seen: set[int] = set()
         self._events: list[tuple] = []
         self._moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        #: the token counts of the last generated step's micro-batches (:func:`draw_sequence_length`)
+        self.lengths: list[int] = []
 
     # ids and emitters --------------------------------------------------------------------
     # rows: tuples of Event's fields in its order (action, id, size, addr, stream, pool, time,
@@ -273,7 +303,8 @@ class StepWorkload:
         for tid in self._extras_due.pop(step, ()):
             self._free(tid)
         # every draw of the step happens here, in a fixed order, so that a seed fixes the stream
-        lengths = [self._sequence_length() for _ in range(s.micro_batches)]
+        lengths = self.lengths = [draw_sequence_length(self.rng, s, s.seq_length)
+                                  for _ in range(s.micro_batches)]
         loads = self._routed_loads()
         passes = s.micro_batches * s.layers
         allreduce_at = self._allreduce_moment(passes)
@@ -300,22 +331,6 @@ class StepWorkload:
         return out
 
     # mechanisms (each a small function drawing from self.rng) ---------------------------------
-    def _sequence_length(self) -> int:
-        """Tokens in one micro-batch (``dynamic_seq``); ``seq_length`` when switched off."""
-        s = self.spec
-        if not self._mech["dynamic_seq"] or s.seq_distribution == "fixed":
-            return s.seq_length
-        lo, hi = s.seq_min, s.seq_max
-        if s.seq_distribution == "uniform" or (s.long_tail and self.rng.random() < s.long_tail):
-            length = self.rng.uniform(lo, hi)
-        else:   # lognormal packing slack: rows are nearly full, now and then much shorter
-            length = hi - self.rng.lognormal(np.log(hi / 32), 1.0)
-        length = int(min(max(length, lo), hi))
-        if s.seq_buckets:
-            return next((b for b in s.seq_buckets if b >= length), s.seq_buckets[-1])
-        align = max(1, s.seq_align)
-        return max(align, length // align * align)
-
     def _routed_loads(self) -> np.ndarray | None:
         """``moe_routing``: the card's routed load per micro-batch and MoE layer, relative to
         the balanced load (mean 1); ``None`` when the mechanism is off or no layer is MoE."""
@@ -549,6 +564,64 @@ def check_step_size(spec: WorkloadSpec) -> None:
             f"layers per stage", key="parallel_config.micro_batch_num")
 
 
+def draw_sequence_length(rng: np.random.Generator, rules, seq_length: int) -> int:
+    """Tokens of one micro-batch (the simulator) or one step (``ms-memopt run``): the one rule
+    of ``memopt.workload``'s length keys, for both.
+
+    ``rules`` is a :class:`~ms_memopt.recipe.WorkloadConfig` or a :class:`WorkloadSpec`
+    (the same attribute names). ``seq_length`` when ``enabled`` or ``dynamic_seq`` is off.
+    Else, in ``[seq_min, seq_max]``: ``fixed`` is ``seq_max``; ``uniform`` uniform;
+    ``lognormal`` packed rows, ``seq_max`` minus a log-normal packing slack (median
+    ``seq_max / 32``, sigma 1), except that with probability ``long_tail`` the row is drawn
+    uniformly instead (short rows: shard ends, split documents). With ``seq_buckets`` the
+    length pads up to the smallest bucket that holds it (the largest when none does); else it
+    is rounded *down* to a multiple of ``seq_align``, kept within the multiples inside
+    ``[seq_min, seq_max]`` (at least ``seq_align``). Draws from ``rng``: ``fixed`` none,
+    ``uniform`` one, ``lognormal`` one more when ``long_tail`` > 0 (whether the row is short).
+
+    Example:
+        >>> rules = WorkloadConfig(dynamic_seq=True, seq_distribution="lognormal", long_tail=0.2,
+        ...                        seq_min=1000, seq_max=8192, seq_align=64)
+        >>> rng = np.random.default_rng(0)
+        >>> [draw_sequence_length(rng, rules, 8192) for _ in range(4)]
+        [7936, 1088, 7808, 7488]
+        >>> draw_sequence_length(np.random.default_rng(0), WorkloadConfig(), 8192)
+        8192
+    """
+    if not (rules.enabled and rules.dynamic_seq):
+        return seq_length
+    lo, hi = seq_range(seq_length, rules.seq_min, rules.seq_max)
+    if rules.seq_distribution == "fixed":
+        length = hi
+    elif rules.seq_distribution == "uniform" or (rules.long_tail and rng.random() < rules.long_tail):
+        length = rng.uniform(lo, hi)
+    else:   # lognormal packing slack: rows are nearly full, now and then much shorter
+        length = hi - rng.lognormal(np.log(hi / 32), 1.0)
+    length = int(min(max(length, lo), hi))
+    if rules.seq_buckets:
+        return min((b for b in rules.seq_buckets if b >= length), default=max(rules.seq_buckets))
+    align = max(1, rules.seq_align)
+    high = max(align, hi // align * align)
+    low = min(high, max(align, -(-lo // align) * align))
+    return min(max(length // align * align, low), high)
+
+
+def sequence_lengths(rules, steps: int, seq_length: int, seed: int | None = None) -> list[int] | None:
+    """``ms-memopt run``'s sequence length of each of ``steps`` steps: one
+    :func:`draw_sequence_length` per step from ``numpy.random.Generator(seed)`` (default
+    ``rules.seed``, ``memopt.workload.seed``); ``None`` when every step takes ``seq_length``.
+
+    Example:
+        >>> sequence_lengths(WorkloadConfig(dynamic_seq=True, seq_min=8, seq_max=32, seq_align=4), 4, 32)
+        [20, 12, 8, 8]
+        >>> sequence_lengths(WorkloadConfig(), 4, 32) is None
+        True
+    """
+    rng = np.random.default_rng(rules.seed if seed is None else seed)
+    lengths = [draw_sequence_length(rng, rules, seq_length) for _ in range(steps)]
+    return None if all(n == seq_length for n in lengths) else lengths
+
+
 def iter_events(spec: WorkloadSpec, steps: int, seed: int = 0) -> Iterator[Event]:
     """The whole run as one stream: the prologue, then steps 1..``steps`` (generated lazily,
     so memory stays constant however many steps).
@@ -586,7 +659,6 @@ def spec_from_recipe(recipe, *, stage: int = 0, plan=None) -> WorkloadSpec:
         k = layers
     comm = stage_est.communication
     buckets = [comm.get("reduce_scatter_bucket", 0), comm.get("allgather_bucket", 0)]
-    seq_max = w.seq_max or model.seq_length
     return WorkloadSpec(
         layers=layers,
         micro_batches=par.micro_batch_num,
@@ -603,28 +675,25 @@ def spec_from_recipe(recipe, *, stage: int = 0, plan=None) -> WorkloadSpec:
         allreduce_bytes=comm.get("allreduce_bucket") or mem.watch.get(WATCH_TAG, 0) or _ALIGN,
         bucket_bytes=max(buckets),
         buckets=sum(1 for b in buckets if b),
-        enabled=w.enabled,
-        dynamic_seq=w.dynamic_seq,
-        seq_distribution=w.seq_distribution,
-        seq_min=min(w.seq_min or seq_max, seq_max),
-        seq_max=seq_max,
-        seq_align=w.seq_align,
-        seq_buckets=tuple(w.seq_buckets),
-        long_tail=w.long_tail,
-        cache_bytes_per_shape=w.shape_cache.bytes_per_shape,
-        cache_max_shapes=w.shape_cache.max_shapes,
-        extra_probability=w.extra_allocs.probability,
-        extra_size=w.extra_allocs.size,
-        extra_lifetime_steps=w.extra_allocs.lifetime_steps,
-        comm_jitter=w.comm_jitter,
-        **_moe_fields(recipe, stage, factor, w.moe_load_cv),
+        **spec_settings(w),
+        **_moe_fields(recipe, stage, factor),
     )
 
 
-def _moe_fields(recipe, stage: int, factor: float, load_cv: float | None) -> dict:
+def spec_settings(config: WorkloadConfig) -> dict:
+    """The :class:`WorkloadSpec` fields that are ``memopt.workload`` keys, from ``config``.
+
+    Example:
+        >>> spec_settings(WorkloadConfig(comm_jitter=0.5))["comm_jitter"]
+        0.5
+    """
+    return {f.name: _config_value(config, f.metadata["key"]) for f in fields(WorkloadSpec) if "key" in f.metadata}
+
+
+def _moe_fields(recipe, stage: int, factor: float) -> dict:
     """The MoE routing part of a stage's spec (nothing for a dense model): its MoE layers,
-    all-to-all buffers and routed activations (:mod:`ms_memopt.estimate`), the experts on one
-    card, and the routing load variation (``memopt.workload.moe_load_cv``; default 0.2)."""
+    all-to-all buffers and routed activations (:mod:`ms_memopt.estimate`) and the experts on
+    one card; the routing load variation is ``memopt.workload.moe_load_cv``."""
     from . import estimate as est
 
     moe = recipe.model.moe
@@ -634,5 +703,4 @@ def _moe_fields(recipe, stage: int, factor: float, load_cv: float | None) -> dic
             "alltoall_bytes": est.alltoall_bytes(recipe),
             "expert_activation_bytes": int(est.routed_activation_bytes(recipe) * factor),
             "moe_experts": moe.num_experts,
-            "moe_local_experts": max(1, moe.num_experts // recipe.parallel.expert_parallel),
-            "moe_load_cv": 0.2 if load_cv is None else load_cv}
+            "moe_local_experts": max(1, moe.num_experts // recipe.parallel.expert_parallel)}

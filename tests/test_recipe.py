@@ -154,6 +154,23 @@ def test_unknown_memopt_key_suggests_the_right_one():
     assert "memopt.workload.shape_cache.bytes_per_shap" in msg and "'bytes_per_shape'" in msg
 
 
+def test_retired_allocator_align_loads_with_a_note_at_512_and_fails_otherwise():
+    # memopt.allocator.align was parsed and read by nothing; every allocator model aligns to 512 B
+    r = recipe_from_dict(_tiny(memopt={"allocator": {"align": 512}}))
+    assert not hasattr(r.memopt.allocator, "align")
+    assert any("memopt.allocator.align" in n and "512" in n for n in r.notes)
+    msg = _error(_tiny(memopt={"allocator": {"align": 1024}}))
+    assert msg.startswith("r.yaml: memopt.allocator.align: got 1024") and "remove the key" in msg
+    # a typo is not steered to the retired key
+    msg = _error(_tiny(memopt={"allocator": {"alig": 512}}))
+    assert "memopt.allocator.alig" in msg and "'align'" not in msg
+
+
+def test_seq_min_default_never_exceeds_a_given_seq_max():
+    r = recipe_from_dict(_tiny(memopt={"workload": {"seq_max": 2}}))    # seq_length 32: // 8 = 4 > 2
+    assert (r.memopt.workload.seq_min, r.memopt.workload.seq_max) == (2, 2)
+
+
 @pytest.mark.parametrize("mutate, key, expected", [
     (lambda d: d["model"]["model_config"].update(num_layers="many"), "model.model_config.num_layers", "integer"),
     (lambda d: d["model"]["model_config"].update(hidden_size=-64), "model.model_config.hidden_size", ">= 1"),

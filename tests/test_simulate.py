@@ -32,7 +32,7 @@ def small_spec(**kw) -> WorkloadSpec:
                 workspace_bytes=4 * MiB, p2p_bytes=64 * 1024, allreduce_bytes=12 * MiB,
                 seq_min=256, seq_max=1024, seq_align=1, cache_bytes_per_shape=64 * 1024,
                 cache_tensors=4, extra_probability=0.1, extra_size=MiB, comm_jitter=0.3,
-                long_tail=0.3, seq_distribution="uniform")
+                long_tail=0.3, seq_distribution="uniform", dynamic_seq=True)
     base.update(kw)
     return WorkloadSpec(**base)
 

@@ -24,7 +24,8 @@ def small_spec(**kw) -> WorkloadSpec:
                 grad_bytes=8 * MiB, optimizer_bytes=24 * MiB, activation_bytes=2 * MiB,
                 workspace_bytes=4 * MiB, p2p_bytes=64 * 1024, allreduce_bytes=8 * MiB,
                 seq_min=256, seq_max=1024, seq_align=16, cache_bytes_per_shape=256 * 1024,
-                extra_probability=0.3, extra_size=MiB, comm_jitter=0.3, long_tail=0.2)
+                extra_probability=0.3, extra_size=MiB, comm_jitter=0.3, long_tail=0.2,
+                dynamic_seq=True, seq_distribution="lognormal")
     base.update(kw)
     return WorkloadSpec(**base)
 

@@ -59,6 +59,7 @@ from ..jsontext import read_json_lines
 from ..layout import Layout
 from ..recipe import Recipe
 from ..report import LAYOUTS_NAME, layout_to_dict
+from ..workload import sequence_lengths as workload_sequence_lengths
 from .compaction import CompactionCallback
 from .fused_adamw import FusedAdamW
 from .model import GPT, GPTConfig, GPTWithLoss, synthetic_batches
@@ -247,22 +248,17 @@ def token_batches(config, dataset: str, batch_size: int, steps: int, seed: int =
 
 def sequence_lengths(recipe: Recipe, steps: int, seq_length: int) -> list[int] | None:
     """Per-step sequence lengths for a run whose recipe asks for dynamic shapes
-    (``memopt.workload.dynamic_seq``): uniform multiples of ``seq_align`` in
-    ``[seq_min, min(seq_max, seq_length)]``, seeded by ``memopt.workload.seed``; ``None`` for
-    fixed shapes. (The simulator draws from ``seq_distribution``; training keeps to uniform.)
+    (``memopt.workload.dynamic_seq``), seeded by ``memopt.workload.seed``; ``None`` for fixed
+    shapes. The rules are the simulator's, by the same function
+    (:func:`ms_memopt.workload.draw_sequence_length`: ``seq_distribution``, ``long_tail``,
+    ``seq_align`` rounding down, ``seq_buckets``), one draw per step (the simulator draws one
+    per micro-batch).
 
     Example:
         >>> sequence_lengths(load_recipe("recipes/demo_cpu.yaml"), 4, 32)   # doctest: +SKIP
-        [20, 8, 32, 12]
+        [20, 12, 8, 8]
     """
-    w = recipe.memopt.workload
-    if not w.dynamic_seq or w.seq_distribution == "fixed":
-        return None
-    align = max(1, w.seq_align)
-    low = max(align, -(-w.seq_min // align) * align)
-    high = max(low, min(w.seq_max, seq_length) // align * align)
-    rng = np.random.default_rng(w.seed)
-    return [int(v) for v in rng.integers(low // align, high // align + 1, steps) * align]
+    return workload_sequence_lengths(recipe.memopt.workload, steps, seq_length)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
