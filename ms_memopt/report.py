@@ -356,6 +356,22 @@ def plot_scan_timeline(scans: dict[int, list[dict]], path: str | Path, *,
     return plot_timeline(series, path, markers=markers, title=title, requests=requests)
 
 
+def doctor_hint(root: Path, scans: dict[int, list[dict]]) -> str | None:
+    """When a scan warned (a watched request would not fit, a frag warning, a forecast), the
+    command that diagnoses it, on the recording this run left (``pool.log`` of ``ms-memopt run``
+    on CPU, a ``record`` file), or how to make one."""
+    warned = [(r, l) for r, ls in scans.items() for l in ls if l.get("warnings")]
+    if not warned:
+        return None
+    rank, first = warned[0]
+    recording = next((p for p in (root / "pool.log", root / "memopt-record.jsonl") if p.is_file()), None)
+    what = (f"`ms-memopt doctor {recording}`" if recording is not None else
+            "`ms-memopt record --out run.jsonl -- python train.py ...`, then `ms-memopt doctor run.jsonl`")
+    return (f"Scans warned {len(warned)} time(s), first at rank {rank} step {first['step']} "
+            f"({first['warnings'][0]}). Diagnose it (verdict, the blocks in the way, the setting that saves "
+            f"the run, measured): {what} with `--capacity` set to the card's memory.")
+
+
 # --- the report ------------------------------------------------------------------------------------
 
 def _checkpoint_advice(plan: dict) -> str:
@@ -539,6 +555,9 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
                          f"{err.get('error')}")
         plot_scan_timeline(scans, root / "scan_fragmentation.png", title=f"{title or root.name}: layout scans")
         lines += ["", "![fragmentation timeline of the scans](scan_fragmentation.png)", ""]
+        hint = doctor_hint(root, scans)
+        if hint:
+            lines += [hint, ""]
 
     # a simulation
     if timeline.is_file():

@@ -195,3 +195,14 @@ def test_torch_garbage_collection_releases_the_oldest_cached_blocks_above_the_th
     assert plain.reserved == 170 * MiB                      # without it the cache is kept
     with pytest.raises(InputError):
         TorchCachingAllocator(garbage_collection_threshold=1.2)
+
+
+def test_a_report_whose_scans_warned_points_at_doctor(tmp_path):
+    from ms_memopt.report import doctor_hint
+
+    (tmp_path / "pool.log").write_text("")
+    scans = {0: [{"kind": "scan", "step": 4, "warnings": []},
+                 {"kind": "scan", "step": 8, "warnings": ["predicted OOM: watched request 'bucket' ..."]}]}
+    hint = doctor_hint(tmp_path, scans)
+    assert f"ms-memopt doctor {tmp_path / 'pool.log'}" in hint and "step 8" in hint
+    assert doctor_hint(tmp_path, {0: [{"kind": "scan", "step": 4, "warnings": []}]}) is None

@@ -183,7 +183,8 @@ class LayoutScanCallback(Callback):
             self.stop_message = (f"ms-memopt: stopping training at step {step}: predicted OOM, watched "
                                  f"request(s) {', '.join(failing)} would not fit (largest free block "
                                  f"{record.largest_free} B, free total {record.free_total} B, device free "
-                                 f"{record.device_free} B)")
+                                 f"{record.device_free} B); diagnose it with `ms-memopt doctor` on a recording of "
+                                 "this run (`ms-memopt record`, or the pool.log of `ms-memopt run`)")
             logger.error(self.stop_message)
             run_context.request_stop()
 
