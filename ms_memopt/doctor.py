@@ -8,7 +8,7 @@ every address), so one recording answers three questions:
    when given), did a request fail, and was it *fragmentation* (the free memory would have
    covered it in one piece: :func:`~ms_memopt.allocators.base.oom_kind`) or *capacity*? With
    no failure the worst moment is the growth of the pool that free memory would have covered
-   (the pool grew although ``free_total >= request``): the moment a smaller card dies.
+   (no hole held the request, though ``free_total >= request``): where a smaller card dies.
 2. **Blockers.** At that moment, the live blocks whose moving (or absence) would have opened a
    hole for the request, whichever moves fewer bytes: the cheapest window of one segment whose
    holes add up to the request (:func:`~ms_memopt.compaction.planner.cheapest_window`, the
@@ -92,7 +92,8 @@ class Verdict:
 
 @dataclass
 class Blocker:
-    """A live block in the cheapest window that would hold the request."""
+    """A live block in the cheapest window that would hold the request; ``id`` is its tensor's
+    id in the recording's events."""
 
     addr: int
     size: int
@@ -103,6 +104,7 @@ class Blocker:
     long_lived: bool
     between_transients: bool
     frames: list[str] = field(default_factory=list)
+    id: int | None = None
 
 
 @dataclass
@@ -224,8 +226,9 @@ def remedy_settings(trace: Trace, *, capacity: int | None, allocator: str | None
 # --- the replays --------------------------------------------------------------------------------
 
 class _GrowthWatch:
-    """Wraps a model's ``malloc`` to find the worst growth: the request the pool grew for although
-    its free memory would have covered it (the most free memory stranded at that moment)."""
+    """Wraps a model's ``malloc`` to find the worst growth: the request the pool grew for because
+    no hole held it, although its free memory together would have (the most free memory stranded
+    at that moment)."""
 
     def __init__(self, model: AllocatorModel, trace: Trace) -> None:
         self.model = model
@@ -243,7 +246,9 @@ class _GrowthWatch:
         addr = self._malloc(size, **kwargs)
         index = self.alloc_index[self.calls] if self.calls < len(self.alloc_index) else None
         self.calls += 1
-        if addr is not None and model.reserved > reserved and size <= free_before and index is not None \
+        # fragmentation: no hole anywhere held the request, though all free memory together did
+        # (a hole in another pool or stream that would have held it is that pool's rule instead)
+        if addr is not None and model.reserved > reserved and largest < size <= free_before and index is not None \
                 and (self.worst is None or free_before > self.worst[0]):
             self.worst = (free_before, index, size, largest, reserved, allocated)
         return addr
@@ -305,8 +310,8 @@ def _verdict(trace: Trace, base: str, capacity: int | None) -> tuple[Verdict, Re
 
 
 def _blockers(trace: Trace, base: str, capacity: int | None, verdict: Verdict) -> tuple[list[Blocker], int | None, Layout | None]:
-    if verdict.event is None or verdict.request is None:
-        return [], None, None
+    if verdict.event is None or verdict.request is None or verdict.kind != "fragmentation":
+        return [], None, None        # a capacity failure: moving blocks would not make room
     before = replay(trace, create(base, capacity, fast=False), stop=verdict.event, sample_every=0)
     layout, ids = before.final_layout, before.live_ids
     request = max(512, (verdict.request + 511) // 512 * 512)
@@ -379,7 +384,7 @@ def _blockers(trace: Trace, base: str, capacity: int | None, verdict: Verdict) -
                            long_lived=long_lived,
                            between_transients=long_lived and bool(neighbours)
                            and all(not is_long(ids.get(n.addr)) for n in neighbours),
-                           frames=list(frames.get(ident, []))))
+                           frames=list(frames.get(ident, [])), id=ident))
     return out, cost, layout
 
 

@@ -206,3 +206,27 @@ def test_a_report_whose_scans_warned_points_at_doctor(tmp_path):
     hint = doctor_hint(tmp_path, scans)
     assert f"ms-memopt doctor {tmp_path / 'pool.log'}" in hint and "step 8" in hint
     assert doctor_hint(tmp_path, {0: [{"kind": "scan", "step": 4, "warnings": []}]}) is None
+
+
+def test_the_viewer_export_carries_purposes_and_blockers_as_categories(tmp_path):
+    """PyTorch's viewer colours and names in its legend the ``category`` of each allocation
+    (torch.cuda._memory_viz writes one for profiler categories): our export sets it from the
+    tag, and doctor's report marks the blockers in categories of their own."""
+    import pickle
+
+    from ms_memopt.cli.doctor_cmd import write_report
+
+    trace = _fragmenting_trace()
+    d = diagnose(trace, capacity=200 * MiB)
+    write_report(d, tmp_path, trace=trace)
+    data = pickle.loads((tmp_path / "memory_viz.pickle").read_bytes())
+    categories = {e["category"] for e in data["device_traces"][0] if e["action"] == "alloc"}
+    assert {"activation", "blocker: kv_cache"} <= categories
+    blocked = {e["addr"] for e in data["device_traces"][0] if e.get("category", "").startswith("blocker")}
+    assert blocked == {b.addr for b in d.blockers}
+    assert load_trace(tmp_path / "memory_viz.pickle").events       # our own reader reads it back
+    # PyTorch's own tooling (torch.cuda._memory_viz, from the registry's torch) reads it: the
+    # text summaries and the viewer page that embeds the snapshot
+    viz = pytest.importorskip("torch.cuda._memory_viz")
+    assert "Active Memory Timeline" in viz.trace_plot(data)
+    assert viz.segsum(data) and viz.trace(data)

@@ -53,7 +53,7 @@ def _shortened(argv: list[str], max_steps: int = _MAX_STEPS) -> list[str]:
 
 def test_the_readme_has_a_tour():
     commands = [argv[0] for argv in _tour_commands()]
-    assert {"plan", "simulate", "report", "replay", "pack", "run"} <= set(commands)
+    assert {"plan", "simulate", "report", "replay", "doctor", "pack", "run"} <= set(commands)
 
 
 @pytest.mark.mindspore
@@ -73,3 +73,4 @@ def test_every_tour_command_works_from_a_clean_clone(tmp_path, monkeypatch, caps
         assert code == 0, f"ms-memopt {' '.join(argv)} exited {code}:\n{captured.err[-2000:]}"
     assert (tmp_path / "out" / "sim" / "report.md").is_file()
     assert (tmp_path / "out" / "buffers.csv").is_file()
+    assert (tmp_path / "out" / "doctor" / "report.md").is_file()

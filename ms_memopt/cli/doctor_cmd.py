@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     progress = None if args.json else (lambda name: print(f"  replaying: {name}", file=sys.stderr))
     diagnosis = diagnose(trace, capacity=capacity, allocator=args.allocator, progress=progress)
     if args.out:
-        write_report(diagnosis, Path(args.out))
+        write_report(diagnosis, Path(args.out), trace=trace)
     print(json.dumps(diagnosis.to_dict()) if args.json else _text(diagnosis, args.out))
     return 1 if args.fail_on_oom and diagnosis.verdict.failed else 0
 
@@ -103,8 +103,8 @@ def _text(d, out: str | None) -> str:
             lines.append(f"  {format_size(b.size):>11}  {b.tag or '-'}  {life}{flag}{where}")
         if len(d.blockers) > _SHOWN_BLOCKERS:
             lines.append(f"  ... {len(d.blockers) - _SHOWN_BLOCKERS} more (--json or --out lists all)")
-    elif v.request is not None:
-        lines.append("blockers    none found: no window of live blocks holds the request (a capacity limit)")
+    elif v.kind == "fragmentation":
+        lines.append("blockers    none found: no window of live blocks holds the request")
     lines.append("remedies    (best first: survives at the capacity, then peak reserved without a capacity, then "
                  "worst frag)")
     base = next((r for r in d.remedies if r.setting == "baseline"), None)
@@ -143,9 +143,10 @@ def _comparison_text(c) -> str:
     return "\n".join(lines)
 
 
-def write_report(d, out: Path) -> Path:
+def write_report(d, out: Path, *, trace=None) -> Path:
     """``out/report.md``: verdict, blockers, remedies, a timeline of each remedy against the
-    request, and the memory map at the worst moment with the blockers outlined."""
+    request, and the memory map at the worst moment with the blockers outlined; with ``trace``
+    also ``memory_viz.pickle`` for PyTorch's viewer, purposes and blockers in its legend."""
     from ..plots import plot_timeline
     from ..report import LayoutSnapshot, plot_memory_map
 
@@ -190,6 +191,28 @@ def write_report(d, out: Path) -> Path:
                      f"{format_size(r.peak_reserved_unbounded)} "
                      f"| {_ratio(r.frag_ratio_max)} | {r.slow_path_events} | "
                      f"{'address-verified' if r.verified else 'from the source'} | `{r.line}` {r.note} |")
+    if trace is not None:
+        viz = _memory_viz(d, trace, out / "memory_viz.pickle")
+        if viz:
+            lines += ["", f"Open `{viz.name}` in PyTorch's memory viewer (pytorch.org/memory_viz): blocks are "
+                      "coloured by purpose, the blockers in categories of their own (`blocker: ...`)."]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _memory_viz(d, trace, path: Path) -> Path | None:
+    """The recording as the model placed it, up to the worst moment, blockers marked."""
+    from ..allocators import create
+    from ..traces.memory_viz import placed_events, write_memory_viz
+
+    stop = d.verdict.event if d.verdict.event is not None else len(trace.events)
+    head = type(trace)(trace.events[:stop], source=trace.source, format=trace.format, initial=trace.initial,
+                       meta=trace.meta)
+    try:
+        events, result = placed_events(head, create(d.allocator, d.capacity))
+        write_memory_viz(path, events, result.final_layout, blockers=[b.id for b in d.blockers if b.id is not None])
+    except (InputError, NotImplementedError) as exc:    # a format the viewer cannot show: say so
+        print(f"ms-memopt doctor: no memory_viz.pickle: {exc}", file=sys.stderr)
+        return None
     return path

@@ -16,6 +16,11 @@ moves are the block's free at its old address and alloc at the new one, both nam
 model replay), each segment of the final layout gets a ``segment_alloc`` just before the first
 alloc inside it, so a pool grown in blocks is shown growing.
 
+Each ``alloc`` also carries a ``category``, the block's purpose (its tag; ``untagged`` without
+one), the key PyTorch's viewer colours by and names in its legend (``torch.cuda._memory_viz``
+writes it for profiler categories). ``blockers``: ids of allocations to show in a category of
+their own, ``blocker: <tag>`` (``ms-memopt doctor`` marks the blocks in the way).
+
 To view a model's placements rather than the recorded ones, :func:`placed_events` replays a
 trace through a model and returns the events with the model's addresses.
 
@@ -93,7 +98,7 @@ def _segment_starts(events: list[Event], layout: Layout, initial: Layout | None)
 
 
 def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
-                  initial: Layout | None = None) -> dict:
+                  initial: Layout | None = None, blockers: Iterable[int] = ()) -> dict:
     """The snapshot as a dict of builtin types (what :func:`write_memory_viz` pickles).
 
     ``initial`` is the layout before the first event (a snapshot taken mid-run): its segments
@@ -103,6 +108,7 @@ def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
     without an address cannot be drawn and raises :class:`InputError`.
     """
     events = list(events)
+    blockers = set(blockers)
     trace: list[dict] = []
     addr_of: dict[int, int] = {}
     tag_of: dict[int, str] = {}
@@ -127,7 +133,8 @@ def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
                 if event.tag != _MOVED:
                     tag_of[event.id] = name
             live_name[event.addr] = name
-            trace.append({"action": "alloc", **base, "frames": _frames(name)})
+            category = f"blocker: {name}" if event.id in blockers else name
+            trace.append({"action": "alloc", **base, "frames": _frames(name), "category": category})
         elif action == "free":
             addr = event.addr if event.addr is not None else addr_of.get(event.id)
             if addr is None:
@@ -158,7 +165,7 @@ def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
 
 
 def write_memory_viz(path: str | Path, trace_or_events: Trace | Iterable[Event], layout: Layout | None = None,
-                     *, device: int = 0) -> None:
+                     *, device: int = 0, blockers: Iterable[int] = ()) -> None:
     """Write ``trace_or_events`` and ``layout`` as a PyTorch memory snapshot pickle.
 
     Args:
@@ -167,6 +174,7 @@ def write_memory_viz(path: str | Path, trace_or_events: Trace | Iterable[Event],
             or a list of events with addresses.
         layout: the segments and blocks at the end of the events.
         device: the device index the snapshot describes.
+        blockers: allocation ids shown in a category of their own (``blocker: <tag>``).
     """
     initial = None
     if isinstance(trace_or_events, Trace):
@@ -176,7 +184,7 @@ def write_memory_viz(path: str | Path, trace_or_events: Trace | Iterable[Event],
             layout = trace_or_events.final
     else:
         events = trace_or_events
-    data = snapshot_dict(events, layout or Layout(), device=device, initial=initial)
+    data = snapshot_dict(events, layout or Layout(), device=device, initial=initial, blockers=blockers)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as handle:
