@@ -49,11 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from ..doctor import compare, diagnose
     from ..traces import load_trace
 
-    capacity = None
-    if args.capacity is not None:
-        capacity = parse_size(args.capacity, source="--capacity")
-        if capacity <= 0:
-            raise InputError(f"expected a positive size, got {args.capacity!r}", source="--capacity")
+    capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
     if args.allocator is not None and (args.allocator not in MODELS or args.allocator == "pool"):
         raise InputError(f"unknown allocator {args.allocator!r}; expected one of "
                          f"{', '.join(m for m in MODELS if m != 'pool')}", key="--allocator")

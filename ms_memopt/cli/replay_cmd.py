@@ -82,11 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from ..replay import replay
     from ..traces import load_trace
 
-    capacity = None
-    if args.capacity is not None:
-        capacity = parse_size(args.capacity, source="--capacity")
-        if capacity <= 0:
-            raise InputError(f"expected a positive size, got {args.capacity!r}", source="--capacity")
+    capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
     trace = load_trace(args.trace, format=args.format)
     name = args.allocator or default_allocator(trace)
     if trace.final is None and trace.meta.get("pool") in (POOL_NAME, ASCEND_POOL_NAME):
