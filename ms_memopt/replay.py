@@ -212,7 +212,7 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
         elif action == "step" and on_step is not None:
             model = on_step(event.step or 0, model, address_of)
             malloc, free = model.malloc, model.free
-            batch = getattr(model, "_run", None)
+            batch = batch_runner(model)     # the guard against a wrapped malloc holds after a policy, too
         if len(model.ooms) > oom_seen:
             model.ooms[-1].event_index = index
             oom_seen = len(model.ooms)

@@ -401,3 +401,23 @@ def test_pool_mode_replays_identically(chunked, ops, sample_every):
         ref.pop(key), quick.pop(key)
     assert quick == ref
     assert results[1].final_layout == results[0].final_layout
+
+
+@needs_fast
+def test_a_model_a_policy_hands_back_with_a_wrapped_malloc_sees_every_call():
+    """After a ``step`` event the replay takes the model ``on_step`` returns through
+    ``batch_runner``: a wrapped ``malloc`` there must see every allocation, not be bypassed by
+    the compiled batch loop."""
+    events = [Event("alloc", id=1, size=4096), Event("step", step=1)]
+    events += [Event("alloc", id=i, size=4096) for i in range(2, 12)]
+    seen = []
+
+    def at_step(step, model, addresses):
+        fresh = create("mindspore", fast=True)
+        fresh.restore(model.layout())
+        inner = fresh.malloc
+        fresh.malloc = lambda size, **kw: (seen.append(size), inner(size, **kw))[1]
+        return fresh
+
+    replay(Trace(events), create("mindspore", fast=True), on_step=at_step, sample_every=0)
+    assert len(seen) == 10
