@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
@@ -33,12 +33,11 @@ from .jsontext import parse_json
 from .layout import Layout
 from .units import short_repr
 
-__all__ = ["Event", "Trace", "ACTIONS", "JSONL_FORMAT", "EventWriter", "write_jsonl", "read_jsonl", "iter_jsonl"]
+__all__ = ["Event", "Trace", "ACTIONS", "FIELDS", "ROW_INDEX", "JSONL_FORMAT", "EventWriter", "write_jsonl", "read_jsonl", "iter_jsonl"]
 
 ACTIONS = ("alloc", "free", "segment_alloc", "segment_free", "empty_cache", "step", "mark")
 JSONL_FORMAT = "ms-memopt-events"
 JSONL_VERSION = 1
-_FIELDS = ("action", "id", "size", "addr", "stream", "pool", "time", "tag", "step")
 
 
 @dataclass(slots=True)
@@ -70,6 +69,15 @@ class Event:
                 continue    # an alloc keeps size 0: MindSpore's pool is asked for 0 bytes (and gives 512)
             out[name] = value
         return out
+
+
+#: Event's fields in their order: the one definition of a *row*, the plain tuple the simulator
+#: generates for speed (``Event(*row)`` is the event). The compiled loop takes its indices from
+#: here at import (``allocators/fast.py``), the simulator reads rows through :data:`ROW_INDEX`.
+FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Event))
+_FIELDS = FIELDS
+#: field name -> its position in a row
+ROW_INDEX: dict[str, int] = {name: i for i, name in enumerate(FIELDS)}
 
 
 class EventWriter:

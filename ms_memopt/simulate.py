@@ -56,7 +56,7 @@ from typing import IO
 from .allocators import create, model_class
 from .allocators.base import AllocatorModel, oom_kind
 from .allocators.fast import batch_runner
-from .events import Event
+from .events import ROW_INDEX, Event
 from .forecast import Forecast, Forecaster
 from .layout import Layout
 from .metrics import frag_ratio, measure
@@ -76,6 +76,8 @@ __all__ = [
 ]
 
 POLICIES = ("baseline", "compact", "pool")
+# where a row (a tuple of Event's fields, ms_memopt.events.FIELDS) holds what the loop reads
+_ACTION, _ID, _SIZE, _POOL, _TAG = (ROW_INDEX[n] for n in ("action", "id", "size", "pool", "tag"))
 COMPACT_TRIGGERS = ("forecast", "margin")
 
 
@@ -388,7 +390,7 @@ class _Run:
                     break
             row = batch[index]
             index += 1
-            action, tid, size, _, _, pool, _, tag, _ = row
+            action, tid, size, pool, tag = (row[_ACTION], row[_ID], row[_SIZE], row[_POOL], row[_TAG])
             if action == "alloc":
                 if tag in watch:
                     extra = {"tag": tag, "size": size}

@@ -288,3 +288,25 @@ def test_the_100b_recipe_draws_as_before():
         length = int(min(max(length, spec.seq_min), spec.seq_max))
         old.append(max(spec.seq_align, length // spec.seq_align * spec.seq_align))
     assert got == old
+
+
+def test_event_rows_have_one_definition():
+    """A row is a tuple of Event's fields in Event's order, defined once (events.FIELDS): the
+    workload's rows rebuild their events, the compiled loop takes its indices from Event at
+    import, and no module spells the field order out a second time."""
+    import dataclasses
+    import re
+
+    from ms_memopt.events import FIELDS, ROW_INDEX, Event
+    from ms_memopt.workload import StepWorkload, WorkloadSpec
+
+    assert FIELDS == tuple(f.name for f in dataclasses.fields(Event))
+    assert ROW_INDEX == {name: i for i, name in enumerate(FIELDS)}
+    rows_of, events_of = StepWorkload(WorkloadSpec(), seed=0), StepWorkload(WorkloadSpec(), seed=0)
+    rows = rows_of.prologue_rows() + rows_of.step_rows(1)
+    assert rows and all(len(row) == len(FIELDS) for row in rows)
+    assert [Event(*row) for row in rows] == events_of.prologue() + events_of.step(1)
+    spelled = re.compile(r'\s*,\s*'.join(f'"{name}"' for name in FIELDS))     # the whole order, by hand
+    package = Path(__file__).resolve().parents[1] / "ms_memopt"
+    copies = [p for p in package.rglob("*.py") if spelled.search(p.read_text())]
+    assert copies == [], f"Event's field order spelled out again in {copies}"

@@ -1778,10 +1778,29 @@ static void fields_init(Fields *f, PyObject *sample) {
     f->type = type;
 }
 
-/* a row: a tuple of Event's fields in its order (action, id, size, addr, stream, pool, time,
- * tag, step), as ms_memopt.workload generates them for simulate */
-#define ROW_FIELDS 9
-static const int ROW_INDEX[F_COUNT] = {0, 1, 2, 3, 4, 5, 7};
+/* a row: a tuple of Event's fields in its order, as ms_memopt.workload generates them for
+ * simulate. The order is Event's (ms_memopt/events.py) and only Event's: ms_memopt/allocators/
+ * fast.py hands it over at import (set_row_layout); these are just the values before that. */
+static Py_ssize_t ROW_FIELDS = 9;
+static int ROW_INDEX[F_COUNT] = {0, 1, 2, 3, 4, 5, 7};
+
+/* set_row_layout(count, (action, id, size, addr, stream, pool, tag)): a row's length and where
+ * each field the loop reads sits in it */
+static PyObject *set_row_layout(PyObject *self, PyObject *args) {
+    Py_ssize_t count;
+    int index[F_COUNT];
+    if (!PyArg_ParseTuple(args, "n(iiiiiii)", &count, &index[F_ACTION], &index[F_ID], &index[F_SIZE],
+                          &index[F_ADDR], &index[F_STREAM], &index[F_POOL], &index[F_TAG])) return NULL;
+    for (int k = 0; k < F_COUNT; k++) {
+        if (index[k] < 0 || index[k] >= count) {
+            PyErr_SetString(PyExc_ValueError, "a row field index outside the row");
+            return NULL;
+        }
+    }
+    ROW_FIELDS = count;
+    memcpy(ROW_INDEX, index, sizeof(index));
+    Py_RETURN_NONE;
+}
 
 /* a new reference to field ``k`` of ``ev``, or NULL with an exception */
 static inline PyObject *field(Fields *f, PyObject *ev, int k) {
@@ -2243,8 +2262,13 @@ static PyTypeObject CoreType = {
 #define MS_MEMOPT_SOURCE_HASH ""
 #endif
 
+static PyMethodDef module_methods[] = {
+    {"set_row_layout", set_row_layout, METH_VARARGS, "set_row_layout(count, (action, id, size, addr, stream, pool, tag))"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_fastpool", "Compiled fast path of the allocator models.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_fastpool", "Compiled fast path of the allocator models.", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__fastpool(void) {

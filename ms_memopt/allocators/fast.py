@@ -39,6 +39,7 @@ from .base import AllocatorModel
 from .mindspore import check_options, initial_block, restore_pieces
 from .mindspore_vmm import CHUNK, MindSporeVMMPool, _ChunkSet, ranges_largest_free, ranges_layout
 from .mindspore_vmm import restore_pieces as vmm_restore_pieces
+from ..events import FIELDS, ROW_INDEX
 from .pool import PoolModeAllocator
 from .torch import check_divisions, is_small_segment, merged_blocks
 
@@ -54,7 +55,12 @@ def _compiled_core():
         return None
     stale = _build_hash.check("ms_memopt.allocators._fastpool", getattr(_fastpool, "SOURCE_HASH", None),
                               getattr(_fastpool, "__file__", None))
-    return None if stale else _fastpool.ModelCore
+    if stale:
+        return None
+    # the loop reads rows (plain tuples of Event's fields) at the positions Event defines
+    _fastpool.set_row_layout(len(FIELDS), tuple(ROW_INDEX[name] for name in
+                                                ("action", "id", "size", "addr", "stream", "pool", "tag")))
+    return _fastpool.ModelCore
 
 
 ModelCore = _compiled_core()
