@@ -34,9 +34,10 @@ from ms_memopt.workload import spec_from_recipe
 GiB = 2**30
 
 
-def _options(items):
-    from ms_memopt.cli.simulate_cmd import _options as parse
-    return parse(items)
+def _options(items, allocator: str = "mindspore"):
+    """``--allocator-option`` items, typed per option of the recipe's allocator model."""
+    from ms_memopt.allocators.options import parse_allocator_options
+    return parse_allocator_options(allocator, items)
 
 
 def _one(job):

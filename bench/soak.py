@@ -46,11 +46,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1000)
     parser.add_argument("--allocator-option", action="append", default=None, metavar="KEY=VALUE")
     args = parser.parse_args()
-    from ms_memopt.cli.simulate_cmd import _options
+    from ms_memopt.allocators.options import parse_allocator_options
     recipe = load_recipe(args.recipe)
     spec = spec_from_recipe(recipe)
     cfg = config_from_recipe(recipe, steps=args.steps)
-    cfg.allocator_options.update(_options(args.allocator_option or []))
+    cfg.allocator_options.update(parse_allocator_options(cfg.allocator, args.allocator_option or []))
     rss: dict[int, float] = {0: _rss_mib()}
     peak: dict[int, float] = {0: _rss_mib("VmHWM")}
 
