@@ -202,6 +202,24 @@ class JobResult:
     seed: int
     steps: int
     outcomes: list[RankOutcome] = field(default_factory=list)
+    #: the time model's constants (``memopt.timing``); ``None``: the defaults
+    timing_config: object = None
+
+    def timing_figures(self, timing=None) -> tuple[dict, dict] | None:
+        """``(timing, detail)``: the policy's ``timing`` object (:data:`ms_memopt.timing.TIMING_KEYS`)
+        and its detail (the job's step times, each rank's median busy time), priced with
+        ``timing`` (default: the job's ``memopt.timing``); ``None`` when no step completed."""
+        from .recipe import TimingConfig
+        from .timing import job_timing
+
+        timing = timing or self.timing_config or TimingConfig()
+        return job_timing([o.result.step_counts for o in self.outcomes],
+                          [o.result.collective_bytes for o in self.outcomes], timing)
+
+    def timing(self, timing=None) -> dict | None:
+        """The policy's ``timing`` object (see :meth:`timing_figures`)."""
+        figures = self.timing_figures(timing)
+        return None if figures is None else figures[0]
 
     @property
     def first(self) -> RankOutcome | None:
@@ -259,9 +277,24 @@ class JobResult:
                # the failing rank's full figures (or, when the job survives, the closest call's)
                "first_rank": None if closest is None else dict(closest.result.to_dict(), rank=closest.stream.rank,
                                                                stage=closest.stream.stage)}
+        figures = self.timing_figures()
+        out["timing"] = None if figures is None else figures[0]
+        if figures is not None:
+            ranks = figures[1]["rank_step_median"]
+            out["timing_detail"] = {"steps": figures[1]["steps"],
+                                    "collective_seconds": max(o.result.collective_bytes for o in self.outcomes)
+                                    / (self.timing_config or _default_timing()).collective_bandwidth,
+                                    "rank_step_median_min": min(ranks), "rank_step_median_max": max(ranks),
+                                    "rank_step_cv": float(np.std(ranks) / np.mean(ranks)) if np.mean(ranks) else 0.0}
         if rank_results:
             out["rank_results"] = [o.to_dict() for o in self.outcomes]
         return out
+
+
+def _default_timing():
+    from .recipe import TimingConfig
+
+    return TimingConfig()
 
 
 def median_job_oom_step(results: list[JobResult]) -> float | None:
@@ -369,8 +402,8 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
     finally:
         if bar is not None:
             bar.close()
-    out: list[dict[str, JobResult]] = [{p: JobResult(p, job.seed, job.cfg.steps) for p in job.policies}
-                                       for job in jobs]
+    out: list[dict[str, JobResult]] = [{p: JobResult(p, job.seed, job.cfg.steps, timing_config=job.cfg.timing)
+                                        for p in job.policies} for job in jobs]
     for task, j, (results, text) in zip(tasks, owner, values):
         for policy, result in results.items():
             out[j][policy].outcomes.append(RankOutcome(task.stream, result))

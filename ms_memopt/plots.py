@@ -367,3 +367,26 @@ def plot_sweep(rows: list[dict], keys: list[str], path: str | Path, *, title: st
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def plot_step_times(policies: dict[str, dict], path: str | Path, *, title: str = "Step time") -> Path:
+    """The job's step time per policy (``{policy: {"step_seconds": [...], "rank_step_median": [...]}}``,
+    :mod:`ms_memopt.timing`): a timeline (left) and each rank's median busy time (right: the
+    distribution across ranks, where a straggler shows)."""
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [3, 1]})
+    names = list(policies)
+    for i, (policy, data) in enumerate(policies.items()):
+        steps = data.get("step_seconds") or []
+        left.plot(range(1, len(steps) + 1), steps, lw=0.8, label=policy)
+        ranks = data.get("rank_step_median") or []
+        right.scatter([i] * len(ranks), ranks, s=10, alpha=0.6)
+    left.set_xlabel("step")
+    left.set_ylabel("job step (s)")
+    left.legend(fontsize=8)
+    left.set_title(title, fontsize=9)
+    right.set_xticks(range(len(names)), names, fontsize=8)
+    right.set_ylabel("rank median busy (s)")
+    right.set_title("across ranks", fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path)

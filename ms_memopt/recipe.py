@@ -39,7 +39,7 @@ __all__ = [
     "CommunicationConfig", "AllocatorConfig", "ShapeCacheConfig", "ExtraAllocsConfig",
     "WorkloadConfig", "StandaloneTrainConfig", "MemoptConfig", "Recipe", "load_recipe",
     "recipe_from_dict", "llama_ffn_size", "LIMITS", "MoeConfig", "MlaConfig", "SEQ_DISTRIBUTIONS",
-    "seq_range", "schema_keys",
+    "seq_range", "schema_keys", "TimingConfig",
 ]
 
 #: bytes per element of the dtypes recipes may name
@@ -323,6 +323,26 @@ def schema_keys(cls: type) -> dict[str, dataclasses.Field]:
 
 
 @dataclass(frozen=True)
+class TimingConfig:
+    """``memopt.timing``: the constants of the simulator's time model (:mod:`ms_memopt.timing`).
+
+    The one schema of these keys: each default here is *the* default (the recipe loader reads
+    them from here); docs/recipes.md gives each one's source. Rates are per card; the defaults
+    describe an Ascend 910C (the field report's card) and ``base_efficiency`` is the one constant
+    calibrated on the field report (pool mode's 3.8 s step, docs/simulation.md).
+    """
+    peak_flops: float = 800e12              # FLOP/s, FP16/BF16 dense: the field report's ~800 TFLOPS
+    base_efficiency: float = 0.63           # share of peak the model's kernels reach (calibrated)
+    hbm_bandwidth: float = 1.8e12           # bytes/s: the field report's 1.8 TB/s
+    collective_bandwidth: float = 400e9     # bytes/s per card for the gradient AllReduce: HCCS 400 GB/s
+    device_alloc_seconds: float = 1e-3      # one block taken from the device (pool growth)
+    vmm_chunk_seconds: float = 2e-5         # one 2 MiB chunk mapped or unmapped (VMM)
+    defrag_sweep_seconds: float = 5e-3      # one eager-free / defrag sweep (VMM)
+    slow_path_seconds: float = 1e-2         # one request on the allocator's slow path (release, sync, retry)
+    compaction_barrier_seconds: float = 1e-3   # the global sync point of one compaction
+
+
+@dataclass(frozen=True)
 class StandaloneTrainConfig:
     """``memopt.train``: the standalone run (``ms-memopt run``) on one device."""
     steps: int = 20
@@ -356,6 +376,7 @@ class MemoptConfig:
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     train: StandaloneTrainConfig = field(default_factory=StandaloneTrainConfig)
+    timing: TimingConfig = field(default_factory=TimingConfig)
 
 
 @dataclass(frozen=True)
@@ -922,7 +943,7 @@ def _read_train(r: _Reader, data: dict) -> TrainConfig:
 _MEMOPT_KEYS = {"device", "params", "zero_stage", "grad_dtype", "master_weights", "optimizer_dtype",
                 "checkpoint_every", "activation_factor", "pool_mode", "scan_every", "compact_every",
                 "compact_when_frag_above", "compact_trigger", "watch", "communication", "workspace", "allocator",
-                "workload", "train"}
+                "workload", "train", "timing"}
 _DEVICE_KEYS = {"name", "hbm", "cards"}
 _COMM_KEYS = {"allreduce_bucket", "reduce_scatter_bucket", "allgather_bucket", "p2p_buffers",
               "alltoall_buffers"}
@@ -936,6 +957,7 @@ _ALLOCATOR_NAMES = ("mindspore", "mindspore_vmm", "torch", "torch_expandable", "
 _WORKLOAD_KEYS = {f.name for f in dataclasses.fields(WorkloadConfig)}
 _SHAPE_CACHE_KEYS = {f.name for f in dataclasses.fields(ShapeCacheConfig)}
 _EXTRA_KEYS = {f.name for f in dataclasses.fields(ExtraAllocsConfig)}
+_TIMING_KEYS = {f.name for f in dataclasses.fields(TimingConfig)}
 _TRAIN_KEYS = {"steps", "learning_rate", "batch_size", "seed", "dataset", "device", "checkpoint_every_steps"}
 
 
@@ -1033,7 +1055,31 @@ def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelC
         allocator=allocator,
         workload=workload,
         train=standalone,
+        timing=_read_timing(r, r.section(m, "timing", "memopt.timing")),
     )
+
+
+#: ``memopt.timing`` keys that are shares of something (0, 1]; the rest are positive rates or
+#: non-negative durations
+_TIMING_SHARES = {"base_efficiency"}
+_TIMING_RATES = {"peak_flops", "hbm_bandwidth", "collective_bandwidth"}
+
+
+def _read_timing(r: _Reader, t: dict) -> TimingConfig:
+    """``memopt.timing``; every default is :class:`TimingConfig`'s (none is written here)."""
+    p = "memopt.timing"
+    r.strict(t, p, _TIMING_KEYS)
+    d = TimingConfig()
+    values = {}
+    for f in dataclasses.fields(TimingConfig):
+        if f.name in _TIMING_SHARES:
+            conv = r.number(minimum=0, maximum=1, exclusive_min=True)
+        elif f.name in _TIMING_RATES:
+            conv = r.number(minimum=0, exclusive_min=True)
+        else:
+            conv = r.number(minimum=0)
+        values[f.name] = r.get(t, f.name, f"{p}.{f.name}", conv, getattr(d, f.name))
+    return TimingConfig(**values)
 
 
 def _read_workload(r: _Reader, w: dict, train: TrainConfig, model: ModelConfig) -> WorkloadConfig:

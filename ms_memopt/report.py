@@ -661,4 +661,40 @@ def _simulation_section(root: Path, timeline: Path, problems: list[str], title: 
                         "min largest_free", "compactions"], table)
     plot_fragmentation_timeline(timeline, root / "fragmentation.png", title=title)
     lines += ["", "![fragmentation timeline](fragmentation.png)", ""]
+    lines += _step_time_section(root, title)
     return lines
+
+
+#: a simulation's time model figures (``ms-memopt simulate --out``), per policy
+TIMING_NAME = "timing.json"
+
+
+def _step_time_section(root: Path, title: str) -> list[str]:
+    """The time model's figures (:mod:`ms_memopt.timing`) from ``timing.json``, when written."""
+    path = root / TIMING_NAME
+    if not path.is_file():
+        return []
+    try:
+        policies = json.loads(path.read_text(encoding="utf-8"))["policies"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"not a timing file: {exc}", source=str(path)) from None
+    from .plots import plot_step_times
+
+    def pct(v) -> str:
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    rows = []
+    for policy, data in policies.items():
+        t = data.get("timing")
+        if not t:
+            rows.append([policy, "-", "-", "-", "-", "-", "-"])
+            continue
+        rows.append([policy, f"{t['step_seconds_median']:.4g} s", f"{t['step_seconds_p99']:.4g} s", pct(t["step_cv"]),
+                     pct(t["mfu"]), pct(t["memory_stall_share"]), pct(t["compaction_pause_share"])])
+    plot_step_times(policies, root / "step_time.png", title=f"{title}: the job's step time")
+    return ["## Step time (time model)", "",
+            "The job's step is its slowest rank's step (compute, memory stalls) plus the longest compaction "
+            "(a global sync point) plus the gradient AllReduce (docs/simulation.md, *Time*).", "",
+            *_md_table(["policy", "median step", "p99 step", "CV over steps", "MFU", "memory stalls",
+                        "compaction pauses"], rows),
+            "", "![step time per policy and across ranks](step_time.png)", ""]

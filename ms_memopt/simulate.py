@@ -60,7 +60,9 @@ from .events import ROW_INDEX, Event
 from .forecast import Forecast, Forecaster
 from .layout import Layout
 from .metrics import frag_ratio, measure
+from .recipe import TimingConfig
 from .scan import forecast_fields
+from .timing import StepCounts, collective_bytes, optimizer_extra_bytes, step_flops
 from .workload import WATCH_TAG, StepWorkload, WorkloadSpec
 
 __all__ = [
@@ -106,6 +108,8 @@ class SimConfig:
     forecast_within: int | None = None
     forecast_window: int = 10
     seed: int = 0
+    #: the time model's constants (``memopt.timing``, :mod:`ms_memopt.timing`)
+    timing: TimingConfig = field(default_factory=TimingConfig)
 
     def __post_init__(self) -> None:
         if self.compact_trigger not in COMPACT_TRIGGERS:
@@ -167,9 +171,16 @@ class PolicyResult:
     shapes_seen: int = 0
     events: int = 0
     seconds: float = 0.0
+    #: per completed step (1..), what the time model prices (:meth:`ms_memopt.timing.StepCounts.as_tuple`);
+    #: not in :meth:`to_dict` (a run's worth of tuples)
+    step_counts: list = field(default_factory=list, repr=False)
+    #: bytes this rank sends in its stage's gradient AllReduce (:func:`ms_memopt.timing.collective_bytes`)
+    collective_bytes: float = 0.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("step_counts")
+        return out
 
 
 @dataclass
@@ -226,7 +237,8 @@ def config_from_recipe(recipe, **overrides) -> SimConfig:
     cfg = SimConfig(steps=mem.workload.steps, capacity=recipe.capacity, allocator=name,
                     allocator_options=options, scan_every=mem.scan_every,
                     compact_every=mem.compact_every,
-                    watch=dict(mem.watch) or {WATCH_TAG: 4_200_000_000}, seed=mem.workload.seed)
+                    watch=dict(mem.watch) or {WATCH_TAG: 4_200_000_000}, seed=mem.workload.seed,
+                    timing=mem.timing)
     if mem.compact_trigger is not None:
         cfg.compact_trigger = mem.compact_trigger
     for key, value in overrides.items():
@@ -361,6 +373,37 @@ class _Run:
         self.size_of: dict[int, int] = {}   # tensor id -> bytes, kept only when recording (evictions)
         self.dead = False
         self.seconds = 0.0
+        # the time model (ms_memopt.timing): the step's lengths (set by the lock-step loop), the
+        # unfused optimizer's extra traffic (pool mode runs the fused one), the collective
+        self.spec = spec
+        self.lengths: list[int] | None = None
+        self.optimizer_bytes = 0 if policy == "pool" else optimizer_extra_bytes(spec)
+        self.result.collective_bytes = collective_bytes(spec)
+        self._stall_counts = [0, 0, 0, 0]
+
+    def _stall_start(self) -> tuple:
+        model = self.model
+        return (model.segment_allocs, model.reserved if model.virtual else 0,
+                getattr(model, "eager_frees", 0), getattr(model, "slow_path_events", 0))
+
+    def _stall_add(self, start: tuple) -> None:
+        """Add what the model did since ``start`` (:meth:`_stall_start`) to the step's counts."""
+        now = self._stall_start()
+        counts = self._stall_counts
+        counts[0] += max(0, now[0] - start[0])
+        counts[1] += abs(now[1] - start[1]) // (2 << 20)
+        counts[2] += max(0, now[2] - start[2])
+        counts[3] += max(0, now[3] - start[3])
+
+    def _note_step(self, step: int, moved: int, compactions: int) -> None:
+        """The completed step's :class:`~ms_memopt.timing.StepCounts` (steps 1..)."""
+        if step < 1:
+            return
+        flops, model_flops, bubble = step_flops(self.spec, self.lengths or [self.spec.seq_length]
+                                                * self.spec.micro_batches)
+        a, v, d, slow = self._stall_counts
+        self.result.step_counts.append(StepCounts(flops, model_flops, bubble, a, v, d, slow, self.optimizer_bytes,
+                                                  compactions, moved).as_tuple())
 
     def feed(self, step: int, batch: list[tuple]) -> bool:
         """Run one step's events, as rows (:meth:`StepWorkload.step_rows`: ``Event(*row)`` is
@@ -368,6 +411,9 @@ class _Run:
         if self.dead:
             return False
         started = time.perf_counter()
+        self._stall_counts = [0, 0, 0, 0]
+        stall_start = self._stall_start()
+        moved_before, compactions_before = self.result.bytes_moved, self.result.compactions
         cfg, track, result, watch = self.cfg, self.track, self.result, self.watch
         model, addr_of, drain, region_metrics = self.model, self.addr_of, self.drain, self.region_metrics
         on_watch, record = self.on_watch, self.placed.events if self.placed is not None else None
@@ -449,8 +495,10 @@ class _Run:
                     periodic = cfg.compact_every and step % cfg.compact_every == 0
                     warned = scan and self._warned(fc)
                     if periodic or warned:
+                        self._stall_add(stall_start)
                         model, before, after, moves = _compact(model, addr_of, cfg)
                         self.model = model
+                        stall_start = self._stall_start()
                         malloc, free, note_mark = model.malloc, model.free, model.note_mark
                         fast_run = batch_runner(model) if fast else None
                         if record is not None:
@@ -464,6 +512,8 @@ class _Run:
                     track.close_window()
         if not self.dead:
             result.events += len(batch)
+            self._stall_add(stall_start)
+            self._note_step(step, result.bytes_moved - moved_before, result.compactions - compactions_before)
         self.seconds += time.perf_counter() - started
         return not self.dead
 
@@ -533,6 +583,8 @@ def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig,
         started = time.perf_counter()
         batch = gen.step_rows(step)
         generation += time.perf_counter() - started
+        for run in alive:
+            run.lengths = gen.lengths
         alive = [run for run in alive if run.feed(step, batch)]
         if on_step is not None:
             on_step(step)

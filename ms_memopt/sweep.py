@@ -26,6 +26,7 @@ import yaml
 
 from .errors import InputError
 from .recipe import Recipe, recipe_from_dict
+from .timing import TIMING_KEYS
 from .yamltext import parse_yaml
 
 __all__ = ["SweepPoint", "apply_setting", "grid_points", "parse_settings", "sweep_recipes", "sweep_rows"]
@@ -166,5 +167,8 @@ def sweep_rows(points: list[SweepPoint], results: list[dict]) -> list[dict]:
                         "oom_ranks": dist["oom_ranks"], "oom_step_median": dist["oom_step_median"],
                         "largest_free_min": closest.result.largest_free_min if closest else None,
                         "capacity": point.recipe.capacity})
+            # the time model's figures (ms_memopt.timing; empty when no step completed)
+            timing = job.timing() or {}
+            row.update({key: timing.get(key) for key in TIMING_KEYS})
             rows.append(row)
     return rows

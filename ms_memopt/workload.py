@@ -187,6 +187,14 @@ class WorkloadSpec:
     moe_experts: int = 1
     moe_local_experts: int = 1
     moe_load_cv: float = _from_config("moe_load_cv")
+    # the time model's view of the step (ms_memopt.timing; 0: no compute counted): forward FLOPs
+    # per token and per token squared of the stage's layers per card and sequence, sequences per
+    # micro-batch, pipeline stages (the 1F1B bubble), data-parallel ways (the gradient AllReduce)
+    flops_dense: float = 0.0
+    flops_attention: float = 0.0
+    batch_size: int = 1
+    pipeline_stages: int = 1
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
         self.seq_min, self.seq_max = seq_range(self.seq_length, self.seq_min, self.seq_max)
@@ -642,6 +650,7 @@ def spec_from_recipe(recipe, *, stage: int = 0, plan=None) -> WorkloadSpec:
     holds the most micro-batches in flight), sizes from :mod:`ms_memopt.estimate` (``plan``:
     the recipe's :func:`~ms_memopt.estimate.estimate`, when the caller has it already)."""
     from . import estimate as est
+    from .timing import stage_flops_fields
 
     model, par, mem = recipe.model, recipe.parallel, recipe.memopt
     w = mem.workload
@@ -677,6 +686,7 @@ def spec_from_recipe(recipe, *, stage: int = 0, plan=None) -> WorkloadSpec:
         buckets=sum(1 for b in buckets if b),
         **spec_settings(w),
         **_moe_fields(recipe, stage, factor),
+        **stage_flops_fields(recipe, stage),
     )
 
 

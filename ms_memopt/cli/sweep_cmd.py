@@ -77,9 +77,12 @@ def _print_rows(rows: list[dict], keys: list[str]) -> None:
     names = [k.rsplit(".", 1)[-1] for k in keys]
     widths = [max(len(n), 8) for n in names]
     print(" ".join(f"{n:<{w}}" for n, w in zip(names, widths))
-          + f" {'policy':<9} {'ranks':>5} {'job_oom':>7} {'rank':>5} {'stage':>5} {'oom_ranks':>9}")
+          + f" {'policy':<9} {'ranks':>5} {'job_oom':>7} {'rank':>5} {'stage':>5} {'oom_ranks':>9}"
+            f" {'step_med':>9} {'mfu':>6}")
     for r in rows:
         print(" ".join(f"{str(r[k]):<{w}}" for k, w in zip(keys, widths))
               + f" {r['policy']:<9} {r['ranks']:>5} {_dash(r['job_oom_step']):>7} "
                 f"{'-' if r['job_oom_rank'] is None else r['job_oom_rank']!s:>5} "
-                f"{'-' if r['job_oom_stage'] is None else r['job_oom_stage']!s:>5} {r['oom_ranks']:>9}")
+                f"{'-' if r['job_oom_stage'] is None else r['job_oom_stage']!s:>5} {r['oom_ranks']:>9}"
+                f" {'-' if r['step_seconds_median'] is None else format(r['step_seconds_median'], '.3f') + 's':>9}"
+                f" {'-' if r['mfu'] is None else format(100 * r['mfu'], '.1f') + '%':>6}")

@@ -1,0 +1,256 @@
+"""The time model (issue 26): step time, stragglers and MFU of the whole job, per policy
+(:mod:`ms_memopt.timing`, ``memopt.timing`` recipe keys)."""
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ms_memopt.errors import InputError
+from ms_memopt.job import JobResult, RankOutcome, RankStream, job_from_recipe, simulate_jobs
+from ms_memopt.recipe import TimingConfig, load_recipe, recipe_from_dict
+from ms_memopt.simulate import PolicyResult
+from ms_memopt.timing import TIMING_KEYS, StepCounts, job_steps, rank_step, step_flops
+from ms_memopt.workload import spec_from_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+BIG = ROOT / "recipes" / "dense_100b_1024x910c.yaml"
+DEMO = ROOT / "recipes" / "demo_cpu.yaml"
+TINY = {"model": {"model_config": {"num_layers": 2, "hidden_size": 64, "num_heads": 4,
+                                   "seq_length": 64, "vocab_size": 256}}}
+
+
+def _sane(t: dict) -> None:
+    assert list(t) == list(TIMING_KEYS)
+    assert 0 < t["step_seconds_median"] <= t["step_seconds_p99"]
+    assert t["step_cv"] >= 0
+    assert 0 < t["mfu"] < 1
+    assert 0 <= t["memory_stall_share"] <= 1 and 0 <= t["compaction_pause_share"] <= 1
+
+
+@pytest.fixture(scope="module")
+def demo_results():
+    """The CPU demo recipe, 25 steps (a compaction at step 20), every policy, one rank, in-process."""
+    job = job_from_recipe(load_recipe(DEMO), steps=25)
+    return simulate_jobs([job], workers=1)[0]
+
+
+def test_simulate_json_has_a_timing_object_per_policy(capsys):
+    from ms_memopt.cli import main
+
+    code = main(["simulate", str(BIG), "--steps", "3", "--ranks", "1", "--workers", "1", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    for policy, figures in out["policies"].items():
+        assert "job_oom_step" in figures and "first_rank" in figures      # the existing keys stay
+        _sane(figures["timing"])
+        assert figures["timing"]["compaction_pause_share"] == 0.0          # no compaction in 3 steps
+    base, pool = out["policies"]["baseline"]["timing"], out["policies"]["pool"]["timing"]
+    assert base["memory_stall_share"] > 0 == pool["memory_stall_share"]   # the unfused optimizer's copies
+    assert pool["step_seconds_median"] < base["step_seconds_median"]
+    # the 910C card's MFU is in the field report's range (31-42 %), not a made-up 90 %
+    assert 0.25 < pool["mfu"] < 0.5
+
+
+def test_human_table_shows_timing(capsys):
+    from ms_memopt.cli import main
+
+    assert main(["simulate", str(DEMO), "--steps", "3", "--ranks", "1", "--workers", "1", "--policy", "pool"]) == 0
+    text = capsys.readouterr().out
+    assert "step_med" in text and "mfu" in text
+
+
+def test_compaction_costs_time_only_where_it_runs(demo_results):
+    timing = {p: r.timing() for p, r in demo_results.items()}
+    for t in timing.values():
+        _sane(t)
+    assert demo_results["compact"].first.result.compactions if demo_results["compact"].first else True
+    assert sum(o.result.compactions for o in demo_results["compact"].outcomes) >= 1
+    assert timing["compact"]["compaction_pause_share"] > 0
+    assert timing["baseline"]["compaction_pause_share"] == 0 == timing["pool"]["compaction_pause_share"]
+
+
+def test_more_hbm_bandwidth_shortens_the_compaction_pause(demo_results):
+    job = demo_results["compact"]
+    pauses = []
+    for bandwidth in (1e9, 2e9, 4e9):
+        figures = job.timing_figures(TimingConfig(hbm_bandwidth=bandwidth, compaction_barrier_seconds=0.0))
+        t, detail = figures
+        pauses.append(t["compaction_pause_share"] * sum(detail["step_seconds"]))
+    assert pauses[0] > pauses[1] > pauses[2] > 0
+    assert pauses[0] == pytest.approx(2 * pauses[1]) and pauses[1] == pytest.approx(2 * pauses[2])
+    # and per step: rank_step's compaction term is 2 x bytes / bandwidth + the barrier per compaction
+    c = StepCounts(compactions=1, compaction_bytes=10**9)
+    assert rank_step(c, TimingConfig(hbm_bandwidth=1e12, compaction_barrier_seconds=0.5))[2] == pytest.approx(0.502)
+
+
+def test_a_faster_card_shortens_the_step_and_keeps_mfu(demo_results):
+    job = demo_results["pool"]
+    slow, fast = job.timing(TimingConfig(peak_flops=1e12)), job.timing(TimingConfig(peak_flops=2e12))
+    assert fast["step_seconds_median"] < slow["step_seconds_median"]
+    assert fast["mfu"] == pytest.approx(slow["mfu"], rel=0.05)   # the same efficiency (collective is ~0 here)
+
+
+def test_job_step_is_the_slowest_rank_plus_the_collective():
+    # rank A: 1.0 s compute + 0.2 s stalls; rank B: 1.1 s + 0, and a 0.5 s compaction (a sync point)
+    steps = job_steps([[(1.0, 0.2, 0.0), (1.0, 0.0, 0.0)], [(1.1, 0.0, 0.5), (0.9, 0.0, 0.0)]], collective=0.25)
+    assert steps[0] == pytest.approx((1.2 + 0.5 + 0.25, 0.2, 0.5))
+    assert steps[1] == pytest.approx((1.0 + 0.25, 0.0, 0.0))
+    # through a JobResult: two ranks' counts, priced; the job runs only while every rank does
+    timing = TimingConfig(peak_flops=1.0, base_efficiency=1.0, collective_bandwidth=1.0)
+
+    def outcome(rank: int, flops: list[float], collective: float) -> RankOutcome:
+        r = PolicyResult("baseline", 0, len(flops), collective_bytes=collective)
+        r.step_counts = [StepCounts(flops=f, model_flops=f).as_tuple() for f in flops]
+        return RankOutcome(RankStream(0, rank, rank, 1, rank), r)
+
+    job = JobResult("baseline", 0, 3, [outcome(0, [2.0, 4.0, 3.0], 0.5), outcome(1, [3.0, 1.0], 1.0)],
+                    timing_config=timing)
+    t, detail = job.timing_figures()
+    assert detail["step_seconds"] == [4.0, 5.0]          # max(2, 3) + 1, max(4, 1) + 1
+    assert t["step_seconds_median"] == 4.5
+    # MFU: the ranks' mean model FLOPs per step over (job step x peak)
+    assert t["mfu"] == pytest.approx((2.5 + 2.5) / 9.0)
+    # the collective is priced from the bytes: half the bandwidth, twice the 1 s
+    slower = job.timing_figures(dataclasses.replace(timing, collective_bandwidth=0.5))[1]
+    assert slower["step_seconds"] == [5.0, 6.0]
+
+
+def test_flops_follow_the_standard_formula():
+    # whole job of the 100B recipe, every stage at full length: 72 B s L h^2 (1 + s/6h + V/12Lh)
+    # (Narayanan et al. 2021; SwiGLU's 3hf is within 1 % of 8h^2 here), counted per card, times cards
+    recipe = load_recipe(BIG)
+    m, par = recipe.model, recipe.parallel
+    total = 0.0
+    for stage in range(par.pipeline_stage):
+        spec = spec_from_recipe(recipe, stage=stage)
+        total += step_flops(spec, [m.seq_length] * spec.micro_batches)[1] * par.model_parallel
+    total *= par.data_parallel
+    s, h, L, V = m.seq_length, m.hidden_size, m.num_layers, m.vocab_size
+    batch = par.data_parallel * par.micro_batch_num * recipe.train.batch_size
+    megatron = 72 * batch * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    assert total == pytest.approx(megatron, rel=0.03)
+    # recompute adds one forward: 4/3 of the FLOPs executed
+    spec = dataclasses.replace(spec_from_recipe(recipe), recompute_every=3)
+    executed, model, _ = step_flops(spec, [s] * spec.micro_batches)
+    assert executed == pytest.approx(model * 4 / 3)
+
+
+# --- the recipe keys --------------------------------------------------------------------------
+
+def _tiny(**timing) -> dict:
+    data = copy.deepcopy(TINY)
+    data["memopt"] = {"timing": timing}
+    return data
+
+
+def test_recipe_timing_keys_reach_the_simulator():
+    recipe = recipe_from_dict(_tiny(peak_flops="1.5e12", hbm_bandwidth=3e11, base_efficiency=0.25))
+    assert recipe.memopt.timing == TimingConfig(peak_flops=1.5e12, hbm_bandwidth=3e11, base_efficiency=0.25)
+    job = job_from_recipe(recipe, steps=1)
+    assert job.cfg.timing == recipe.memopt.timing
+    assert recipe_from_dict(copy.deepcopy(TINY)).memopt.timing == TimingConfig()
+
+
+@pytest.mark.parametrize("key, value", [
+    ("base_efficiency", 1.5), ("base_efficiency", 0), ("peak_flops", 0), ("peak_flops", "fast"),
+    ("hbm_bandwidth", -1), ("collective_bandwidth", 0), ("device_alloc_seconds", -0.001),
+    ("vmm_chunk_seconds", "x"), ("defrag_sweep_seconds", -1), ("slow_path_seconds", float("nan")),
+    ("compaction_barrier_seconds", -5), ("hbm_bandwith", 1e12),
+])
+def test_bad_timing_values_name_the_key(key, value):
+    with pytest.raises(InputError) as info:
+        recipe_from_dict(_tiny(**{key: value}))
+    assert f"memopt.timing.{key}" in str(info.value) or (key == "hbm_bandwith" and "hbm_bandwidth" in str(info.value))
+
+
+def _documented_timing_keys() -> dict[str, str]:
+    text = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
+    section = text[text.index("## The `memopt:` section"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"^\|\s*`timing\.([a-z_]+)`\s*\|\s*([^|]*?)\s*\|", line)
+        if m:
+            assert m.group(1) not in rows, f"timing.{m.group(1)} documented twice"
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+def test_docs_table_lists_exactly_the_timing_keys_with_their_defaults():
+    documented = _documented_timing_keys()
+    fields = {f.name: f.default for f in dataclasses.fields(TimingConfig)}
+    assert set(documented) == set(fields)
+    for key, default in fields.items():
+        assert float(documented[key]) == default, f"timing.{key}: docs say {documented[key]}, the schema {default}"
+
+
+def test_the_loader_takes_every_timing_default_from_the_schema():
+    tree = ast.parse((ROOT / "ms_memopt" / "recipe.py").read_text(encoding="utf-8"))
+    reader = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_read_timing")
+    literal = [ast.unparse(c) for c in ast.walk(reader) if isinstance(c, ast.Call)
+               and getattr(c.func, "attr", None) == "get" and len(c.args) >= 5 and isinstance(c.args[4], ast.Constant)]
+    assert not literal, literal
+    # no default of a timing key is written a second time in the package
+    names = {f.name for f in dataclasses.fields(TimingConfig)}
+    found = []
+    for path in sorted((ROOT / "ms_memopt").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.name == "TimingConfig":
+                continue
+            if isinstance(node, ast.Call):
+                found += [f"{path.name}:{node.lineno} {kw.arg}" for kw in node.keywords
+                          if kw.arg in names and isinstance(kw.value, ast.Constant)]
+    assert not found, found
+
+
+def test_report_has_a_step_time_section(tmp_path, capsys):
+    from ms_memopt.cli import main
+
+    assert main(["simulate", str(DEMO), "--steps", "25", "--ranks", "1", "--workers", "1", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "timing.json").read_text())["policies"]
+    assert set(saved) == {"baseline", "compact", "pool"}
+    assert len(saved["pool"]["step_seconds"]) == 25 and len(saved["pool"]["rank_step_median"]) == 1
+    report = (tmp_path / "report.md").read_text()
+    assert "## Step time" in report and "step_time.png" in report
+    assert (tmp_path / "step_time.png").stat().st_size > 0
+
+
+def test_sweep_has_the_timing_columns_and_sweeps_a_timing_key(tmp_path, capsys):
+    from ms_memopt.cli import main
+
+    code = main(["sweep", str(DEMO), "--set", "memopt.timing.hbm_bandwidth=1e9,4e9", "--steps", "25",
+                 "--ranks", "1", "--workers", "1", "--policy", "compact", "--out", str(tmp_path), "--json"])
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert all(set(TIMING_KEYS) <= set(r) for r in rows)
+    slow, fast = rows
+    # (the share need not fall: the unfused optimizer's copies slow down with the bandwidth too)
+    assert slow["compaction_pause_share"] > 0 and fast["compaction_pause_share"] > 0
+    assert slow["step_seconds_p99"] > fast["step_seconds_p99"]
+
+
+def test_stalls_come_from_what_the_allocator_did(demo_results):
+    # the demo pool grows in 1 MiB blocks (pregrow: false): its first steps take blocks from the device
+    counts = [StepCounts(*c) for o in demo_results["baseline"].outcomes for c in o.result.step_counts]
+    assert sum(c.device_allocs for c in counts) > 0
+    assert all(c.optimizer_bytes > 0 for c in counts)                   # the unfused optimizer, every step
+    pool = [StepCounts(*c) for o in demo_results["pool"].outcomes for c in o.result.step_counts]
+    assert all(c.optimizer_bytes == 0 and c.device_allocs == 0 for c in pool)
+    cheap = demo_results["baseline"].timing(TimingConfig(device_alloc_seconds=0.0))
+    dear = demo_results["baseline"].timing(TimingConfig(device_alloc_seconds=1.0))
+    assert dear["memory_stall_share"] > cheap["memory_stall_share"]
+    assert dear["step_seconds_p99"] > cheap["step_seconds_p99"]
+
+
+def test_vmm_chunk_maps_are_counted():
+    job = job_from_recipe(load_recipe(DEMO), steps=3, policies=("baseline",))
+    job.cfg.allocator, job.cfg.allocator_options = "mindspore-vmm", {}
+    result = simulate_jobs([job], workers=1)[0]["baseline"]
+    counts = [StepCounts(*c) for c in result.outcomes[0].result.step_counts]
+    assert counts[0].vmm_chunks > 0                         # the first step maps its activations' chunks
