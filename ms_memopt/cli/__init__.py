@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("ms_memopt.cli.report_cmd", "plots and a summary from a run's or simulation's logs"),
     "record": ("ms_memopt.cli.record_cmd", "run a MindSpore command and record its real memory pool as events"),
     "doctor": ("ms_memopt.cli.doctor_cmd", "verdict, blockers and measured remedies from one recording"),
+    "learn": ("ms_memopt.cli.learn_cmd", "a step template of your model from recordings with mark_step dims"),
 }
 
 

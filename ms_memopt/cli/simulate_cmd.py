@@ -31,7 +31,8 @@ __all__ = ["add_job_arguments", "add_parser", "configure_job", "parse_policies",
 
 
 def add_parser(parser) -> None:
-    parser.add_argument("recipe", help="recipe YAML (MindFormers keys + memopt section)")
+    parser.add_argument("recipe", help="recipe YAML (MindFormers keys + memopt section), or a step template "
+                                       "MODEL.template.json (ms-memopt learn) with --schedule")
     add_job_arguments(parser)
     parser.add_argument("--seeds", type=int, default=None, help="run job seeds 0..N-1 and report the median")
     parser.add_argument("--out", default=None, help="directory for timeline.jsonl and plots")
@@ -41,6 +42,12 @@ def add_parser(parser) -> None:
                              "PyTorch memory snapshot for pytorch.org/memory_viz; several policies: "
                              "FILE.<policy>.pickle")
     parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when a policy lets the job OOM")
+    # a learned step template (MODEL.template.json, ms-memopt learn) instead of a recipe
+    parser.add_argument("--schedule", default=None, metavar="FILE.csv",
+                        help="template only: one row per step, one column per dim (header: the dim names)")
+    parser.add_argument("--export-events", default=None, metavar="OUT.jsonl",
+                        help="template only: write the events with the model's addresses (JSONL)")
+    parser.add_argument("--capacity", default=None, metavar="SIZE", help="template only: the device capacity")
 
 
 def add_job_arguments(parser) -> None:
@@ -71,6 +78,14 @@ def add_job_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    if str(args.recipe).endswith(".template.json"):      # a learned step template (ms-memopt learn)
+        from .simulate_template import run as run_template
+        return run_template(args)
+    for flag in ("schedule", "export_events", "capacity"):
+        if getattr(args, flag, None) is not None:
+            raise InputError("only for a step template (MODEL.template.json, ms-memopt learn)"
+                             + ("; a recipe's capacity is memopt.device.hbm" if flag == "capacity" else ""),
+                             key="--" + flag.replace("_", "-"))
     from ..job import job_from_recipe, median_job_oom_step, simulate_jobs
     from ..recipe import load_recipe
     from ..simulate import POLICIES
@@ -100,6 +115,8 @@ def run(args) -> int:
         if timeline is not None:
             timeline.close()
     shown = next(iter(results[0].values())).closest
+    if out_dir is not None:
+        _write_timing(out_dir / "timing.json", results[0])
     if out_dir is not None or args.export_memory_viz:
         _rerun_shown_rank(jobs[0], shown, out_dir, args)
 
@@ -205,6 +222,18 @@ def _rerun_shown_rank(job, shown, out_dir: Path | None, args) -> None:
         print(f"memory viz ({policy}, rank {stream.rank}, seed {stream.seed}): {path}", file=sys.stderr)
 
 
+def _write_timing(path: Path, results) -> None:
+    """The first job seed's time model figures per policy (read by ``ms-memopt report``):
+    ``timing``, the job's ``step_seconds`` and each rank's ``rank_step_median``."""
+    policies = {}
+    for policy, job in results.items():
+        figures = job.timing_figures()
+        policies[policy] = {"timing": None} if figures is None else {
+            "timing": figures[0], "step_seconds": figures[1]["step_seconds"],
+            "rank_step_median": figures[1]["rank_step_median"]}
+    path.write_text(json.dumps({"policies": policies}) + "\n", encoding="utf-8")
+
+
 def _viz_paths(path: str, policies: tuple[str, ...]) -> dict[str, Path]:
     """Policy -> snapshot file: ``path`` itself for one policy, ``stem.<policy>.suffix`` for several."""
     path = Path(path)
@@ -239,3 +268,23 @@ def _print_table(results, policies, cfg, many: bool) -> None:
         if many:
             from ..job import median_job_oom_step
             print(f"{policy:<9} median job_oom_step: {median_job_oom_step([job[policy] for job in results])}")
+    _print_timing(results, policies)
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _print_timing(results, policies) -> None:
+    """The time model's figures per policy (ms_memopt.timing): the job's step, MFU, lost time."""
+    print(f"{'policy':<9} {'seed':>4} {'step_med':>9} {'step_p99':>9} {'step_cv':>8} {'mfu':>7} "
+          f"{'mem_stall':>9} {'compaction':>10}")
+    for policy in policies:
+        for job in results:
+            t = job[policy].timing()
+            if t is None:
+                print(f"{policy:<9} {job[policy].seed:>4} (no completed step)")
+                continue
+            print(f"{policy:<9} {job[policy].seed:>4} {t['step_seconds_median']:>8.4g}s {t['step_seconds_p99']:>8.4g}s "
+                  f"{_pct(t['step_cv']):>8} {_pct(t['mfu']):>7} {_pct(t['memory_stall_share']):>9} "
+                  f"{_pct(t['compaction_pause_share']):>10}")

@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "BarrierTimeout": "compaction",
     "MindSporeArenaBackend": "compaction",
     "run_standalone": "standalone",
+    "mark_step": "steps",
+    "StepMarkCallback": "steps",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -77,7 +77,8 @@ numbers of the first skipped lines. Lines of several processes are told apart by
 the prefix; the process with the most pool lines is read (``meta["pool_log"]["pids"]``).
 
 A line ``ms-memopt step N`` (written by :class:`ms_memopt.mindspore.LayoutScanCallback`
-under ``ms-memopt record``) becomes a ``step`` event, ``ms-memopt mark TAG`` a ``mark`` event
+under ``ms-memopt record``) becomes a ``step`` event; ``ms-memopt step N seq=32 batch=4``
+(:func:`ms_memopt.mindspore.mark_step`) one whose ``tag`` is ``dims:seq=32,batch=4``; ``ms-memopt mark TAG`` a ``mark`` event
 (``CompactionCallback`` writes ``compaction_begin`` / ``compaction_end``).
 
 Example:
@@ -161,12 +162,19 @@ _ASCEND_FREE = re.compile(_PREFIX + r"Do free tensor mem : (?P<addr>0x[0-9a-fA-F
 _ASCEND_CONTINUOUS = re.compile(_PREFIX + r"Alloc continuous tensor mem, stream id : \d{1,20}\.")
 _ASCEND_PART = re.compile(_PREFIX + r"Free part tensor mems\.")
 # searched at the end of a line: another writer's text without a newline may come first
-_STEP = re.compile(r"ms-memopt step (?P<step>\d{1,20})\s*$")
+_STEP = re.compile(r"ms-memopt step (?P<step>\d{1,20})(?P<dims>(?: [A-Za-z_][A-Za-z0-9_]{0,63}=-?\d{1,20}){0,32})\s*$")
 _MARK = re.compile(r"ms-memopt mark (?P<tag>[\w.:-]+)\s*$")
 # or a marker glued to the front of a pool log line (the marker's newline written after it)
-_GLUED = re.compile(r"(?P<marker>ms-memopt (?:step \d{1,20}|mark [\w.:-]+))(?P<rest>\[(?:V12906|DEBUG)\] .*)$", re.S)
+_GLUED = re.compile(r"(?P<marker>ms-memopt (?:step \d{1,20}(?: [A-Za-z_][A-Za-z0-9_]{0,63}=-?\d{1,20}){0,32}|mark [\w.:-]+))(?P<rest>\[(?:V12906|DEBUG)\] .*)$", re.S)
 _MAX_NOTED = 20             # line numbers of skipped lines kept for the report
 _SNIFF_LINES = 2000
+
+
+def _dims_tag(text: str) -> str | None:
+    """``" seq=32 batch=4"`` (the dims of an ``ms-memopt step N seq=32 batch=4`` line) ->
+    ``"dims:seq=32,batch=4"``, the step event's tag; ``None`` without dims."""
+    parts = text.split()
+    return "dims:" + ",".join(parts) if parts else None
 
 
 def looks_like_pool_log(text: str) -> bool:
@@ -291,7 +299,7 @@ class PoolLogParser:
         if STEP_LINE in line:
             step = _STEP.search(line)
             if step:
-                return [Event("step", step=int(step.group("step")))]
+                return [Event("step", step=int(step.group("step")), tag=_dims_tag(step.group("dims")))]
         elif _MARK_LINE in line:
             mark = _MARK.search(line)
             if mark:

@@ -1,0 +1,91 @@
+"""``ms-memopt simulate MODEL.template.json --schedule FILE.csv``: a learned step template run.
+
+The template (``ms-memopt learn``) generates the events of every step of the schedule (one CSV
+row per step, one column per dim): its prologue, then per step the variant its place calls
+for (``first``, ``new_shape``, ``repeat``). They are replayed through the template's allocator
+model (the recorded pool's: ``mindspore-bestfit`` for CPU recordings; ``--allocator``
+overrides, ``--allocator-option`` and ``--capacity`` set it up). Prints peaks, OOMs and
+fragmentation (``--json``: one object, bytes); ``--export-events OUT.jsonl`` writes the events
+with the model's addresses and its blocks as ``segment_alloc`` events (our JSONL,
+docs/events.md). Exit code 0, or 1 with ``--fail-on-oom`` after an OOM.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from ..errors import InputError
+from ..units import format_size, parse_size
+
+__all__ = ["run"]
+
+
+def run(args) -> int:
+    from ..allocators import create
+    from ..allocators.options import parse_allocator_options
+    from ..events import Trace, write_jsonl
+    from ..replay import replay
+    from ..template import generate, load_template, place, read_schedule
+
+    template = load_template(args.recipe)
+    if not getattr(args, "schedule", None):
+        raise InputError("a template needs --schedule FILE.csv (a header of dims "
+                         f"{','.join(template.dims)}, one row per step)", key="--schedule")
+    schedule = read_schedule(args.schedule, template.dims)
+    name = args.allocator or template.allocator
+    options = parse_allocator_options(name, args.allocator_option)
+    capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
+    warnings: list[str] = []
+    events = generate(template, schedule, warnings=warnings)
+    trace = Trace(events, source=str(args.recipe), format="template")
+    result = replay(trace, create(name, capacity, **options))
+    if args.export_events:
+        placed = place(events, create(name, capacity, **options))
+        meta = {"source": "ms-memopt simulate", "template": str(args.recipe), "schedule": str(args.schedule),
+                "allocator": name}
+        if name == template.allocator and template.pool:
+            meta["pool"] = template.pool
+        write_jsonl(args.export_events, placed, meta=meta)
+    out = {"template": str(args.recipe), "schedule": str(args.schedule), "steps": len(schedule),
+           "dims": template.dims, "capacity": capacity, "warnings": warnings,
+           "classes": _class_counts(template, schedule), "export_events": args.export_events,
+           **{k: v for k, v in result.to_dict().items() if k not in ("address_match", "policy")}}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for text in warnings:
+            print(f"warning: {text}", file=sys.stderr)
+        kinds: dict[str, int] = {}
+        for oom in result.ooms:
+            kinds[oom.kind] = kinds.get(oom.kind, 0) + 1
+        c = out["classes"]
+        print(f"template         {args.recipe}: {len(schedule)} steps from {args.schedule} "
+              f"({c['first']} first, {c['new_shape']} new shape, {c['repeat']} repeat)")
+        print(f"events           {result.events:,} ({result.allocs:,} allocs)")
+        print(f"allocator        {result.allocator}, capacity "
+              + (format_size(capacity) if capacity is not None else "unbounded"))
+        print(f"peak allocated   {format_size(result.peak_allocated)}")
+        print(f"peak reserved    {format_size(result.peak_reserved)}")
+        print(f"segments         {result.segment_allocs:,} allocated from the device")
+        print(f"OOMs             {len(result.ooms)}"
+              + (" (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")" if kinds else ""))
+        if result.ooms:
+            first = result.ooms[0]
+            print(f"  first OOM      {format_size(first.size)} at event {first.event_index}: "
+                  f"{format_size(first.free_total)} free, largest hole {format_size(first.largest_free)}")
+        ratio = lambda r: "-" if r is None else f"{r:.3f}"
+        print(f"free at end      {format_size(result.free_total_end)}, largest hole "
+              f"{format_size(result.largest_free_end)}")
+        print(f"frag ratio       {ratio(result.frag_ratio_end)} at end, max {ratio(result.frag_ratio_max)}")
+        if args.export_events:
+            print(f"events written   {args.export_events}")
+    return 1 if (getattr(args, "fail_on_oom", False) and result.ooms) else 0
+
+
+def _class_counts(template, schedule) -> dict[str, int]:
+    seen, counts = set(), {"first": 0, "new_shape": 0, "repeat": 0}
+    for number, dims in enumerate(schedule):
+        key = tuple(sorted(dims.items()))
+        counts["first" if number == 0 else ("repeat" if key in seen else "new_shape")] += 1
+        seen.add(key)
+    return counts

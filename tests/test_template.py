@@ -1,0 +1,309 @@
+"""Step templates learned from recordings (``ms-memopt learn``, ``simulate T.template.json``)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ms_memopt.cli import main
+from ms_memopt.errors import InputError
+from ms_memopt.events import Event, read_jsonl, write_jsonl
+from ms_memopt.template import (dims_tag, fidelity, generate, learn, load_template, parse_dims_tag, read_schedule,
+                                save_template, template_from_dict)
+from ms_memopt.traces.ms_pool_log import PoolLogParser
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Rec:
+    """A synthetic recording: allocations and frees by hand, step marks with dims."""
+
+    def __init__(self, setup: int = 2) -> None:
+        self.events: list[Event] = []
+        self.next = 0
+        self.steps = 0
+        self.weights = [self.alloc(4096, pool="persistent") for _ in range(setup)]
+        self.events.append(Event("step", step=0))
+
+    def alloc(self, size: int, **kw) -> int:
+        self.next += 1
+        self.events.append(Event("alloc", id=self.next, size=size, **kw))
+        return self.next
+
+    def free(self, ident: int) -> None:
+        self.events.append(Event("free", id=ident))
+
+    def mark(self, **dims) -> None:
+        self.steps += 1
+        self.events.append(Event("step", step=self.steps, tag=dims_tag(dims)))
+
+
+def model_step(rec: Rec, seq: int, batch: int, kind: str, carry: list) -> None:
+    """One step of a toy model: sizes polynomial in seq and batch, a new-shape cache that is
+    never freed, a first-step optimizer state, an output freed in the next step."""
+    if kind == "first":
+        rec.alloc(2048, pool="persistent")                     # optimizer state, never freed
+    if carry:
+        rec.free(carry.pop())                                  # the previous step's output
+    act = rec.alloc(4 * batch * seq * 64)
+    scores = rec.alloc(4 * seq * seq + 12 * batch * batch)
+    tri = rec.alloc(seq * (seq + 1) // 2)                      # a rational coefficient: 1/2
+    rec.free(scores)
+    if kind in ("first", "new_shape"):
+        rec.alloc(16 * seq + 8)                                # a per-shape cache, never freed
+    grad = rec.alloc(4 * batch * seq * 64)
+    rec.free(act)
+    rec.free(tri)
+    rec.free(grad)
+    carry.append(rec.alloc(4 * batch))                         # the loss, freed next step
+
+
+def record(shapes: list[tuple[int, int]], *, setup: int = 2) -> list[Event]:
+    rec, seen, carry = Rec(setup), set(), []
+    for number, (seq, batch) in enumerate(shapes):
+        kind = "first" if number == 0 else ("repeat" if (seq, batch) in seen else "new_shape")
+        seen.add((seq, batch))
+        model_step(rec, seq, batch, kind, carry)
+        rec.mark(seq=seq, batch=batch)
+    return rec.events
+
+
+CALIBRATION = [      # first steps at 6 shapes: enough for a quadratic in (seq, batch)
+    [(8, 2), (8, 2), (16, 2), (16, 2), (16, 2), (8, 4), (8, 4)],
+    [(16, 4), (16, 4), (24, 2), (24, 2), (8, 2), (24, 4)],
+    [(24, 4), (8, 4), (16, 2), (16, 2), (24, 2), (24, 2), (16, 4)],
+    [(8, 6), (16, 6), (16, 6), (24, 6), (24, 6)],
+    [(24, 2), (24, 2), (8, 6), (8, 6)],
+    [(16, 6), (8, 2), (8, 2), (24, 4), (24, 4)],
+]
+
+
+def learned():
+    return learn([(f"rec{i}", record(shapes)) for i, shapes in enumerate(CALIBRATION)])
+
+
+def sizes(events):
+    return [e.size for e in events if e.action == "alloc"]
+
+
+def test_sizes_are_exact_polynomials_in_two_dims():
+    template = learned()
+    assert template.exact == template.positions and not template.not_exact
+    # held out: shapes never recorded, beyond the calibrated range, in another order
+    schedule = [(40, 3), (40, 3), (32, 8), (12, 5), (32, 8), (40, 3)]
+    generated = generate(template, [{"seq": s, "batch": b} for s, b in schedule])
+    recorded = record(schedule)
+    assert sizes(generated) == sizes(recorded)
+    tri = template.classes["repeat"]["ops"][3]
+    assert tri[0] == "a" and "1/2" in tri[1]                     # seq*(seq+1)/2, exactly
+
+
+def test_first_new_shape_and_repeat_steps_and_their_extras():
+    template = learned()
+    counts = {k: sum(1 for op in c["ops"] if op[0] == "a") for k, c in template.classes.items()}
+    assert counts == {"first": 7, "new_shape": 6, "repeat": 5}
+    assert sum(1 for op in template.prologue["ops"] if op[0] == "a") == 2
+    events = generate(template, [{"seq": 8, "batch": 2}, {"seq": 16, "batch": 2}, {"seq": 8, "batch": 2}])
+    steps = [e for e in events if e.action == "step"]
+    assert [e.tag for e in steps] == ["dims:seq=8,batch=2", "dims:seq=16,batch=2", "dims:seq=8,batch=2"]
+    assert len(sizes(events)) == 2 + 7 + 6 + 5
+
+
+def test_frees_across_steps_follow_the_allocation_they_free():
+    template = learned()
+    schedule = [{"seq": 8, "batch": 2}, {"seq": 8, "batch": 2}, {"seq": 16, "batch": 3}, {"seq": 16, "batch": 3}]
+    events = generate(template, schedule)
+    size_of, live = {}, set()
+    for e in events:
+        if e.action == "alloc":
+            size_of[e.id] = e.size
+            live.add(e.id)
+        elif e.action == "free":
+            assert e.id in live
+            live.discard(e.id)
+    # what stays live: weights, the optimizer state, a cache per new shape, the last loss
+    assert sorted(size_of[i] for i in live) == sorted([4096, 4096, 2048, 16 * 8 + 8, 16 * 16 + 8, 4 * 3])
+    # each step frees the loss of the step before (first -> repeat -> new_shape -> repeat)
+    loss_frees = [size_of[e.id] for e in events if e.action == "free" and size_of[e.id] in (8, 12)]
+    assert loss_frees == [8, 8, 12]
+
+
+def test_steps_that_do_not_line_up_are_an_error_naming_recording_and_step():
+    events = record([(8, 2), (8, 2), (16, 2), (16, 2)])
+    # the last repeat step makes one allocation more
+    at = max(i for i, e in enumerate(events) if e.action == "step")
+    events.insert(at, Event("alloc", id=999, size=512))
+    with pytest.raises(InputError) as info:
+        learn([("good", record([(8, 2), (8, 2), (16, 2)])), ("bad.jsonl", events)])
+    message = str(info.value)
+    assert "bad.jsonl: step 4 (repeat, seq=16,batch=2)" in message and "6 allocations against 5" in message
+    # a free of another allocation
+    events = record([(8, 2), (8, 2), (8, 2)])
+    frees = [i for i, e in enumerate(events) if e.action == "free"]
+    events[frees[-1]], events[frees[-2]] = events[frees[-2]], events[frees[-1]]    # order only: fine
+    learn([("swapped", events)])
+    events = record([(8, 2), (8, 2), (8, 2)])
+    del events[frees[-1]]
+    with pytest.raises(InputError, match=r"dropped: step 3 \(repeat.*does not line up.*frees against"):
+        learn([("dropped", events)])
+    with pytest.raises(InputError, match="no step event with dims"):
+        learn([("nomarks", [Event("alloc", id=1, size=8), Event("step", step=1)])])
+
+
+def test_template_json_round_trip_and_validation(tmp_path):
+    template = learned()
+    path = tmp_path / "toy.template.json"
+    save_template(template, path)
+    again = load_template(path)
+    schedule = [{"seq": 20, "batch": 2}, {"seq": 20, "batch": 2}, {"seq": 28, "batch": 4}]
+    assert [(e.action, e.id, e.size) for e in generate(again, schedule)] == \
+        [(e.action, e.id, e.size) for e in generate(template, schedule)]
+    data = json.loads(path.read_text())
+
+    def broken(edit) -> str:
+        copy = json.loads(json.dumps(data))
+        edit(copy)
+        with pytest.raises(InputError) as info:
+            template_from_dict(copy, "t.template.json")
+        return str(info.value)
+
+    assert "format" in broken(lambda d: d.update(format="other"))
+    assert "version" in broken(lambda d: d.update(version=2))
+    i = next(n for n, op in enumerate(data["classes"]["repeat"]["ops"]) if op[0] == "a")
+    assert f"classes.repeat.ops[{i}][1][0]" in broken(lambda d: d["classes"]["repeat"]["ops"][i][1].__setitem__(0, 1.5))
+    assert "classes.first.ops[1]" in broken(lambda d: d["classes"]["first"]["ops"].__setitem__(1, ["x"]))
+    assert "classes.weird" in broken(lambda d: d["classes"].update(weird=d["classes"]["first"]))
+    assert "classes.new_shape.basis" in broken(lambda d: d["classes"]["new_shape"].update(basis=[[1]]))
+    assert "prologue" in broken(lambda d: d.pop("prologue"))
+    path.write_text("{not json")
+    with pytest.raises(InputError, match="toy.template.json"):
+        load_template(path)
+
+
+def test_schedule_csv_errors_name_file_line_and_column(tmp_path):
+    path = tmp_path / "sched.csv"
+    path.write_text("seq,batch\n16,4\n24,four\n")
+    with pytest.raises(InputError, match=r"sched.csv:3: column 2 \(batch\): expected an integer, got 'four'"):
+        read_schedule(path, ["seq", "batch"])
+    path.write_text("seq,heads\n16,4\n")
+    with pytest.raises(InputError, match=r"sched.csv:1: the header names \['seq', 'heads'\]"):
+        read_schedule(path, ["seq", "batch"])
+    path.write_text("seq,batch\n16,4,1\n")
+    with pytest.raises(InputError, match=r"sched.csv:2: 3 cells"):
+        read_schedule(path, ["seq", "batch"])
+    path.write_text("batch,seq\n\n4,16\n2,8\n")
+    assert read_schedule(path, ["seq", "batch"]) == [{"batch": 4, "seq": 16}, {"batch": 2, "seq": 8}]
+
+
+def test_step_lines_carry_dims_in_the_tag():
+    parser = PoolLogParser()
+    [event] = parser.feed("ms-memopt step 3 seq=32 batch=4")
+    assert (event.action, event.step, event.tag) == ("step", 3, "dims:seq=32,batch=4")
+    assert parse_dims_tag(event.tag) == {"seq": 32, "batch": 4}
+    [plain] = parser.feed("ms-memopt step 4")
+    assert (plain.step, plain.tag) == (4, None)
+
+
+def test_learn_and_simulate_through_the_cli(tmp_path, capsys):
+    recs = []
+    for i, shapes in enumerate(CALIBRATION):
+        path = tmp_path / f"rec{i}.jsonl"
+        write_jsonl(path, record(shapes), meta={"pool": "DynamicMemPoolBestFit"})
+        recs.append(str(path))
+    template = tmp_path / "toy.template.json"
+    assert main(["learn", *recs, "--out", str(template), "--json"]) == 0
+    learned_json = json.loads(capsys.readouterr().out)
+    assert learned_json["exact"] == learned_json["positions"] and learned_json["allocator"] == "mindspore-bestfit"
+    schedule = tmp_path / "s.csv"
+    schedule.write_text("seq,batch\n" + "".join(f"{s},{b}\n" for s, b in [(40, 3), (40, 3), (12, 5), (40, 3)]))
+    out = tmp_path / "sim.jsonl"
+    assert main(["simulate", str(template), "--schedule", str(schedule), "--export-events", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["steps"] == 4 and result["classes"] == {"first": 1, "new_shape": 1, "repeat": 2}
+    assert result["ooms"] == [] and result["peak_allocated"] > 0
+    exported = read_jsonl(out)
+    assert exported.meta["pool"] == "DynamicMemPoolBestFit"
+    assert [e.action for e in exported.events][0] == "segment_alloc"
+    assert all(e.addr is not None for e in exported.events if e.action == "alloc")
+    held = record([(40, 3), (40, 3), (12, 5), (40, 3)])
+    assert fidelity(held, exported.events)["size_match"] == 1.0
+    # an OOM under a small capacity is reported, not raised
+    assert main(["simulate", str(template), "--schedule", str(schedule), "--capacity", "4KiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ooms"]
+    # the template options are refused for a recipe; a template needs its schedule
+    assert main(["simulate", str(REPO / "recipes/demo_cpu.yaml"), "--schedule", str(schedule)]) == 2
+    assert "--schedule" in capsys.readouterr().err
+    assert main(["simulate", str(template)]) == 2
+    assert "needs --schedule" in capsys.readouterr().err
+
+
+@pytest.mark.mindspore
+def test_real_model_template_predicts_a_held_out_run(tmp_path):
+    """A tiny demo GPT recorded at 3 lengths, learned, and a held-out run of other lengths
+    (beyond the calibrated ones too) simulated: >= 99% of the allocations have the recorded
+    size at the recorded position, and the pool's peak is the recorded one to the byte."""
+    env = dict(os.environ, PYTHONHASHSEED="0", PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+    workload = str(REPO / "bench/workloads/template_run.py")
+    tiny = ["--layers", "1", "--hidden", "32", "--vocab", "64"]
+
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "ms_memopt", *args], capture_output=True, text=True, env=env,
+                             timeout=300, cwd=REPO)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    recs = []
+    for i, seqs in enumerate(["8,12,12,16,16,16", "12,16,16,8,8,8", "16,8,12,12,12,16"]):
+        path = tmp_path / f"cal{i}.jsonl"
+        cli("record", "--no-progress", "--out", str(path), "--", "python", workload, "--seqs", seqs, *tiny)
+        recs.append(str(path))
+    template = tmp_path / "tiny.template.json"
+    cli("learn", *recs, "--out", str(template))
+    held = [20, 20, 8, 24, 12, 24, 20, 16]
+    heldout = tmp_path / "held.jsonl"
+    cli("record", "--no-progress", "--out", str(heldout), "--", "python", workload,
+        "--seqs", ",".join(map(str, held)), *tiny)
+    schedule = tmp_path / "held.csv"
+    schedule.write_text("seq,batch\n" + "".join(f"{s},4\n" for s in held))
+    simulated = tmp_path / "sim.jsonl"
+    cli("simulate", str(template), "--schedule", str(schedule), "--export-events", str(simulated))
+    figures = fidelity(read_jsonl(heldout).events, read_jsonl(simulated).events)
+    assert figures["allocs_simulated"] == figures["allocs_recorded"] > 1000
+    assert figures["size_match"] >= 0.99, figures
+    # the pool's peak follows from sizes and lifetimes: equal to the byte
+    from ms_memopt.allocators import create
+    from ms_memopt.replay import replay
+    peaks = [replay(read_jsonl(path), create("mindspore-bestfit")).peak_allocated for path in (heldout, simulated)]
+    assert peaks[0] == peaks[1]
+    # Offsets are not asserted: MindSpore frees a few small groups at a step's end in an order that
+    # changes between processes and under load (alone this test gave 100%; in the loaded full
+    # suite once 56%), and the pool's tie rule then sends later tensors into the other of two equal
+    # holes (docs/simulation.md, "Templates learned from recordings"). Issue 23 stays open on it.
+    assert 0.0 < figures["offset_match"] <= 1.0
+
+
+@pytest.mark.mindspore
+def test_mark_step_writes_dims_lines_only_when_recording(monkeypatch, capfd):
+    from ms_memopt.mindspore import StepMarkCallback, mark_step
+    from ms_memopt.mindspore.steps import reset_step_count
+
+    reset_step_count()
+    monkeypatch.delenv("MS_MEMOPT_RECORD", raising=False)
+    assert mark_step(seq=8, batch=2) == 1
+    assert "ms-memopt step" not in capfd.readouterr().err
+    monkeypatch.setenv("MS_MEMOPT_RECORD", "1")
+    callback = StepMarkCallback(lambda ctx: {"seq": 16, "batch": ctx})
+    callback.on_train_begin(None)
+    callback.on_train_step_end(4)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "ms-memopt" in line]
+    assert lines == ["ms-memopt step 0", "ms-memopt step 2 seq=16 batch=4"]
+    events = [e for line in lines for e in PoolLogParser().feed(line)]
+    assert [(e.step, e.tag) for e in events] == [(0, None), (2, "dims:seq=16,batch=4")]
+    with pytest.raises(TypeError, match="seq must be an integer"):
+        mark_step(seq=1.5)
+    with pytest.raises(TypeError):
+        StepMarkCallback("not callable")
