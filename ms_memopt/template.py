@@ -878,40 +878,4 @@ def fidelity(recorded: Iterable[Event], simulated: Iterable[Event], *, until_las
 
 
 # --- placing ------------------------------------------------------------------------------
-def place(events: Sequence[Event], model) -> list[Event]:
-    """``events`` with the addresses ``model`` (a fresh allocator model) gives them, each new
-    pool block as a ``segment_alloc`` event just before the allocation that made it; an
-    allocation the model cannot serve (OOM) is left out, and so is its free."""
-    out: list[Event] = []
-    addr_of: dict[int, int] = {}
-    blocks: set[int] = set()
-    count = model.segment_allocs
-    for event in events:
-        action = event.action
-        if action == "alloc":
-            addr = model.malloc(event.size, stream=event.stream, pool=event.pool, tag=event.tag)
-            if addr is None:
-                continue
-            if model.segment_allocs != count:
-                count = model.segment_allocs
-                for seg in sorted(model.layout().segments, key=lambda s: s.addr):
-                    if seg.addr not in blocks:
-                        blocks.add(seg.addr)
-                        out.append(Event("segment_alloc", size=seg.size, addr=seg.addr, stream=seg.stream,
-                                         pool="persistent" if seg.pool == "persistent" else None))
-            addr_of[event.id] = addr
-            out.append(Event("alloc", id=event.id, size=event.size, addr=addr, stream=event.stream,
-                             pool=event.pool, tag=event.tag))
-        elif action == "free":
-            addr = addr_of.pop(event.id, None)
-            if addr is not None:
-                model.free(addr)
-                out.append(event)
-        else:
-            if action == "empty_cache":
-                model.empty_cache()
-                blocks = {seg.addr for seg in model.layout().segments}
-            elif action == "mark":
-                model.note_mark(event.tag, event.size)
-            out.append(event)
-    return out
+

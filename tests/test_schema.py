@@ -24,6 +24,7 @@ from ms_memopt.recipe import (
 )
 from ms_memopt.units import parse_size
 from ms_memopt.workload import RUN_KEYS, StepWorkload, WorkloadSpec, spec_from_recipe, spec_settings
+from docs_table import documented_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ms_memopt"
@@ -159,20 +160,6 @@ def test_the_loader_takes_every_workload_default_from_the_schema():
 
 # --- (b) docs/recipes.md's table is the schema ----------------------------------------------
 
-def _documented_workload_keys() -> dict[str, str]:
-    """``memopt.workload.*`` rows of docs/recipes.md's ``memopt:`` table: key -> default cell."""
-    text = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
-    section = text[text.index("## The `memopt:` section"):]
-    section = section[:section.index("\n## ", 1)]
-    rows = {}
-    for line in section.splitlines():
-        m = re.match(r"^\|\s*`workload\.([a-z_.]+)`\s*\|\s*([^|]*?)\s*\|", line)
-        if m:
-            assert m.group(1) not in rows, f"workload.{m.group(1)} documented twice"
-            rows[m.group(1)] = m.group(2)
-    return rows
-
-
 def _documented_value(cell: str):
     """A default cell as a value: true/false, none (...), `[]`, `text`, 10 MiB, 0.2, 1000."""
     if cell in ("true", "false"):
@@ -193,7 +180,7 @@ def _documented_value(cell: str):
 
 
 def test_docs_table_lists_exactly_the_workload_keys_with_their_defaults():
-    documented = _documented_workload_keys()
+    documented = documented_keys("workload")
     assert set(documented) == set(SCHEMA), (
         f"undocumented: {sorted(set(SCHEMA) - set(documented))}; "
         f"documented but not keys: {sorted(set(documented) - set(SCHEMA))}")

@@ -17,6 +17,7 @@ from ms_memopt.recipe import TimingConfig, load_recipe, recipe_from_dict
 from ms_memopt.simulate import PolicyResult
 from ms_memopt.timing import TIMING_KEYS, StepCounts, job_steps, rank_step, step_flops
 from ms_memopt.workload import spec_from_recipe
+from docs_table import documented_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 BIG = ROOT / "recipes" / "dense_100b_1024x910c.yaml"
@@ -169,21 +170,8 @@ def test_bad_timing_values_name_the_key(key, value):
     assert f"memopt.timing.{key}" in str(info.value) or (key == "hbm_bandwith" and "hbm_bandwidth" in str(info.value))
 
 
-def _documented_timing_keys() -> dict[str, str]:
-    text = (ROOT / "docs" / "recipes.md").read_text(encoding="utf-8")
-    section = text[text.index("## The `memopt:` section"):]
-    section = section[:section.index("\n## ", 1)]
-    rows = {}
-    for line in section.splitlines():
-        m = re.match(r"^\|\s*`timing\.([a-z_]+)`\s*\|\s*([^|]*?)\s*\|", line)
-        if m:
-            assert m.group(1) not in rows, f"timing.{m.group(1)} documented twice"
-            rows[m.group(1)] = m.group(2)
-    return rows
-
-
 def test_docs_table_lists_exactly_the_timing_keys_with_their_defaults():
-    documented = _documented_timing_keys()
+    documented = documented_keys("timing")
     fields = {f.name: f.default for f in dataclasses.fields(TimingConfig)}
     assert set(documented) == set(fields)
     for key, default in fields.items():

@@ -25,7 +25,8 @@ def run(args) -> int:
     from ..allocators.options import parse_allocator_options
     from ..events import Trace, write_jsonl
     from ..replay import replay
-    from ..template import generate, load_template, place, read_schedule
+    from ..template import generate, load_template, read_schedule
+    from ..traces.memory_viz import placed_events
 
     template = load_template(args.recipe)
     if not getattr(args, "schedule", None):
@@ -38,14 +39,15 @@ def run(args) -> int:
     warnings: list[str] = []
     events = generate(template, schedule, warnings=warnings)
     trace = Trace(events, source=str(args.recipe), format="template")
-    result = replay(trace, create(name, capacity, **options))
-    if args.export_events:
-        placed = place(events, create(name, capacity, **options))
+    if args.export_events:    # one replay gives the figures and the placed events
+        placed, result = placed_events(trace, create(name, capacity, **options), segments=True, sample_every=None)
         meta = {"source": "ms-memopt simulate", "template": str(args.recipe), "schedule": str(args.schedule),
                 "allocator": name}
         if name == template.allocator and template.pool:
             meta["pool"] = template.pool
         write_jsonl(args.export_events, placed, meta=meta)
+    else:
+        result = replay(trace, create(name, capacity, **options))
     out = {"template": str(args.recipe), "schedule": str(args.schedule), "steps": len(schedule),
            "dims": template.dims, "capacity": capacity, "warnings": warnings,
            "classes": _class_counts(template, schedule), "export_events": args.export_events,

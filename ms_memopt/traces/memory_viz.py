@@ -191,11 +191,15 @@ def write_memory_viz(path: str | Path, trace_or_events: Trace | Iterable[Event],
         pickle.dump(data, handle, protocol=4)
 
 
-def placed_events(trace: Trace, model: AllocatorModel) -> tuple[list[Event], ReplayResult]:
+def placed_events(trace: Trace, model: AllocatorModel, *, segments: bool = False,
+                  sample_every: int | None = 0) -> tuple[list[Event], ReplayResult]:
     """Replay ``trace`` through ``model`` and return its events with the model's addresses.
 
     Allocations the model could not serve (OOM) and their frees are left out. The result's
-    ``final_layout`` is the layout to export with them.
+    ``final_layout`` is the layout to export with them. With ``segments``, the stream is whole:
+    each block the model takes from the device is a ``segment_alloc`` event just before the
+    allocation that made it, and every other event (steps, marks) is kept where it was (what
+    ``simulate TEMPLATE --export-events`` writes). ``sample_every`` is replay's.
 
     Example:
         >>> from ms_memopt.allocators import create
@@ -204,34 +208,51 @@ def placed_events(trace: Trace, model: AllocatorModel) -> tuple[list[Event], Rep
         True
     """
     placed: list[int | None] = []
+    grown: list[list] = []                      # per allocation: the blocks it made the model take
     malloc = model.malloc
+    state = {"count": model.segment_allocs, "reserved": model.reserved,
+             "seen": {seg.addr for seg in model.layout().segments} if segments else set()}
 
     def recording_malloc(size, **kwargs):
+        if segments and model.reserved < state["reserved"]:      # blocks went back: see them anew
+            state["seen"] = {seg.addr for seg in model.layout().segments}
         addr = malloc(size, **kwargs)
         placed.append(addr)
+        new = []
+        if segments and model.segment_allocs != state["count"]:
+            state["count"] = model.segment_allocs
+            current = sorted(model.layout().segments, key=lambda seg: seg.addr)
+            new = [seg for seg in current if seg.addr not in state["seen"]]
+            state["seen"] = {seg.addr for seg in current}
+        grown.append(new)
+        state["reserved"] = model.reserved
         return addr
 
     model.malloc = recording_malloc  # replay looks the method up on the instance
     try:
-        result = replay(trace, model, sample_every=0)
+        result = replay(trace, model, sample_every=sample_every)
     finally:
         del model.malloc
     out: list[Event] = []
     addr_of: dict[int, int] = {}
     if trace.initial is not None:
         addr_of.update({b.id: b.addr for b in trace.initial.live_blocks() if b.id is not None})
-    allocs = iter(placed)
+    allocs = iter(zip(placed, grown))
     for event in trace.events:
         if event.action == "alloc":
-            addr = next(allocs)
+            addr, new = next(allocs)
+            out += [Event("segment_alloc", size=seg.size, addr=seg.addr, stream=seg.stream,
+                          pool="persistent" if seg.pool == "persistent" else None) for seg in new]
             if addr is None:
                 continue
             addr_of[event.id] = addr
             out.append(Event("alloc", id=event.id, size=event.size, addr=addr, stream=event.stream,
-                             time=event.time, tag=event.tag))
+                             pool=event.pool if segments else None, time=event.time, tag=event.tag))
         elif event.action == "free":
             addr = addr_of.pop(event.id, None)
             if addr is not None:
                 out.append(Event("free", id=event.id, size=event.size, addr=addr, stream=event.stream,
                                  time=event.time, tag=event.tag))
+        elif segments and event.action not in ("segment_alloc", "segment_free"):
+            out.append(event)
     return out, result
