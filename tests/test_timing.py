@@ -6,7 +6,6 @@ import ast
 import copy
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 import pytest
