@@ -50,9 +50,6 @@ __all__ = ["StepCounts", "TIMING_KEYS", "stage_flops_fields", "step_flops", "opt
 TIMING_KEYS = ("step_seconds_median", "step_seconds_p99", "step_cv", "mfu", "memory_stall_share",
                "compaction_pause_share")
 
-#: VMM's physical chunk (``kVmmAlignSize``)
-_CHUNK = 2 << 20
-
 
 @dataclass(slots=True)
 class StepCounts:
