@@ -2,15 +2,15 @@
 
 * ``ms_memopt.native._lib``: plain C loaded with ctypes (no Python API; any C compiler): the
   compaction copy and the AdamW pass (``ms_memopt/native``) and the planner's exact search
-  (``ms_memopt/planner/_search.c``, loaded by ``ms_memopt/planner/_native.py``);
-* ``ms_memopt.allocators._fastpool``: the allocator models' fast path, plain C against the
-  CPython API (gcc and the Python headers, no extra package; ms_memopt/allocators/fast.py).
+  (``ms_memopt/analysis/planner/_search.c``, loaded by ``ms_memopt/analysis/planner/_native.py``);
+* ``ms_memopt.allocators.fast._fastpool``: the allocator models' fast path, plain C against the
+  CPython API (gcc and the Python headers, no extra package; ms_memopt/allocators/fast/__init__.py).
 
 Without a compiler the install still succeeds and the package runs its pure-Python references
 (a warning says so).
 
 Each library carries the sha256 of the C sources it was built from (``MS_MEMOPT_SOURCE_HASH``,
-computed by ``ms_memopt/_build_hash.py``, which also lists the sources); the loaders compare it
+computed by ``ms_memopt/core/_build_hash.py``, which also lists the sources); the loaders compare it
 with the tree's sources and refuse a stale library, so editing a ``.c`` without rebuilding runs
 the pure-Python references with a warning instead of testing the old build.
 """
@@ -21,7 +21,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 _here = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("_ms_memopt_build_hash", _here / "ms_memopt" / "_build_hash.py")
+_spec = importlib.util.spec_from_file_location("_ms_memopt_build_hash", _here / "ms_memopt" / "core" / "_build_hash.py")
 build_hash = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build_hash)
 build_hash.ROOT = _here
@@ -92,8 +92,8 @@ setup(
             extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off"],
             libraries=["m"],
         ),
-        Extension("ms_memopt.allocators._fastpool", list(build_hash.EXTENSIONS["ms_memopt.allocators._fastpool"]),
-                  define_macros=_hash_macro("ms_memopt.allocators._fastpool"),
+        Extension("ms_memopt.allocators.fast._fastpool", list(build_hash.EXTENSIONS["ms_memopt.allocators.fast._fastpool"]),
+                  define_macros=_hash_macro("ms_memopt.allocators.fast._fastpool"),
                   extra_compile_args=["-O2"]),
     ],
     cmdclass={"build_ext": _OptionalBuildExt},

@@ -33,9 +33,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ms_memopt import native  # noqa: E402
-from ms_memopt.arena import Arena, ArenaFull  # noqa: E402
-from ms_memopt.compaction import plan_compaction  # noqa: E402
-from ms_memopt.layout import Block, Layout, Segment  # noqa: E402
+from ms_memopt.analysis.arena import Arena, ArenaFull  # noqa: E402
+from ms_memopt.analysis.compaction import plan_compaction  # noqa: E402
+from ms_memopt.core.layout import Block, Layout, Segment  # noqa: E402
 
 GB = 10**9
 GiB = 2**30

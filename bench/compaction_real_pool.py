@@ -27,10 +27,10 @@ sys.path.insert(0, str(_REPO))
 
 import yaml  # noqa: E402
 
-from ms_memopt.events import read_jsonl  # noqa: E402
-from ms_memopt.metrics import measure  # noqa: E402
-from ms_memopt.traces.ms_pool_log import recorded_final_layout  # noqa: E402
-from ms_memopt.units import format_size  # noqa: E402
+from ms_memopt.core.events import read_jsonl  # noqa: E402
+from ms_memopt.core.metrics import measure  # noqa: E402
+from ms_memopt.core.units import format_size  # noqa: E402
+from ms_memopt.io.traces.ms_pool_log import recorded_final_layout  # noqa: E402
 
 
 def _state(events) -> dict:

@@ -10,7 +10,7 @@ samples through three warning rules, checked every ``--check-every`` steps (a sc
     (``LayoutScanCallback``'s ``frag_warn``, 3.0 by default);
 (b) ``margin``: the smallest ``largest_free`` seen before the watched request since the last
     check is below ``(1 + margin)`` times it (the ``compact`` policy's earlier trigger, 0.5);
-(c) ``forecast``: :class:`ms_memopt.forecast.Forecaster` fed the same samples (and the memory
+(c) ``forecast``: :class:`ms_memopt.analysis.forecast.Forecaster` fed the same samples (and the memory
     in use after each optimizer step) warns when the probability that a window's smallest
     ``largest_free`` falls below the request within ``H`` steps reaches ``RISK``, with windows
     of 5 or 10 steps (setting ``forecast:WINDOW:H:RISK``).
@@ -57,10 +57,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ms_memopt.forecast import Forecaster
-from ms_memopt.recipe import load_recipe
-from ms_memopt.simulate import config_from_recipe, simulate
-from ms_memopt.workload import spec_from_recipe
+from ms_memopt.analysis.forecast import Forecaster
+from ms_memopt.config.recipe import load_recipe
+from ms_memopt.engine.simulate import config_from_recipe, simulate
+from ms_memopt.engine.workload import spec_from_recipe
 
 GiB = 2**30
 FRAG_THRESHOLDS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0)

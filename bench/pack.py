@@ -1,7 +1,7 @@
 """Static planner benchmark: arena / capacity or / lower bound, and seconds, per instance (issue 17).
 
 Instances:
-* generated strips (:func:`ms_memopt.planner.generate.cut_strip`, the structure of MiniMalloc's
+* generated strips (:func:`ms_memopt.analysis.planner.generate.cut_strip`, the structure of MiniMalloc's
   challenging set: a 1 MiB x 1M-step strip cut into buffers on a 1 KiB grid), always run:
   target "fits 1,048,576 within 60 s";
 * MiniMalloc's challenging ``A.1048576.csv`` from ../shared/data/dsa (skipped when absent), and
@@ -30,12 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ms_memopt.planner import lower_bound, pack  # noqa: E402
-from ms_memopt.planner import _native  # noqa: E402
-from ms_memopt.planner.generate import cut_strip  # noqa: E402
-from ms_memopt.planner.greedy import greedy_place  # noqa: E402
-from ms_memopt.planner.problem import arena_of  # noqa: E402
-from ms_memopt.traces.instances import read_instance  # noqa: E402
+from ms_memopt.analysis.planner import lower_bound, pack  # noqa: E402
+from ms_memopt.analysis.planner import _native  # noqa: E402
+from ms_memopt.analysis.planner.generate import cut_strip  # noqa: E402
+from ms_memopt.analysis.planner.greedy import greedy_place  # noqa: E402
+from ms_memopt.core.placement import arena_of  # noqa: E402
+from ms_memopt.io.traces.instances import read_instance  # noqa: E402
 
 DSA = Path(__file__).resolve().parents[2] / "shared" / "data" / "dsa"
 CAPACITY = 1_048_576

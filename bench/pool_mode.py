@@ -11,7 +11,7 @@ the machine is shared and noisy):
    library is built (``fused_step_path``); the graph path (``ms.jit`` graph of decay +
    ``ops.Adam``, the device path) is timed in the same rounds as ``fused_graph_step_ratio``.
 2. ``activation_ratio``: activation bytes with ``checkpoint_every=k`` / without recompute, by
-   the estimator (per-layer ``ms_memopt.estimate`` formulas composed for the largest recompute
+   the estimator (per-layer ``ms_memopt.analysis.estimate`` formulas composed for the largest recompute
    group by ``ms_memopt.mindspore.pool_mode``) and measured as the
    peak-RSS growth of one training step in a fresh subprocess (CPU has no device memory
    statistics), and as seen by the layout-scan shadow source
@@ -47,10 +47,10 @@ sys.path.insert(0, str(ROOT))
 import mindspore as ms  # noqa: E402
 from mindspore import Tensor, nn  # noqa: E402
 
+from ms_memopt.core.units import format_size  # noqa: E402
 from ms_memopt.mindspore.fused_adamw import FusedAdamW  # noqa: E402
 from ms_memopt.mindspore.model import GPT, GPTConfig, GPTWithLoss, synthetic_batches  # noqa: E402
 from ms_memopt.mindspore.pool_mode import activation_bytes, enable_pool_mode  # noqa: E402
-from ms_memopt.units import format_size  # noqa: E402
 
 # The CPU demo model: 8 blocks -> 101 parameter tensors.
 DEMO = GPTConfig(num_layers=8, hidden_size=64, num_heads=4, seq_length=32, vocab_size=128, seed=0)

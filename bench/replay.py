@@ -1,6 +1,6 @@
 """Replay throughput: events per second of every allocator model on every trace.
 
-Traces: a seeded synthetic trace of 1,000,000 events (ms_memopt.traces.synthetic) and the shared
+Traces: a seeded synthetic trace of 1,000,000 events (ms_memopt.io.traces.synthetic) and the shared
 recorded traces in ../shared/data when present (PyTorch snapshots, msMemScope, placement
 instances). Models: every entry of ms_memopt.allocators.MODELS that imports (missing ones are
 noted and skipped). Replays run with ``sample_every=0`` so only the model's work is timed.
@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ms_memopt.allocators import MODELS, create  # noqa: E402
 from ms_memopt.allocators.fast import AVAILABLE, FAST_MODELS  # noqa: E402
-from ms_memopt.errors import InputError  # noqa: E402
-from ms_memopt.replay import replay  # noqa: E402
-from ms_memopt.traces import load_trace  # noqa: E402
-from ms_memopt.traces.synthetic import synthetic_trace  # noqa: E402
+from ms_memopt.core.errors import InputError  # noqa: E402
+from ms_memopt.engine.replay import replay  # noqa: E402
+from ms_memopt.io.traces import load_trace  # noqa: E402
+from ms_memopt.io.traces.synthetic import synthetic_trace  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHARED_TRACES = [

@@ -32,8 +32,8 @@ sys.path.insert(0, str(_REPO))
 
 import numpy as np  # noqa: E402
 
-from ms_memopt.events import read_jsonl  # noqa: E402
-from ms_memopt.template import fidelity, load_template  # noqa: E402
+from ms_memopt.core.events import read_jsonl  # noqa: E402
+from ms_memopt.engine.template import fidelity, load_template  # noqa: E402
 
 WORKLOAD = str(_REPO / "bench/workloads/template_run.py")
 

@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 import mindspore as ms  # noqa: E402
 from mindspore import Parameter, Tensor, nn, ops  # noqa: E402
 
-from ms_memopt.recipe import TimingConfig, recipe_from_dict  # noqa: E402
-from ms_memopt.yamltext import parse_yaml  # noqa: E402
+from ms_memopt.config.recipe import TimingConfig, recipe_from_dict  # noqa: E402
+from ms_memopt.io.yamltext import parse_yaml  # noqa: E402
 
 DEMO = ROOT / "recipes" / "demo_cpu.yaml"
 
@@ -153,7 +153,7 @@ def measured_run(steps: int) -> tuple[float, list[float]]:
 
 
 def predicted_step(profile: dict, steps: int) -> dict:
-    from ms_memopt.job import job_from_recipe, simulate_jobs
+    from ms_memopt.engine.job import job_from_recipe, simulate_jobs
 
     data = parse_yaml(DEMO.read_text(encoding="utf-8"), source=str(DEMO))
     data = copy.deepcopy(data)

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from ms_memopt.cli import main
 
 sys.exit(main())

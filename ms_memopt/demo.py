@@ -10,7 +10,7 @@
    policies (``--seeds`` job seeds, modest so that the whole demo takes a few minutes on 2
    cores), with the pool layout just before the watched AllReduce request at a few steps and
    at an OOM (the memory map), collected from that same run by a hook;
-4. ``OUT/report.md``: the three reports of :func:`ms_memopt.report.build_report` under one
+4. ``OUT/report.md``: the three reports of :func:`ms_memopt.report.build.build_report` under one
    heading, with every figure and the time each part took.
 
 Example:
@@ -26,14 +26,15 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import InputError
-from .estimate import estimate
-from .memory_map import LayoutCollector
-from .recipe import Recipe, load_recipe
-from .report import build_report, write_layouts
-from .simulate import POLICIES, config_from_recipe, simulate
-from .units import format_size
-from .workload import spec_from_recipe
+from ms_memopt.analysis.estimate import estimate
+from ms_memopt.config.recipe import Recipe, load_recipe
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.units import format_size
+from ms_memopt.engine.simulate import POLICIES, config_from_recipe, simulate
+from ms_memopt.engine.snapshots import LayoutCollector
+from ms_memopt.engine.workload import spec_from_recipe
+from ms_memopt.io.layouts import write_layouts
+from ms_memopt.report.build import build_report
 
 __all__ = ["main"]
 
@@ -78,18 +79,18 @@ def _demo(args: argparse.Namespace) -> int:
     if not args.skip_run:
         print(f"[1/3] training {CPU_RECIPE.name} on CPU (MindSpore) ...", flush=True)
         t0 = time.perf_counter()
-        from .cli.run_cmd import host_memory_check
+        from ms_memopt.cli.run_cmd import host_memory_check
 
         recipe = load_recipe(CPU_RECIPE)
         check = host_memory_check(recipe)
         if not check.fits:
             raise InputError(f"needs {format_size(check.needed)}, {format_size(check.available)} available",
                              source=str(CPU_RECIPE))
-        from . import poolcapture
-
+        from ms_memopt.mindspore import poolcapture
         run_dir = out / "run"
         poolcapture.start(run_dir / poolcapture.LOG_NAME)   # scans of the real CPU pool: before MindSpore
-        from .mindspore.standalone import (
+
+        from ms_memopt.mindspore.standalone import (
             run_standalone,  # MindSpore is imported only here
         )
 
@@ -148,7 +149,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _first_ranks(recipe: Recipe, steps: int, seeds: int) -> list:
     """Per job seed, the rank stream the job dies at (every OOM of the 100B job is on the first
     pipeline stage), or the closest call when it survives ``steps``."""
-    from .job import job_from_recipe, simulate_jobs
+    from ms_memopt.engine.job import job_from_recipe, simulate_jobs
 
     jobs = [job_from_recipe(recipe, policies=("baseline",), seed=seed, stages=[0], steps=steps)
             for seed in range(seeds)]

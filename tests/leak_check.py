@@ -32,8 +32,7 @@ def main() -> None:
     parser.add_argument("--pynative", action="store_true")
     args = parser.parse_args()
 
-    from ms_memopt import poolcapture
-
+    from ms_memopt.mindspore import poolcapture
     capture = poolcapture.start(args.pool_log)
     import mindspore as ms
     from mindspore import nn

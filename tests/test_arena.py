@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.arena import Arena, ArenaFull, NumpyBackend
-from ms_memopt.compaction import plan_compaction
+from ms_memopt.analysis.arena import Arena, ArenaFull, NumpyBackend
+from ms_memopt.analysis.compaction import plan_compaction
 
 
 def _fill(arena: Arena, handle, seed: int) -> int:

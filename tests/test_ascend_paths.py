@@ -23,9 +23,9 @@ pytestmark = pytest.mark.mindspore
 
 ms = pytest.importorskip("mindspore")
 
+from ms_memopt.core.poolplan import PoolPlan  # noqa: E402
 from ms_memopt.mindspore import pool_mode  # noqa: E402
 from ms_memopt.mindspore.pool_info import PoolInfo, detect_pool, driver_version, parse_alloc_conf  # noqa: E402
-from ms_memopt.poolplan import PoolPlan  # noqa: E402
 
 GiB = 1 << 30
 ASCEND_BESTFIT = PoolInfo(device="Ascend", kind="ascend-bestfit", vmm=False, mode="pynative", somas=False,
@@ -166,7 +166,7 @@ _SETTINGS = textwrap.dedent("""
     import json, sys
     import mindspore as ms
     from ms_memopt.mindspore.pool_mode import memory_settings, reserve_pool
-    from ms_memopt.poolplan import PoolPlan
+    from ms_memopt.core.poolplan import PoolPlan
     ms.set_context(memory_optimize_level="O1")
     before = memory_settings()
     plan = PoolPlan.build({"parameters.float32": 1 << 20}, 512)

@@ -1,5 +1,5 @@
 """Stale builds: every compiled library carries the hash of the C sources it was built from, and
-a loader refuses one whose sources in the tree changed since (ms_memopt/_build_hash.py).
+a loader refuses one whose sources in the tree changed since (ms_memopt/core/_build_hash.py).
 
 CI fails here on a forgotten rebuild; an edited copy of the sources (one byte changed) stands
 for an edit without rebuilding: each of the three loaders (ms_memopt/native, the planner's
@@ -23,14 +23,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ms_memopt import _build_hash, native
-from ms_memopt._build_hash import EXTENSIONS, StaleBuildWarning
+from ms_memopt.core import _build_hash
+
+from ms_memopt import native
 from ms_memopt.allocators import create, fast
-from ms_memopt.planner import Buffer, _native
-from ms_memopt.planner.search import search_place
+from ms_memopt.analysis.planner import Buffer, _native
+from ms_memopt.analysis.planner.search import search_place
+from ms_memopt.core._build_hash import EXTENSIONS, StaleBuildWarning
 
 REPO = Path(__file__).resolve().parent.parent
-LIB, FASTPOOL = "ms_memopt.native._lib", "ms_memopt.allocators._fastpool"
+LIB, FASTPOOL = "ms_memopt.native._lib", "ms_memopt.allocators.fast._fastpool"
 HAVE_GCC = shutil.which("gcc") is not None
 SWITCHED_OFF = os.environ.get("MS_MEMOPT_NATIVE", "1") == "0" or \
     os.environ.get("MS_MEMOPT_PURE_PYTHON", "") not in ("", "0")
@@ -85,7 +87,7 @@ def test_every_c_source_is_hashed_built_and_a_prerequisite_of_the_makefile_stamp
     rule = re.search(r"^\$\(STAMP\):(.*)$", makefile, re.M)
     prerequisites = [re.sub(r"^\$\(wildcard (.*)\)$", r"\1", word)
                      for word in re.findall(r"\$\(wildcard [^)]*\)|\S+", rule.group(1))]
-    for source in sorted(listed) + ["ms_memopt/_build_hash.py", "setup.py"]:
+    for source in sorted(listed) + ["ms_memopt/core/_build_hash.py", "setup.py"]:
         assert any(fnmatch.fnmatch(source, p) for p in prerequisites), f"`make test` would not rebuild after editing {source}"
     setup = (REPO / "setup.py").read_text()
     assert setup.count("build_hash.EXTENSIONS[") >= 2, "setup.py must build the sources _build_hash hashes"
@@ -142,7 +144,7 @@ def edit(tmp_path, monkeypatch, fresh_loaders):
 
 def _compaction(seed: int = 0):
     """A small arena filled, half freed and compacted: its bytes and offsets."""
-    from ms_memopt.arena import Arena, ArenaFull
+    from ms_memopt.analysis.arena import Arena, ArenaFull
 
     arena, rng = Arena(1 << 18), np.random.default_rng(seed)
     arena.backend.buffer[:] = rng.integers(0, 256, arena.capacity, dtype=np.uint8)
@@ -183,7 +185,7 @@ def test_an_edited_search_source_makes_the_planner_fall_back(edit):
     if SWITCHED_OFF:
         pytest.skip("the library is switched off here")
     compiled = search_place(_TINY, 9, engine="native")
-    edit("ms_memopt/planner/_search.c")
+    edit("ms_memopt/analysis/planner/_search.c")
     with pytest.warns(StaleBuildWarning, match=r"ms_memopt\.native\._lib .* is stale.*make setup"):
         assert _native.library() is None
     assert "is stale" in _native.unavailable_reason() and "make setup" in _native.unavailable_reason()
@@ -216,14 +218,14 @@ def test_an_edited_fastpool_source_makes_the_allocators_fall_back(edit):
     _needs_built(FASTPOOL)
     compiled = _tiny_run(create)
     assert compiled["module"] == "ms_memopt.allocators.fast"
-    root = edit("ms_memopt/allocators/_fastpool.c")
-    with pytest.warns(StaleBuildWarning, match=r"ms_memopt\.allocators\._fastpool \(.*_fastpool.*\) is stale.*make setup.*pip install -e \."):
+    root = edit("ms_memopt/allocators/fast/_fastpool.c")
+    with pytest.warns(StaleBuildWarning, match=r"ms_memopt\.allocators\.fast\._fastpool \(.*_fastpool.*\) is stale.*make setup.*pip install -e \."):
         assert fast._compiled_core() is None
     # the decision is taken when ms_memopt.allocators.fast is imported: a fresh interpreter
     script = f"""
 import json, sys, warnings
 from pathlib import Path
-from ms_memopt import _build_hash
+from ms_memopt.core import _build_hash
 _build_hash.ROOT = Path(sys.argv[1])
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.compaction import apply_plan, cheapest_window, coalesce_runs, plan_compaction, slide_targets
-from ms_memopt.layout import Block, Layout, Segment
+from ms_memopt.analysis.compaction import apply_plan, cheapest_window, coalesce_runs, plan_compaction, slide_targets
+from ms_memopt.core.layout import Block, Layout, Segment
 
 
 @st.composite
@@ -167,7 +167,7 @@ def test_slide_targets_and_runs_agree_with_memmove():
 def test_apply_plan_rejects_overlapping_moves():
     seg = Segment(0, 30, [Block(0, 10, True, id=1), Block(10, 10, True, id=2), Block(20, 10, False)])
     plan = plan_compaction(Layout([seg]))
-    from ms_memopt.compaction import Move
+    from ms_memopt.analysis.compaction import Move
     plan.moves = [Move(2, 10, 5, 10)]
     with pytest.raises(ValueError):
         apply_plan(Layout([seg]), plan)

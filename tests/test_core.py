@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.errors import InputError
-from ms_memopt.events import Event, EventWriter, read_jsonl, write_jsonl
-from ms_memopt.layout import Block, Layout, Segment
-from ms_memopt.metrics import fits, frag_ratio, hole_histogram, measure
-from ms_memopt.units import format_size, parse_count, parse_size
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Event, EventWriter, read_jsonl, write_jsonl
+from ms_memopt.core.layout import Block, Layout, Segment
+from ms_memopt.core.metrics import fits, frag_ratio, hole_histogram, measure
+from ms_memopt.core.units import format_size, parse_count, parse_size
 
 
 # --- units ------------------------------------------------------------------------------

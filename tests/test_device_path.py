@@ -65,7 +65,7 @@ def test_pynative_growth_is_mindspore_s_own_not_the_optimizer_s(tmp_path):
 
 _COMBINE_FACT = textwrap.dedent("""
     import gc, json, sys
-    from ms_memopt import poolcapture
+    from ms_memopt.mindspore import poolcapture
     capture = poolcapture.start(sys.argv[1])
     import numpy as np
     from mindspore import Tensor
@@ -104,7 +104,7 @@ def _recorded_run(tmp_path, name: str, memopt: dict, steps: int) -> list[int]:
     each step mark (the scans write one per step while recorded)."""
     import yaml
 
-    from ms_memopt.events import read_jsonl
+    from ms_memopt.core.events import read_jsonl
 
     recipe = tmp_path / f"{name}.yaml"
     recipe.write_text(yaml.safe_dump({
@@ -123,7 +123,7 @@ def _recorded_run(tmp_path, name: str, memopt: dict, steps: int) -> list[int]:
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from ms_memopt.allocators import create
-    from ms_memopt.replay import replay
+    from ms_memopt.engine.replay import replay
 
     # the recording replays exactly through the CPU pool's model: its bytes in use at each mark
     samples: dict[int, int] = {}

@@ -12,10 +12,10 @@ import pytest
 from ms_memopt.allocators.options import parse_allocator_options
 from ms_memopt.allocators.torch import TorchCachingAllocator
 from ms_memopt.cli import main
-from ms_memopt.doctor import compare, diagnose
-from ms_memopt.errors import InputError
-from ms_memopt.events import Event, Trace
-from ms_memopt.traces import load_trace
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Event, Trace
+from ms_memopt.engine.doctor import compare, diagnose
+from ms_memopt.io.traces import load_trace
 
 MiB, GiB = 1 << 20, 1 << 30
 DATA = Path(__file__).parent / "data"
@@ -58,7 +58,8 @@ def test_doctor_cli_on_a_snapshot_the_project_wrote(tmp_path):
     """The same trace as a PyTorch snapshot pickle (our memory_viz writer), through the command,
     with --json and --out."""
     from ms_memopt.allocators import create
-    from ms_memopt.traces.memory_viz import placed_events, write_memory_viz
+    from ms_memopt.engine.replay import placed_events
+    from ms_memopt.io.traces.memory_viz import write_memory_viz
 
     events, replayed = placed_events(_fragmenting_trace(), create("torch"))     # unbounded: it lived
     path = tmp_path / "snapshot.pickle"
@@ -198,7 +199,7 @@ def test_torch_garbage_collection_releases_the_oldest_cached_blocks_above_the_th
 
 
 def test_a_report_whose_scans_warned_points_at_doctor(tmp_path):
-    from ms_memopt.report import doctor_hint
+    from ms_memopt.report.build import doctor_hint
 
     (tmp_path / "pool.log").write_text("")
     scans = {0: [{"kind": "scan", "step": 4, "warnings": []},

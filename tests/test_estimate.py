@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.cli import main
-from ms_memopt.estimate import (REGIONS, estimate, in_flight_micro_batches, korthikanti_layer_activation_bytes,
+from ms_memopt.analysis.estimate import (REGIONS, estimate, in_flight_micro_batches, korthikanti_layer_activation_bytes,
                                 layer_activation_bytes, layer_input_bytes, layer_params, model_params,
                                 recompute_group_bytes, stage_activation_bytes, zero_model_state_bytes)
-from ms_memopt.recipe import load_recipe, recipe_from_dict
+from ms_memopt.cli import main
+from ms_memopt.config.recipe import load_recipe, recipe_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"

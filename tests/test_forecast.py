@@ -1,4 +1,4 @@
-"""The forecast of when a watched request stops fitting in one piece (ms_memopt.forecast)."""
+"""The forecast of when a watched request stops fitting in one piece (ms_memopt.analysis.forecast)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.forecast import Forecast, Forecaster, forecast
+from ms_memopt.analysis.forecast import Forecast, Forecaster, forecast
 
 MiB = 2**20
 GiB = 2**30

@@ -9,9 +9,9 @@ import logging
 import numpy as np
 import pytest
 
-from ms_memopt.forecast import DEFAULT_RISK
-from ms_memopt.scan import Reading, ScanLog, Scanner, Source, read_scan_log
-from ms_memopt.simulate import SimConfig, simulate_policy
+from ms_memopt.analysis.forecast import DEFAULT_RISK
+from ms_memopt.analysis.scan import Reading, ScanLog, Scanner, Source, read_scan_log
+from ms_memopt.engine.simulate import SimConfig, simulate_policy
 from test_simulate import small_spec
 
 MiB = 2**20
@@ -41,7 +41,7 @@ def test_scanner_records_the_forecast_and_warns_with_the_step(tmp_path, caplog):
     source = _Shrinking()
     scanner = Scanner([source], log=ScanLog(tmp_path / "scan.jsonl"), every=1, watch={"bucket": 10 * MiB},
                       frag_warn=None, forecast_within=10)
-    caplog.set_level(logging.WARNING, logger="ms_memopt.scan")
+    caplog.set_level(logging.WARNING, logger="ms_memopt.analysis.scan")
     for step in range(1, 21):
         scanner.step(step)
     scanner.close()
@@ -71,7 +71,7 @@ def test_scanner_without_forecast_within_never_warns_from_the_forecast():
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "10"])
 def test_bad_forecast_within_is_an_input_error(value):
-    from ms_memopt.errors import InputError
+    from ms_memopt.core.errors import InputError
     with pytest.raises(InputError, match="forecast_within"):
         Scanner([_Shrinking()], every=1, watch={"bucket": MiB}, forecast_within=value)
 
@@ -85,7 +85,7 @@ def test_model_train_compacts_when_the_forecast_warns(tmp_path):
     from mindspore import nn
     from mindspore.train import Callback, Model
 
-    from ms_memopt.arena import Arena
+    from ms_memopt.analysis.arena import Arena
     from ms_memopt.mindspore.compaction import CompactionCallback
     from ms_memopt.mindspore.scan_callback import LayoutScanCallback
 
@@ -150,8 +150,7 @@ def test_compact_policy_compacts_on_the_forecast_and_survives():
 
 
 def test_report_draws_the_latest_forecast_on_the_timeline(tmp_path, monkeypatch):
-    from ms_memopt import plots, report
-
+    from ms_memopt.report import build, plots
     scanner = Scanner([_Shrinking()], log=ScanLog(tmp_path / "run" / "rank_0" / "scan.jsonl"), every=1,
                       watch={"bucket": 10 * MiB}, frag_warn=None)
     for step in range(1, 21):
@@ -164,8 +163,8 @@ def test_report_draws_the_latest_forecast_on_the_timeline(tmp_path, monkeypatch)
         seen["markers"] = list(markers)
         return draw(series, path, markers=markers, **kw)     # drawn for real
 
-    monkeypatch.setattr(report, "plot_timeline", capture)
-    png = report.plot_scan_timeline(report._scan_logs(tmp_path / "run"), tmp_path / "timeline.png")
+    monkeypatch.setattr(plots, "plot_timeline", capture)
+    png = plots.plot_scan_timeline(build._scan_logs(tmp_path / "run"), tmp_path / "timeline.png")
     assert png.stat().st_size > 0
     forecasts = [m for m in seen["markers"] if m.kind == "forecast"]
     assert len(forecasts) == 1

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ms_memopt.errors import InputError
-from ms_memopt.estimate import estimate
-from ms_memopt.jsontext import parse_json
-from ms_memopt.recipe import LIMITS, recipe_from_dict
-from ms_memopt.units import MAX_VALUE, parse_count, parse_size
+from ms_memopt.analysis.estimate import estimate
+from ms_memopt.config.recipe import LIMITS, recipe_from_dict
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.jsontext import parse_json
+from ms_memopt.core.units import MAX_VALUE, parse_count, parse_size
 
 
 def _tiny(**model) -> dict:
@@ -43,7 +43,7 @@ def test_parse_json_refuses_with_file_and_line(text, words):
 
 @pytest.mark.parametrize("time_text", ["NaN", "Infinity", "1e400"])
 def test_jsonl_time_must_be_finite(tmp_path, time_text):
-    from ms_memopt.events import read_jsonl
+    from ms_memopt.core.events import read_jsonl
 
     path = tmp_path / "t.jsonl"
     path.write_text('{"format": "ms-memopt-events", "version": 1}\n'
@@ -53,7 +53,7 @@ def test_jsonl_time_must_be_finite(tmp_path, time_text):
 
 
 def test_scan_log_kind_must_be_a_string(tmp_path):
-    from ms_memopt.scan import read_scan_log
+    from ms_memopt.analysis.scan import read_scan_log
 
     path = tmp_path / "scan.jsonl"
     path.write_text(json.dumps({"kind": "scan", "step": 1}) + "\n" + json.dumps({"kind": {"a": 1}}) + "\n")
@@ -161,7 +161,7 @@ def test_plan_cost_does_not_grow_with_layers():
 # --- snapshots and instances -----------------------------------------------------------------
 
 def test_snapshot_sharing_block_lists_is_refused_quickly(tmp_path):
-    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+    from ms_memopt.io.traces.torch_snapshot import read_torch_snapshot
 
     blocks = [{"size": 512, "state": "inactive"}] * 300
     segments = [{"address": i * 300 * 512, "total_size": 300 * 512, "blocks": blocks} for i in range(300)]
@@ -177,7 +177,7 @@ def test_snapshot_sharing_block_lists_is_refused_quickly(tmp_path):
     ("a,0,3,4611686018427387904\nb,0,3,4611686018427387904", "add up to more than 2**63 - 1"),
 ])
 def test_instance_values_within_int64(tmp_path, row, words):
-    from ms_memopt.traces.instances import read_instance
+    from ms_memopt.io.traces.instances import read_instance
 
     path = tmp_path / "i.csv"
     path.write_text(f"id,lower,upper,size\n{row}\n")
@@ -189,7 +189,7 @@ def test_instance_values_within_int64(tmp_path, row, words):
 @pytest.mark.parametrize("where", ["address", "size", "state"])
 def test_snapshot_integers_of_thousands_of_digits(tmp_path, where):
     """Pickles hold integers of any length; messages must not ``repr`` them (4300-digit limit)."""
-    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+    from ms_memopt.io.traces.torch_snapshot import read_torch_snapshot
 
     block = {"address": 0, "size": 512, "state": "inactive"}
     block[where] = -(10**5000) if where == "address" else 10**5000
@@ -201,7 +201,7 @@ def test_snapshot_integers_of_thousands_of_digits(tmp_path, where):
 
 
 def test_jsonl_time_beyond_float_range(tmp_path):
-    from ms_memopt.events import read_jsonl
+    from ms_memopt.core.events import read_jsonl
 
     path = tmp_path / "t.jsonl"
     path.write_text('{"format": "ms-memopt-events", "version": 1}\n'

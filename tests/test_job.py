@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ms_memopt.job import (JobResult, JobSpec, RankStream, job_from_recipe, median_job_oom_step,
+from ms_memopt.engine.job import (JobResult, JobSpec, RankStream, job_from_recipe, median_job_oom_step,
                            rank_streams, reproducible_figures, simulate_jobs, stream_seed)
-from ms_memopt.simulate import simulate_policy
+from ms_memopt.engine.simulate import simulate_policy
 from test_simulate import MiB, small_cfg, small_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +18,7 @@ RECIPE = ROOT / "recipes" / "dense_100b_1024x910c.yaml"
 def _recipe():
     if not RECIPE.exists():
         pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
-    from ms_memopt.recipe import load_recipe
+    from ms_memopt.config.recipe import load_recipe
     return load_recipe(RECIPE)
 
 
@@ -66,7 +66,7 @@ def test_each_stage_has_its_own_workload():
 
 
 def test_bad_stage_and_sample_size_are_input_errors():
-    from ms_memopt.errors import InputError
+    from ms_memopt.core.errors import InputError
 
     recipe = _recipe()
     with pytest.raises(InputError, match="--stages"):
@@ -114,8 +114,8 @@ def test_a_one_stream_job_is_the_one_card_simulation():
 def test_median_job_oom_step_counts_survivors_as_later():
     def job(step):
         r = JobResult("baseline", 0, 100)
-        from ms_memopt.job import RankOutcome
-        from ms_memopt.simulate import PolicyResult
+        from ms_memopt.engine.job import RankOutcome
+        from ms_memopt.engine.simulate import PolicyResult
         r.outcomes.append(RankOutcome(RankStream(0, 0, 0, 1, 0), PolicyResult("baseline", 0, 100, oom_step=step)))
         return r
 
@@ -143,8 +143,8 @@ def test_progress_counts_every_rank_stream():
 
 
 def test_unknown_executor_and_address_without_engine_are_input_errors():
-    from ms_memopt.errors import InputError
-    from ms_memopt.executors import run_tasks
+    from ms_memopt.core.errors import InputError
+    from ms_memopt.engine.executors import run_tasks
 
     with pytest.raises(InputError, match="--executor"):
         run_tasks(abs, [1], executor="spark")
@@ -216,7 +216,7 @@ def test_cli_compact_trigger_from_flag_and_recipe(tmp_path, capsys):
 def test_report_of_a_job_timeline_counts_ranks_not_seeds(tmp_path):
     """A job's timeline rows carry ``rank``: the report's table speaks of ranks (each with its
     own seed), earliest OOM first, never of seeds."""
-    from ms_memopt.report import build_report
+    from ms_memopt.report.build import build_report
 
     rows = []
     for rank, seed, oom in ((0, 111, 300), (5, 222, 250), (9, 333, None)):
@@ -237,8 +237,8 @@ def test_report_of_a_job_timeline_counts_ranks_not_seeds(tmp_path):
 def test_a_huge_job_must_be_sampled():
     from dataclasses import replace
 
-    from ms_memopt.errors import InputError
-    from ms_memopt.job import MAX_STREAMS
+    from ms_memopt.core.errors import InputError
+    from ms_memopt.engine.job import MAX_STREAMS
 
     recipe = _recipe()
     huge = replace(recipe, parallel=replace(recipe.parallel, data_parallel=MAX_STREAMS))
@@ -290,7 +290,7 @@ def test_ray_runs_any_callable_and_raises_the_task_error_on_a_cluster_it_joined(
     and classes as task functions (``ray.remote`` alone refuses ``abs`` and makes ``int`` an
     actor), raises a failing task's own exception, and leaves the cluster running."""
     ray = pytest.importorskip("ray")
-    from ms_memopt.executors import run_tasks
+    from ms_memopt.engine.executors import run_tasks
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -309,8 +309,8 @@ def test_unreachable_ray_cluster_is_an_input_error_at_once(address):
     """Ray itself retries an unreachable address for minutes (docs/verified.md); run_tasks
     answers after one refused connection."""
     pytest.importorskip("ray")
-    from ms_memopt.errors import InputError
-    from ms_memopt.executors import run_tasks
+    from ms_memopt.core.errors import InputError
+    from ms_memopt.engine.executors import run_tasks
 
     with pytest.raises(InputError, match="--address: cannot reach the Ray cluster at .*refused"):
         run_tasks(abs, [1], executor="ray", address=address)
@@ -328,8 +328,8 @@ def test_cli_unreachable_ray_cluster_exits_2(capsys):
 def test_ray_missing_is_an_input_error(monkeypatch):
     import sys
 
-    from ms_memopt.errors import InputError
-    from ms_memopt.executors import run_tasks
+    from ms_memopt.core.errors import InputError
+    from ms_memopt.engine.executors import run_tasks
 
     monkeypatch.setitem(sys.modules, "ray", None)     # import ray -> ImportError
     with pytest.raises(InputError, match="ray"):

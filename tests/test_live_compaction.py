@@ -17,7 +17,7 @@ pytestmark = pytest.mark.mindspore
 from mindspore import Parameter, Tensor, nn  # noqa: E402
 from mindspore.train import Model  # noqa: E402
 
-from ms_memopt.arena import Arena  # noqa: E402
+from ms_memopt.analysis.arena import Arena  # noqa: E402
 from ms_memopt.mindspore.compaction import (BarrierTimeout, CompactionCallback,  # noqa: E402
                                             MindSporeArenaBackend, StoreBarrier, live_compact,
                                             long_lived_tensors, register, unregister)

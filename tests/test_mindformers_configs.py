@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ms_memopt.cli import main
-from ms_memopt.errors import InputError
-from ms_memopt.estimate import (attention_params, estimate, in_flight_chunks, layer_activation_bytes, logits_bytes,
+from ms_memopt.analysis.estimate import (attention_params, estimate, in_flight_chunks, layer_activation_bytes, logits_bytes,
                                 model_params, stage_activation_bytes, stage_param_split)
-from ms_memopt.recipe import load_recipe, recipe_from_dict
+from ms_memopt.cli import main
+from ms_memopt.config.recipe import load_recipe, recipe_from_dict
+from ms_memopt.core.errors import InputError
 
 GiB = 2**30
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "configs" / "mindformers"
@@ -315,15 +315,15 @@ def _moe_recipe(**workload):
 
 
 def _alltoall_sizes(recipe, steps: int, seed: int = 1, tags=("alltoall", "expert_activation")):
-    from ms_memopt.workload import StepWorkload, spec_from_recipe
+    from ms_memopt.engine.workload import StepWorkload, spec_from_recipe
     gen = StepWorkload(spec_from_recipe(recipe), seed=seed)
     gen.prologue()
     return [[e.size for e in gen.step(i) if e.action == "alloc" and e.tag in tags] for i in range(1, steps + 1)]
 
 
 def test_moe_buffers_vary_step_to_step_around_the_balanced_load():
-    from ms_memopt.estimate import alltoall_bytes
-    from ms_memopt.workload import spec_from_recipe
+    from ms_memopt.analysis.estimate import alltoall_bytes
+    from ms_memopt.engine.workload import spec_from_recipe
     r = _moe_recipe()
     spec = spec_from_recipe(r)
     assert spec.moe_layers == (1, 2, 3) and spec.moe_local_experts == 4 and spec.moe_load_cv == 0.2
@@ -339,7 +339,7 @@ def test_moe_buffers_vary_step_to_step_around_the_balanced_load():
 
 
 def test_dense_recipes_get_no_moe_events():
-    from ms_memopt.workload import spec_from_recipe
+    from ms_memopt.engine.workload import spec_from_recipe
     spec = spec_from_recipe(_recipe(_mc()))
     assert spec.moe_layers == () and _alltoall_sizes(_recipe(_mc()), 2) == [[], []]
 
@@ -366,7 +366,7 @@ def test_bloom_176b_parameters_and_peak_against_bigscience():
 # --- MindSpore's parallel optimizer, as its source does it (docs/mindformers.md) -------------
 
 def test_optimizer_weight_shard_size_caps_the_sharding_when_it_divides_the_replicas():
-    from ms_memopt.estimate import optimizer_shard_ways
+    from ms_memopt.analysis.estimate import optimizer_shard_ways
     moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
     par = {"data_parallel": 8, "model_parallel": 2, "expert_parallel": 2}
 
@@ -391,7 +391,7 @@ def test_optimizer_level2_shards_the_accumulation_buffer_like_gradient_accumulat
 
 
 def test_the_parallel_optimizer_gathers_a_layer_in_the_compute_dtype_under_pipeline():
-    from ms_memopt.estimate import gathered_layer_bytes, layer_params
+    from ms_memopt.analysis.estimate import gathered_layer_bytes, layer_params
     moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=512,
                compute_dtype="bfloat16", param_init_type="float32")
     par = {"data_parallel": 4, "pipeline_stage": 2, "micro_batch_num": 2}
@@ -415,7 +415,7 @@ def test_pool_mode_sizes_the_moe_buffers_from_the_routed_tokens(tmp_path, capsys
     routed activations, at a load four deviations above the balanced one: a MoE job whose
     routing varies step to step (cv 0.5) runs 40 steps without a pool-mode OOM."""
     from ms_memopt.allocators.pool import moe_load_headroom, region_sizes_for_workload
-    from ms_memopt.workload import spec_from_recipe
+    from ms_memopt.engine.workload import spec_from_recipe
     mc = _mc(seq_length=1024, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
              first_k_dense_replace=1, use_flash_attention=True)
     data = {"model": {"model_config": mc}, "parallel_config": {"data_parallel": 4, "expert_parallel": 4},

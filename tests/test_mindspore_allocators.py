@@ -14,10 +14,10 @@ from ms_memopt.allocators import create
 from ms_memopt.allocators.base import AllocatorModel
 from ms_memopt.allocators.mindspore import MindSporePool, align_size
 from ms_memopt.allocators.mindspore_vmm import CHUNK, MindSporeVMMPool
-from ms_memopt.events import Event, Trace
-from ms_memopt.layout import Block, Layout, Segment
-from ms_memopt.metrics import measure
-from ms_memopt.replay import replay
+from ms_memopt.core.events import Event, Trace
+from ms_memopt.core.layout import Block, Layout, Segment
+from ms_memopt.core.metrics import measure
+from ms_memopt.engine.replay import replay
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -72,7 +72,7 @@ def test_streamed_slide_of_a_large_buffer_is_byte_exact():
 def test_arena_compaction_in_one_call_equals_run_by_run(seed):
     """Arena.compact() takes the one-call path unless a hook watches between runs; both paths
     leave the same buffer and the same offsets."""
-    from ms_memopt.arena import Arena, ArenaFull
+    from ms_memopt.analysis.arena import Arena, ArenaFull
 
     arenas = [Arena(1 << 20), Arena(1 << 20)]
     arenas[1].after_run = lambda index, runs: None          # forces the run-by-run loop

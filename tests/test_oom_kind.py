@@ -12,10 +12,10 @@ import pytest
 
 from ms_memopt.allocators import base, create, oom_kind
 from ms_memopt.allocators.fast import AVAILABLE
-from ms_memopt.events import Event, Trace
-from ms_memopt.replay import replay
-from ms_memopt.simulate import SimConfig, _Run
-from ms_memopt.workload import WorkloadSpec
+from ms_memopt.core.events import Event, Trace
+from ms_memopt.engine.replay import replay
+from ms_memopt.engine.simulate import SimConfig, _Run
+from ms_memopt.engine.workload import WorkloadSpec
 
 GiB = 2**30
 CAPACITY = 6 * GiB

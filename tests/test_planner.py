@@ -11,13 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ms_memopt.analysis.planner import Buffer, buffers_from_events, lower_bound, pack, validate
+from ms_memopt.analysis.planner.greedy import ORDERS, greedy_place
+from ms_memopt.analysis.planner.search import search_place
 from ms_memopt.cli import main
-from ms_memopt.errors import InputError
-from ms_memopt.planner import Buffer, buffers_from_events, lower_bound, pack, validate
-from ms_memopt.planner.greedy import ORDERS, greedy_place
-from ms_memopt.planner.problem import arena_of
-from ms_memopt.planner.search import search_place
-from ms_memopt.traces.instances import read_instance, write_instance, write_offsets
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.placement import arena_of
+from ms_memopt.io.traces.instances import read_instance, write_instance, write_offsets
 
 DSA = Path(__file__).resolve().parents[2] / "shared" / "data" / "dsa"
 
@@ -305,7 +305,7 @@ def test_cli_missing_file_exits_2(tmp_path, capsys):
 
 
 def test_cli_reads_an_event_trace(tmp_path, capsys):
-    from ms_memopt.events import Event, write_jsonl
+    from ms_memopt.core.events import Event, write_jsonl
 
     path = tmp_path / "trace.jsonl"
     write_jsonl(path, [Event("alloc", id=1, size=64), Event("alloc", id=2, size=32),

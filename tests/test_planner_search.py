@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ms_memopt.analysis.planner import Buffer, lower_bound, pack, validate
+from ms_memopt.analysis.planner import _native
+from ms_memopt.analysis.planner.generate import cut_strip
+from ms_memopt.analysis.planner.greedy import greedy_place
+from ms_memopt.analysis.planner.search import PREORDERS, search_place
 from ms_memopt.cli import main
-from ms_memopt.planner import Buffer, lower_bound, pack, validate
-from ms_memopt.planner import _native
-from ms_memopt.planner.generate import cut_strip
-from ms_memopt.planner.greedy import greedy_place
-from ms_memopt.planner.problem import arena_of
-from ms_memopt.planner.search import PREORDERS, search_place
-from ms_memopt.traces.instances import read_instance, write_instance
+from ms_memopt.core.placement import arena_of
+from ms_memopt.io.traces.instances import read_instance, write_instance
 from test_planner import _optimum_by_permutations  # the brute-force optimum (tests/ is on sys.path)
 
 DSA = Path(__file__).resolve().parents[2] / "shared" / "data" / "dsa"

@@ -11,11 +11,11 @@ import pytest
 
 from ms_memopt.allocators import create
 from ms_memopt.allocators.mindspore import MindSporeBestFitPool, MindSporePool
-from ms_memopt.errors import InputError
-from ms_memopt.events import read_jsonl, write_jsonl
-from ms_memopt.replay import replay
-from ms_memopt.traces import detect_format, load_trace
-from ms_memopt.traces.ms_pool_log import PoolLogParser, read_pool_log, recorded_final_layout
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import read_jsonl, write_jsonl
+from ms_memopt.engine.replay import replay
+from ms_memopt.io.traces import detect_format, load_trace
+from ms_memopt.io.traces.ms_pool_log import PoolLogParser, read_pool_log, recorded_final_layout
 
 DATA = Path(__file__).parent / "data" / "pool_log"
 RECORDINGS = sorted(DATA.glob("*.log.gz"))
@@ -195,7 +195,7 @@ def test_a_marker_glued_to_the_front_of_a_pool_line_gives_both_events():
 
 
 def test_record_markers_are_one_write_each(monkeypatch):
-    import ms_memopt.scan as scan
+    import ms_memopt.analysis.scan as scan
     writes = []
     monkeypatch.setattr(scan, "_RECORDING", True)
     monkeypatch.setattr(scan.os, "write", lambda fd, data: writes.append(data) or len(data))

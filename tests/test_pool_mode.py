@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.errors import InputError
-from ms_memopt.poolplan import PURPOSES, PoolPlan
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.poolplan import PURPOSES, PoolPlan
 
 HAS_MINDSPORE = importlib.util.find_spec("mindspore") is not None
 
@@ -75,7 +75,7 @@ def test_from_dict_rejects_overlap():
 def test_poolplan_imports_no_mindspore():
     import subprocess
     import sys
-    code = "import sys, ms_memopt.poolplan; assert 'mindspore' not in sys.modules"
+    code = "import sys, ms_memopt.core.poolplan; assert 'mindspore' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -198,7 +198,7 @@ def test_parameters_are_contiguous_by_dtype_and_plan_sizes_add_up():
     assert plan.region("gradients").size == n_bytes
     assert plan.region("optimizer").size == 2 * n_bytes
     # The per-layer figures are the recipe estimator's (one formula for plan and pool mode).
-    from ms_memopt.estimate import layer_activation_bytes, layer_input_bytes
+    from ms_memopt.analysis.estimate import layer_activation_bytes, layer_input_bytes
     layer = pool_mode.layer_model_config(cfg)
     per_block = layer_activation_bytes(layer, seq=cfg.seq_length, micro_batch=4)
     boundary = layer_input_bytes(layer, seq=cfg.seq_length, micro_batch=4)
@@ -208,7 +208,7 @@ def test_parameters_are_contiguous_by_dtype_and_plan_sizes_add_up():
     assert plan.notes["activation_without_recompute"] == 4 * per_block
     assert plan.region("activations").size == 2 * boundary + 2 * per_block
     # ... composed by the same function `ms-memopt plan` uses for memopt.checkpoint_every
-    from ms_memopt.estimate import recompute_group_bytes
+    from ms_memopt.analysis.estimate import recompute_group_bytes
     assert plan.region("activations").size == recompute_group_bytes(4, 2, per_block, boundary)
     assert plan.notes["reservation"].startswith("not reserved")
 

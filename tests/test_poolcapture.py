@@ -10,7 +10,7 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import json, sys
-    from ms_memopt import poolcapture
+    from ms_memopt.mindspore import poolcapture
     capture = poolcapture.start(sys.argv[1])
     import numpy as np
     import mindspore as ms
@@ -50,8 +50,8 @@ def test_scan_source_reads_the_real_pool_and_matches_a_replay_of_its_log(tmp_pat
     assert got["reserved"] == 1 << 30 and got["live"] >= 4 and got["allocated"] > 0
     # the log left behind is a complete pool log: replayed, it ends in the layout the scan saw
     from ms_memopt.allocators import create
-    from ms_memopt.replay import replay
-    from ms_memopt.traces import load_trace
+    from ms_memopt.engine.replay import replay
+    from ms_memopt.io.traces import load_trace
     trace = load_trace(log)
     result = replay(trace, create("mindspore-bestfit"))
     assert result.address_match == 1.0
@@ -64,7 +64,7 @@ def test_capture_refuses_after_mindspore_is_imported(tmp_path):
     code = textwrap.dedent(f"""
         import sys, types
         sys.modules["mindspore"] = types.ModuleType("mindspore")     # as if imported already
-        from ms_memopt import poolcapture
+        from ms_memopt.mindspore import poolcapture
         assert poolcapture.start({str(tmp_path / 'p.log')!r}) is None
         print(poolcapture.unavailable_reason())
         print("refused:", poolcapture.active())

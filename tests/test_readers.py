@@ -12,16 +12,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.errors import InputError
-from ms_memopt.events import Event, Trace, write_jsonl
-from ms_memopt.metrics import measure
-from ms_memopt.traces import FORMATS, detect_format, load_trace
-from ms_memopt.traces.instances_events import instances_to_trace
-from ms_memopt.traces.fields import parse_address
-from ms_memopt.traces.memory_block import NEVER_FREED, read_memory_block
-from ms_memopt.traces.ms_debug_dump import layout_at, read_pool_debug_dump
-from ms_memopt.traces.msmemscope import read_msmemscope
-from ms_memopt.traces.synthetic import synthetic_trace
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Event, Trace, write_jsonl
+from ms_memopt.core.metrics import measure
+from ms_memopt.io.traces import FORMATS, detect_format, load_trace
+from ms_memopt.io.traces.fields import parse_address
+from ms_memopt.io.traces.instances_events import instances_to_trace
+from ms_memopt.io.traces.memory_block import NEVER_FREED, read_memory_block
+from ms_memopt.io.traces.ms_debug_dump import layout_at, read_pool_debug_dump
+from ms_memopt.io.traces.msmemscope import read_msmemscope
+from ms_memopt.io.traces.synthetic import synthetic_trace
 
 DATA = Path(__file__).resolve().parent / "data"
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"

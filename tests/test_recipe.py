@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ms_memopt.cli import main
-from ms_memopt.errors import InputError
-from ms_memopt.recipe import MemoptConfig, llama_ffn_size, load_recipe, recipe_from_dict
+from ms_memopt.config.recipe import MemoptConfig, llama_ffn_size, load_recipe, recipe_from_dict
+from ms_memopt.core.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"

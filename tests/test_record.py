@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from ms_memopt.events import read_jsonl
-from ms_memopt.traces import load_trace
+from ms_memopt.core.events import read_jsonl
+from ms_memopt.io.traces import load_trace
 
 WORKLOAD = textwrap.dedent("""
     import sys

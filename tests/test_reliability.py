@@ -6,7 +6,7 @@ Every reader is driven through its public entry point (``load_trace`` with each 
 ``pack``, ``report``), with hypothesis-generated damage: truncation, byte flips, inserted
 junk, dropped and repeated lines, numbers swapped for wrong types, huge numbers, NaN and
 infinities, and empty files. The only allowed outcomes are a parsed result or our
-:class:`~ms_memopt.errors.InputError` (exit code 2 on the command line); anything else fails.
+:class:`~ms_memopt.core.errors.InputError` (exit code 2 on the command line); anything else fails.
 
 Each case runs under a hard wall-clock bound (``SIGALRM``) and an address-space bound
 (``RLIMIT_AS``, the process's current size plus a margin), so a hang or a memory blow-up
@@ -41,10 +41,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ms_memopt.cli import main
-from ms_memopt.errors import InputError
-from ms_memopt.recipe import Recipe, load_recipe, recipe_from_dict
-from ms_memopt.traces import FORMATS, load_trace
-from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+from ms_memopt.config.recipe import Recipe, load_recipe, recipe_from_dict
+from ms_memopt.core.errors import InputError
+from ms_memopt.io.traces import FORMATS, load_trace
+from ms_memopt.io.traces.torch_snapshot import read_torch_snapshot
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -272,7 +272,7 @@ def test_seeds_are_valid(work):
         trace = load_trace(path)
         assert trace.format == _format_of(name) and trace.events, name
     assert recipe_from_dict(copy.deepcopy(_RECIPE)).parallel.cards == 8
-    from ms_memopt.scan import read_scan_log
+    from ms_memopt.analysis.scan import read_scan_log
 
     (work / "seed-scan.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _SCAN_RECORDS))
     assert len(read_scan_log(work / "seed-scan.jsonl")) == 2
@@ -436,7 +436,7 @@ def test_fuzz_jsonl_wrong_types(work, events, extra, allocator):
 @given(data=st.data())
 def test_fuzz_instance_reader(work, data):
     """``read_instance`` (the planner's reader) on damaged instance CSVs."""
-    from ms_memopt.traces.instances import read_instance
+    from ms_memopt.io.traces.instances import read_instance
 
     path = work / "instance.csv"
     path.write_bytes(data.draw(_damaged(_TRACE_SEEDS["instances"])))
@@ -447,7 +447,7 @@ def test_fuzz_instance_reader(work, data):
 @given(data=st.data())
 def test_fuzz_scan_log_reader(work, data):
     """``read_scan_log`` on damaged scan logs: records or InputError naming file and line."""
-    from ms_memopt.scan import read_scan_log
+    from ms_memopt.analysis.scan import read_scan_log
 
     path = work / "scan.jsonl"
     seed = "".join(json.dumps(r) + "\n" for r in _SCAN_RECORDS).encode()
@@ -465,9 +465,8 @@ _LAYOUT = {"step": 10, "label": "after compaction", "capacity": 8192,
 @_FUZZ_FEW
 @given(layout=_mutated(_LAYOUT, _NASTY_VALUES))
 def test_fuzz_layout_reader(work, layout):
-    """``report.read_layouts`` (the memory map's input) on records with wrong types and huge numbers."""
-    from ms_memopt.report import read_layouts
-
+    """``read_layouts`` (the memory map's input) on records with wrong types and huge numbers."""
+    from ms_memopt.io.layouts import read_layouts
     path = work / "layouts.jsonl"
     path.write_text(json.dumps(layout) + "\n")
     _outcome(lambda: read_layouts(path))
@@ -489,7 +488,7 @@ def test_fuzz_report_cli_with_plots(work, layout):
 @given(data=st.data())
 def test_fuzz_pool_debug_dump_reader(work, data):
     """``read_pool_debug_dump`` (MemoryDebugInfo*.txt, a layout, not a trace) on damaged dumps."""
-    from ms_memopt.traces.ms_debug_dump import read_pool_debug_dump
+    from ms_memopt.io.traces.ms_debug_dump import read_pool_debug_dump
 
     path = work / "MemoryDebugInfo0.txt"
     path.write_bytes(data.draw(_damaged((DATA / "MemoryDebugInfo0.txt").read_bytes())))
@@ -721,8 +720,7 @@ def test_impossible_recipe_names_key_path_and_exits_2(tmp_path, name):
        data=st.data())
 def test_misspelled_key_in_any_memopt_section_gets_a_did_you_mean(section, data):
     """A key of one of our sections with one character dropped: rejected, named, corrected."""
-    from ms_memopt import recipe as recipe_module
-
+    from ms_memopt.config import recipe as recipe_module
     known = {"memopt": recipe_module._MEMOPT_KEYS, "memopt.device": recipe_module._DEVICE_KEYS,
              "memopt.allocator": recipe_module._ALLOCATOR_KEYS, "memopt.workload": recipe_module._WORKLOAD_KEYS,
              "memopt.workload.shape_cache": recipe_module._SHAPE_CACHE_KEYS,
@@ -878,7 +876,7 @@ def test_hostile_jsonl_integer_over_4300_digits(tmp_path):
 
 
 def test_hostile_scan_log_deeply_nested_line(tmp_path):
-    from ms_memopt.scan import read_scan_log
+    from ms_memopt.analysis.scan import read_scan_log
 
     path = _write(tmp_path / "scan.jsonl", b"[" * 100_000 + b"\n")
     _strict_input_error(lambda: read_scan_log(path))
@@ -924,7 +922,7 @@ def test_hostile_recipe_integer_beyond_float_range(tmp_path, where):
 
 
 def test_hostile_size_overflowing_a_float():
-    from ms_memopt.units import parse_count, parse_size
+    from ms_memopt.core.units import parse_count, parse_size
 
     _strict_input_error(lambda: parse_size("1e300TB"))
     _strict_input_error(lambda: parse_count("1e300T"))
@@ -1021,8 +1019,8 @@ def test_scan_log_write_failure_is_logged_and_training_goes_on(tmp_path, monkeyp
     import errno
     import logging
 
-    from ms_memopt.layout import Block, Layout, Segment
-    from ms_memopt.scan import LayoutSource, ScanLog, Scanner, read_scan_log
+    from ms_memopt.core.layout import Block, Layout, Segment
+    from ms_memopt.analysis.scan import LayoutSource, ScanLog, Scanner, read_scan_log
 
     layout = Layout([Segment(0, 4096, [Block(0, 1024, True), Block(1024, 3072, False)])])
     path = tmp_path / "scan.jsonl"
@@ -1034,7 +1032,7 @@ def test_scan_log_write_failure_is_logged_and_training_goes_on(tmp_path, monkeyp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "write", disk_full)
-    with caplog.at_level(logging.WARNING, logger="ms_memopt.scan"):
+    with caplog.at_level(logging.WARNING, logger="ms_memopt.analysis.scan"):
         records = [scanner.step(s) for s in (2, 3)]
     monkeypatch.setattr(os, "write", real_write)
     assert all(r is not None and r.largest_free == 3072 for r in records)
@@ -1054,8 +1052,8 @@ def test_simulation_memory_does_not_grow_with_steps():
     10,000 steps and prints RSS against the step count.)"""
     import tracemalloc
 
-    from ms_memopt.simulate import config_from_recipe, simulate
-    from ms_memopt.workload import spec_from_recipe
+    from ms_memopt.engine.simulate import config_from_recipe, simulate
+    from ms_memopt.engine.workload import spec_from_recipe
 
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "demo_cpu.yaml")
     spec = spec_from_recipe(recipe)
@@ -1078,8 +1076,7 @@ def test_simulation_memory_does_not_grow_with_steps():
 
 
 def test_hostile_layout_record_with_infinite_capacity(tmp_path):
-    from ms_memopt.report import read_layouts
-
+    from ms_memopt.io.layouts import read_layouts
     path = _write(tmp_path / "layouts.jsonl", json.dumps(dict(_LAYOUT, capacity=float("inf"))).encode() + b"\n")
     _strict_input_error(lambda: read_layouts(path))
 
@@ -1101,11 +1098,11 @@ def test_hostile_report_log_write_failure_in_a_callback_stops_training(tmp_path,
     import types
 
     pytest.importorskip("mindspore")
-    from ms_memopt.layout import Block, Layout, Segment
+    from ms_memopt.core.layout import Block, Layout, Segment
     from ms_memopt.mindspore.standalone import _CallbackParams, _LayoutSnapshots, _StepLog
 
     layout = Layout([Segment(0, 4096, [Block(0, 1024, True), Block(1024, 3072, False)])])
-    from ms_memopt.scan import LayoutSource
+    from ms_memopt.analysis.scan import LayoutSource
 
     source = LayoutSource("arena", lambda: layout)
     scan_callback = types.SimpleNamespace(scanner=types.SimpleNamespace(sources=[source]))
@@ -1147,7 +1144,7 @@ def test_hostile_instance_csv_errors_escape(tmp_path, kind, entry):
 
 
 def test_hostile_scan_log_kind_unhashable(tmp_path):
-    from ms_memopt.scan import read_scan_log
+    from ms_memopt.analysis.scan import read_scan_log
 
     path = _write(tmp_path / "scan.jsonl", b'{"kind": [], "step": 10}\n')
     _strict_input_error(lambda: read_scan_log(path))

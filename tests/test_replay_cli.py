@@ -176,13 +176,13 @@ def test_export_memory_viz(tmp_path, capsys):
 def test_model_that_cannot_restore_exits_2(capsys, monkeypatch):
     from ms_memopt.allocators.base import AllocatorModel
     from ms_memopt.allocators.mindspore import MindSporePool
-    from ms_memopt.events import Trace
-    from ms_memopt.layout import Layout
+    from ms_memopt.core.events import Trace
+    from ms_memopt.core.layout import Layout
 
     # the real pool model with the base class's restore, which refuses a recorded starting state
     monkeypatch.setattr(MindSporePool, "restore", AllocatorModel.restore)
     monkeypatch.setattr("ms_memopt.allocators.fast.AVAILABLE", False)   # the reference class, not its C twin
-    monkeypatch.setattr("ms_memopt.traces.load_trace",
+    monkeypatch.setattr("ms_memopt.io.traces.load_trace",
                         lambda path, format=None: Trace([], source=str(path), format="torch-snapshot",
                                                         initial=Layout([])))
     code, _, err = _run(["replay", "snapshot.pickle", "--allocator", MODEL], capsys)

@@ -9,10 +9,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ms_memopt.cli import main
-from ms_memopt.errors import InputError
-from ms_memopt.layout import Block, Layout, Segment
-from ms_memopt.report import (LayoutSnapshot, _category, build_report, layout_from_dict, layout_to_dict, plot_memory_map,
-                              plot_region_budget, read_layouts, write_layouts)
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.layout import Block, Layout, Segment
+from ms_memopt.io.layouts import LayoutSnapshot, layout_from_dict, layout_to_dict, read_layouts, write_layouts
+from ms_memopt.report.build import build_report
+from ms_memopt.report.memory_map import plot_memory_map
+from ms_memopt.report.plots import plot_region_budget, purpose_color
 
 MiB = 2**20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -184,9 +186,9 @@ def test_report_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_demo_memory_map_layouts_come_from_the_simulated_workload():
-    from ms_memopt.memory_map import simulated_layouts
-    from ms_memopt.metrics import measure
-    from ms_memopt.recipe import load_recipe
+    from ms_memopt.engine.snapshots import simulated_layouts
+    from ms_memopt.core.metrics import measure
+    from ms_memopt.config.recipe import load_recipe
 
     recipes = Path(__file__).resolve().parents[1] / "recipes"
     snaps = simulated_layouts(load_recipe(recipes / "demo_cpu.yaml"), [1, 5], policies=("baseline",))
@@ -198,7 +200,7 @@ def test_demo_memory_map_layouts_come_from_the_simulated_workload():
         assert m.allocated > 0 and m.free_total > 0
         tags = {b.tag for b in snap.layout.live_blocks()}
         assert None not in tags                               # every live block knows its purpose
-        assert "parameter" in {_category(t)[0] for t in tags}
+        assert "parameter" in {purpose_color(t)[0] for t in tags}
     assert {s.pool for s in snaps[-1].layout.segments} >= {"parameters", "activations"}   # one segment per region
 
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from ms_memopt.allocators.mindspore import MindSporePool
-from ms_memopt.cli import main as cli_main
-from ms_memopt.errors import InputError
-from ms_memopt.layout import Block, Layout, Segment
-from ms_memopt.report_merge import merge_ranks
-from ms_memopt.scan import (LayoutSource, Reading, ScanLog, Scanner, Source, check_watch, parse_watch,
+from ms_memopt.analysis.scan import (LayoutSource, Reading, ScanLog, Scanner, Source, check_watch, parse_watch,
                             read_scan_log)
+from ms_memopt.cli import main as cli_main
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.layout import Block, Layout, Segment
+from ms_memopt.report.merge import merge_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
@@ -85,7 +85,7 @@ def test_watch_fits_when_the_pool_can_grow():
 
 def test_frag_warning_is_logged_and_recorded(caplog):
     scanner = Scanner([LayoutSource("arena", lambda: _layout((1024, 1024, 1024, 1024, 1024)))], every=1, frag_warn=3.0)
-    with caplog.at_level(logging.WARNING, logger="ms_memopt.scan"):
+    with caplog.at_level(logging.WARNING, logger="ms_memopt.analysis.scan"):
         record = scanner.step(1)
     assert record.frag_ratio == pytest.approx(4.0)
     assert any("frag_ratio 4.00 > frag_warn 3" in w for w in record.warnings)
@@ -110,7 +110,7 @@ def test_parse_watch_names_the_key():
 def test_failing_source_is_logged_once_and_skipped(tmp_path, caplog):
     broken = _Failing()
     scanner = Scanner([broken, LayoutSource("arena", _layout)], log=ScanLog(tmp_path / "s.jsonl"), every=1)
-    with caplog.at_level(logging.WARNING, logger="ms_memopt.scan"):
+    with caplog.at_level(logging.WARNING, logger="ms_memopt.analysis.scan"):
         records = [scanner.step(s) for s in range(1, 6)]
     assert broken.calls == 1
     assert [r.source for r in records] == ["arena"] * 5
@@ -142,8 +142,8 @@ def test_log_drops_torn_line_and_does_not_duplicate_on_restart(tmp_path):
 
 _CHILD = textwrap.dedent("""
     import sys, time
-    from ms_memopt.layout import Block, Layout, Segment
-    from ms_memopt.scan import LayoutSource, ScanLog, Scanner
+    from ms_memopt.core.layout import Block, Layout, Segment
+    from ms_memopt.analysis.scan import LayoutSource, ScanLog, Scanner
     path, start = sys.argv[1], int(sys.argv[2])
     seg = Segment(0, 1 << 20, [Block(0, 4096, True), Block(4096, (1 << 20) - 4096, False)])
     scanner = Scanner([LayoutSource("arena", lambda: Layout([seg]))], log=ScanLog(path), every=1,
@@ -505,7 +505,7 @@ def test_device_source_falls_back_to_probe_on_an_unreadable_dump(tmp_path):
 def test_under_vmm_a_scan_judges_by_what_can_be_mapped_not_by_the_holes():
     """A VMM pool maps pages on demand: a request larger than every hole still fits while the
     free memory covers it, and no frag warning is raised for holes."""
-    from ms_memopt.scan import Reading, Scanner, Source
+    from ms_memopt.analysis.scan import Reading, Scanner, Source
 
     class Fixed(Source):
         name = "fixed"

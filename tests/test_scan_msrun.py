@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ms_memopt.report_merge import merge_ranks
-from ms_memopt.scan import read_scan_log
+from ms_memopt.analysis.scan import read_scan_log
+from ms_memopt.report.merge import merge_ranks
 
 pytestmark = [pytest.mark.msrun, pytest.mark.mindspore, pytest.mark.slow]
 

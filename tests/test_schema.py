@@ -1,6 +1,6 @@
 """One schema for recipes and workloads (issue 25): every ``memopt.workload`` key has one
-default, written once in :class:`~ms_memopt.recipe.WorkloadConfig`; the simulator's
-:class:`~ms_memopt.workload.WorkloadSpec`, the recipe loader, docs/recipes.md and
+default, written once in :class:`~ms_memopt.config.recipe.WorkloadConfig`; the simulator's
+:class:`~ms_memopt.engine.workload.WorkloadSpec`, the recipe loader, docs/recipes.md and
 ``ms-memopt run``'s sequence lengths all follow it."""
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ms_memopt import workload as wl
-from ms_memopt.recipe import (
+from ms_memopt.engine import workload as wl
+
+from ms_memopt.config.recipe import (
     ExtraAllocsConfig,
     ShapeCacheConfig,
     WorkloadConfig,
@@ -22,8 +23,8 @@ from ms_memopt.recipe import (
     schema_keys,
     seq_range,
 )
-from ms_memopt.units import parse_size
-from ms_memopt.workload import RUN_KEYS, StepWorkload, WorkloadSpec, spec_from_recipe, spec_settings
+from ms_memopt.core.units import parse_size
+from ms_memopt.engine.workload import RUN_KEYS, StepWorkload, WorkloadSpec, spec_from_recipe, spec_settings
 from docs_table import documented_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,13 +147,13 @@ def test_no_workload_default_is_written_a_second_time_in_the_package():
 
 def test_the_loader_takes_every_workload_default_from_the_schema():
     # recipe._read_workload: no r.get(..., default) with a written-out default
-    tree = ast.parse((PACKAGE / "recipe.py").read_text(encoding="utf-8"))
+    tree = ast.parse((PACKAGE / "config" / "recipe.py").read_text(encoding="utf-8"))
     reader = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_read_workload")
     literal = [ast.unparse(c) for c in ast.walk(reader) if isinstance(c, ast.Call)
                and getattr(c.func, "attr", None) == "get" and len(c.args) >= 5 and _is_literal(c.args[4])]
     assert not literal, literal
     # and the section's key sets are the dataclasses' fields
-    from ms_memopt import recipe
+    from ms_memopt.config import recipe
     assert recipe._WORKLOAD_KEYS == {f.name for f in dataclasses.fields(WorkloadConfig)}
     assert recipe._SHAPE_CACHE_KEYS == {f.name for f in dataclasses.fields(ShapeCacheConfig)}
     assert recipe._EXTRA_KEYS == {f.name for f in dataclasses.fields(ExtraAllocsConfig)}
@@ -248,7 +249,7 @@ def test_standalone_run_uses_the_shared_rule():
         recipe = recipe_from_dict(_tiny(**rules))
         assert standalone.sequence_lengths(recipe, 25, 64) == wl.sequence_lengths(recipe.memopt.workload, 25, 64)
     # the shipped demo: 8..32 tokens in multiples of 4, the simulator's draws
-    from ms_memopt.recipe import load_recipe
+    from ms_memopt.config.recipe import load_recipe
 
     demo = load_recipe(ROOT / "recipes" / "demo_cpu.yaml")
     lengths = standalone.sequence_lengths(demo, 30, demo.model.seq_length)
@@ -260,7 +261,7 @@ def test_standalone_run_uses_the_shared_rule():
 def test_the_100b_recipe_draws_as_before():
     # the simulator's rule is unchanged: rounding down, long_tail uniform; the study's stream
     recipe_path = ROOT / "recipes" / "dense_100b_1024x910c.yaml"
-    from ms_memopt.recipe import load_recipe
+    from ms_memopt.config.recipe import load_recipe
 
     spec = spec_from_recipe(load_recipe(recipe_path))
     rng = np.random.default_rng(0)
@@ -284,8 +285,8 @@ def test_event_rows_have_one_definition():
     import dataclasses
     import re
 
-    from ms_memopt.events import FIELDS, ROW_INDEX, Event
-    from ms_memopt.workload import StepWorkload, WorkloadSpec
+    from ms_memopt.core.events import FIELDS, ROW_INDEX, Event
+    from ms_memopt.engine.workload import StepWorkload, WorkloadSpec
 
     assert FIELDS == tuple(f.name for f in dataclasses.fields(Event))
     assert ROW_INDEX == {name: i for i, name in enumerate(FIELDS)}

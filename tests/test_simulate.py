@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.simulate import (
+from ms_memopt.engine.simulate import (
     POLICIES,
     PlacedRun,
     PolicySummary,
@@ -19,7 +19,7 @@ from ms_memopt.simulate import (
     simulate,
     simulate_policy,
 )
-from ms_memopt.workload import WorkloadSpec
+from ms_memopt.engine.workload import WorkloadSpec
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ def test_activation_chunk_ring_keeps_free_space_in_two_pieces(in_flight, extra, 
     the backward frees them last-saved first; the region's free space is never in more than two
     pieces and nothing falls outside the ring."""
     from ms_memopt.allocators.pool import PoolModeAllocator
-    from ms_memopt.workload import _one_f_one_b
+    from ms_memopt.engine.workload import _one_f_one_b
 
     unit = 4096
     sizes = {m: [n * unit * share for share in (3, 2, 1)] for m, n in enumerate(lengths)}
@@ -205,9 +205,9 @@ def test_activation_chunk_ring_keeps_free_space_in_two_pieces(in_flight, extra, 
 def test_pool_mode_regions_of_the_100b_recipe_stay_within_ratio_one():
     if not RECIPE.exists():
         pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
-    from ms_memopt.recipe import load_recipe
-    from ms_memopt.simulate import config_from_recipe
-    from ms_memopt.workload import spec_from_recipe
+    from ms_memopt.config.recipe import load_recipe
+    from ms_memopt.engine.simulate import config_from_recipe
+    from ms_memopt.engine.workload import spec_from_recipe
 
     recipe = load_recipe(RECIPE)
     r = simulate_policy(spec_from_recipe(recipe), "pool", config_from_recipe(recipe, steps=60), seed=1)
@@ -265,9 +265,9 @@ def test_calibrated_100b_recipe_largest_free_trends_down():
     """Fast check of the calibration (the 10-seed study is in bench/simulate.py --study)."""
     if not RECIPE.exists():
         pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
-    from ms_memopt.recipe import load_recipe
-    from ms_memopt.simulate import config_from_recipe
-    from ms_memopt.workload import spec_from_recipe
+    from ms_memopt.config.recipe import load_recipe
+    from ms_memopt.engine.simulate import config_from_recipe
+    from ms_memopt.engine.workload import spec_from_recipe
 
     recipe = load_recipe(RECIPE)
     spec = spec_from_recipe(recipe)
@@ -285,9 +285,9 @@ def test_calibrated_100b_recipe_largest_free_trends_down():
 
 @pytest.mark.parametrize("policy", ["baseline", "compact", "pool"])
 def test_placed_events_round_trip_through_the_torch_snapshot_reader(tmp_path, policy):
-    from ms_memopt.metrics import measure
-    from ms_memopt.traces.memory_viz import write_memory_viz
-    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+    from ms_memopt.core.metrics import measure
+    from ms_memopt.io.traces.memory_viz import write_memory_viz
+    from ms_memopt.io.traces.torch_snapshot import read_torch_snapshot
 
     placed = PlacedRun()
     r = simulate_policy(small_spec(), policy, small_cfg(steps=25, capacity=160 * MiB), seed=0, placed=placed)
@@ -312,7 +312,7 @@ def test_placed_events_round_trip_through_the_torch_snapshot_reader(tmp_path, po
 
 def test_cli_export_memory_viz_one_file_per_policy(tmp_path, capsys):
     from ms_memopt.cli import main
-    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+    from ms_memopt.io.traces.torch_snapshot import read_torch_snapshot
 
     recipe = ROOT / "recipes" / "demo_cpu.yaml"
     if not recipe.exists():
@@ -332,7 +332,7 @@ def test_cli_export_memory_viz_one_file_per_policy(tmp_path, capsys):
 # --- plots ----------------------------------------------------------------------------------------
 
 def test_size_unit_follows_the_data():
-    from ms_memopt.plots import size_unit
+    from ms_memopt.report.plots import size_unit
 
     assert size_unit(96 * 2**30) == (2**30, "GiB")
     assert size_unit(5 * MiB) == (MiB, "MiB")
@@ -341,7 +341,7 @@ def test_size_unit_follows_the_data():
 
 
 def test_plot_timeline_labels_in_the_unit_of_the_data(tmp_path, monkeypatch):
-    import ms_memopt.plots as plots
+    import ms_memopt.report.plots as plots
 
     seen = {}
     real_save = plots.save_figure
@@ -367,8 +367,8 @@ def test_plot_timeline_labels_in_the_unit_of_the_data(tmp_path, monkeypatch):
 
 
 def test_timeline_reader_drops_a_torn_line_and_names_a_bad_one(tmp_path):
-    from ms_memopt.errors import InputError
-    from ms_memopt.plots import _rows, plot_fragmentation_timeline
+    from ms_memopt.core.errors import InputError
+    from ms_memopt.report.plots import _rows, plot_fragmentation_timeline
 
     good = '{"policy":"baseline","seed":0,"step":1,"kind":"scan","free_total":2048,"largest_free":1024,"frag_ratio":1.0}\n'
     path = tmp_path / "timeline.jsonl"
@@ -384,8 +384,8 @@ def test_timeline_reader_drops_a_torn_line_and_names_a_bad_one(tmp_path):
 
 
 def test_recipe_compact_triggers_are_the_simulators():
-    from ms_memopt import recipe as recipe_module
-    from ms_memopt.simulate import COMPACT_TRIGGERS
+    from ms_memopt.config import recipe as recipe_module
+    from ms_memopt.engine.simulate import COMPACT_TRIGGERS
 
     assert recipe_module._COMPACT_TRIGGERS == COMPACT_TRIGGERS
 
@@ -398,9 +398,9 @@ def test_every_recipe_allocator_name_simulates(tmp_path, name, model):
     ``pool`` (pool-mode training for ``run``) simulates its baseline on MindSpore's pool."""
     if not RECIPE.exists():
         pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
-    from ms_memopt.recipe import load_recipe
-    from ms_memopt.simulate import config_from_recipe
-    from ms_memopt.workload import spec_from_recipe
+    from ms_memopt.config.recipe import load_recipe
+    from ms_memopt.engine.simulate import config_from_recipe
+    from ms_memopt.engine.workload import spec_from_recipe
 
     path = tmp_path / "recipe.yaml"
     path.write_text(RECIPE.read_text().replace("    name: mindspore\n", f"    name: {name}\n", 1))

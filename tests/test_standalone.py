@@ -11,8 +11,8 @@ import yaml
 
 from ms_memopt.cli import main
 from ms_memopt.cli.run_cmd import host_memory_check
-from ms_memopt.errors import InputError
-from ms_memopt.recipe import load_recipe, recipe_from_dict
+from ms_memopt.config.recipe import load_recipe, recipe_from_dict
+from ms_memopt.core.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -155,10 +155,10 @@ def test_bad_device_and_steps_are_usage_errors(tmp_path):
 @pytest.mark.mindspore
 def test_export_memory_viz_writes_the_last_scanned_layout(tmp_path):
     from ms_memopt.cli.run_cmd import _export_memory_viz
-    from ms_memopt.layout import Block, Layout, Segment
+    from ms_memopt.core.layout import Block, Layout, Segment
     from ms_memopt.mindspore.standalone import RunResult
-    from ms_memopt.report import LayoutSnapshot, write_layouts
-    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+    from ms_memopt.io.layouts import LayoutSnapshot, write_layouts
+    from ms_memopt.io.traces.torch_snapshot import read_torch_snapshot
 
     seg = Segment(1 << 21, 4096, [Block(1 << 21, 1024, True, tag="parameter"), Block((1 << 21) + 1024, 3072, False)])
     write_layouts(tmp_path / "layouts.jsonl", [LayoutSnapshot(5, "a", Layout([seg]))])

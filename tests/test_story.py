@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ms_memopt.cli import main
-from ms_memopt.events import Event, Trace
-from ms_memopt.plots import Marker, _marker_value, _same_until, _window_trend
+from ms_memopt.core.events import Event, Trace
+from ms_memopt.report.plots import Marker, _marker_value, _same_until, _window_trend
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -95,8 +95,8 @@ def test_pytorch_memory_viz_names_each_block_by_tag_and_sees_segments_grow(tmp_p
 
 
 def test_compaction_moves_are_named_in_the_export(tmp_path):
-    from ms_memopt.traces.memory_viz import snapshot_dict
-    from ms_memopt.layout import Block, Layout, Segment
+    from ms_memopt.io.traces.memory_viz import snapshot_dict
+    from ms_memopt.core.layout import Block, Layout, Segment
 
     events = [Event("alloc", id=1, size=512, addr=0x1000, tag="activation"),
               Event("alloc", id=2, size=512, addr=0x1200, tag="parameter"),
@@ -116,9 +116,9 @@ def test_compaction_moves_are_named_in_the_export(tmp_path):
 # --- replay --export-instances: a trace's buffers for the static planner ------------------------------
 
 def test_replay_exports_instances_that_pack_places_below_what_the_allocator_reserved(tmp_path, capsys):
-    from ms_memopt.events import write_jsonl
-    from ms_memopt.traces.instances import read_instance
-    from ms_memopt.traces.instances_events import trace_to_instances
+    from ms_memopt.core.events import write_jsonl
+    from ms_memopt.io.traces.instances import read_instance
+    from ms_memopt.io.traces.instances_events import trace_to_instances
 
     events = []
     for step in range(4):

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from ms_memopt.cli import main
-from ms_memopt.errors import InputError
-from ms_memopt.events import Event, read_jsonl, write_jsonl
-from ms_memopt.template import (dims_tag, fidelity, generate, learn, load_template, parse_dims_tag, read_schedule,
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Event, read_jsonl, write_jsonl
+from ms_memopt.engine.template import (dims_tag, fidelity, generate, learn, load_template, parse_dims_tag, read_schedule,
                                 save_template, template_from_dict)
-from ms_memopt.traces.ms_pool_log import PoolLogParser
+from ms_memopt.io.traces.ms_pool_log import PoolLogParser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -276,7 +276,7 @@ def test_real_model_template_predicts_a_held_out_run(tmp_path):
     assert figures["size_match"] >= 0.99, figures
     # the pool's peak follows from sizes and lifetimes: equal to the byte
     from ms_memopt.allocators import create
-    from ms_memopt.replay import replay
+    from ms_memopt.engine.replay import replay
     peaks = [replay(read_jsonl(path), create("mindspore-bestfit")).peak_allocated for path in (heldout, simulated)]
     assert peaks[0] == peaks[1]
     # Offsets are not asserted: MindSpore frees a few small groups at a step's end in an order that

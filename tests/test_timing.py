@@ -1,5 +1,5 @@
 """The time model (issue 26): step time, stragglers and MFU of the whole job, per policy
-(:mod:`ms_memopt.timing`, ``memopt.timing`` recipe keys)."""
+(:mod:`ms_memopt.engine.timing`, ``memopt.timing`` recipe keys)."""
 from __future__ import annotations
 
 import ast
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from ms_memopt.errors import InputError
-from ms_memopt.job import JobResult, RankOutcome, RankStream, job_from_recipe, simulate_jobs
-from ms_memopt.recipe import TimingConfig, load_recipe, recipe_from_dict
-from ms_memopt.simulate import PolicyResult
-from ms_memopt.timing import TIMING_KEYS, StepCounts, job_steps, rank_step, step_flops
-from ms_memopt.workload import spec_from_recipe
+from ms_memopt.config.recipe import TimingConfig, load_recipe, recipe_from_dict
+from ms_memopt.core.errors import InputError
+from ms_memopt.engine.job import JobResult, RankOutcome, RankStream, job_from_recipe, simulate_jobs
+from ms_memopt.engine.simulate import PolicyResult
+from ms_memopt.engine.timing import TIMING_KEYS, StepCounts, job_steps, rank_step, step_flops
+from ms_memopt.engine.workload import spec_from_recipe
 from docs_table import documented_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,7 +178,7 @@ def test_docs_table_lists_exactly_the_timing_keys_with_their_defaults():
 
 
 def test_the_loader_takes_every_timing_default_from_the_schema():
-    tree = ast.parse((ROOT / "ms_memopt" / "recipe.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "ms_memopt" / "config" / "recipe.py").read_text(encoding="utf-8"))
     reader = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_read_timing")
     literal = [ast.unparse(c) for c in ast.walk(reader) if isinstance(c, ast.Call)
                and getattr(c.func, "attr", None) == "get" and len(c.args) >= 5 and isinstance(c.args[4], ast.Constant)]

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from ms_memopt.allocators import create
 from ms_memopt.allocators.torch import TorchCachingAllocator, allocation_size, round_size
 from ms_memopt.allocators.torch_expandable import TorchExpandableAllocator
-from ms_memopt.errors import InputError
-from ms_memopt.layout import Block, Layout, Segment
-from ms_memopt.metrics import measure
-from ms_memopt.replay import replay
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.layout import Block, Layout, Segment
+from ms_memopt.core.metrics import measure
+from ms_memopt.engine.replay import replay
 
 MiB = 1 << 20
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "torch"
@@ -324,7 +324,7 @@ def test_restore_then_free_everything(name):
 # --- fidelity on recorded snapshots ----------------------------------------------------------------
 @pytest.mark.parametrize("name", ["tinyllama_qlora.pickle", "cs336_small_warm.pickle"])
 def test_fidelity_on_recorded_snapshots(name):
-    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+    from ms_memopt.io.traces.torch_snapshot import read_torch_snapshot
     trace = read_torch_snapshot(_shared(name))
     result = replay(trace, create("torch"), sample_every=0)
     assert result.address_match is not None and result.address_match >= 0.99
@@ -338,7 +338,7 @@ def test_fidelity_on_recorded_snapshots(name):
 
 def test_fidelity_speed():
     """Throughput floor, lenient for a shared machine (docs/torch.md has the measured figure)."""
-    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+    from ms_memopt.io.traces.torch_snapshot import read_torch_snapshot
     trace = read_torch_snapshot(_shared("tinyllama_qlora.pickle"))
     best = max(replay(trace, create("torch"), sample_every=0).events_per_s for _ in range(3))
     assert best >= 150_000
@@ -346,7 +346,7 @@ def test_fidelity_speed():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_replay_under_a_small_capacity_reports_ooms(name):
-    from ms_memopt.traces.torch_snapshot import read_torch_snapshot
+    from ms_memopt.io.traces.torch_snapshot import read_torch_snapshot
     trace = read_torch_snapshot(_shared("tinyllama_qlora.pickle"))
     trace.initial = None
     result = replay(trace, create(name, capacity=2 << 30), sample_every=500)

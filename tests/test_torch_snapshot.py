@@ -9,11 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.errors import InputError
-from ms_memopt.events import Event, Trace
-from ms_memopt.layout import Layout
-from ms_memopt.traces.memory_viz import placed_events, snapshot_dict, write_memory_viz
-from ms_memopt.traces.torch_snapshot import (SafeUnpickler, looks_like_torch_snapshot, read_torch_snapshot,
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Event, Trace
+from ms_memopt.core.layout import Layout
+from ms_memopt.engine.replay import placed_events
+from ms_memopt.io.traces.memory_viz import snapshot_dict, write_memory_viz
+from ms_memopt.io.traces.torch_snapshot import (SafeUnpickler, looks_like_torch_snapshot, read_torch_snapshot,
                                              safe_load)
 
 MiB = 1 << 20

@@ -196,9 +196,9 @@ def test_dtype_sizes_from_the_current_api():
 def test_pool_mode_estimates_activations_from_a_model_config():
     """A network with a MindFormers-style ``config`` (flat keys, read by the recipe reader) gets an
     activation region without an explicit estimator."""
-    from ms_memopt.estimate import layer_activation_bytes, layer_input_bytes
+    from ms_memopt.analysis.estimate import layer_activation_bytes, layer_input_bytes
     from ms_memopt.mindspore.pool_mode import config_activation_estimator
-    from ms_memopt.recipe import recipe_from_dict
+    from ms_memopt.config.recipe import recipe_from_dict
 
     class Config(dict):
         def to_dict(self):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.workload import (
+from ms_memopt.engine.workload import (
     WATCH_TAG,
     StepWorkload,
     WorkloadSpec,
@@ -153,7 +153,7 @@ def test_any_shape_gives_a_well_formed_stream(seed, layers, mbs, in_flight, k, j
 def test_spec_from_the_100b_recipe():
     if not RECIPE.exists():
         pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
-    from ms_memopt.recipe import load_recipe
+    from ms_memopt.config.recipe import load_recipe
 
     spec = spec_from_recipe(load_recipe(RECIPE))
     assert (spec.layers, spec.micro_batches, spec.in_flight) == (15, 16, 8)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from ..errors import InputError
-from .base import AllocatorModel, OOMRecord, oom_kind
+from ms_memopt.allocators.base import AllocatorModel, OOMRecord, oom_kind
+from ms_memopt.core.errors import InputError
 
 __all__ = ["AllocatorModel", "OOMRecord", "MODELS", "create", "model_class", "oom_kind"]
 
@@ -70,7 +70,7 @@ def model_class(name: str, *, fast: bool | None = None, options: dict | None = N
     if name not in MODELS:
         raise InputError(f"unknown allocator {name!r}; expected one of {', '.join(MODELS)}", key="--allocator")
     if fast or fast is None:
-        from .fast import AVAILABLE, FAST_MODELS
+        from ms_memopt.allocators.fast import AVAILABLE, FAST_MODELS
         if name in FAST_MODELS and (AVAILABLE or fast) and FAST_MODELS[name].supports(options or {}):
             return FAST_MODELS[name]
         if fast:

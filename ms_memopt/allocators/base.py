@@ -3,7 +3,7 @@
 A model owns a simulated address space. ``malloc`` returns the address it chose, or ``None``
 after recording an :class:`OOMRecord` when the request cannot be served within ``capacity``
 (models never raise on OOM: the caller decides what a failed request means). ``layout()``
-exports the current state as a :class:`~ms_memopt.layout.Layout` for the metrics.
+exports the current state as a :class:`~ms_memopt.core.layout.Layout` for the metrics.
 
 Subclasses keep ``reserved`` and ``allocated`` current (bytes) and call :meth:`_note_usage`
 after every change so peaks are tracked.
@@ -14,8 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from ..layout import Layout
-from ..metrics import LayoutMetrics, measure
+from ms_memopt.core.layout import Layout
+from ms_memopt.core.metrics import LayoutMetrics, measure
 
 __all__ = ["AllocatorModel", "OOMRecord", "oom_kind"]
 
@@ -141,7 +141,7 @@ class AllocatorModel(ABC):
         """The current segments and blocks."""
 
     def metrics(self) -> LayoutMetrics:
-        """:func:`~ms_memopt.metrics.measure` of the current layout."""
+        """:func:`~ms_memopt.core.metrics.measure` of the current layout."""
         return measure(self.layout())
 
     def largest_free(self) -> int:

@@ -61,8 +61,8 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections import deque
 
-from ..layout import Block, Layout, Segment
-from .base import AllocatorModel
+from ms_memopt.allocators.base import AllocatorModel
+from ms_memopt.core.layout import Block, Layout, Segment
 
 __all__ = ["MindSporePool", "MindSporeBestFitPool", "ALIGN", "SMALL_SIZE", "TIE_RULES", "align_size"]
 

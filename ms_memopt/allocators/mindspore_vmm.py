@@ -54,9 +54,9 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 
-from ..layout import Block, Layout, Segment
-from .base import AllocatorModel, OOMRecord
-from .mindspore import ALIGN, align_size
+from ms_memopt.allocators.base import AllocatorModel, OOMRecord
+from ms_memopt.allocators.mindspore import ALIGN, align_size
+from ms_memopt.core.layout import Block, Layout, Segment
 
 __all__ = ["MindSporeVMMPool", "CHUNK"]
 

@@ -4,7 +4,7 @@ One table, :data:`OPTION_TYPES`, says what every option of every model takes: a 
 (``512MiB``, plain bytes), a boolean, an integer, a fraction, or one of a few names. The
 command line of ``replay``, ``simulate`` and ``doctor`` reads options through
 :func:`parse_allocator_options`, so ``grow=add`` is a name, ``pregrow=true`` a boolean and
-``increase_size=2GB`` a size; a bad value is an :class:`~ms_memopt.errors.InputError` naming
+``increase_size=2GB`` a size; a bad value is an :class:`~ms_memopt.core.errors.InputError` naming
 the option and what it allows (exit 2).
 
 Example:
@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..errors import InputError
-from ..units import parse_size
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.units import parse_size
 
 __all__ = ["OptionType", "OPTION_TYPES", "parse_allocator_options"]
 

@@ -40,10 +40,10 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections import OrderedDict
 
-from ..errors import InputError
-from ..layout import Block, Layout, Segment
-from ..metrics import frag_ratio
-from .base import AllocatorModel
+from ms_memopt.allocators.base import AllocatorModel
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.layout import Block, Layout, Segment
+from ms_memopt.core.metrics import frag_ratio
 
 __all__ = ["REGION_OF_TAG", "PoolModeAllocator", "region_sizes_for_workload", "moe_load_headroom"]
 
@@ -249,7 +249,7 @@ class PoolModeAllocator(AllocatorModel):
 
     Args:
         capacity: device bytes; the regions must fit in it.
-        regions: a :class:`ms_memopt.poolplan.PoolPlan` (its regions in address order; a
+        regions: a :class:`ms_memopt.core.poolplan.PoolPlan` (its regions in address order; a
             region with ``ring`` set is a ring), or region name -> bytes.
         route: overrides of :data:`REGION_OF_TAG`.
 
@@ -299,9 +299,9 @@ class PoolModeAllocator(AllocatorModel):
 
     @classmethod
     def for_workload(cls, spec, capacity: int | None = None) -> PoolModeAllocator:
-        """Regions sized for a :class:`~ms_memopt.workload.WorkloadSpec` (see
+        """Regions sized for a :class:`~ms_memopt.engine.workload.WorkloadSpec` (see
         :func:`region_sizes_for_workload`), laid out by :meth:`PoolPlan.build`."""
-        from ..poolplan import PoolPlan
+        from ms_memopt.core.poolplan import PoolPlan
 
         plan = PoolPlan.build(region_sizes_for_workload(spec, capacity), rings=("activations",))
         return cls(capacity=capacity, regions=plan, chunked=True)

@@ -40,9 +40,9 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from ..errors import InputError
-from ..layout import Block, Layout, Segment
-from .base import AllocatorModel
+from ms_memopt.allocators.base import AllocatorModel
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.layout import Block, Layout, Segment
 
 __all__ = ["TorchCachingAllocator", "round_size", "allocation_size", "check_divisions"]
 

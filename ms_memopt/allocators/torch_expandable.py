@@ -16,7 +16,7 @@ Rules (c10/cuda/CUDACachingAllocator.cpp, ``ExpandableSegment``, ``find_expandab
   live blocks still pin the pages they touch.
 
 Layout exported for the metrics: each maximal run of *mapped* blocks of a range is one
-:class:`~ms_memopt.layout.Segment`, so ``reserved`` is the mapped bytes and
+:class:`~ms_memopt.core.layout.Segment`, so ``reserved`` is the mapped bytes and
 ``allocated + free_total == reserved``; a free block spans as many pages as it covers (holes
 are contiguous in virtual space, unlike the per-segment holes of the ``torch`` model).
 
@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from ..layout import Block, Layout, Segment
-from .base import AllocatorModel
-from .torch import LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, check_divisions, is_small_segment, round_size
+from ms_memopt.allocators.base import AllocatorModel
+from ms_memopt.allocators.torch import LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, check_divisions, is_small_segment, round_size
+from ms_memopt.core.layout import Block, Layout, Segment
 
 __all__ = ["TorchExpandableAllocator"]
 

@@ -2,7 +2,7 @@
 
 Each subcommand module defines ``add_parser(subparsers)`` and ``run(args) -> int``. Modules are
 imported only when their command is used, so ``ms-memopt replay`` never imports MindSpore.
-Bad input (:class:`~ms_memopt.errors.InputError`) prints one line to stderr and exits 2.
+Bad input (:class:`~ms_memopt.core.errors.InputError`) prints one line to stderr and exits 2.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from ..errors import InputError
+from ms_memopt.core.errors import InputError
 
 __all__ = ["main"]
 

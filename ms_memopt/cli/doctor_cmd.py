@@ -2,7 +2,7 @@
 kill) a recorded run, the blocks in the way, and the settings that save it, measured.
 
 Reads every format ``replay`` reads. With one recording: the verdict, the blockers and the
-remedies ranked (:mod:`ms_memopt.doctor`); ``--out DIR`` also writes ``report.md`` with the
+remedies ranked (:mod:`ms_memopt.engine.doctor`); ``--out DIR`` also writes ``report.md`` with the
 remedies' timelines and the memory map at the worst moment, the blockers outlined. With two:
 where they part and which fragments more. Exit codes: 0 ok, 1 with ``--fail-on-oom`` when the
 recording dies at ``--capacity``, 2 bad input.
@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import InputError
-from ..units import format_size, parse_size
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.units import format_size, parse_size
 
 __all__ = ["add_parser", "run", "write_report"]
 
@@ -28,7 +28,7 @@ _SHOWN_BLOCKERS = 12
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``ms-memopt doctor``."""
-    from ..traces import FORMATS
+    from ms_memopt.io.traces import FORMATS
 
     parser.add_argument("trace", help="the recording (format detected from its content)")
     parser.add_argument("other", nargs="?", default=None,
@@ -45,9 +45,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..allocators import MODELS
-    from ..doctor import compare, diagnose
-    from ..traces import load_trace
+    from ms_memopt.allocators import MODELS
+    from ms_memopt.engine.doctor import compare, diagnose
+    from ms_memopt.io.traces import load_trace
 
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
     if args.allocator is not None and (args.allocator not in MODELS or args.allocator == "pool"):
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(load_trace, path: str, fmt: str | None):
-    from ..traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
+    from ms_memopt.io.traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
 
     trace = load_trace(path, format=fmt)
     if trace.final is None and trace.meta.get("pool") in (POOL_NAME, ASCEND_POOL_NAME):
@@ -143,9 +143,9 @@ def write_report(d, out: Path, *, trace=None) -> Path:
     """``out/report.md``: verdict, blockers, remedies, a timeline of each remedy against the
     request, and the memory map at the worst moment with the blockers outlined; with ``trace``
     also ``memory_viz.pickle`` for PyTorch's viewer, purposes and blockers in its legend."""
-    from ..plots import plot_timeline
-    from ..report import LayoutSnapshot, plot_memory_map
-
+    from ms_memopt.report.plots import plot_timeline
+    from ms_memopt.io.layouts import LayoutSnapshot
+    from ms_memopt.report.memory_map import plot_memory_map
     out.mkdir(parents=True, exist_ok=True)
     # the recorded setting and the best four others: more lines than that cannot be told apart
     shown = [r for r in d.remedies if r.timeline and r.setting != "baseline"][:4]
@@ -199,8 +199,9 @@ def write_report(d, out: Path, *, trace=None) -> Path:
 
 def _memory_viz(d, trace, path: Path) -> Path | None:
     """The recording as the model placed it, up to the worst moment, blockers marked."""
-    from ..allocators import create
-    from ..traces.memory_viz import placed_events, write_memory_viz
+    from ms_memopt.allocators import create
+    from ms_memopt.engine.replay import placed_events
+    from ms_memopt.io.traces.memory_viz import write_memory_viz
 
     stop = d.verdict.event if d.verdict.event is not None else len(trace.events)
     head = type(trace)(trace.events[:stop], source=trace.source, format=trace.format, initial=trace.initial,

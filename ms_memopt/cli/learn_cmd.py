@@ -2,7 +2,7 @@
 
 Learns, from recordings made with ``ms_memopt.mindspore.mark_step`` under ``ms-memopt record``,
 the model's prologue and its ``first``, ``new_shape`` and ``repeat`` steps, each allocation's
-size a polynomial in the step dims (:mod:`ms_memopt.template`). ``ms-memopt simulate
+size a polynomial in the step dims (:mod:`ms_memopt.engine.template`). ``ms-memopt simulate
 MODEL.template.json --schedule FILE.csv`` then runs any sequence of shapes. Prints what was
 learned and which positions no polynomial reproduced exactly (``--json``: one object).
 Exit code 0; 2 for recordings that do not line up (the message names recording and step).
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..errors import InputError
+from ms_memopt.core.errors import InputError
 
 __all__ = ["add_parser", "run"]
 
@@ -29,7 +29,7 @@ def add_parser(parser) -> None:
 
 
 def run(args) -> int:
-    from ..template import learn_files, save_template
+    from ms_memopt.engine.template import learn_files, save_template
 
     if args.max_degree < 0:
         raise InputError(f"expected a degree >= 0, got {args.max_degree}", key="--max-degree")

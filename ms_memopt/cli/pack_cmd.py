@@ -1,7 +1,7 @@
 """``ms-memopt pack INSTANCE``: static placement of buffers with known lifetimes.
 
 Reads an ``id,lower,upper,size`` CSV (or, when the file is not one, an event trace through
-:func:`ms_memopt.traces.load_trace`), packs it with :func:`ms_memopt.planner.pack`, checks
+:func:`ms_memopt.io.traces.load_trace`), packs it with :func:`ms_memopt.analysis.planner.pack`, checks
 the result and prints the arena, the lower bound, their ratio, whether the arena is proven
 optimal and, if not, by how much it could still be off (the gap to the best proven lower
 bound). The search stops early when it stagnates (``--stall``) and shows a progress bar on
@@ -18,12 +18,12 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import InputError
-from ..planner import DEFAULT_STALL, DEFAULT_TIME_LIMIT, Buffer, pack
-from ..planner.problem import buffers_from_events
-from ..traces import load_trace
-from ..traces.instances import looks_like_instance, read_instance, write_offsets
-from ..units import format_size, parse_size
+from ms_memopt.analysis.planner import DEFAULT_STALL, DEFAULT_TIME_LIMIT, Buffer, pack
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.placement import buffers_from_events
+from ms_memopt.core.units import format_size, parse_size
+from ms_memopt.io.traces import load_trace
+from ms_memopt.io.traces.instances import looks_like_instance, read_instance, write_offsets
 
 __all__ = ["add_parser", "run", "load_buffers"]
 

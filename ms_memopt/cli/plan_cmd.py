@@ -12,9 +12,9 @@ import argparse
 import dataclasses
 import json
 
-from ..estimate import NOTHING_FITS, REGIONS, Estimate, StageEstimate, estimate
-from ..recipe import Recipe, load_recipe
-from ..units import format_size, parse_size
+from ms_memopt.analysis.estimate import NOTHING_FITS, REGIONS, Estimate, StageEstimate, estimate
+from ms_memopt.config.recipe import Recipe, load_recipe
+from ms_memopt.core.units import format_size, parse_size
 
 __all__ = ["add_parser", "run"]
 

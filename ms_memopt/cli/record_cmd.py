@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import InputError
+from ms_memopt.core.errors import InputError
 
 __all__ = ["add_parser", "run", "record"]
 
@@ -57,8 +57,8 @@ def record(command: list[str], out: str | Path, *, raw: str | Path | None = None
     """Run ``command`` with the pool log on and write its events to ``out``; returns its exit code."""
     from tqdm import tqdm
 
-    from ..events import EventWriter
-    from ..traces.ms_pool_log import PoolLogParser
+    from ms_memopt.core.events import EventWriter
+    from ms_memopt.io.traces.ms_pool_log import PoolLogParser
 
     env = dict(os.environ, VLOG_v="12906", MS_MEMOPT_RECORD="1")
     try:

@@ -1,7 +1,7 @@
 """``ms-memopt replay TRACE``: replay a recorded trace through an allocator model.
 
 Prints peaks, segments, OOMs and fragmentation in human units, or with ``--json`` one object in
-bytes (the fields of :class:`~ms_memopt.replay.ReplayResult` plus ``trace``, ``format``,
+bytes (the fields of :class:`~ms_memopt.engine.replay.ReplayResult` plus ``trace``, ``format``,
 ``capacity`` and ``oom_count``). Exit codes: 0 ok, 1 OOMs happened and ``--fail-on-oom`` was
 given, 2 bad input.
 
@@ -14,18 +14,18 @@ import argparse
 import json
 import math
 
-from ..errors import InputError
-from ..replay import default_allocator
-from ..traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
-from ..units import format_size, parse_size
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.units import format_size, parse_size
+from ms_memopt.engine.replay import default_allocator
+from ms_memopt.io.traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
 
 __all__ = ["add_parser", "run", "default_allocator"]
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``ms-memopt replay``."""
-    from ..allocators import MODELS
-    from ..traces import FORMATS
+    from ms_memopt.allocators import MODELS
+    from ms_memopt.io.traces import FORMATS
 
     parser.add_argument("trace", help="trace file (format detected from its content)")
     parser.add_argument("--allocator", metavar="NAME", default=None,
@@ -77,10 +77,10 @@ def _ratio(value: float | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the command; returns the exit code."""
-    from ..allocators import create
-    from ..allocators.options import parse_allocator_options
-    from ..replay import replay
-    from ..traces import load_trace
+    from ms_memopt.allocators import create
+    from ms_memopt.allocators.options import parse_allocator_options
+    from ms_memopt.engine.replay import replay
+    from ms_memopt.io.traces import load_trace
 
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
     trace = load_trace(args.trace, format=args.format)
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         if args.policy == "baseline":
             result = replay(trace, create(name, capacity, **options))
         else:
-            from ..whatif import replay_policy
+            from ms_memopt.engine.whatif import replay_policy
 
             result = replay_policy(trace, args.policy, allocator=name, capacity=capacity,
                                    compact_every=args.compact_every, options=options)
@@ -108,12 +108,12 @@ def run(args: argparse.Namespace) -> int:
                          f"{'torch' if trace.format == 'torch-snapshot' else 'mindspore'}",
                          key="--allocator") from None
     if args.export_memory_viz:
-        from ..traces.memory_viz import write_memory_viz
+        from ms_memopt.io.traces.memory_viz import write_memory_viz
 
         write_memory_viz(args.export_memory_viz, trace, result.final_layout)
     if args.export_instances:
-        from ..traces.instances import write_instance
-        from ..traces.instances_events import trace_to_instances
+        from ms_memopt.io.traces.instances import write_instance
+        from ms_memopt.io.traces.instances_events import trace_to_instances
 
         write_instance(trace_to_instances(trace), args.export_instances)
 

@@ -3,7 +3,7 @@
 Merges every rank's scan log (``rank_N/scan.jsonl``): per step the worst and the median frag
 ratio and which rank is worst, printed as a table (or one JSON object with ``--json``). Then
 writes ``DIR/report.md`` with the figures the directory's logs allow (see
-:func:`ms_memopt.report.build_report`): the fragmentation timeline, the memory map from
+:func:`ms_memopt.report.build.build_report`): the fragmentation timeline, the memory map from
 ``layouts.jsonl``, the region budget bars from ``plan.json`` (or ``--plan RECIPE``), a run's
 loss curve. ``--no-plots`` prints the merged table only.
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..errors import InputError
-from ..report_merge import find_scan_logs, merge_ranks
-from ..units import format_size
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.units import format_size
+from ms_memopt.report.merge import find_scan_logs, merge_ranks
 
 __all__ = ["add_parser", "run"]
 
@@ -49,12 +49,12 @@ def run(args: argparse.Namespace) -> int:
     merged = merge_ranks(args.directory) if args.no_plots or find_scan_logs(args.directory) else None
     report = None
     if not args.no_plots:
-        from ..report import build_report
+        from ms_memopt.report.build import build_report
 
         plan = None
         if args.plan:
-            from ..estimate import estimate
-            from ..recipe import load_recipe
+            from ms_memopt.analysis.estimate import estimate
+            from ms_memopt.config.recipe import load_recipe
 
             plan = estimate(load_recipe(args.plan)).to_dict()
         report = build_report(args.directory, title=args.title, plan=plan)

@@ -21,10 +21,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError
-from ..estimate import estimate
-from ..recipe import DTYPE_BYTES, CommunicationConfig, ParallelConfig, Recipe, RecomputeConfig, load_recipe
-from ..units import format_size
+from ms_memopt.analysis.estimate import estimate
+from ms_memopt.config.recipe import DTYPE_BYTES, CommunicationConfig, ParallelConfig, Recipe, RecomputeConfig, load_recipe
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.units import format_size
 
 __all__ = ["add_parser", "run", "HostMemoryCheck", "host_memory_check", "available_host_memory",
            "FRAMEWORK_OVERHEAD"]
@@ -118,7 +118,7 @@ def host_memory_check(recipe: Recipe, available: int | None = None) -> HostMemor
     ``available`` defaults to :func:`available_host_memory`.
 
     Example:
-        >>> from ms_memopt.recipe import load_recipe
+        >>> from ms_memopt.config.recipe import load_recipe
         >>> host_memory_check(load_recipe("recipes/demo_cpu.yaml"), available=8 * 2**30).fits  # doctest: +SKIP
         True
     """
@@ -152,10 +152,9 @@ def run(args: argparse.Namespace) -> int:
             raise _refuse(recipe, check)
 
     if not args.no_pool_log and (args.device == "cpu" or (args.device == "auto" and not _ascend_possible())):
-        from .. import poolcapture
-
+        from ms_memopt.mindspore import poolcapture
         poolcapture.start(Path(args.out) / poolcapture.LOG_NAME)   # before MindSpore is imported
-    from ..mindspore.standalone import run_standalone   # imports MindSpore (seconds)
+    from ms_memopt.mindspore.standalone import run_standalone   # imports MindSpore (seconds)
 
     result = run_standalone(recipe, args.out, device=args.device, steps=args.steps, resume=args.resume,
                             progress=not args.no_progress and not args.json)
@@ -164,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if args.export_memory_viz:
         summary["memory_viz"] = _export_memory_viz(out, args.export_memory_viz, result)
     if not args.no_report:
-        from ..report import build_report
+        from ms_memopt.report.build import build_report
 
         summary["report"] = str(build_report(out, title=f"ms-memopt run {Path(recipe.source).name}"))
     if args.json:
@@ -182,14 +181,13 @@ def _ascend_possible() -> bool:
 
 def _export_memory_viz(out: Path, path: str, result) -> str:
     """The last scanned layout (and its live blocks as allocations) as a memory_viz pickle."""
-    from ..report import read_layouts
-
+    from ms_memopt.io.layouts import read_layouts
     layouts = read_layouts(out)
     if not layouts:
         result.notes.append("--export-memory-viz: not written, no layout was scanned")
         return "not written: no layout"
-    from ..events import Event
-    from ..traces.memory_viz import write_memory_viz
+    from ms_memopt.core.events import Event
+    from ms_memopt.io.traces.memory_viz import write_memory_viz
 
     step, layout = layouts[-1].step, layouts[-1].layout
     events = [Event("alloc", id=i, size=b.size, addr=b.addr, step=step, tag=b.tag)

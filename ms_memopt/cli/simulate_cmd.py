@@ -2,12 +2,12 @@
 
 Every distinct card stream of the recipe (pipeline stages x data-parallel groups; tensor-parallel
 peers share a stream), or a ``--ranks N`` sample, runs through the simulator
-(:mod:`ms_memopt.job`) on local processes, or on a Dask or Ray cluster with ``--executor``.
+(:mod:`ms_memopt.engine.job`) on local processes, or on a Dask or Ray cluster with ``--executor``.
 The job dies at its first rank. ``--compact-trigger forecast|margin`` (or the recipe's
 ``memopt.compact_trigger``) selects what makes the ``compact`` policy compact at a scan. Prints one line per policy (or, with ``--json``, one JSON
 object: per policy ``job_oom_step``, ``job_oom_rank``, ``job_oom_stage``, ``ranks``, the
 ``distribution`` across ranks, ``first_rank`` (the failing rank's
-:class:`ms_memopt.simulate.PolicyResult` figures) and ``rank_results``; with ``--seeds N``,
+:class:`ms_memopt.engine.simulate.PolicyResult` figures) and ``rank_results``; with ``--seeds N``,
 each policy holds ``seeds`` (one job each) and ``median_job_oom_step``). ``--out DIR``
 receives ``timeline.jsonl`` (every rank's samples, stamped with ``rank`` and ``stage``),
 and for the rank the job is judged by (its first failing rank, or the closest call, run once
@@ -24,8 +24,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import InputError
-from ..units import format_size
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.units import format_size
 
 __all__ = ["add_job_arguments", "add_parser", "configure_job", "parse_policies", "parse_stages", "run"]
 
@@ -52,7 +52,7 @@ def add_parser(parser) -> None:
 
 def add_job_arguments(parser) -> None:
     """The options of a job simulation, shared by ``simulate`` and ``sweep``."""
-    from ..executors import EXECUTORS
+    from ms_memopt.engine.executors import EXECUTORS
 
     parser.add_argument("--steps", type=int, default=None, help="steps to simulate (default: memopt.workload.steps)")
     parser.add_argument("--policy", default="baseline,compact,pool",
@@ -79,16 +79,16 @@ def add_job_arguments(parser) -> None:
 
 def run(args) -> int:
     if str(args.recipe).endswith(".template.json"):      # a learned step template (ms-memopt learn)
-        from .simulate_template import run as run_template
+        from ms_memopt.cli.simulate_template import run as run_template
         return run_template(args)
     for flag in ("schedule", "export_events", "capacity"):
         if getattr(args, flag, None) is not None:
             raise InputError("only for a step template (MODEL.template.json, ms-memopt learn)"
                              + ("; a recipe's capacity is memopt.device.hbm" if flag == "capacity" else ""),
                              key="--" + flag.replace("_", "-"))
-    from ..job import job_from_recipe, median_job_oom_step, simulate_jobs
-    from ..recipe import load_recipe
-    from ..simulate import POLICIES
+    from ms_memopt.engine.job import job_from_recipe, median_job_oom_step, simulate_jobs
+    from ms_memopt.config.recipe import load_recipe
+    from ms_memopt.engine.simulate import POLICIES
 
     policies = parse_policies(args.policy, POLICIES)
     if args.steps is not None and args.steps < 1:
@@ -162,9 +162,9 @@ def parse_stages(text: str | None) -> list[int] | None:
 
 def configure_job(job, recipe, args):
     """Apply ``--allocator``, ``--allocator-option`` and ``--compact-trigger`` to a job's simulator settings."""
-    from ..allocators import MODELS
-    from ..allocators.options import parse_allocator_options
-    from ..simulate import COMPACT_TRIGGERS
+    from ms_memopt.allocators import MODELS
+    from ms_memopt.allocators.options import parse_allocator_options
+    from ms_memopt.engine.simulate import COMPACT_TRIGGERS
 
     cfg = job.cfg
     trigger = getattr(args, "compact_trigger", None)
@@ -192,22 +192,21 @@ def _rerun_shown_rank(job, shown, out_dir: Path | None, args) -> None:
     in this process, where hooks can see inside it: ``--out`` gets ``layouts.jsonl`` (its pool at
     each policy's OOM or worst moment), ``report.md`` and ``fragmentation.png`` of that rank;
     ``--export-memory-viz`` its placed events."""
-    from ..simulate import PlacedRun, simulate
+    from ms_memopt.engine.simulate import PlacedRun, simulate
 
     stream = shown.stream if shown is not None else job.streams[0]
     viz_paths = _viz_paths(args.export_memory_viz, job.policies) if args.export_memory_viz else {}
     placed = {policy: PlacedRun() for policy in viz_paths}
     collector = None
     if out_dir is not None:
-        from ..memory_map import LayoutCollector
-
+        from ms_memopt.engine.snapshots import LayoutCollector
         collector = LayoutCollector([], policies=job.policies, seed=stream.seed)
     simulate(job.specs[stream.stage], job.cfg, policies=job.policies, seeds=[stream.seed],
              placed=placed or None, on_watch=collector)
     if out_dir is not None:
-        from ..plots import plot_fragmentation_timeline
-        from ..report import build_report, write_layouts
-
+        from ms_memopt.report.plots import plot_fragmentation_timeline
+        from ms_memopt.report.build import build_report
+        from ms_memopt.io.layouts import write_layouts
         name = Path(args.recipe).name
         where = f"rank {stream.rank} (stage {stream.stage}, seed {stream.seed})"
         write_layouts(out_dir / "layouts.jsonl", collector.snapshots())
@@ -216,7 +215,7 @@ def _rerun_shown_rank(job, shown, out_dir: Path | None, args) -> None:
         # the report draws the first stream in the file; show the rank the job is judged by
         plot_fragmentation_timeline(out_dir / "timeline.jsonl", out_dir / "fragmentation.png",
                                     seed=stream.seed, title=f"{name}, {where}")
-    from ..traces.memory_viz import write_memory_viz
+    from ms_memopt.io.traces.memory_viz import write_memory_viz
     for policy, path in viz_paths.items():
         write_memory_viz(path, placed[policy].events, placed[policy].final)
         print(f"memory viz ({policy}, rank {stream.rank}, seed {stream.seed}): {path}", file=sys.stderr)
@@ -266,7 +265,7 @@ def _print_table(results, policies, cfg, many: bool) -> None:
                   f"{_dash(d['oom_step_median']):>7} {format_size(fr.largest_free_min if fr else None):>10} "
                   f"{(fr.compactions if fr else 0):>11} {format_size(fr.peak_allocated if fr else None):>10}")
         if many:
-            from ..job import median_job_oom_step
+            from ms_memopt.engine.job import median_job_oom_step
             print(f"{policy:<9} median job_oom_step: {median_job_oom_step([job[policy] for job in results])}")
     _print_timing(results, policies)
 
@@ -276,7 +275,7 @@ def _pct(value) -> str:
 
 
 def _print_timing(results, policies) -> None:
-    """The time model's figures per policy (ms_memopt.timing): the job's step, MFU, lost time."""
+    """The time model's figures per policy (ms_memopt.engine.timing): the job's step, MFU, lost time."""
     print(f"{'policy':<9} {'seed':>4} {'step_med':>9} {'step_p99':>9} {'step_cv':>8} {'mfu':>7} "
           f"{'mem_stall':>9} {'compaction':>10}")
     for policy in policies:

@@ -14,19 +14,19 @@ from __future__ import annotations
 import json
 import sys
 
-from ..errors import InputError
-from ..units import format_size, parse_size
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.units import format_size, parse_size
 
 __all__ = ["run"]
 
 
 def run(args) -> int:
-    from ..allocators import create
-    from ..allocators.options import parse_allocator_options
-    from ..events import Trace, write_jsonl
-    from ..replay import replay
-    from ..template import generate, load_template, read_schedule
-    from ..traces.memory_viz import placed_events
+    from ms_memopt.allocators import create
+    from ms_memopt.allocators.options import parse_allocator_options
+    from ms_memopt.core.events import Trace, write_jsonl
+    from ms_memopt.engine.replay import replay
+    from ms_memopt.engine.template import generate, load_template, read_schedule
+    from ms_memopt.engine.replay import placed_events
 
     template = load_template(args.recipe)
     if not getattr(args, "schedule", None):

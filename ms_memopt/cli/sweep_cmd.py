@@ -19,7 +19,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(parser) -> None:
-    from .simulate_cmd import add_job_arguments
+    from ms_memopt.cli.simulate_cmd import add_job_arguments
 
     parser.add_argument("recipe", help="recipe YAML (MindFormers keys + memopt section)")
     parser.add_argument("--set", action="append", default=[], required=True, metavar="KEY=V1,V2",
@@ -32,12 +32,12 @@ def add_parser(parser) -> None:
 
 
 def run(args) -> int:
-    from ..errors import InputError
-    from ..job import job_from_recipe, simulate_jobs
-    from ..plots import plot_sweep
-    from ..simulate import POLICIES
-    from ..sweep import parse_settings, sweep_recipes, sweep_rows
-    from .simulate_cmd import configure_job, parse_policies, parse_stages
+    from ms_memopt.core.errors import InputError
+    from ms_memopt.engine.job import job_from_recipe, simulate_jobs
+    from ms_memopt.report.plots import plot_sweep
+    from ms_memopt.engine.simulate import POLICIES
+    from ms_memopt.engine.sweep import parse_settings, sweep_recipes, sweep_rows
+    from ms_memopt.cli.simulate_cmd import configure_job, parse_policies, parse_stages
 
     policies = parse_policies(args.policy, POLICIES)
     if args.steps is not None and args.steps < 1:
@@ -72,7 +72,7 @@ def run(args) -> int:
 
 
 def _print_rows(rows: list[dict], keys: list[str]) -> None:
-    from .simulate_cmd import _dash
+    from ms_memopt.cli.simulate_cmd import _dash
 
     names = [k.rsplit(".", 1)[-1] for k in keys]
     widths = [max(len(n), 8) for n in names]

@@ -26,7 +26,7 @@ An exception while restoring puts every not-yet-restored tensor back from its ho
 it propagates, so no live tensor is lost.
 
 **CompactionCallback** runs it every ``every`` steps (optionally only when a fragmentation
-reading exceeds a threshold), also compacts registered :class:`~ms_memopt.arena.Arena`s, and
+reading exceeds a threshold), also compacts registered :class:`~ms_memopt.analysis.arena.Arena`s, and
 under ``msrun`` puts every rank behind a :class:`StoreBarrier` first: all ranks agree to
 compact at the same step (if any rank wants to, all do), no rank moves memory while a
 collective of another rank is in flight, and a rank that does not arrive within
@@ -56,20 +56,20 @@ import mindspore as ms
 from mindspore import Parameter, Tensor
 from mindspore.train import Callback
 
-from ..arena import Arena
-from ..metrics import measure
-from ..errors import InputError
-from ..scan import SCAN_LOG_NAME, ScanLog, check_forecast_within, record_mark, recording
-from .cells import training_parts
-from .pool_info import PoolInfo, detect_pool
-from .regions import is_pinned
-from .pool_log_source import wait_for_queued_ops
+from ms_memopt.analysis.arena import Arena
+from ms_memopt.analysis.scan import SCAN_LOG_NAME, ScanLog, check_forecast_within, record_mark, recording
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.metrics import measure
+from ms_memopt.mindspore.cells import training_parts
+from ms_memopt.mindspore.pool_info import PoolInfo, detect_pool
+from ms_memopt.mindspore.pool_log_source import wait_for_queued_ops
+from ms_memopt.mindspore.regions import is_pinned
 
 __all__ = ["live_compact", "restore_regions", "LiveCompactionReport", "register", "unregister", "registered",
            "long_lived_tensors", "CompactionCallback", "StoreBarrier", "BarrierTimeout",
            "CompactionError", "MindSporeArenaBackend"]
 
-logger = logging.getLogger("ms_memopt.compaction")
+logger = logging.getLogger("ms_memopt.analysis.compaction")
 
 
 class CompactionError(RuntimeError):
@@ -289,7 +289,7 @@ def live_compact(tensors: Sequence[Parameter], *, order: str = "size", verify: b
 # --- an arena on a MindSpore tensor ------------------------------------------------------------
 
 class MindSporeArenaBackend:
-    """An :class:`~ms_memopt.arena.Arena` backend on one ``uint8`` MindSpore tensor (device
+    """An :class:`~ms_memopt.analysis.arena.Arena` backend on one ``uint8`` MindSpore tensor (device
     memory on Ascend).
 
     ``move`` copies slice to slice with ``__setitem__``. MindSpore's slice copy refuses
@@ -414,7 +414,7 @@ class StoreBarrier:
     """
 
     def __init__(self, rank: int, world_size: int, *, host: str | None = None,
-                 port: int | None = None, timeout: float = 60.0, prefix: str = "ms_memopt/compaction") -> None:
+                 port: int | None = None, timeout: float = 60.0, prefix: str = "ms_memopt/analysis/compaction") -> None:
         self.rank = rank
         self.world_size = world_size
         self.host = host or os.environ.get("MS_SCHED_HOST", "127.0.0.1")
@@ -507,15 +507,15 @@ class CompactionCallback(Callback):
             ``LayoutScanCallback``.
         when_forecast_within: compact only when the forecast says a watched request may stop
             fitting in one piece within this many steps (:meth:`Forecast.warns
-            <ms_memopt.forecast.Forecast.warns>`); with ``when_frag_above`` too, either one
+            <ms_memopt.analysis.forecast.Forecast.warns>`); with ``when_frag_above`` too, either one
             suffices. Checked at every due step, so pair it with a small ``every`` (e.g. the
             scan interval). ``None``: not a condition.
         forecast_from: where the forecast comes from: a ``LayoutScanCallback`` or a
-            :class:`~ms_memopt.scan.Scanner` (anything with ``forecast()`` and
+            :class:`~ms_memopt.analysis.scan.Scanner` (anything with ``forecast()`` and
             ``reset_forecast(step)``; reset after each compaction, the old trend being gone).
             Required with ``when_forecast_within``.
-        arenas: :class:`~ms_memopt.arena.Arena` objects to compact too.
-        layout_fn: returns the device pool's current :class:`~ms_memopt.layout.Layout` (e.g. a
+        arenas: :class:`~ms_memopt.analysis.arena.Arena` objects to compact too.
+        layout_fn: returns the device pool's current :class:`~ms_memopt.core.layout.Layout` (e.g. a
             scan source's); when given, the record's before/after figures are measured on it,
             else they are the most fragmented arena's (``None`` without either: MindSpore has
             no public API for the pool's largest free block).

@@ -93,8 +93,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.hal.contiguous_tensors_handle import combine_tensor_list_contiguous
 
-from .. import native
-from .regions import pin
+from ms_memopt import native
+from ms_memopt.mindspore.regions import pin
 
 __all__ = ["FusedAdamW", "FusedAdamWGraph", "Bucket"]
 

@@ -36,8 +36,8 @@ def register_callbacks() -> list[str]:
     by ``type`` alone. Returns the registered names. Needs mindformers installed."""
     from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 
-    from .compaction import CompactionCallback
-    from .scan_callback import LayoutScanCallback
+    from ms_memopt.mindspore.compaction import CompactionCallback
+    from ms_memopt.mindspore.scan_callback import LayoutScanCallback
 
     names = []
     for cls in (LayoutScanCallback, CompactionCallback):

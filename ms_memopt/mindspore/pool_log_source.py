@@ -1,21 +1,21 @@
 """Scan source: the real MindSpore pool of this process, from its own log.
 
-The capture (:mod:`ms_memopt.poolcapture`, started before ``import mindspore``: ``ms-memopt
+The capture (:mod:`ms_memopt.mindspore.poolcapture`, started before ``import mindspore``: ``ms-memopt
 run`` and ``make demo`` do it on CPU) gives the pool's blocks and live buffers as MindSpore
 logged them; a scan synchronises MindSpore's launch pipeline first, so every op queued before
 the scan has reached the pool.
 
 Example:
-    >>> from ms_memopt import poolcapture
+    >>> from ms_memopt.mindspore import poolcapture
     >>> poolcapture.start("out/pool.log")        # before import mindspore     # doctest: +SKIP
     >>> LayoutScanCallback(every=10, source="pool-log")                          # doctest: +SKIP
 """
 from __future__ import annotations
 
-from .. import poolcapture
-from ..layout import Layout
-from ..poolcapture import PoolLogCapture
-from ..scan import Reading, Source
+from ms_memopt.analysis.scan import Reading, Source
+from ms_memopt.core.layout import Layout
+from ms_memopt.mindspore import poolcapture
+from ms_memopt.mindspore.poolcapture import PoolLogCapture
 
 __all__ = ["PoolLogSource", "wait_for_queued_ops"]
 

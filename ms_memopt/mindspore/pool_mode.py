@@ -1,7 +1,7 @@
 """Pool mode for MindSpore Cells: recompute every k blocks, contiguous regions, one plan.
 
 ``enable_pool_mode(network, optimizer=None, checkpoint_every=6)`` does three things and returns
-the :class:`~ms_memopt.poolplan.PoolPlan` it followed:
+the :class:`~ms_memopt.core.poolplan.PoolPlan` it followed:
 
 1. **Recompute groups.** It finds the Transformer blocks (the longest run of consecutive
    cells of one class inside a ``CellList``/``SequentialCell``, or the ``blocks`` given), puts
@@ -40,12 +40,12 @@ import mindspore as ms
 from mindspore import nn
 from mindspore.hal.contiguous_tensors_handle import combine_tensor_list_contiguous
 
-from ..estimate import layer_activation_bytes, layer_input_bytes, recompute_group_bytes
-from ..errors import InputError
-from ..poolplan import PoolPlan
-from ..recipe import ModelConfig, recipe_from_dict
-from .pool_info import detect_pool
-from .regions import pin
+from ms_memopt.analysis.estimate import layer_activation_bytes, layer_input_bytes, recompute_group_bytes
+from ms_memopt.config.recipe import ModelConfig, recipe_from_dict
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.poolplan import PoolPlan
+from ms_memopt.mindspore.pool_info import detect_pool
+from ms_memopt.mindspore.regions import pin
 
 __all__ = ["enable_pool_mode", "RecomputeGroup", "Passthrough", "find_blocks", "activation_bytes",
            "ActivationEstimate", "reserve_pool", "memory_settings", "gpt_activation_estimator", "layer_model_config",
@@ -88,8 +88,8 @@ class ActivationEstimate:
     """Bytes of activations kept for backward with recompute groups of ``group_size`` blocks.
 
     The per-block numbers come from the caller (for the demo GPT: the per-layer formulas of
-    :mod:`ms_memopt.estimate`, see :func:`gpt_activation_estimator`); they are composed by
-    :func:`ms_memopt.estimate.recompute_group_bytes`, the formula ``ms-memopt plan`` uses for
+    :mod:`ms_memopt.analysis.estimate`, see :func:`gpt_activation_estimator`); they are composed by
+    :func:`ms_memopt.analysis.estimate.recompute_group_bytes`, the formula ``ms-memopt plan`` uses for
     ``memopt.checkpoint_every``.
 
     Attributes:
@@ -221,7 +221,7 @@ def _dtype_name(dtype) -> str:
 
 
 def layer_model_config(config) -> ModelConfig:
-    """The estimator's view (:class:`ms_memopt.recipe.ModelConfig`) of a demo ``GPTConfig``.
+    """The estimator's view (:class:`ms_memopt.config.recipe.ModelConfig`) of a demo ``GPTConfig``.
 
     The demo block is a plain GPT block: multi-head attention (no GQA, no flash attention),
     an un-gated GeLU MLP of ``ffn_size``, no dropout; LayerNorm and softmax run in float32.
@@ -242,7 +242,7 @@ def layer_model_config(config) -> ModelConfig:
 def gpt_activation_estimator(config) -> Callable[[int], tuple[int, int]]:
     """``f(batch_size) -> (per_block_bytes, boundary_bytes)`` for a demo ``GPTConfig``.
 
-    Both numbers come from the recipe estimator (:mod:`ms_memopt.estimate`), so pool mode and
+    Both numbers come from the recipe estimator (:mod:`ms_memopt.analysis.estimate`), so pool mode and
     ``ms-memopt plan`` use one per-layer formula: ``layer_activation_bytes`` (what a block
     keeps for backward without recompute) and ``layer_input_bytes`` (the block input a
     recompute group keeps).
@@ -268,7 +268,7 @@ def config_activation_estimator(config) -> Callable[[int], tuple[int, int]]:
     with ``to_dict()``, or a mapping).
 
     The config's flat keys are read by the recipe reader (legacy, Hugging Face and Megatron
-    spellings, ``model_type`` defaults: :mod:`ms_memopt.mfconfig`), then the same per-layer
+    spellings, ``model_type`` defaults: :mod:`ms_memopt.config.mfconfig`), then the same per-layer
     formulas as :func:`gpt_activation_estimator` apply, at the config's ``seq_length``.
 
     Raises:
@@ -287,7 +287,7 @@ def config_activation_estimator(config) -> Callable[[int], tuple[int, int]]:
 
 def _default_estimator(network: nn.Cell) -> Callable[[int], tuple[int, int]] | None:
     """The demo GPT's estimator, else one from a MindFormers model's ``config``, else None."""
-    from .model import GPT
+    from ms_memopt.mindspore.model import GPT
     gpt = next((c for _, c in network.cells_and_names() if isinstance(c, GPT)), None)
     if gpt is not None:
         return gpt_activation_estimator(gpt.config)
@@ -432,7 +432,7 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
         batch_size: samples per step, for the activation estimate.
         activation_estimator: ``f(batch_size) -> (per_block_bytes, boundary_bytes)``.
             Default, when ``network`` contains a demo ``GPT``: :func:`gpt_activation_estimator`
-            (the per-layer formulas of :mod:`ms_memopt.estimate`); when ``network.config`` is a
+            (the per-layer formulas of :mod:`ms_memopt.analysis.estimate`); when ``network.config`` is a
             MindFormers model config (``LlamaForCausalLM``): :func:`config_activation_estimator`.
             Without one, the activation region is 0 bytes and a warning says so.
         communication_bytes, workspace_bytes: sizes of those regions.
@@ -446,7 +446,7 @@ def enable_pool_mode(network: nn.Cell, optimizer: nn.Optimizer | None = None, ch
         The :class:`PoolPlan`; ``plan.notes`` has the recompute groups, the activation
         estimate with and without recompute, and what was reserved.
     """
-    from .fused_adamw import FusedAdamW
+    from ms_memopt.mindspore.fused_adamw import FusedAdamW
 
     if getattr(network, "_pool_plan", None) is not None:
         raise ValueError("pool mode is already enabled on this network")

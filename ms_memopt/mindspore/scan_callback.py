@@ -17,7 +17,7 @@ Example (custom loop with ``ms.value_and_grad``)::
 
 Each scan appends one JSON line to ``LOG_DIR/rank_N/scan.jsonl`` (see docs/scans.md).
 Configuration errors (``every <= 0``, a bad watch size, an unknown source) raise
-:class:`~ms_memopt.errors.InputError` in the constructor, before the first step; a source
+:class:`~ms_memopt.core.errors.InputError` in the constructor, before the first step; a source
 that fails during training is logged once and skipped, never stopping training.
 """
 from __future__ import annotations
@@ -29,17 +29,17 @@ from typing import Iterable, Mapping, Sequence
 
 from mindspore.train import Callback
 
-from .. import scan as _scan
-from ..errors import InputError
-from ..forecast import Forecast
-from ..scan import ScanLog, ScanRecord, Source, parse_watch
-from .cells import training_parts
-from .pool_info import detect_pool
-from .sources import SOURCES, DeviceMemoryAPI, make_sources
+from ms_memopt.analysis import scan as _scan
+from ms_memopt.analysis.forecast import Forecast
+from ms_memopt.analysis.scan import ScanLog, ScanRecord, Source, parse_watch
+from ms_memopt.core.errors import InputError
+from ms_memopt.mindspore.cells import training_parts
+from ms_memopt.mindspore.pool_info import detect_pool
+from ms_memopt.mindspore.sources import SOURCES, DeviceMemoryAPI, make_sources
 
 __all__ = ["LayoutScanCallback", "Scanner", "detect_rank"]
 
-logger = logging.getLogger("ms_memopt.scan")
+logger = logging.getLogger("ms_memopt.analysis.scan")
 
 
 def detect_rank() -> int:
@@ -74,7 +74,7 @@ class Scanner(_scan.Scanner):
         watch: requests to check, ``{"allreduce": "4.2GB"}``.
         frag_warn: warn when the frag ratio exceeds this.
         forecast_within: warn (log and record) when the forecast says a watched request may
-            stop fitting in one piece within this many steps (see :class:`ms_memopt.scan.Scanner`).
+            stop fitting in one piece within this many steps (see :class:`ms_memopt.analysis.scan.Scanner`).
         rank: defaults to :func:`detect_rank`.
         capacity: device memory for the shadow model, bytes or ``"64GB"``.
         arenas: objects with ``layout()`` (ms-memopt arenas, pool mode regions).

@@ -6,7 +6,7 @@
   (1) the pool's debug dump ``MemoryDebugInfo<N>.txt`` when a fresh one exists (MindSpore
   writes it on allocation failure and, with ``MS_ALLOC_CONF`` ``defrag_memory_step_freq``
   containing ``dump``, at every defrag step), reconstructed into a layout by
-  ``ms_memopt.traces.ms_debug_dump.read_pool_debug_dump``; else (2) a bounded allocation
+  ``ms_memopt.io.traces.ms_debug_dump.read_pool_debug_dump``; else (2) a bounded allocation
   probe: a binary search over request sizes, each one allocated and freed right away (at most
   ``probe_limit`` tries, none larger than the idle memory). Every device call goes through a
   small :class:`DeviceMemoryAPI`, so tests can fake a device.
@@ -31,17 +31,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..allocators import create
-from ..errors import InputError
-from ..layout import Layout
-from ..scan import Reading, Source
-from ..traces.ms_debug_dump import address_of, read_pool_debug_dump
-from .cells import is_outside_forward, split_training_cell
+from ms_memopt.allocators import create
+from ms_memopt.analysis.scan import Reading, Source
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.layout import Layout
+from ms_memopt.io.traces.ms_debug_dump import address_of, read_pool_debug_dump
+from ms_memopt.mindspore.cells import is_outside_forward, split_training_cell
 
 __all__ = ["DeviceMemoryAPI", "MindSporeDeviceAPI", "DeviceSource", "ShadowModelSource", "ObservedEvent",
            "ArenaSource", "make_sources", "SOURCES"]
 
-logger = logging.getLogger("ms_memopt.scan")
+logger = logging.getLogger("ms_memopt.analysis.scan")
 
 SOURCES = ("auto", "device", "model", "arena", "pool-log")
 MiB = 1 << 20
@@ -445,7 +445,7 @@ class ShadowModelSource(Source):
     (gradients allocated in between); a group allocates what its recompute made (the outputs
     seen again during backward; its forward outputs if none were seen), frees them, then its
     boundary. The peak is thus the kept boundaries plus one group, the composition of
-    ``ms_memopt.estimate.recompute_group_bytes``; without recompute it is every output.
+    ``ms_memopt.analysis.estimate.recompute_group_bytes``; without recompute it is every output.
     Gradients are freed after the optimizer; the scan measures the pool at the step's end,
     like a device scan would, and adds the step's peak and the activation figures in ``extra``.
 
@@ -742,14 +742,14 @@ class ArenaSource(Source):
 
 # --- choosing -----------------------------------------------------------------------------------
 def _pool_log():
-    """A source on this process's pool log when :mod:`ms_memopt.poolcapture` follows it."""
-    from .. import poolcapture
-    from .pool_log_source import PoolLogSource
+    """A source on this process's pool log when :mod:`ms_memopt.mindspore.poolcapture` follows it."""
+    from ms_memopt.mindspore import poolcapture
+    from ms_memopt.mindspore.pool_log_source import PoolLogSource
     return PoolLogSource() if poolcapture.active() is not None else None
 
 
 def _pool_log_missing() -> str:
-    from .. import poolcapture
+    from ms_memopt.mindspore import poolcapture
     return poolcapture.unavailable_reason()
 
 
@@ -760,7 +760,7 @@ def make_sources(source: str | Source | Iterable[Source] = "auto", *, network=No
     """The sources to try, best first, and why the first was chosen.
 
     ``auto``: the device pool on Ascend/GPU; else the arenas when some are given; else (CPU)
-    the real pool followed live from its log when :func:`ms_memopt.poolcapture.start` ran
+    the real pool followed live from its log when :func:`ms_memopt.mindspore.poolcapture.start` ran
     before ``import mindspore`` (``ms-memopt run`` and ``make demo`` do); else the shadow
     model. The shadow model is always appended as a fallback when a network is known.
 
@@ -788,7 +788,7 @@ def make_sources(source: str | Source | Iterable[Source] = "auto", *, network=No
     if source == "arena":
         return [ArenaSource(arenas)], "source='arena'"
     if source == "pool-log":
-        from .pool_log_source import PoolLogSource
+        from ms_memopt.mindspore.pool_log_source import PoolLogSource
         try:
             return [PoolLogSource()], "source='pool-log'"
         except ValueError as exc:
@@ -806,7 +806,7 @@ def make_sources(source: str | Source | Iterable[Source] = "auto", *, network=No
     if target in ("Ascend", "GPU"):
         options = dict(device_options or {})
         if target == "Ascend" and "vmm" not in options:
-            from .pool_info import detect_pool
+            from ms_memopt.mindspore.pool_info import detect_pool
             options["vmm"] = detect_pool(device=target).vmm
         chosen.append(DeviceSource(api, **options))
         reason = f"auto: device target {target}, the pool's own statistics"

@@ -33,7 +33,7 @@ the data position; driving the callbacks directly keeps both exact and the callb
 unchanged.
 
 Example:
-    >>> from ms_memopt.recipe import load_recipe                        # doctest: +SKIP
+    >>> from ms_memopt.config.recipe import load_recipe                        # doctest: +SKIP
     >>> result = run_standalone(load_recipe("recipes/demo_cpu.yaml"), "out/run")  # doctest: +SKIP
     >>> result.losses[-1] < result.losses[0]                           # doctest: +SKIP
     True
@@ -54,17 +54,17 @@ import mindspore as ms
 from mindspore import Tensor, nn
 from mindspore.train import Callback, RunContext
 
-from ..errors import InputError
-from ..jsontext import read_json_lines
-from ..layout import Layout
-from ..recipe import Recipe
-from ..report import LAYOUTS_NAME, layout_to_dict
-from ..workload import sequence_lengths as workload_sequence_lengths
-from .compaction import CompactionCallback
-from .fused_adamw import FusedAdamW
-from .model import GPT, GPTConfig, GPTWithLoss, synthetic_batches
-from .pool_mode import enable_pool_mode
-from .scan_callback import LayoutScanCallback
+from ms_memopt.config.recipe import Recipe
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.jsontext import read_json_lines
+from ms_memopt.core.layout import Layout
+from ms_memopt.engine.workload import sequence_lengths as workload_sequence_lengths
+from ms_memopt.io.layouts import LAYOUTS_NAME, layout_to_dict
+from ms_memopt.mindspore.compaction import CompactionCallback
+from ms_memopt.mindspore.fused_adamw import FusedAdamW
+from ms_memopt.mindspore.model import GPT, GPTConfig, GPTWithLoss, synthetic_batches
+from ms_memopt.mindspore.pool_mode import enable_pool_mode
+from ms_memopt.mindspore.scan_callback import LayoutScanCallback
 
 __all__ = ["RunResult", "select_device", "gpt_config_from_recipe", "token_batches", "sequence_lengths",
            "run_standalone",
@@ -111,7 +111,7 @@ class RunResult:
 
 
 def _pool_summary() -> dict:
-    from .pool_info import detect_pool
+    from ms_memopt.mindspore.pool_info import detect_pool
 
     info = detect_pool()
     return {**info.to_dict(), "explain": info.explain()}
@@ -250,7 +250,7 @@ def sequence_lengths(recipe: Recipe, steps: int, seq_length: int) -> list[int] |
     """Per-step sequence lengths for a run whose recipe asks for dynamic shapes
     (``memopt.workload.dynamic_seq``), seeded by ``memopt.workload.seed``; ``None`` for fixed
     shapes. The rules are the simulator's, by the same function
-    (:func:`ms_memopt.workload.draw_sequence_length`: ``seq_distribution``, ``long_tail``,
+    (:func:`ms_memopt.engine.workload.draw_sequence_length`: ``seq_distribution``, ``long_tail``,
     ``seq_align`` rounding down, ``seq_buckets``), one draw per step (the simulator draws one
     per micro-batch).
 

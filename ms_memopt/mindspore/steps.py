@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import re
 
-from ..scan import RECORD_STEP, _write_record_line
+from ms_memopt.analysis.scan import RECORD_STEP, _write_record_line
 
 __all__ = ["mark_step", "StepMarkCallback", "format_step_line", "reset_step_count"]
 
@@ -74,7 +74,7 @@ def mark_step(**dims: int) -> int:
         _count = step
     else:
         step, line = 0, f"{RECORD_STEP} 0"
-    from .pool_log_source import wait_for_queued_ops
+    from ms_memopt.mindspore.pool_log_source import wait_for_queued_ops
 
     wait_for_queued_ops()
     if os.environ.get("MS_MEMOPT_RECORD"):

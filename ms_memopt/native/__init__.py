@@ -13,8 +13,8 @@ results (tests/test_native.py).
 ``available()`` says whether the library loaded; ``MS_MEMOPT_NATIVE=0`` in the environment
 turns it off (the references run instead). A stale library, built from other C sources than the
 tree's (a ``.c`` edited without rebuilding), is not used either: a
-:class:`~ms_memopt._build_hash.StaleBuildWarning` names it and the rebuild command, and
-``unavailable_reason()`` says why (``ms_memopt/_build_hash.py``).
+:class:`~ms_memopt.core._build_hash.StaleBuildWarning` names it and the rebuild command, and
+``unavailable_reason()`` says why (``ms_memopt/core/_build_hash.py``).
 
 Example:
     >>> import numpy as np
@@ -35,8 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import _build_hash
-
+from ms_memopt.core import _build_hash
 __all__ = ["available", "library", "unavailable_reason", "move_runs", "adamw", "adamw_reference", "round_bfloat16", "FLOAT32", "FLOAT16", "BFLOAT16", "STREAM_MIN_BYTES", "STREAM_TOTAL_BYTES"]
 
 #: a run is copied with non-temporal stores when it is at least this long ...

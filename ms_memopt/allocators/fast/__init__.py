@@ -1,0 +1,286 @@
+"""Compiled fast paths of allocator models: the same rules, millions of events per second.
+
+The pure-Python models are the readable reference. For the models below, a C extension
+(``_fastpool.c``, built by ``pip install`` with gcc and the Python headers, nothing else)
+keeps the state and runs ``malloc``/``free`` without Python-level work per event;
+:func:`ms_memopt.allocators.create` picks it when it is built, unless the environment sets
+``MS_MEMOPT_PURE_PYTHON=1``. ``tests/test_fastpool.py`` holds each fast model to identical
+addresses, counters and layouts as its reference on random traces and on every recorded trace.
+A stale extension, built from another ``_fastpool.c`` than the tree's (edited without
+rebuilding), is not used: a :class:`~ms_memopt.core._build_hash.StaleBuildWarning` names it and the
+rebuild command, and the pure-Python models run (``ms_memopt/core/_build_hash.py``).
+
+Fast classes (reference in brackets):
+
+* ``mindspore``: :class:`FastMindSporePool` (:class:`~.mindspore.MindSporePool`)
+* ``mindspore-bestfit``: :class:`FastMindSporeBestFitPool` (:class:`~.mindspore.MindSporeBestFitPool`)
+* ``mindspore-vmm``: :class:`FastMindSporeVMMPool` (:class:`~.mindspore_vmm.MindSporeVMMPool`)
+* ``torch``: :class:`FastTorchCachingAllocator` (:class:`~.torch.TorchCachingAllocator`;
+  ``max_split_size_mb`` runs the reference)
+* ``torch-expandable``: :class:`FastTorchExpandableAllocator`
+  (:class:`~.torch_expandable.TorchExpandableAllocator`)
+* ``pool``: :class:`FastPoolModeAllocator` (:class:`~.pool.PoolModeAllocator`: its regions,
+  ``malloc``/``free`` with the cache's eviction, and the batch loop in C)
+
+Example:
+    >>> pool = FastMindSporePool(capacity=8 * 2**30)          # doctest: +SKIP
+    >>> a = pool.malloc(1000); b = pool.malloc(3000)          # doctest: +SKIP
+    >>> (a, b - a, pool.reserved)                             # doctest: +SKIP
+    (4294967296, 1024, 1073741824)
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+from ms_memopt.allocators.base import AllocatorModel
+from ms_memopt.allocators.mindspore import check_options, initial_block, restore_pieces
+from ms_memopt.allocators.mindspore_vmm import CHUNK, MindSporeVMMPool, _ChunkSet, ranges_largest_free, ranges_layout
+from ms_memopt.allocators.mindspore_vmm import restore_pieces as vmm_restore_pieces
+from ms_memopt.allocators.pool import PoolModeAllocator
+from ms_memopt.allocators.torch import check_divisions, is_small_segment, merged_blocks
+from ms_memopt.core import _build_hash
+from ms_memopt.core.events import FIELDS, ROW_INDEX
+from ms_memopt.core.layout import Block, Layout, Segment
+
+__all__ = ["AVAILABLE", "FAST_MODELS", "batch_runner", "FastMindSporePool", "FastMindSporeBestFitPool", "FastTorchCachingAllocator"]
+
+
+def _compiled_core():
+    """The extension's ``ModelCore``, or None: not built (a source tree without ``pip
+    install``), or stale (built from another ``_fastpool.c`` than the tree's; warned)."""
+    try:
+        from ms_memopt.allocators.fast import _fastpool
+    except ImportError:
+        return None
+    stale = _build_hash.check("ms_memopt.allocators.fast._fastpool", getattr(_fastpool, "SOURCE_HASH", None),
+                              getattr(_fastpool, "__file__", None))
+    if stale:
+        return None
+    # the loop reads rows (plain tuples of Event's fields) at the positions Event defines
+    _fastpool.set_row_layout(len(FIELDS), tuple(ROW_INDEX[name] for name in
+                                                ("action", "id", "size", "addr", "stream", "pool", "tag")))
+    return _fastpool.ModelCore
+
+
+ModelCore = _compiled_core()
+
+#: whether the compiled fast path is built and allowed (``MS_MEMOPT_PURE_PYTHON`` unset)
+AVAILABLE = ModelCore is not None and not os.environ.get("MS_MEMOPT_PURE_PYTHON")
+
+#: model name -> fast class (what :func:`~ms_memopt.allocators.create` uses when AVAILABLE and
+#: the class ``supports`` the options)
+FAST_MODELS: dict[str, type] = {}
+
+
+
+def batch_runner(model: AllocatorModel):
+    """The model's ``_run`` (a stretch of allocs and frees in one call, see ``_fastpool.c``),
+    or ``None``: not a compiled model, or one whose ``malloc``/``free`` a caller has wrapped on
+    the instance (the wrapper must see every call)."""
+    run = getattr(model, "_run", None)
+    if run is None:
+        return None
+    patched = getattr(model, "__dict__", {})
+    return None if "malloc" in patched or "free" in patched else run
+
+
+_LIVE, _UNMAPPED = 1, 2      # buffer states of the compiled expandable model (0: free)
+
+if ModelCore is not None:
+
+    class FastMindSporePool(ModelCore, AllocatorModel):
+        """:class:`~ms_memopt.allocators.mindspore.MindSporePool` in C; same arguments.
+
+        ``malloc``, ``free``, ``empty_cache``, ``note_segment_alloc``, ``release_segment`` and
+        ``largest_free`` are the C methods; the counters (``reserved``, ``allocated``,
+        ``peak_*``, ``segment_allocs``) live in the C state.
+        """
+
+        name = "mindspore"
+        default_tie = "address"
+
+        @staticmethod
+        def supports(options: dict) -> bool:
+            return True
+
+        def __init__(self, capacity: int | None = None, increase_size: int = 1 << 30, init_size: int = 0,
+                     pregrow: bool = False, grow: str = "double", small_pool: bool = False,
+                     tie: str | None = None) -> None:
+            self.tie = tie = check_options(increase_size, grow, tie or self.default_tie)
+            half = initial_block(capacity, init_size, pregrow)
+            ModelCore.__init__(self, capacity, int(increase_size), grow == "add", bool(small_pool),
+                                       tie == "idle_order")
+            AllocatorModel.__init__(self, capacity)
+            self.increase_size = int(increase_size)
+            self.grow = grow
+            self.small_pool = small_pool
+            if half:
+                self._pregrow(half)
+
+        def restore(self, layout: Layout) -> None:
+            """Start from ``layout`` (as the reference's :meth:`restore`)."""
+            for segment in sorted(layout.segments, key=lambda s: s.addr):
+                self._add_segment(segment.addr, segment.size, segment.stream, segment.pool == "persistent",
+                                  segment.pool == "small", restore_pieces(segment))
+            self._note_usage()
+
+        def layout(self) -> Layout:
+            segments = [Segment(addr, size, [Block(a, s, used) for a, s, used in blocks], stream=stream, pool=pool)
+                        for addr, size, stream, pool, blocks in self._segments()]
+            segments.sort(key=lambda s: s.addr)
+            return Layout(segments, capacity=self.capacity)
+
+    class FastMindSporeBestFitPool(FastMindSporePool):
+        """:class:`~ms_memopt.allocators.mindspore.MindSporeBestFitPool` in C (idle-order ties)."""
+
+        name = "mindspore-bestfit"
+        default_tie = "idle_order"
+
+    class FastTorchCachingAllocator(ModelCore, AllocatorModel):
+        """:class:`~ms_memopt.allocators.torch.TorchCachingAllocator` in C, without
+        ``max_split_size_mb`` (see :meth:`supports`)."""
+
+        name = "torch"
+
+        @staticmethod
+        def supports(options: dict) -> bool:
+            # these two run the pure-Python model (create() picks it)
+            return options.get("max_split_size_mb") is None and options.get("garbage_collection_threshold") is None
+
+        def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
+                     roundup_power2_divisions: int | None = None) -> None:
+            if max_split_size_mb is not None:
+                raise ValueError("max_split_size_mb runs the pure-Python model (create() picks it)")
+            check_divisions(roundup_power2_divisions)
+            ModelCore.__init__(self, capacity, kind="torch", divisions=roundup_power2_divisions or 0)
+            AllocatorModel.__init__(self, capacity)
+            self.max_split_size = None
+            self.divisions = roundup_power2_divisions or 0
+
+        def restore(self, layout: Layout) -> None:
+            """Start from ``layout`` (as the reference's :meth:`restore`)."""
+            self._reset()
+            for seg in sorted(layout.segments, key=lambda s: s.addr):
+                self._add_segment(seg.addr, seg.size, seg.stream, False, is_small_segment(seg), merged_blocks(seg))
+            self._note_usage()
+
+        layout = FastMindSporePool.layout
+
+    class FastTorchExpandableAllocator(ModelCore, AllocatorModel):
+        """:class:`~ms_memopt.allocators.torch_expandable.TorchExpandableAllocator` in C."""
+
+        name = "torch-expandable"
+        virtual = True
+        supports = FastMindSporePool.supports
+
+        def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None) -> None:
+            check_divisions(roundup_power2_divisions)
+            ModelCore.__init__(self, capacity, kind="expandable", divisions=roundup_power2_divisions or 0)
+            AllocatorModel.__init__(self, capacity)
+            self.divisions = roundup_power2_divisions or 0
+
+        def restore(self, layout: Layout) -> None:
+            """Start from ``layout``: recorded segments become fixed, fully mapped ranges."""
+            self._reset()
+            for seg in sorted(layout.segments, key=lambda s: s.addr):
+                self._add_range(seg.addr, seg.size, seg.stream, is_small_segment(seg), merged_blocks(seg))
+            self._restored()
+            self._note_usage()
+
+        def layout(self) -> Layout:
+            """Each run of mapped buffers of a range is one segment (as the reference)."""
+            segments = []
+            for _, stream, small, pieces in self._ranges():
+                run: list[Block] = []
+                for addr, size, state in pieces + [(0, 0, _UNMAPPED)]:
+                    if state != _UNMAPPED:
+                        run.append(Block(addr, size, state == _LIVE))
+                    elif run:
+                        segments.append(Segment(run[0].addr, run[-1].end - run[0].addr, run, stream=stream,
+                                                pool="small" if small else "large"))
+                        run = []
+            return Layout(segments, capacity=self.capacity)
+
+    class FastMindSporeVMMPool(ModelCore, AllocatorModel):
+        """:class:`~ms_memopt.allocators.mindspore_vmm.MindSporeVMMPool` in C; its layout and
+        ``largest_free`` are the reference's functions over the C state."""
+
+        name = "mindspore-vmm"
+        virtual = True
+        supports = FastMindSporePool.supports
+        _record_oom = MindSporeVMMPool._record_oom
+
+        def __init__(self, capacity: int | None = None) -> None:
+            ModelCore.__init__(self, capacity, kind="vmm")
+            AllocatorModel.__init__(self, capacity)
+
+        def restore(self, layout: Layout) -> None:
+            """Start from ``layout`` (as the reference's :meth:`restore`)."""
+            for segment in sorted(layout.segments, key=lambda s: s.addr):
+                if segment.addr % CHUNK:
+                    raise ValueError(f"VMM segments start on 2 MiB boundaries; {segment.addr:#x} does not")
+                size = (segment.size + CHUNK - 1) // CHUNK * CHUNK
+                self._add_vrange(segment.addr, size, segment.stream, segment.pool == "persistent",
+                                 vmm_restore_pieces(segment, size), segment.end)
+            self._note_usage()
+
+        def range_pieces(self) -> list:
+            """As :meth:`MindSporeVMMPool.range_pieces`."""
+            return sorted(self._vmm_state()[0], key=lambda r: (r[0], r[1]))
+
+        def layout(self) -> Layout:
+            ranges, runs = self._vmm_state()
+            mapped = _ChunkSet()
+            for start, end in runs:
+                mapped.add(start, end)
+            return ranges_layout(sorted(ranges, key=lambda r: (r[0], r[1])), mapped, self.capacity)
+
+        def largest_free(self) -> int:
+            return ranges_largest_free(self.range_pieces(), self.capacity)
+
+    class FastRegion(ModelCore):
+        """A pool-mode region (:class:`~ms_memopt.allocators.pool._Region`) in C: ``take``,
+        ``release``, ``open_chunk``, ``close_chunk``, ``largest_free``, ``size_of`` and the
+        ``free_keys``/``allocated`` it reports are the C state's."""
+
+        def __init__(self, name: str, addr: int, size: int, chunked: bool = False) -> None:
+            ModelCore.__init__(self, None, kind="region")
+            self._region_init(addr, size, chunked)
+            self.name, self.addr, self.size, self.chunked = name, addr, size, chunked
+            self.order: OrderedDict[int, int] = OrderedDict()   # evicting: live addr -> size, oldest first
+            self.evicting = self.ring = False
+
+        def segment(self) -> Segment:
+            blocks = [Block(addr, size, used, tag=self.name)
+                      for *_, pieces in self._segments() for addr, size, used in pieces]
+            return Segment(self.addr, self.size, blocks, pool=self.name)
+
+    class FastPoolModeAllocator(ModelCore, PoolModeAllocator):
+        """:class:`~ms_memopt.allocators.pool.PoolModeAllocator` with compiled regions and a
+        compiled ``malloc``/``free``/``_run``: routing (the reference's :meth:`region_for`,
+        remembered per tag and pool), the cache region's FIFO eviction, ``drain_evicted`` and the
+        counters (``allocated``, ``peak_allocated``, ``evictions``) are the C state's; an address
+        belongs to the region whose range holds it (the reference's ``_owner`` map, which the
+        compiled model does not keep). Layouts, metrics, routing and chunk marks are the
+        reference's Python code over the :class:`FastRegion` objects."""
+
+        region_class = FastRegion
+        # the reference's, not ModelCore's (which knows nothing of regions)
+        largest_free = PoolModeAllocator.largest_free
+        empty_cache = AllocatorModel.empty_cache
+        note_segment_alloc = AllocatorModel.note_segment_alloc
+        release_segment = AllocatorModel.release_segment
+
+        def __init__(self, capacity: int | None = None, regions=None, route: dict[str, str] | None = None,
+                     chunked: bool = False) -> None:
+            ModelCore.__init__(self, capacity, kind="poolmode")
+            PoolModeAllocator.__init__(self, capacity, regions, route, chunked)
+            del self._owner, self._evicted        # kept in C (see the class docstring)
+            regions = tuple(self.regions.values())
+            self._pool_init(regions, tuple((1 if r.evicting else 0) | (2 if r.ring else 0) for r in regions))
+
+    FAST_MODELS.update({"mindspore": FastMindSporePool, "mindspore-bestfit": FastMindSporeBestFitPool,
+                        "mindspore-vmm": FastMindSporeVMMPool, "torch": FastTorchCachingAllocator,
+                        "torch-expandable": FastTorchExpandableAllocator,
+                        "pool": FastPoolModeAllocator})

@@ -1,0 +1,236 @@
+"""The one event model every trace reader produces and every allocator model consumes.
+
+An :class:`Event` is one thing that happened to device memory, in order:
+
+=================  ==========================================================================
+``alloc``          a tensor of ``size`` bytes was allocated; ``id`` pairs it with its free;
+                   ``addr`` is the recorded address when the source knows it
+``free``           the tensor ``id`` was freed (and its memory may be reused from now on)
+``segment_alloc``  the recording pool took a new segment ``[addr, addr + size)`` from the device
+``segment_free``   the recording pool gave the segment at ``addr`` back to the device
+``empty_cache``    the framework released every idle segment
+``step``           a training step boundary (``step`` holds the new step number)
+``mark``           a named moment inside a step (``tag``), e.g. ``"optimizer_end"``
+=================  ==========================================================================
+
+``pool`` is ``"persistent"`` for requests MindSpore serves from its persistent pool
+(weights, optimizer states); ``None`` lets the model decide. ``stream`` is the stream the
+request belongs to. Sizes are bytes as requested (before the model's rounding).
+
+The JSONL form (docs/events.md) is one JSON object per line; the first line is a header
+``{"format": "ms-memopt-events", "version": 1, ...}``; keys that are ``None`` are omitted.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import IO, Iterable, Iterator
+
+from ms_memopt.core.errors import InputError, open_input
+from ms_memopt.core.jsontext import parse_json
+from ms_memopt.core.layout import Layout
+from ms_memopt.core.units import short_repr
+
+__all__ = ["Event", "Trace", "ACTIONS", "FIELDS", "ROW_INDEX", "JSONL_FORMAT", "EventWriter", "write_jsonl", "read_jsonl", "iter_jsonl"]
+
+ACTIONS = ("alloc", "free", "segment_alloc", "segment_free", "empty_cache", "step", "mark")
+JSONL_FORMAT = "ms-memopt-events"
+JSONL_VERSION = 1
+
+
+@dataclass(slots=True)
+class Event:
+    """One memory event; see the module docstring for the actions.
+
+    Example:
+        >>> Event("alloc", id=7, size=4096, tag="activation")
+        Event(action='alloc', id=7, size=4096, addr=None, stream=0, pool=None, time=None, tag='activation', step=None)
+    """
+
+    action: str
+    id: int | None = None
+    size: int = 0
+    addr: int | None = None
+    stream: int = 0
+    pool: str | None = None
+    time: float | None = None
+    tag: str | None = None
+    step: int | None = None
+
+    def to_dict(self) -> dict:
+        """The JSONL object: ``None`` fields, stream 0 and size 0 (but an allocation's) are left out."""
+        out = {}
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if value is None or (value == 0 and (name == "stream" or (name == "size" and self.action not in
+                                                                      ("alloc", "segment_alloc")))):
+                continue    # an alloc keeps size 0: MindSpore's pool is asked for 0 bytes (and gives 512)
+            out[name] = value
+        return out
+
+
+#: Event's fields in their order: the one definition of a *row*, the plain tuple the simulator
+#: generates for speed (``Event(*row)`` is the event). The compiled loop takes its indices from
+#: here at import (``allocators/fast.py``), the simulator reads rows through :data:`ROW_INDEX`.
+FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Event))
+_FIELDS = FIELDS
+#: field name -> its position in a row
+ROW_INDEX: dict[str, int] = {name: i for i, name in enumerate(FIELDS)}
+
+
+class EventWriter:
+    """Append events to a JSONL file, one flushed line each, so a crash loses at most a line.
+
+    Example:
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "events.jsonl")
+        >>> with EventWriter(path, meta={"source": "doc"}) as w:
+        ...     w.write(Event("alloc", id=1, size=512))
+        >>> [e.action for e in read_jsonl(path).events]
+        ['alloc']
+    """
+
+    def __init__(self, path: str | Path, *, meta: dict | None = None, flush_every: int = 1) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = open(self.path, "w", encoding="utf-8")
+        self._flush_every = max(1, flush_every)
+        self._pending = 0
+        header = {"format": JSONL_FORMAT, "version": JSONL_VERSION}
+        if meta:
+            header["meta"] = meta
+        self._file.write(json.dumps(header) + "\n")
+        self._file.flush()
+
+    def write(self, event: Event) -> None:
+        self._file.write(json.dumps(event.to_dict(), separators=(",", ":")) + "\n")
+        self._pending += 1
+        if self._pending >= self._flush_every:
+            self._file.flush()
+            self._pending = 0
+
+    def write_all(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.write(event)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            self._file.close()
+
+    def __enter__(self) -> "EventWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_jsonl(path: str | Path, events: Iterable[Event], *, meta: dict | None = None) -> None:
+    """Write a whole event list as JSONL (buffered; use :class:`EventWriter` for live logs)."""
+    with EventWriter(path, meta=meta, flush_every=65536) as writer:
+        writer.write_all(events)
+
+
+@dataclass
+class Trace:
+    """A recorded (or generated) event stream with what is known around it.
+
+    ``initial`` is the allocator state when recording began (segments and live blocks whose
+    ``id`` the events' frees refer to), ``final`` the state the source recorded at the end
+    (to check a replay block by block); both ``None`` when the source does not say.
+    ``format`` names the reader (``"torch-snapshot"``, ``"mindspore-memory-block"``, ...).
+    """
+
+    events: list[Event]
+    source: str = ""
+    format: str = ""
+    initial: Layout | None = None
+    final: Layout | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def _int_field(obj: dict, name: str, source: str, line: int, *, required: bool = False) -> int | None:
+    value = obj.get(name)
+    if value is None:
+        if required:
+            raise InputError(f"missing {name!r}", source=source, line=line)
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{name!r} must be an integer, got {value!r}", source=source, line=line)
+    if name in ("size", "addr") and value < 0:
+        raise InputError(f"{name!r} must be >= 0, got {value}", source=source, line=line)
+    return value
+
+
+def _finite_number(value: object) -> bool:
+    """An int or float within float range (an int like 10**400 is not: times become floats)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[Event]:
+    """Parse JSONL event lines (the header already consumed); errors name ``source`` and line."""
+    for number, text in enumerate(lines, start=2):
+        text = text.strip()
+        if not text:
+            continue
+        obj = parse_json(text, source=source, line=number)
+        if not isinstance(obj, dict):
+            raise InputError(f"expected a JSON object, got {type(obj).__name__}", source=source, line=number)
+        action = obj.get("action")
+        if action not in ACTIONS:
+            raise InputError(f"unknown action {action!r}; expected one of {', '.join(ACTIONS)}",
+                             source=source, line=number)
+        unknown = set(obj) - set(_FIELDS)
+        if unknown:
+            raise InputError(f"unknown keys {sorted(unknown)}; expected some of {', '.join(_FIELDS)}",
+                             source=source, line=number)
+        size = _int_field(obj, "size", source, number, required=action in ("alloc", "segment_alloc")) or 0
+        addr = _int_field(obj, "addr", source, number, required=action in ("segment_alloc", "segment_free"))
+        time = obj.get("time")
+        if time is not None and not _finite_number(time):
+            raise InputError(f"'time' must be a finite number, got {short_repr(time)}", source=source, line=number)
+        for name in ("pool", "tag"):
+            if obj.get(name) is not None and not isinstance(obj[name], str):
+                raise InputError(f"{name!r} must be a string, got {obj[name]!r}", source=source, line=number)
+        yield Event(
+            action=action,
+            id=_int_field(obj, "id", source, number, required=action in ("alloc", "free")),
+            size=size,
+            addr=addr,
+            stream=_int_field(obj, "stream", source, number) or 0,
+            pool=obj.get("pool"),
+            time=time,
+            tag=obj.get("tag"),
+            step=_int_field(obj, "step", source, number),
+        )
+
+
+def read_jsonl(path: str | Path) -> Trace:
+    """Read an ms-memopt JSONL event file.
+
+    Raises:
+        InputError: not our format, or a malformed line (the message names file and line).
+    """
+    source = str(path)
+    with open_input(path, expected="an ms-memopt JSONL event file") as handle:
+        first = handle.readline()
+        try:
+            header = parse_json(first, source=source, line=1) if first.strip() else None
+        except InputError:
+            header = None
+        if not isinstance(header, dict) or header.get("format") != JSONL_FORMAT:
+            raise InputError(f'expected the header line {{"format": "{JSONL_FORMAT}", "version": 1}}',
+                             source=source, line=1)
+        if header.get("version") != JSONL_VERSION:
+            raise InputError(f"unsupported version {header.get('version')!r}; expected {JSONL_VERSION}",
+                             source=source, line=1)
+        meta = header.get("meta") or {}
+        return Trace(list(iter_jsonl(handle, source)), source=source, format="jsonl",
+                     meta=meta if isinstance(meta, dict) else {})

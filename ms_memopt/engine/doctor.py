@@ -1,0 +1,514 @@
+"""``ms-memopt doctor``: from one recording to a verdict, the blocks in the way, and the setting
+that would have saved the run, each measured by replaying the recording.
+
+The allocator models are exact on real recordings (PyTorch snapshots and MindSpore's CPU pool:
+every address), so one recording answers three questions:
+
+1. **Verdict.** Replayed through the model of the allocator that recorded it (at ``capacity``
+   when given), did a request fail, and was it *fragmentation* (the free memory would have
+   covered it in one piece: :func:`~ms_memopt.allocators.base.oom_kind`) or *capacity*? With
+   no failure the worst moment is the growth of the pool that free memory would have covered
+   (no hole held the request, though ``free_total >= request``): where a smaller card dies.
+2. **Blockers.** At that moment, the live blocks whose moving (or absence) would have opened a
+   hole for the request, whichever moves fewer bytes: the cheapest window of one segment whose
+   holes add up to the request (:func:`~ms_memopt.analysis.compaction.planner.cheapest_window`, the
+   compaction planner's rule), or, at a capacity, the blocks that pin whole segments (emptied,
+   they go back to the device and a new segment of the request's size fits). So every listed
+   block is one that matters. Long-lived blocks between transient ones are flagged.
+3. **Remedies.** The same recording replayed under each setting of the recorded allocator
+   family (PyTorch/torch_npu: ``expandable_segments``, ``max_split_size_mb``,
+   ``garbage_collection_threshold``, ``roundup_power2_divisions``; MindSpore: VMM,
+   ``increase_size``, a pre-grown ``init_size``, ``empty_cache`` at the step ends) and the
+   project's policies (compaction at the step ends, pool mode), ranked by survival at
+   ``capacity``, then peak reserved without a capacity (what the setting saves), then the worst
+   frag ratio; each with the line to set, the
+   slow-path events it went through, and whether its model is address-verified.
+
+:func:`compare` puts two recordings side by side (``ms-memopt doctor A B``).
+
+Example: one 90 MiB segment cut in three, the middle tensor kept, then a 40 MiB request:
+    >>> from ms_memopt.core.events import Event, Trace
+    >>> MiB = 2**20
+    >>> t = Trace([Event("alloc", id=9, size=90 * MiB), Event("free", id=9)]
+    ...           + [Event("alloc", id=i, size=30 * MiB) for i in (1, 2, 3)]
+    ...           + [Event("free", id=1), Event("free", id=3), Event("alloc", id=4, size=40 * MiB)],
+    ...           format="torch-snapshot")
+    >>> d = diagnose(t, capacity=100 * MiB)
+    >>> d.verdict.kind, d.verdict.failed, [b.size // MiB for b in d.blockers]
+    ('fragmentation', True, [30])
+    >>> d.remedies[0].setting, d.remedies[0].survives
+    ('expandable_segments:True', True)
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ms_memopt.allocators import create
+from ms_memopt.allocators.base import AllocatorModel
+from ms_memopt.analysis.compaction.planner import cheapest_window
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Trace
+from ms_memopt.core.layout import Layout
+from ms_memopt.core.metrics import frag_ratio
+from ms_memopt.core.units import format_size
+from ms_memopt.engine.replay import ReplayResult, default_allocator, replay
+
+__all__ = ["Verdict", "Blocker", "Remedy", "Diagnosis", "Comparison", "diagnose", "compare", "remedy_settings"]
+
+#: a blocker lives this many times longer than the median allocation: long-lived
+LONG_LIVED_FACTOR = 10
+#: the models whose addresses were checked against real recordings (docs/verified.md) with
+#: their default options; every other setting follows the allocator's source only
+_VERIFIED = {("torch", ()), ("mindspore-bestfit", ())}
+
+
+@dataclass
+class Verdict:
+    """What limited the recording; sizes in bytes.
+
+    ``kind``: ``"fragmentation"`` (the free memory would have covered the request in one
+    piece), ``"capacity"`` (it would not), ``"none"`` (no request failed and the pool never
+    grew while free memory covered the request). ``failed``: a request ran out of memory at the
+    capacity; else the moment is the pool's worst growth. ``event``: index of the request.
+    """
+
+    kind: str
+    failed: bool
+    request: int | None = None
+    free_total: int | None = None
+    largest_free: int | None = None
+    frag_ratio: float | None = None
+    event: int | None = None
+    reserved: int | None = None
+    allocated: int | None = None
+    text: str = ""
+
+
+@dataclass
+class Blocker:
+    """A live block in the cheapest window that would hold the request; ``id`` is its tensor's
+    id in the recording's events."""
+
+    addr: int
+    size: int
+    tag: str | None
+    allocated_at: int | None          # event index (None: alive when recording began)
+    freed_at: int | None              # event index (None: never freed in the recording)
+    lifetime_events: int | None
+    long_lived: bool
+    between_transients: bool
+    frames: list[str] = field(default_factory=list)
+    id: int | None = None
+
+
+@dataclass
+class Remedy:
+    """One setting replayed over the recording; ``line`` is what to set."""
+
+    setting: str
+    line: str
+    allocator: str
+    options: dict
+    peak_reserved: int
+    #: the peak without a capacity: what the setting saves (equal to ``peak_reserved`` when unbounded)
+    peak_reserved_unbounded: int
+    oom_count: int
+    slow_path_events: int
+    frag_ratio_max: float | None
+    survives: bool
+    verified: bool
+    note: str = ""
+    timeline: list[tuple[int, int, int, float | None]] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("timeline")
+        return out
+
+
+@dataclass
+class Diagnosis:
+    """Everything ``ms-memopt doctor`` reports about one recording."""
+
+    trace: str
+    format: str
+    family: str
+    allocator: str
+    capacity: int | None
+    events: int
+    verdict: Verdict
+    blockers: list[Blocker]
+    remedies: list[Remedy]
+    peak_allocated: int
+    peak_reserved: int
+    window_bytes: int | None = None          # bytes the cheapest window would move
+    layout: Layout | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        return {"trace": self.trace, "format": self.format, "family": self.family, "allocator": self.allocator,
+                "capacity": self.capacity, "events": self.events, "peak_allocated": self.peak_allocated,
+                "peak_reserved": self.peak_reserved, "verdict": asdict(self.verdict),
+                "blockers": [asdict(b) for b in self.blockers], "window_bytes": self.window_bytes,
+                "remedies": [r.to_dict() for r in self.remedies]}
+
+
+# --- the settings per family --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Setting:
+    setting: str
+    line: str
+    allocator: str
+    options: tuple = ()
+    policy: str = "baseline"          # or "compact", "pool", "empty_cache"
+    note: str = ""
+
+
+def _family(trace: Trace) -> str:
+    return "torch" if default_allocator(trace) == "torch" else "mindspore"
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 2**30:g}GB"
+
+
+def remedy_settings(trace: Trace, *, capacity: int | None, allocator: str | None = None) -> list[_Setting]:
+    """The settings :func:`diagnose` replays, the recorded one first (``"baseline"``)."""
+    base = allocator or default_allocator(trace)
+    steps = any(e.action == "step" for e in trace.events)
+    out = [_Setting("baseline", "(as recorded)", base)]
+    if _family(trace) == "torch":
+        var = "PYTORCH_NPU_ALLOC_CONF" if trace.format == "msmemscope" else "PYTORCH_CUDA_ALLOC_CONF"
+        out.append(_Setting("expandable_segments:True", f"export {var}=expandable_segments:True", "torch-expandable"))
+        for mb in (64, 128, 256, 512):
+            out.append(_Setting(f"max_split_size_mb:{mb}", f"export {var}=max_split_size_mb:{mb}", "torch",
+                                (("max_split_size_mb", mb),)))
+        if capacity is not None:
+            for fraction in (0.6, 0.8):
+                out.append(_Setting(f"garbage_collection_threshold:{fraction}",
+                                    f"export {var}=garbage_collection_threshold:{fraction} (with "
+                                    "torch.cuda.set_per_process_memory_fraction, which it needs)", "torch",
+                                    (("garbage_collection_threshold", fraction),)))
+        for divisions in (4, 8):
+            out.append(_Setting(f"roundup_power2_divisions:{divisions}",
+                                f"export {var}=roundup_power2_divisions:{divisions}", "torch",
+                                (("roundup_power2_divisions", divisions),)))
+    else:
+        out.append(_Setting("enable_vmm:True", 'export MS_ALLOC_CONF="enable_vmm:True"', "mindspore-vmm",
+                            note="Ascend with a driver >= 24.0.0 (the 2.10 default on 910B/910_93)"))
+        for size in (256 << 20, 512 << 20, 2 << 30, 4 << 30):
+            out.append(_Setting(f"increase_size={format_size(size)}",
+                                f'ms.runtime.set_memory(increase_size="{_gb(size)}")  # with your other arguments',
+                                base, (("increase_size", size),)))
+        if capacity is not None:
+            out.append(_Setting(f"init_size={format_size(capacity)} (pre-grown)",
+                                f'ms.runtime.set_memory(init_size="{_gb(capacity)}")  # in the launch script, before '
+                                "the first tensor", base, (("pregrow", True),)))
+        if steps:
+            out.append(_Setting("empty_cache at the step ends", "ms.runtime.empty_cache() after each step", base,
+                                policy="empty_cache",
+                                note="MindSpore 2.10's best-fit Ascend pool only warns; under VMM it unmaps idle pages"))
+    if steps:
+        out.append(_Setting("compaction at the step ends", "CompactionCallback(every=1) (ms_memopt.mindspore; on "
+                            "Ascend it moves only what ms-memopt owns, docs/compaction.md)", base, policy="compact"))
+    if capacity is not None:
+        out.append(_Setting("pool mode", "enable_pool_mode(net, optimizer, checkpoint_every=k) (ms_memopt.mindspore)",
+                            "pool", policy="pool", note="regions sized from this recording: a best case"))
+    return out
+
+
+# --- the replays --------------------------------------------------------------------------------
+
+class _GrowthWatch:
+    """Wraps a model's ``malloc`` to find the worst growth: the request the pool grew for because
+    no hole held it, although its free memory together would have (the most free memory stranded
+    at that moment)."""
+
+    def __init__(self, model: AllocatorModel, trace: Trace) -> None:
+        self.model = model
+        self.alloc_index = [i for i, e in enumerate(trace.events) if e.action == "alloc"]
+        self.calls = 0
+        self.worst: tuple[int, int, int, int, int, int] | None = None   # free, index, size, largest, reserved, allocated
+        self._malloc = model.malloc
+        model.malloc = self
+
+    def __call__(self, size: int, **kwargs) -> int | None:
+        model = self.model
+        free_before = model.reserved - model.allocated
+        reserved, allocated = model.reserved, model.allocated
+        largest = model.largest_free() if size <= free_before else 0
+        addr = self._malloc(size, **kwargs)
+        index = self.alloc_index[self.calls] if self.calls < len(self.alloc_index) else None
+        self.calls += 1
+        # fragmentation: no hole anywhere held the request, though all free memory together did
+        # (a hole in another pool or stream that would have held it is that pool's rule instead)
+        if addr is not None and model.reserved > reserved and largest < size <= free_before and index is not None \
+                and (self.worst is None or free_before > self.worst[0]):
+            self.worst = (free_before, index, size, largest, reserved, allocated)
+        return addr
+
+
+def _run(trace: Trace, setting: _Setting, capacity: int | None) -> ReplayResult:
+    options = dict(setting.options)
+    if setting.policy in ("compact", "pool"):
+        from ms_memopt.engine.whatif import replay_policy
+
+        return replay_policy(trace, setting.policy, allocator=setting.allocator, capacity=capacity, options=options)
+    timeline: list = []
+    model = create(setting.allocator, capacity, fast=False, **options)
+    on_step = None
+    if setting.policy == "empty_cache":
+        def on_step(step: int, current: AllocatorModel, addresses: dict) -> AllocatorModel:
+            current.empty_cache()
+            return current
+    result = replay(trace, model, on_step=on_step,
+                    on_sample=lambda index, m: timeline.append((index, m.free_total, m.largest_free, m.frag_ratio)))
+    result.policy = {"timeline": timeline}
+    return result
+
+
+def _remedy(setting: _Setting, result: ReplayResult, unbounded: ReplayResult) -> Remedy:
+    timeline = (result.policy or {}).get("timeline", [])
+    return Remedy(setting=setting.setting, line=setting.line, allocator=setting.allocator,
+                  options=dict(setting.options), peak_reserved=result.peak_reserved,
+                  peak_reserved_unbounded=unbounded.peak_reserved, oom_count=len(result.ooms),
+                  slow_path_events=result.slow_path_events, frag_ratio_max=result.frag_ratio_max,
+                  survives=not result.ooms, verified=(setting.allocator, setting.options) in _VERIFIED
+                  and setting.policy == "baseline", note=setting.note, timeline=timeline)
+
+
+def _verdict(trace: Trace, base: str, capacity: int | None) -> tuple[Verdict, ReplayResult]:
+    model = create(base, capacity, fast=False)
+    watch = _GrowthWatch(model, trace)
+    result = replay(trace, model)
+    if result.ooms:
+        oom = result.ooms[0]
+        kind = oom.kind
+        ratio = frag_ratio(oom.free_total, oom.largest_free) if oom.largest_free else None
+        device = oom.device_free or 0
+        text = (f"needed {format_size(oom.size)} in one piece; {format_size(oom.free_total)} were free in the pool"
+                + (f" (+{format_size(device)} not yet reserved)" if device else "")
+                + f", the largest piece was {format_size(oom.largest_free)}: "
+                + ("fragmentation" if kind == "fragmentation" else "capacity: the card is too small for this step"))
+        return Verdict(kind, True, oom.size, oom.free_total, oom.largest_free, ratio, oom.event_index,
+                       oom.reserved, oom.allocated, text), result
+    if watch.worst is None:
+        return Verdict("none", False, text="no request failed, and the pool never grew while its free memory "
+                       "would have covered the request"), result
+    free, index, size, largest, reserved, allocated = watch.worst
+    text = (f"needed {format_size(size)} in one piece; {format_size(free)} were free in the pool, the largest piece "
+            f"was {format_size(largest)}: fragmentation. The pool grew instead (reserved {format_size(reserved)} for "
+            f"{format_size(allocated)} in use); a card without that room fails here")
+    return Verdict("fragmentation", False, size, free, largest, frag_ratio(free, largest) if largest else None,
+                   index, reserved, allocated, text), result
+
+
+def _blockers(trace: Trace, base: str, capacity: int | None, verdict: Verdict) -> tuple[list[Blocker], int | None, Layout | None]:
+    if verdict.event is None or verdict.request is None or verdict.kind != "fragmentation":
+        return [], None, None        # a capacity failure: moving blocks would not make room
+    before = replay(trace, create(base, capacity, fast=False), stop=verdict.event, sample_every=0)
+    layout, ids = before.final_layout, before.live_ids
+    request = max(512, (verdict.request + 511) // 512 * 512)
+    best = None
+    for seg in layout.segments:
+        live = [b for b in seg.blocks if b.live]
+        if not live and seg.size < request:
+            continue
+        addrs = np.array([b.addr for b in live], dtype=np.int64)
+        sizes = np.array([b.size for b in live], dtype=np.int64)
+        found = cheapest_window(addrs, sizes, np.zeros(len(live), dtype=bool), seg.addr, seg.end, request)
+        if found is None:
+            continue
+        targets, cost = found
+        moved = [b for b, t in zip(live, targets.tolist()) if t != b.addr]
+        if best is None or cost < best[0]:
+            best = (cost, moved, live)
+    if verdict.failed and capacity is not None:
+        # Free memory spread over segments that never merge: the blocks that pin whole segments.
+        # Emptied, a segment goes back to the device, and with what is not reserved yet a new
+        # one of the request's size fits. Segments with the fewest live bytes per byte first.
+        need = request - max(capacity - layout.reserved, 0)
+        pinned = sorted((s for s in layout.segments if any(b.live for b in s.blocks)),
+                        key=lambda s: (sum(b.size for b in s.blocks if b.live) / s.size, s.addr))
+        chosen, gained = [], 0
+        for seg in pinned:
+            if gained >= need:
+                break
+            chosen.append(seg)
+            gained += seg.size
+        if gained >= need:
+            blocks = [b for seg in chosen for b in seg.blocks if b.live]
+            cost = sum(b.size for b in blocks)
+            if best is None or cost < best[0]:
+                best = (cost, blocks, blocks)
+    if best is None:
+        return [], None, layout
+    cost, moved, live = best
+    alloc_at, free_at, tag_of = {}, {}, {}
+    for i, e in enumerate(trace.events):
+        if e.action == "alloc":
+            alloc_at[e.id], tag_of[e.id] = i, e.tag
+        elif e.action == "free":
+            free_at.setdefault(e.id, i) if e.id not in alloc_at or i > alloc_at[e.id] else None
+    lifetimes = [free_at[k] - v for k, v in alloc_at.items() if k in free_at and free_at[k] > v]
+    median = statistics.median(lifetimes) if lifetimes else 0
+    frames = trace.meta.get("frames") or {}
+
+    def is_long(ident) -> bool:
+        start, end = alloc_at.get(ident), free_at.get(ident)
+        if start is None or end is None or end < start:
+            return True
+        return median > 0 and end - start > LONG_LIVED_FACTOR * median
+
+    neighbours_of = {}
+    for seg in layout.segments:
+        seg_live = [b for b in seg.blocks if b.live]
+        for k, b in enumerate(seg_live):
+            neighbours_of[b.addr] = [seg_live[j] for j in (k - 1, k + 1) if 0 <= j < len(seg_live)]
+    out = []
+    for block in moved:
+        ident = ids.get(block.addr)
+        start = alloc_at.get(ident)
+        end = free_at.get(ident) if ident in free_at and (start is None or free_at[ident] > start) else None
+        neighbours = neighbours_of.get(block.addr, [])
+        long_lived = is_long(ident)
+        out.append(Blocker(addr=block.addr, size=block.size, tag=tag_of.get(ident) or block.tag,
+                           allocated_at=start, freed_at=end,
+                           lifetime_events=None if start is None or end is None else end - start,
+                           long_lived=long_lived,
+                           between_transients=long_lived and bool(neighbours)
+                           and all(not is_long(ids.get(n.addr)) for n in neighbours),
+                           frames=list(frames.get(ident, [])), id=ident))
+    return out, cost, layout
+
+
+def diagnose(trace: Trace, *, capacity: int | None = None, allocator: str | None = None,
+             progress: Callable[[str], None] | None = None) -> Diagnosis:
+    """Verdict, blockers and measured remedies of one recording (see the module docstring).
+
+    Args:
+        trace: the recording (any format ``replay`` reads).
+        capacity: device memory the pool may reserve, bytes; ``None``: unbounded (every
+            setting then survives, and the ranking is by peak reserved).
+        allocator: the recorded allocator's model (default: the one that recorded it).
+        progress: called with each setting's name before it is replayed.
+
+    Raises:
+        InputError: a capacity below zero, or a trace that does not replay.
+    """
+    if capacity is not None and capacity <= 0:
+        raise InputError(f"expected a positive capacity, got {capacity}", key="--capacity")
+    base = allocator or default_allocator(trace)
+    verdict, baseline_result = _verdict(trace, base, capacity)
+    blockers, window, layout = _blockers(trace, base, capacity, verdict)
+    remedies = []
+    for setting in remedy_settings(trace, capacity=capacity, allocator=base):
+        if progress is not None:
+            progress(setting.setting)
+        try:
+            result = _run(trace, setting, capacity)
+            # what the setting saves is its peak without a card's limit (at the capacity every
+            # failing setting peaks at the capacity); pool mode needs the capacity to size regions
+            unbounded = result if capacity is None or setting.policy == "pool" or "pregrow" in dict(setting.options) \
+                else _run(trace, setting, None)
+        except (InputError, NotImplementedError, ValueError) as exc:  # e.g. pool regions larger than the card
+            remedies.append(Remedy(setting.setting, setting.line, setting.allocator, dict(setting.options), 0, 0, 0, 0,
+                                   None, False, False, note=f"not measured: {exc}"))
+            continue
+        remedies.append(_remedy(setting, result, unbounded))
+    measured = [r for r in remedies if not r.note.startswith("not measured")]
+    remedies = sorted(measured, key=lambda r: (not r.survives, r.peak_reserved_unbounded, r.frag_ratio_max or 0.0)) + \
+        [r for r in remedies if r.note.startswith("not measured")]
+    return Diagnosis(trace=trace.source, format=trace.format, family=_family(trace), allocator=base,
+                     capacity=capacity, events=len(trace.events), verdict=verdict, blockers=blockers,
+                     remedies=remedies, peak_allocated=baseline_result.peak_allocated,
+                     peak_reserved=baseline_result.peak_reserved, window_bytes=window, layout=layout)
+
+
+# --- two recordings -----------------------------------------------------------------------------
+
+@dataclass
+class Comparison:
+    """``ms-memopt doctor A B``: where two recordings part, and which fragments more."""
+
+    a: str
+    b: str
+    first_divergence: int | None
+    difference: str
+    moments: list[dict]
+    more_fragmented: str | None
+    from_event: int | None
+    summary: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _describe(event) -> str:
+    if event is None:
+        return "(the recording ended)"
+    return f"{event.action} {format_size(event.size)}" + (f" [{event.tag}]" if event.tag else "")
+
+
+def compare(a: Trace, b: Trace, *, capacity: int | None = None, moments: int = 8) -> Comparison:
+    """Align ``a`` and ``b`` event by event (action and size), report the first divergence, the
+    layouts' metrics side by side at ``moments`` matched moments (the same fraction of each
+    recording), and which one fragments more (the bytes reserved but not in use, the pool's
+    fragmentation overhead) and from which event of it on.
+
+    Example:
+        >>> from ms_memopt.core.events import Event, Trace
+        >>> x = Trace([Event("alloc", id=1, size=4096), Event("free", id=1)], source="a")
+        >>> y = Trace([Event("alloc", id=1, size=8192), Event("free", id=1)], source="b")
+        >>> compare(x, y).first_divergence
+        0
+    """
+    first = None
+    for i, (ea, eb) in enumerate(zip(a.events, b.events)):
+        if (ea.action, ea.size) != (eb.action, eb.size):
+            first = i
+            break
+    if first is None and len(a.events) != len(b.events):
+        first = min(len(a.events), len(b.events))
+    if first is None:
+        difference = "the two recordings make the same requests in the same order"
+    else:
+        ea = a.events[first] if first < len(a.events) else None
+        eb = b.events[first] if first < len(b.events) else None
+        difference = f"event {first}: {a.source or 'A'} {_describe(ea)}, {b.source or 'B'} {_describe(eb)}"
+
+    def overheads(trace: Trace) -> list[tuple[int, int, int, int, float | None]]:
+        samples: list = []
+        replay(trace, create(default_allocator(trace), capacity),
+               on_sample=lambda i, m: samples.append((i, m.reserved, m.allocated, m.largest_free, m.frag_ratio)))
+        return samples
+
+    sa, sb = overheads(a), overheads(b)
+    rows = []
+    for k in range(1, moments + 1):
+        pa = sa[min(len(sa) - 1, k * len(sa) // moments - 1)] if sa else None
+        pb = sb[min(len(sb) - 1, k * len(sb) // moments - 1)] if sb else None
+        rows.append({"fraction": k / moments,
+                     "a": None if pa is None else {"event": pa[0], "reserved": pa[1], "allocated": pa[2],
+                                                   "largest_free": pa[3], "frag_ratio": pa[4]},
+                     "b": None if pb is None else {"event": pb[0], "reserved": pb[1], "allocated": pb[2],
+                                                   "largest_free": pb[3], "frag_ratio": pb[4]}})
+    worst_a = max((r - u for _, r, u, _, _ in sa), default=0)
+    worst_b = max((r - u for _, r, u, _, _ in sb), default=0)
+    more = None if worst_a == worst_b else ("b" if worst_b > worst_a else "a")
+    from_event = None
+    if more is not None:
+        mine, other = (sb, sa) if more == "b" else (sa, sb)
+        top = max(r - u for _, r, u, _, _ in other) if other else 0
+        from_event = next((i for i, r, u, _, _ in mine if r - u > top), None)
+    names = {"a": a.source or "A", "b": b.source or "B"}
+    summary = ("both fragment alike" if more is None else
+               f"{names[more]} fragments more: {format_size(max(worst_a, worst_b))} reserved but not in use at its "
+               f"worst against {format_size(min(worst_a, worst_b))}, beyond the other's worst from its event "
+               f"{from_event} on")
+    return Comparison(a=names["a"], b=names["b"], first_divergence=first, difference=difference, moments=rows,
+                      more_fragmented=None if more is None else names[more], from_event=from_event, summary=summary)

@@ -1,0 +1,232 @@
+"""Run independent tasks on local processes or on an existing distributed engine.
+
+The job simulator (:mod:`ms_memopt.engine.job`) and sweeps hand every rank stream to one function,
+:func:`run_tasks`, which runs them
+
+* ``"local"`` (the default): embedded worker processes on this machine, one per core
+  (:class:`concurrent.futures.ProcessPoolExecutor`); one task, or ``workers=1``, runs inline;
+* ``"dask"``: on a Dask distributed cluster — the scheduler at ``address``
+  (``tcp://host:8786``), or, with no address, Dask's own local cluster on this machine
+  (``distributed.LocalCluster``; ``processes=False`` keeps its workers as threads of this
+  process, which CI uses to test the engine path without starting processes);
+* ``"ray"``: on a Ray cluster (``ray.init(address=...)``: ``host:6379`` from a node of the
+  cluster, ``ray://head:10001`` through Ray Client); no address starts Ray's local mode on
+  this machine (``ray.init("local", num_cpus=workers, include_dashboard=False)``), and a Ray this
+  process already initialised is used as it is and left running.
+
+Nothing here schedules: each engine does. Results come back in task order whatever order
+tasks finish in, so a run gives the same answer on every executor, and a failing task raises
+its own exception on every executor. Task functions must be importable by the workers
+(module-level functions of an installed ``ms_memopt``, or builtins).
+
+Example:
+    >>> run_tasks(abs, [-2, 3, -5], executor="local", workers=1)
+    [2, 3, 5]
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ms_memopt.core.errors import InputError
+
+__all__ = ["EXECUTORS", "default_workers", "run_tasks"]
+
+#: the ``--executor`` choices
+EXECUTORS = ("local", "dask", "ray")
+
+
+def default_workers() -> int:
+    """Cores this process may use (``os.sched_getaffinity`` where the OS has it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:      # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def run_tasks(fn: Callable[[Any], Any], tasks: Sequence[Any], *, executor: str = "local",
+              address: str | None = None, workers: int | None = None,
+              on_done: Callable[[int, Any], None] | None = None, processes: bool = True) -> list:
+    """``[fn(task) for task in tasks]``, run in parallel on ``executor``.
+
+    Args:
+        fn: a module-level function (it is pickled by reference).
+        tasks: its arguments, one per task (picklable).
+        executor: ``"local"``, ``"dask"`` or ``"ray"``.
+        address: the cluster to join (dask: the scheduler address; ray: ``ray.init``'s);
+            ``None`` starts the engine's local mode on this machine. Not used by ``"local"``.
+        workers: worker processes (default: every core) for ``"local"`` and the engines'
+            local modes.
+        on_done: called as ``on_done(index, result)`` when a task finishes (in finishing order;
+            progress bars).
+        processes: ``False`` runs Dask's local cluster on threads of this process (tests).
+
+    Returns:
+        the results in task order.
+
+    Raises:
+        InputError: an unknown executor, an engine that is not installed, or a cluster that
+            cannot be reached (CLI exit code 2).
+    """
+    if executor not in EXECUTORS:
+        raise InputError(f"unknown executor {executor!r}; expected one of {', '.join(EXECUTORS)}",
+                         key="--executor")
+    if address is not None and executor == "local":
+        raise InputError("--address names a Dask or Ray cluster; add --executor dask or --executor ray",
+                         key="--address")
+    tasks = list(tasks)
+    workers = max(1, workers or default_workers())
+    results: list = [None] * len(tasks)
+
+    def done(index: int, value: Any) -> None:
+        results[index] = value
+        if on_done is not None:
+            on_done(index, value)
+
+    if not tasks:
+        return results
+    if executor == "local":
+        _run_local(fn, tasks, workers, done)
+    elif executor == "dask":
+        _run_dask(fn, tasks, address, workers, processes, done)
+    else:
+        _run_ray(fn, tasks, address, workers, done)
+    return results
+
+
+def _run_local(fn, tasks: list, workers: int, done: Callable[[int, Any], None]) -> None:
+    if workers == 1 or len(tasks) == 1:
+        for index, task in enumerate(tasks):
+            done(index, fn(task))
+        return
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # forkserver: no fork of a parent that may hold threads (MindSpore, tqdm's monitor)
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)),
+                             mp_context=multiprocessing.get_context(method)) as pool:
+        futures = {pool.submit(fn, task): index for index, task in enumerate(tasks)}
+        for future in as_completed(futures):
+            done(futures[future], future.result())
+
+
+def _run_dask(fn, tasks: list, address: str | None, workers: int, processes: bool,
+              done: Callable[[int, Any], None]) -> None:
+    try:
+        from distributed import Client, LocalCluster, as_completed
+    except ImportError:
+        raise InputError("the Dask executor needs the 'distributed' package "
+                         "(pip install 'ms-memopt[dask]')", key="--executor") from None
+    cluster = None
+    try:
+        if address is None:
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=processes,
+                                   dashboard_address=None)
+            client = Client(cluster)
+        else:
+            client = Client(address, timeout=30)
+    except OSError as exc:
+        if cluster is not None:
+            cluster.close()
+        raise InputError(f"cannot reach the Dask scheduler at {address}: {exc}", key="--address") from None
+    try:
+        # pure=False: equal arguments are still separate tasks (no result sharing by hash)
+        futures = client.map(fn, tasks, pure=False)
+        index_of = {future.key: index for index, future in enumerate(futures)}
+        for future in as_completed(futures):
+            done(index_of[future.key], future.result())
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _call(fn: Callable[[Any], Any], task: Any) -> Any:
+    """``fn(task)``: the one function Ray registers, so ``fn`` may be any picklable callable
+    (``ray.remote`` refuses builtins such as ``abs`` and turns a class such as ``int`` into an actor)."""
+    return fn(task)
+
+
+def _ray_reachable(address: str, timeout: float = 10.0) -> str | None:
+    """Why a ``host:port`` or ``ray://host:port`` address cannot be reached, or ``None``.
+
+    Ray retries an unreachable GCS address for minutes (822 s for ``127.0.0.1:1`` with Ray
+    2.60), logging a line every few seconds; one TCP connection attempt answers in ``timeout``
+    seconds at most. Other forms (``auto``, ``local``) are left to ``ray.init``.
+    """
+    import socket
+
+    hostport = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def _ray_auth_hint(exc: Exception) -> str:
+    """A hint when joining a cluster failed and this process does not send Ray's token.
+
+    Ray 2.60 clusters check a token by default (``~/.ray/auth_token`` on the head), but a
+    driver that joins one sends it only with ``RAY_AUTH_MODE=token``; without it Ray retries
+    for ~20 s and reports a failed connection, not a refused token.
+    """
+    if not isinstance(exc, ConnectionError) or os.environ.get("RAY_AUTH_MODE"):
+        return ""
+    return ("; if the cluster checks Ray's token, set RAY_AUTH_MODE=token and give the head's "
+            "token in RAY_AUTH_TOKEN or ~/.ray/auth_token")
+
+
+def _run_ray(fn, tasks: list, address: str | None, workers: int, done: Callable[[int, Any], None]) -> None:
+    try:
+        import ray
+    except ImportError:
+        raise InputError("the Ray executor needs the 'ray' package (pip install 'ms-memopt[ray]')",
+                         key="--executor") from None
+    joined_here = not ray.is_initialized()   # else: the caller's own ray.init
+    if joined_here:
+        if address is not None:
+            why = _ray_reachable(address)
+            if why is not None:
+                raise InputError(f"cannot reach the Ray cluster at {address}: {why}", key="--address")
+        try:
+            if address is None:
+                # "local": a new instance of our own; ray.init() without it joins whatever
+                # cluster RAY_ADDRESS or /tmp/ray/ray_current_cluster names (even a dead one)
+                ray.init(address="local", num_cpus=workers, include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(address=address, log_to_driver=False)
+        except (ConnectionError, ValueError) as exc:
+            # ConnectionError: no cluster there (``auto``), or one that refused us; ValueError:
+            # a ray:// address without Ray Client's package (ray[client]), or one Ray cannot parse
+            raise InputError(f"cannot use the Ray cluster at {address}: {exc}{_ray_auth_hint(exc)}",
+                             key="--address") from None
+    remote = ray.remote(_call)
+    refs = [remote.remote(fn, task) for task in tasks]
+    index_of = {ref: index for index, ref in enumerate(refs)}
+    pending = list(refs)
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                try:
+                    value = ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:
+                    # the task's own exception, as the local executor raises it (Ray's error,
+                    # with the worker's traceback, is its __cause__)
+                    if isinstance(exc.cause, Exception):
+                        raise exc.cause from exc
+                    raise
+                done(index_of[ref], value)
+    finally:
+        if joined_here:
+            ray.shutdown()
+        else:
+            # a cluster we joined but did not start goes on: leave it no orphan tasks
+            for ref in pending:
+                ray.cancel(ref)

@@ -1,0 +1,425 @@
+"""A whole training job: every distinct card stream of a recipe, simulated; the job dies at its
+first rank.
+
+A 1024-card job stops when *any* card runs out of memory. Cards differ by
+
+* **pipeline stage**: each stage has its own workload (layers, micro-batches in flight under
+  1F1B, communication; :func:`ms_memopt.engine.workload.spec_from_recipe` with ``stage=``), and
+* **data-parallel group**: each sees different data, so different sequence lengths and so a
+  different layout; each (stage, data-parallel group) stream gets its own seed.
+
+Tensor-parallel peers see the same shapes and make the same requests, so one stream stands for
+the ``model_parallel`` cards of its group. A job of ``pipeline_stage x data_parallel`` streams
+(the 100B recipe: 8 x 16 = 128 streams for 1024 cards) is simulated stream by stream, each
+through :func:`ms_memopt.engine.simulate.simulate` under every policy in lock step, the streams in
+parallel on local processes or on a Dask or Ray cluster (:mod:`ms_memopt.engine.executors`). The
+job's OOM step under a policy is the earliest OOM over its ranks; a policy saves the job only
+if every rank survives.
+
+Seeds: the stream of stage 0, data-parallel group 0 takes the job seed itself (so a one-card
+recipe simulates exactly as :func:`~ms_memopt.engine.simulate.simulate` does); every other stream
+takes ``numpy.random.SeedSequence([job_seed, stage, group])``'s first 32-bit word. A sample
+(``ranks=N``) is drawn deterministically from the job seed. Streams and seeds never depend on
+the executor or the number of workers, so results are identical on every executor.
+
+Example:
+    >>> from ms_memopt.config.recipe import load_recipe
+    >>> job = job_from_recipe(load_recipe("recipes/dense_100b_1024x910c.yaml"), ranks=4,
+    ...                       steps=2, policies=("baseline",))          # doctest: +SKIP
+    >>> simulate_jobs([job], workers=1)[0]["baseline"].job_oom_step     # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import io
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ms_memopt.core.errors import InputError
+from ms_memopt.engine.simulate import POLICIES, PolicyResult, SimConfig, config_from_recipe, simulate
+from ms_memopt.engine.workload import WorkloadSpec, spec_from_recipe
+
+__all__ = [
+    "MAX_STREAMS",
+    "JobResult",
+    "JobSpec",
+    "RankOutcome",
+    "RankStream",
+    "job_from_recipe",
+    "median_job_oom_step",
+    "rank_streams",
+    "reproducible_figures",
+    "simulate_jobs",
+    "stream_seed",
+]
+
+
+#: more distinct streams than this are refused unless sampled (``ranks=N``): a 1024-card job
+#: has 128 (a 16k-card job ~2,000); each stream is a full simulation
+MAX_STREAMS = 4096
+
+
+@dataclass(frozen=True)
+class RankStream:
+    """One distinct card stream of a job.
+
+    ``rank`` is the global rank of the first card of its tensor-parallel group (MindSpore's
+    order: stage-major, then data-parallel group, tensor-parallel peers innermost), which
+    stands for ranks ``rank .. rank + tensor_parallel - 1``.
+    """
+
+    stage: int
+    data_parallel: int
+    rank: int
+    tensor_parallel: int
+    seed: int
+
+    @property
+    def ranks(self) -> range:
+        """Every global rank that makes this stream's requests (its tensor-parallel peers)."""
+        return range(self.rank, self.rank + self.tensor_parallel)
+
+
+def stream_seed(job_seed: int, stage: int, data_parallel: int) -> int:
+    """The workload seed of one stream (see the module docstring).
+
+    Example:
+        >>> stream_seed(7, 0, 0)
+        7
+        >>> stream_seed(7, 0, 1) == stream_seed(7, 0, 1) != stream_seed(7, 1, 0)
+        True
+    """
+    if stage == 0 and data_parallel == 0:
+        return int(job_seed)
+    return int(np.random.SeedSequence([int(job_seed), stage, data_parallel]).generate_state(1)[0])
+
+
+def rank_streams(recipe, *, seed: int | None = None, ranks: int | None = None,
+                 stages: list[int] | None = None) -> list[RankStream]:
+    """The job's distinct card streams, stage-major (``stage x data_parallel``), or a sample.
+
+    Args:
+        recipe: a :class:`~ms_memopt.config.recipe.Recipe`.
+        seed: the job seed (default ``memopt.workload.seed``).
+        ranks: simulate only this many streams: a stratified sample, the stages taken in turn
+            from the first (the fullest under 1F1B), each stage's data-parallel groups in an
+            order drawn from the job seed. ``None``: every stream.
+        stages: only these pipeline stages (``None``: all).
+
+    Raises:
+        InputError: a stage outside the recipe, a sample size below 1, or more than
+            :data:`MAX_STREAMS` streams without a sample.
+    """
+    par = recipe.parallel
+    seed = recipe.memopt.workload.seed if seed is None else seed
+    all_stages = list(range(par.pipeline_stage))
+    if stages is not None:
+        bad = [s for s in stages if s not in all_stages]
+        if bad or not stages:
+            raise InputError(f"expected pipeline stages among 0..{par.pipeline_stage - 1}, got "
+                             f"{', '.join(map(str, bad)) or '(none)'}", key="--stages")
+        all_stages = sorted(set(stages))
+    if ranks is not None and ranks < 1:
+        raise InputError(f"expected a positive number of rank streams, got {ranks}", key="--ranks")
+    dp, tp = par.data_parallel, par.model_parallel
+
+    def stream(stage: int, group: int) -> RankStream:
+        return RankStream(stage=stage, data_parallel=group, rank=(stage * dp + group) * tp,
+                          tensor_parallel=tp, seed=stream_seed(seed, stage, group))
+
+    total = len(all_stages) * dp
+    if ranks is None or ranks >= total:
+        if total > MAX_STREAMS:
+            raise InputError(f"{len(all_stages)} pipeline stages x {dp} data-parallel groups are {total:,} distinct "
+                             f"card streams, more than {MAX_STREAMS:,} to simulate one by one; sample them with "
+                             f"--ranks N", key="parallel_config.data_parallel")
+        return [stream(s, g) for s in all_stages for g in range(dp)]
+    # stage i % S takes its (i // S)-th group of an order drawn from the job seed
+    rng = np.random.default_rng([int(seed), 0x5A4D])
+    per_stage = -(-ranks // len(all_stages))
+    orders = {s: [int(g) for g in rng.choice(dp, size=min(dp, per_stage), replace=False)] for s in all_stages}
+    picked = [stream(all_stages[i % len(all_stages)], orders[all_stages[i % len(all_stages)]][i // len(all_stages)])
+              for i in range(ranks)]
+    return sorted(picked, key=lambda s: s.rank)
+
+
+@dataclass
+class JobSpec:
+    """One job to simulate: a workload per pipeline stage, the simulator settings, its streams."""
+
+    specs: dict[int, WorkloadSpec]
+    cfg: SimConfig
+    streams: list[RankStream]
+    policies: tuple[str, ...] = POLICIES
+    seed: int = 0
+    label: str = ""
+
+
+def job_from_recipe(recipe, *, policies: tuple[str, ...] = POLICIES, seed: int | None = None,
+                    ranks: int | None = None, stages: list[int] | None = None, label: str = "",
+                    **overrides) -> JobSpec:
+    """The :class:`JobSpec` of a recipe: its streams (:func:`rank_streams`), each stage's
+    workload, and :func:`~ms_memopt.engine.simulate.config_from_recipe` with ``overrides``
+    (``steps=...``, ``capacity=...``)."""
+    seed = recipe.memopt.workload.seed if seed is None else seed
+    streams = rank_streams(recipe, seed=seed, ranks=ranks, stages=stages)
+    from ms_memopt.analysis.estimate import estimate
+
+    plan = estimate(recipe)     # once for every stage (it covers them all)
+    specs = {stage: spec_from_recipe(recipe, stage=stage, plan=plan) for stage in sorted({s.stage for s in streams})}
+    cfg = config_from_recipe(recipe, **overrides)
+    return JobSpec(specs=specs, cfg=cfg, streams=streams, policies=tuple(policies), seed=seed, label=label)
+
+
+@dataclass
+class RankOutcome:
+    """One stream's run under one policy."""
+
+    stream: RankStream
+    result: PolicyResult
+
+    def to_dict(self) -> dict:
+        r = self.result
+        return {"rank": self.stream.rank, "stage": self.stream.stage,
+                "data_parallel": self.stream.data_parallel, "seed": self.stream.seed,
+                "oom_step": r.oom_step, "oom_kind": r.oom_kind, "oom_tag": r.oom_tag,
+                "free_total_at_oom": r.free_total_at_oom, "largest_free_min": r.largest_free_min,
+                "compactions": r.compactions, "peak_allocated": r.peak_allocated}
+
+
+@dataclass
+class JobResult:
+    """One policy over every simulated stream of one job.
+
+    The job dies at its first rank: ``job_oom_step`` is the earliest OOM step over the ranks
+    (``None`` when every rank survives: only then does the policy save the job). Ranks that
+    fail at the same step are ordered by rank (the simulator has no clock across cards).
+    """
+
+    policy: str
+    seed: int
+    steps: int
+    outcomes: list[RankOutcome] = field(default_factory=list)
+    #: the time model's constants (``memopt.timing``); ``None``: the defaults
+    timing_config: object = None
+
+    def timing_figures(self, timing=None) -> tuple[dict, dict] | None:
+        """``(timing, detail)``: the policy's ``timing`` object (:data:`ms_memopt.engine.timing.TIMING_KEYS`)
+        and its detail (the job's step times, each rank's median busy time), priced with
+        ``timing`` (default: the job's ``memopt.timing``); ``None`` when no step completed."""
+        from ms_memopt.config.recipe import TimingConfig
+        from ms_memopt.engine.timing import job_timing
+
+        timing = timing or self.timing_config or TimingConfig()
+        return job_timing([o.result.step_counts for o in self.outcomes],
+                          [o.result.collective_bytes for o in self.outcomes], timing)
+
+    def timing(self, timing=None) -> dict | None:
+        """The policy's ``timing`` object (see :meth:`timing_figures`)."""
+        figures = self.timing_figures(timing)
+        return None if figures is None else figures[0]
+
+    @property
+    def first(self) -> RankOutcome | None:
+        """The rank that kills the job, or ``None``."""
+        failed = [o for o in self.outcomes if o.result.oom_step is not None]
+        return min(failed, key=lambda o: (o.result.oom_step, o.stream.rank), default=None)
+
+    @property
+    def closest(self) -> RankOutcome | None:
+        """The rank that kills the job, or when none does the one with the smallest
+        ``largest_free`` seen (the closest call)."""
+        first = self.first
+        if first is not None or not self.outcomes:
+            return first
+        return min(self.outcomes, key=lambda o: (o.result.largest_free_min or 0, o.stream.rank))
+
+    @property
+    def job_oom_step(self) -> int | None:
+        first = self.first
+        return None if first is None else first.result.oom_step
+
+    def distribution(self) -> dict:
+        """OOM steps across ranks: how many failed, and quantiles over every simulated rank
+        (a survivor counts as later than any step, so a quantile past the failures is
+        ``None``), overall and per pipeline stage."""
+        def summary(outcomes: list[RankOutcome]) -> dict:
+            steps = sorted(o.result.oom_step for o in outcomes if o.result.oom_step is not None)
+            n = len(outcomes)
+
+            def q(p: float) -> float | None:
+                if not steps:
+                    return None
+                padded = steps + [float("inf")] * (n - len(steps))
+                value = statistics.median(padded) if p == 0.5 else float(np.quantile(padded, p, method="lower"))
+                return None if value == float("inf") else value
+
+            return {"ranks": n, "oom_ranks": len(steps), "oom_step_min": steps[0] if steps else None,
+                    "oom_step_p10": q(0.1), "oom_step_median": q(0.5), "oom_step_p90": q(0.9),
+                    "oom_step_max": steps[-1] if steps else None}
+
+        out = summary(self.outcomes)
+        out["by_stage"] = {str(stage): summary([o for o in self.outcomes if o.stream.stage == stage])
+                           for stage in sorted({o.stream.stage for o in self.outcomes})}
+        return out
+
+    def to_dict(self, *, rank_results: bool = True) -> dict:
+        first, closest = self.first, self.closest
+        out = {"policy": self.policy, "seed": self.seed, "steps": self.steps,
+               "job_oom_step": self.job_oom_step,
+               "job_oom_rank": None if first is None else first.stream.rank,
+               "job_oom_stage": None if first is None else first.stream.stage,
+               "job_oom_ranks": None if first is None else [first.stream.ranks.start, first.stream.ranks.stop - 1],
+               "ranks": len(self.outcomes),
+               "distribution": self.distribution(),
+               # the failing rank's full figures (or, when the job survives, the closest call's)
+               "first_rank": None if closest is None else dict(closest.result.to_dict(), rank=closest.stream.rank,
+                                                               stage=closest.stream.stage)}
+        figures = self.timing_figures()
+        out["timing"] = None if figures is None else figures[0]
+        if figures is not None:
+            ranks = figures[1]["rank_step_median"]
+            out["timing_detail"] = {"steps": figures[1]["steps"],
+                                    "collective_seconds": max(o.result.collective_bytes for o in self.outcomes)
+                                    / (self.timing_config or _default_timing()).collective_bandwidth,
+                                    "rank_step_median_min": min(ranks), "rank_step_median_max": max(ranks),
+                                    "rank_step_cv": float(np.std(ranks) / np.mean(ranks)) if np.mean(ranks) else 0.0}
+        if rank_results:
+            out["rank_results"] = [o.to_dict() for o in self.outcomes]
+        return out
+
+
+def _default_timing():
+    from ms_memopt.config.recipe import TimingConfig
+
+    return TimingConfig()
+
+
+def median_job_oom_step(results: list[JobResult]) -> float | None:
+    """Median job OOM step over job seeds (``None`` when fewer than half the jobs die; a job
+    that survives counts as later than any step)."""
+    steps = [r.job_oom_step for r in results]
+    dead = sorted(s for s in steps if s is not None)
+    if not dead or 2 * len(dead) < len(steps):
+        return None
+    med = statistics.median(dead + [float("inf")] * (len(steps) - len(dead)))
+    return None if med == float("inf") else med
+
+
+# --- running -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Task:
+    stream: RankStream
+    spec: WorkloadSpec
+    cfg: SimConfig
+    policies: tuple[str, ...]
+    timeline: bool
+
+
+class _RankTimeline(io.StringIO):
+    """A timeline sink that stamps each JSON row with the stream's rank and stage."""
+
+    def __init__(self, stream: RankStream) -> None:
+        super().__init__()
+        self._prefix = f'{{"rank":{stream.rank},"stage":{stream.stage},'
+
+    def write(self, text: str) -> int:
+        return super().write(self._prefix + text[1:] if text.startswith("{") else text)
+
+
+def _pool_mode_misfit(spec: WorkloadSpec, cfg: SimConfig) -> str | None:
+    """Why pool mode's regions cannot be reserved on this card, or ``None`` when they can."""
+    from ms_memopt.allocators.pool import PoolModeAllocator
+
+    try:
+        PoolModeAllocator.for_workload(spec, capacity=cfg.capacity)
+    except InputError as exc:
+        return exc.message
+    return None
+
+
+def _run_stream(task: _Task) -> tuple[dict[str, PolicyResult], str | None]:
+    """Worker: every policy on one stream, in lock step (one generated event stream).
+
+    A pool-mode plan larger than the card cannot even start: its result is an OOM at step 0
+    (``oom_tag`` ``"pool_mode"``), so a sweep over small cards reports it instead of stopping."""
+    sink = _RankTimeline(task.stream) if task.timeline else None
+    cfg = replace(task.cfg, seed=task.stream.seed)
+    policies = task.policies
+    results: dict[str, PolicyResult] = {}
+    misfit = _pool_mode_misfit(task.spec, cfg) if "pool" in policies else None
+    if misfit is not None:
+        results["pool"] = PolicyResult("pool", task.stream.seed, cfg.steps, oom_step=0, oom_kind="capacity",
+                                       oom_tag="pool_mode", oom_size=None)
+        policies = tuple(p for p in policies if p != "pool")
+    if policies:
+        out = simulate(task.spec, cfg, policies=policies, seeds=[task.stream.seed], timeline=sink)
+        results.update({policy: summary.seeds[0] for policy, summary in out.items()})
+    return {policy: results[policy] for policy in task.policies}, (sink.getvalue() if sink is not None else None)
+
+
+def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str | None = None,
+                  workers: int | None = None, progress: bool = False,
+                  timeline: io.TextIOBase | None = None,
+                  on_stream: Callable[[int, int], None] | None = None,
+                  processes: bool = True) -> list[dict[str, JobResult]]:
+    """Simulate every stream of every job (all in one pool of tasks, so a sweep keeps every
+    worker busy), and return per job ``{policy: JobResult}``.
+
+    Args:
+        jobs: from :func:`job_from_recipe`.
+        executor, address, workers, processes: see :func:`ms_memopt.engine.executors.run_tasks`.
+        progress: a tqdm bar over every rank stream of every job (on stderr).
+        timeline: receives every stream's samples (JSON lines stamped with ``rank`` and
+            ``stage``), job by job in stream order, after the runs.
+        on_stream: called as ``on_stream(done, total)`` when a stream finishes.
+    """
+    from ms_memopt.engine.executors import run_tasks
+
+    tasks, owner = [], []
+    for j, job in enumerate(jobs):
+        for stream in job.streams:
+            tasks.append(_Task(stream, job.specs[stream.stage], job.cfg, job.policies, timeline is not None))
+            owner.append(j)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(tasks), unit="rank", desc="rank streams", leave=False)
+    finished = [0]
+
+    def on_done(index: int, value) -> None:
+        finished[0] += 1
+        if bar is not None:
+            bar.update(1)
+        if on_stream is not None:
+            on_stream(finished[0], len(tasks))
+
+    try:
+        values = run_tasks(_run_stream, tasks, executor=executor, address=address, workers=workers,
+                           on_done=on_done, processes=processes)
+    finally:
+        if bar is not None:
+            bar.close()
+    out: list[dict[str, JobResult]] = [{p: JobResult(p, job.seed, job.cfg.steps, timing_config=job.cfg.timing)
+                                        for p in job.policies} for job in jobs]
+    for task, j, (results, text) in zip(tasks, owner, values):
+        for policy, result in results.items():
+            out[j][policy].outcomes.append(RankOutcome(task.stream, result))
+        if timeline is not None and text:
+            timeline.write(text)
+    return out
+
+
+def reproducible_figures(results: list[dict[str, JobResult]]) -> list[tuple[str, RankStream, dict]]:
+    """Every rank's figures of :func:`simulate_jobs` results but wall-clock ``seconds``: what
+    must be identical whichever executor ran the same jobs (tests, ``bench/scaling.py``)."""
+    out = []
+    for job in results:
+        for policy, result in job.items():
+            for outcome in result.outcomes:
+                figures = outcome.result.to_dict()
+                figures.pop("seconds")
+                out.append((policy, outcome.stream, figures))
+    return out

@@ -1,0 +1,347 @@
+"""Drive an allocator model with a trace's events and measure what happens.
+
+The engine maps each trace tensor id to the address *the model* chose, so a model that
+diverges from the recording still frees the right blocks. When the trace recorded addresses,
+``address_match`` is the fraction of allocations the model placed at the recorded address,
+making every choice itself; only new segments' addresses are taken from the recording
+(``segment_alloc`` events, passed to :meth:`AllocatorModel.note_segment_alloc`).
+
+Sizes and addresses are checked once, before the models see them: every event and every
+segment of the recorded initial state must end below :data:`DEVICE_ADDRESS_LIMIT` (2**48
+bytes, 256 TiB: the virtual address width of x86-64, AArch64 and the accelerators' MMUs; no
+device has a PiB). Readers accept any integer, and a model asked for 2**64 bytes or a segment
+past 2**64 breaks (its free lists pack ``size << 64 | addr``), so such a trace is an
+:class:`~ms_memopt.core.errors.InputError` naming the event.
+
+Example:
+    >>> from ms_memopt.core.events import Event, Trace
+    >>> from ms_memopt.allocators import create
+    >>> trace = Trace([Event("alloc", id=1, size=4096), Event("free", id=1)])
+    >>> replay(trace, create("mindspore")).allocs                  # doctest: +SKIP
+    1
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ms_memopt.allocators.base import AllocatorModel, OOMRecord
+from ms_memopt.allocators.fast import batch_runner
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Event, Trace
+from ms_memopt.core.layout import DEVICE_ADDRESS_LIMIT, Layout
+from ms_memopt.core.metrics import LayoutMetrics, measure
+
+__all__ = ["ReplayResult", "replay", "placed_events", "same_layout", "check_bounds", "default_allocator", "DEVICE_ADDRESS_LIMIT"]
+
+#: every size and address of a replayed trace ends below this (bytes)
+
+
+@dataclass
+class ReplayResult:
+    """What a replay measured; sizes in bytes (the ``--json`` object of ``ms-memopt replay``)."""
+
+    allocator: str
+    events: int
+    allocs: int
+    peak_allocated: int
+    peak_reserved: int
+    final_reserved: int
+    final_allocated: int
+    segment_allocs: int
+    ooms: list[OOMRecord]
+    free_total_end: int
+    largest_free_end: int
+    frag_ratio_end: float | None
+    frag_ratio_max: float | None
+    address_match: float | None
+    events_per_s: float
+    samples: int
+    #: events per second of this process's CPU time in the model (what a busy machine does not skew)
+    cpu_events_per_s: float = 0.0
+    final_layout: Layout = field(repr=False, default_factory=Layout)
+    #: True when the model ends with the recorded blocks and live buffers, address for address
+    #: (``None``: the trace recorded no final state)
+    final_layout_match: bool | None = None
+    #: what a what-if policy did (:mod:`ms_memopt.engine.whatif`): its name and figures
+    policy: dict | None = None
+    #: the model's address of every tensor still live at the end -> its trace id
+    live_ids: dict[int, int] = field(repr=False, default_factory=dict)
+    #: requests that took the model's slow path (:attr:`AllocatorModel.slow_path_events`)
+    slow_path_events: int = 0
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("final_layout", "live_ids")}
+        out["ooms"] = [o.to_dict() for o in self.ooms]
+        return out
+
+
+def default_allocator(trace: Trace) -> str:
+    """The model of the allocator that recorded ``trace``: PyTorch's for its snapshots (and
+    torch_npu's msMemScope files), ``DynamicMemPoolBestFit`` for MindSpore's CPU pool logs and
+    ``ms-memopt record`` files of them, else MindSpore's default pool."""
+    if trace.format in ("torch-snapshot", "msmemscope"):
+        return "torch"
+    if trace.meta.get("pool") == "DynamicMemPoolBestFit":
+        return "mindspore-bestfit"
+    return "mindspore"
+
+
+# streams are C int64 in the compiled models
+_STREAM_MIN, _STREAM_MAX = -2**63, 2**63 - 1
+
+
+def check_bounds(trace: Trace) -> None:
+    """Refuse sizes and addresses no device has (see :data:`DEVICE_ADDRESS_LIMIT`).
+
+    Raises:
+        InputError: names the event (0-based index, action, id) or the initial segment.
+
+    Example:
+        >>> from ms_memopt.core.events import Event
+        >>> check_bounds(Trace([Event("alloc", id=1, size=2**50)], source="t.jsonl"))
+        Traceback (most recent call last):
+        ...
+        ms_memopt.core.errors.InputError: t.jsonl: event 0 (alloc, id 1): size 1125899906842624 ...
+    """
+    limit = DEVICE_ADDRESS_LIMIT
+    bound = "is beyond any device (sizes and addresses end below 2**48 bytes, 256 TiB)"
+    if trace.initial is not None:
+        for number, seg in enumerate(trace.initial.segments):
+            if seg.addr + seg.size > limit:
+                raise InputError(f"recorded initial state, segment {number}: address {seg.addr:#x} + size "
+                                 f"{seg.size} {bound}", source=trace.source)
+            if not _STREAM_MIN <= seg.stream <= _STREAM_MAX:
+                raise InputError(f"recorded initial state, segment {number}: stream {seg.stream} is not a 64-bit "
+                                 f"signed integer", source=trace.source)
+    for index, event in enumerate(trace.events):
+        size, addr = event.size or 0, event.addr or 0
+        ident = "" if event.id is None else f", id {event.id}"
+        if size >= limit or addr + size > limit:
+            what = f"size {size}" if size >= limit else f"address {addr:#x} + size {size}"
+            raise InputError(f"event {index} ({event.action}{ident}): {what} {bound}", source=trace.source)
+        if not _STREAM_MIN <= (event.stream or 0) <= _STREAM_MAX:
+            raise InputError(f"event {index} ({event.action}{ident}): stream {event.stream} is not a 64-bit "
+                             f"signed integer (device streams are small numbers)", source=trace.source)
+
+
+def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = None,
+           on_sample: Callable[[int, LayoutMetrics], None] | None = None,
+           on_step: Callable[[int, AllocatorModel, dict[int, int]], AllocatorModel] | None = None,
+           stop: int | None = None) -> ReplayResult:
+    """Replay ``trace`` through ``model``.
+
+    Args:
+        trace: the events (and, when known, the state recording started from).
+        model: a fresh allocator model.
+        sample_every: measure the layout every this many events (and at every ``step``
+            event) for ``frag_ratio_max``; ``None`` picks about 200 samples, ``0`` disables
+            sampling (pure event throughput, for benchmarks).
+        on_sample: called with ``(event_index, metrics)`` at each sample.
+        on_step: called at each ``step`` event with ``(step, model, addresses)`` (trace id ->
+            the model's address; the hook may update it) and returns the model to go on with:
+            a policy such as compaction at step ends (:mod:`ms_memopt.engine.whatif`).
+        stop: replay only the first ``stop`` events (the state just before event ``stop``).
+
+    Returns:
+        A :class:`ReplayResult`. ``events_per_s`` counts only the time spent in the model.
+
+    Raises:
+        InputError: a size or address beyond any device (:func:`check_bounds`).
+    """
+    check_bounds(trace)
+    events = trace.events
+    if sample_every is None:
+        sample_every = max(1, len(events) // 200)
+    address_of: dict[int, int] = {}
+    if trace.initial is not None:
+        model.restore(trace.initial)
+        address_of.update({b.id: b.addr for b in trace.initial.live_blocks() if b.id is not None})
+
+    allocs = known = matched = 0
+    frag_max: float | None = None
+    count = len(events) if stop is None else max(0, min(stop, len(events)))
+    samples = 0
+    model_seconds = cpu_seconds = 0.0
+    oom_seen = 0
+
+    def sample(index: int) -> None:
+        nonlocal frag_max, samples
+        m = model.metrics()
+        samples += 1
+        if m.frag_ratio is not None and (frag_max is None or m.frag_ratio > frag_max):
+            frag_max = m.frag_ratio
+        if on_sample is not None:
+            on_sample(index, m)
+
+    malloc, free = model.malloc, model.free
+    # a model with a compiled fast path (ms_memopt.allocators.fast) runs stretches of allocs and
+    # frees in one call; the other events, and every event of the other models, run here
+    batch = batch_runner(model)
+    index = 0
+    chunk_start, cpu_start = time.perf_counter(), time.process_time()
+    while index < count:
+        if batch is not None:
+            stop = count if not sample_every else min(count, index - index % sample_every + sample_every)
+            index, batch_allocs, batch_known, batch_matched, oom = batch(events, index, stop, address_of, None, True)
+            allocs += batch_allocs
+            known += batch_known
+            matched += batch_matched
+            if not oom and index == stop:
+                if sample_every and stop % sample_every == 0:
+                    model_seconds += time.perf_counter() - chunk_start
+                    cpu_seconds += time.process_time() - cpu_start
+                    sample(stop - 1)
+                    chunk_start, cpu_start = time.perf_counter(), time.process_time()
+                continue
+        event = events[index]
+        action = event.action
+        if batch is not None and action == "alloc":
+            pass                      # the fast path served it and recorded an OOM
+        elif action == "alloc":
+            allocs += 1
+            addr = malloc(event.size, stream=event.stream, pool=event.pool, tag=event.tag)
+            if addr is not None:
+                address_of[event.id] = addr
+                if event.addr is not None:
+                    known += 1
+                    matched += addr == event.addr
+        elif action == "free":
+            addr = address_of.pop(event.id, None)
+            if addr is not None:
+                free(addr)
+        elif action == "segment_alloc":
+            model.note_segment_alloc(event.addr, event.size, event.stream)
+        elif action == "segment_free":
+            model.release_segment(event.addr, event.size, event.stream)
+        elif action == "empty_cache":
+            model.empty_cache()
+        elif action == "mark":
+            model.note_mark(event.tag, event.size)
+        elif action == "step" and on_step is not None:
+            model = on_step(event.step or 0, model, address_of)
+            malloc, free = model.malloc, model.free
+            batch = batch_runner(model)     # the guard against a wrapped malloc holds after a policy, too
+        if len(model.ooms) > oom_seen:
+            model.ooms[-1].event_index = index
+            oom_seen = len(model.ooms)
+        if sample_every and (index % sample_every == sample_every - 1 or action == "step"):
+            model_seconds += time.perf_counter() - chunk_start
+            cpu_seconds += time.process_time() - cpu_start
+            sample(index)
+            chunk_start, cpu_start = time.perf_counter(), time.process_time()
+        index += 1
+    model_seconds += time.perf_counter() - chunk_start
+    cpu_seconds += time.process_time() - cpu_start
+
+    final_layout = model.layout()
+    end = measure(final_layout)
+    if end.frag_ratio is not None and (frag_max is None or end.frag_ratio > frag_max):
+        frag_max = end.frag_ratio
+    return ReplayResult(
+        allocator=model.name,
+        events=len(events),
+        allocs=allocs,
+        peak_allocated=model.peak_allocated,
+        peak_reserved=model.peak_reserved,
+        final_reserved=end.reserved,
+        final_allocated=end.allocated,
+        segment_allocs=model.segment_allocs,
+        ooms=list(model.ooms),
+        free_total_end=end.free_total,
+        largest_free_end=end.largest_free,
+        frag_ratio_end=end.frag_ratio,
+        frag_ratio_max=frag_max,
+        address_match=(matched / known) if known else None,
+        events_per_s=len(events) / model_seconds if model_seconds > 0 else float("inf"),
+        samples=samples,
+        cpu_events_per_s=len(events) / cpu_seconds if cpu_seconds > 0 else float("inf"),
+        final_layout=final_layout,
+        final_layout_match=None if trace.final is None or count < len(events) else same_layout(final_layout, trace.final),
+        live_ids={addr: ident for ident, addr in address_of.items()},
+        slow_path_events=model.slow_path_events,
+    )
+
+
+def same_layout(replayed: Layout, recorded: Layout) -> bool:
+    """True when both have the same segments (address, size) and the same live blocks
+    (address, size); free ranges follow from those, since pools merge idle neighbours.
+
+    Example:
+        >>> from ms_memopt.core.layout import Block, Segment
+        >>> a = Layout([Segment(0, 1024, [Block(0, 512, True), Block(512, 512, False)])])
+        >>> same_layout(a, a), same_layout(a, Layout([Segment(0, 1024, [Block(0, 1024, False)])]))
+        (True, False)
+    """
+    def shape(layout: Layout) -> tuple[list, list]:
+        return (sorted((s.addr, s.size) for s in layout.segments),
+                sorted((b.addr, b.size) for b in layout.live_blocks()))
+    return shape(replayed) == shape(recorded)
+
+
+def placed_events(trace: Trace, model: AllocatorModel, *, segments: bool = False,
+                  sample_every: int | None = 0) -> tuple[list[Event], ReplayResult]:
+    """Replay ``trace`` through ``model`` and return its events with the model's addresses.
+
+    Allocations the model could not serve (OOM) and their frees are left out. The result's
+    ``final_layout`` is the layout to export with them. With ``segments``, the stream is whole:
+    each block the model takes from the device is a ``segment_alloc`` event just before the
+    allocation that made it, and every other event (steps, marks) is kept where it was (what
+    ``simulate TEMPLATE --export-events`` writes). ``sample_every`` is replay's.
+
+    Example:
+        >>> from ms_memopt.allocators import create
+        >>> events, result = placed_events(Trace([Event("alloc", id=1, size=4096)]), create("torch"))
+        >>> events[0].addr == result.final_layout.segments[0].addr
+        True
+    """
+    placed: list[int | None] = []
+    grown: list[list] = []                      # per allocation: the blocks it made the model take
+    malloc = model.malloc
+    state = {"count": model.segment_allocs, "reserved": model.reserved,
+             "seen": {seg.addr for seg in model.layout().segments} if segments else set()}
+
+    def recording_malloc(size, **kwargs):
+        if segments and model.reserved < state["reserved"]:      # blocks went back: see them anew
+            state["seen"] = {seg.addr for seg in model.layout().segments}
+        addr = malloc(size, **kwargs)
+        placed.append(addr)
+        new = []
+        if segments and model.segment_allocs != state["count"]:
+            state["count"] = model.segment_allocs
+            current = sorted(model.layout().segments, key=lambda seg: seg.addr)
+            new = [seg for seg in current if seg.addr not in state["seen"]]
+            state["seen"] = {seg.addr for seg in current}
+        grown.append(new)
+        state["reserved"] = model.reserved
+        return addr
+
+    model.malloc = recording_malloc  # replay looks the method up on the instance
+    try:
+        result = replay(trace, model, sample_every=sample_every)
+    finally:
+        del model.malloc
+    out: list[Event] = []
+    addr_of: dict[int, int] = {}
+    if trace.initial is not None:
+        addr_of.update({b.id: b.addr for b in trace.initial.live_blocks() if b.id is not None})
+    allocs = iter(zip(placed, grown))
+    for event in trace.events:
+        if event.action == "alloc":
+            addr, new = next(allocs)
+            out += [Event("segment_alloc", size=seg.size, addr=seg.addr, stream=seg.stream,
+                          pool="persistent" if seg.pool == "persistent" else None) for seg in new]
+            if addr is None:
+                continue
+            addr_of[event.id] = addr
+            out.append(Event("alloc", id=event.id, size=event.size, addr=addr, stream=event.stream,
+                             pool=event.pool if segments else None, time=event.time, tag=event.tag))
+        elif event.action == "free":
+            addr = addr_of.pop(event.id, None)
+            if addr is not None:
+                out.append(Event("free", id=event.id, size=event.size, addr=addr, stream=event.stream,
+                                 time=event.time, tag=event.tag))
+        elif segments and event.action not in ("segment_alloc", "segment_free"):
+            out.append(event)
+    return out, result

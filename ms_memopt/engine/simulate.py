@@ -1,0 +1,676 @@
+"""Many training steps of one card through an allocator model, under a memory policy.
+
+The workload (:mod:`ms_memopt.engine.workload`) yields each step's events; the loop feeds them to
+the allocator model, tracks tensor id -> address, and measures the layout
+
+* at every **scan** (the end of every ``scan_every``-th step, after the optimizer), and
+* **just before every watched request** (an allocation whose tag is a key of ``watch``,
+  e.g. the AllReduce buffer), where ``largest_free`` against the request is what matters.
+
+Measurements use the model's counters (``reserved - allocated`` and ``largest_free()``),
+never a full layout, so a sample costs microseconds; layouts are built only to compact.
+
+Policies:
+
+``baseline``  the allocator alone.
+``compact``   after the optimizer step every ``compact_every`` steps, and at a scan that warns,
+              the layout is compacted (every live block moved to the lowest addresses of its
+              segment, :mod:`ms_memopt.analysis.compaction`), and the model restarts from the compacted
+              layout (``restore``). A scan warns (``compact_trigger``) when the forecast
+              (:mod:`ms_memopt.analysis.forecast`, fed the samples before the watched request and the
+              memory in use after each optimizer step) says the request may stop fitting in one
+              piece within ``forecast_within`` steps (``"forecast"``, the default), or when its
+              window saw the request with less than ``(1 + watch_margin)`` times its size free in
+              one piece (``"margin"``, the earlier rule).
+``pool``      pool mode: fixed regions by purpose (:class:`~ms_memopt.allocators.pool.PoolModeAllocator`).
+
+A job dies at its first failed request: ``oom_step`` is that step (``None`` when none).
+
+Two ways to look inside a run without a second event loop:
+
+* ``on_watch``: called with a :class:`WatchPoint` just before every watched request (where the
+  ``watch`` sample is taken) and at the failing request of an OOM; ``point.layout()`` is the
+  model's layout at that moment, live blocks tagged with their request's tag (the memory map of
+  ``make demo`` is collected this way).
+* ``placed``: ``{policy: PlacedRun()}``; the first seed's run of each such policy records its
+  events with the model's addresses and its final layout (for ``--export-memory-viz``).
+The timeline (one JSON object per sample) streams to a file as it is measured, so memory
+stays constant however many steps run.
+
+Example:
+    >>> from ms_memopt.engine.workload import WorkloadSpec
+    >>> spec = WorkloadSpec(enabled=False)
+    >>> r = simulate_policy(spec, "baseline", SimConfig(steps=3, capacity=96 * 2**30))
+    >>> r.oom_step is None
+    True
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import IO
+
+from ms_memopt.allocators import create, model_class
+from ms_memopt.allocators.base import AllocatorModel, oom_kind
+from ms_memopt.allocators.fast import batch_runner
+from ms_memopt.analysis.forecast import Forecast, Forecaster
+from ms_memopt.analysis.scan import forecast_fields
+from ms_memopt.config.recipe import TimingConfig
+from ms_memopt.core.events import ROW_INDEX, Event
+from ms_memopt.core.layout import Layout
+from ms_memopt.core.metrics import frag_ratio, measure
+from ms_memopt.engine.timing import StepCounts, collective_bytes, optimizer_extra_bytes, step_flops
+from ms_memopt.engine.workload import WATCH_TAG, StepWorkload, WorkloadSpec
+
+__all__ = [
+    "POLICIES",
+    "PlacedRun",
+    "PolicyResult",
+    "PolicySummary",
+    "SimConfig",
+    "WatchPoint",
+    "config_from_recipe",
+    "simulate",
+    "simulate_policy",
+]
+
+POLICIES = ("baseline", "compact", "pool")
+# where a row (a tuple of Event's fields, ms_memopt.core.events.FIELDS) holds what the loop reads
+_ACTION, _ID, _SIZE, _POOL, _TAG = (ROW_INDEX[n] for n in ("action", "id", "size", "pool", "tag"))
+COMPACT_TRIGGERS = ("forecast", "margin")
+
+
+@dataclass
+class SimConfig:
+    """How to simulate; sizes in bytes.
+
+    ``allocator`` and ``allocator_options`` create the model of ``baseline`` and ``compact``
+    (``pool`` always uses pool mode); ``watch`` maps request tags to sizes (the sizes only
+    matter for the early warning). ``compact_trigger`` picks the ``compact`` policy's warning:
+    ``"forecast"`` (compact at a scan whose forecast warns within ``forecast_within`` steps;
+    ``None``: ``scan_every``, i.e. before the next scan could act) or ``"margin"`` (the largest
+    free block seen before a watched request fell below ``1 + watch_margin`` times it).
+    ``forecast_window`` is the forecast's window in steps (:class:`~ms_memopt.analysis.forecast.Forecaster`).
+    """
+
+    steps: int = 1000
+    capacity: int | None = 96 * 2**30
+    allocator: str = "mindspore"
+    allocator_options: dict = field(default_factory=dict)
+    scan_every: int = 100
+    compact_every: int | None = 500
+    watch: dict[str, int] = field(default_factory=lambda: {WATCH_TAG: 4_200_000_000})
+    watch_margin: float = 0.5
+    compact_trigger: str = "forecast"
+    forecast_within: int | None = None
+    forecast_window: int = 10
+    seed: int = 0
+    #: the time model's constants (``memopt.timing``, :mod:`ms_memopt.engine.timing`)
+    timing: TimingConfig = field(default_factory=TimingConfig)
+
+    def __post_init__(self) -> None:
+        if self.compact_trigger not in COMPACT_TRIGGERS:
+            raise ValueError(f"unknown compact_trigger {self.compact_trigger!r}; expected one of "
+                             f"{', '.join(COMPACT_TRIGGERS)}")
+
+    @property
+    def forecast_horizon(self) -> int:
+        """Steps ahead a forecast must see the crossing to warn (``forecast_within`` or ``scan_every``)."""
+        if self.forecast_within is not None:
+            return self.forecast_within
+        return self.scan_every or 100
+
+
+@dataclass
+class PolicyResult:
+    """One policy, one seed; sizes in bytes, ratios as defined in :mod:`ms_memopt.core.metrics`.
+
+    ``frag_at_oom`` is the frag ratio of the last scan before the OOM; ``oom_kind`` is
+    ``"fragmentation"`` when the failing request was at most ``free_total + device_free`` at
+    that moment (it would fit if the free memory were one piece), else ``"capacity"``
+    (:func:`~ms_memopt.allocators.base.oom_kind`); ``allocated_at_oom`` is what was in use when it failed (the
+    monitor's reading at the OOM; ``peak_allocated`` is the run's maximum). ``frag_before_compaction``/``frag_after_compaction`` are the
+    worst over all compactions; ``frag_after_compaction_segment_max`` the worst frag ratio
+    inside one segment (pool block) right after a compaction (what compaction can reach in one
+    contiguous range). ``largest_free_by_window`` is the smallest ``largest_free``
+    seen in each ``scan_every``-step window (at scans and before watched requests).
+    ``forecast_warned_at`` is the first scan whose forecast of the watched request warned within
+    ``SimConfig.forecast_horizon`` steps, ``forecast_step_at_warning`` the crossing step it
+    estimated then (both ``None`` without a warning).
+    """
+
+    policy: str
+    seed: int
+    steps: int
+    oom_step: int | None = None
+    oom_kind: str | None = None
+    oom_tag: str | None = None
+    oom_size: int | None = None
+    free_total_at_oom: int | None = None
+    allocated_at_oom: int | None = None
+    largest_free_at_oom: int | None = None
+    frag_at_oom: float | None = None
+    frag_ratio_max: float | None = None
+    largest_free_min: int | None = None
+    largest_free_by_window: list[int] = field(default_factory=list)
+    compactions: int = 0
+    frag_before_compaction: float | None = None
+    frag_after_compaction: float | None = None
+    largest_free_after_compaction_min: int | None = None
+    frag_after_compaction_segment_max: float | None = None
+    bytes_moved: int = 0
+    forecast_warned_at: int | None = None
+    forecast_step_at_warning: int | None = None
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    region_frag_max: float | None = None
+    region_frag_max_by_region: dict[str, float] | None = None
+    shapes_seen: int = 0
+    events: int = 0
+    seconds: float = 0.0
+    #: per completed step (1..), what the time model prices (:meth:`ms_memopt.engine.timing.StepCounts.as_tuple`);
+    #: not in :meth:`to_dict` (a run's worth of tuples)
+    step_counts: list = field(default_factory=list, repr=False)
+    #: bytes this rank sends in its stage's gradient AllReduce (:func:`ms_memopt.engine.timing.collective_bytes`)
+    collective_bytes: float = 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("step_counts")
+        return out
+
+
+@dataclass
+class PolicySummary:
+    """One policy over several seeds: each seed's result and the median OOM step
+    (``None`` when fewer than half the seeds OOM)."""
+
+    policy: str
+    seeds: list[PolicyResult]
+
+    @property
+    def median_oom_step(self) -> float | None:
+        steps = [r.oom_step for r in self.seeds if r.oom_step is not None]
+        if not steps or 2 * len(steps) < len(self.seeds):
+            return None
+        # seeds that never OOM count as later than any step
+        padded = sorted(steps) + [float("inf")] * (len(self.seeds) - len(steps))
+        med = statistics.median(padded)
+        return None if med == float("inf") else med
+
+    def to_dict(self) -> dict:
+        ooms = [r.oom_step for r in self.seeds if r.oom_step is not None]
+        return {"policy": self.policy, "median_oom_step": self.median_oom_step,
+                "oom_seeds": len(ooms), "oom_step_min": min(ooms, default=None),
+                "oom_step_max": max(ooms, default=None),
+                "seeds": [r.to_dict() for r in self.seeds]}
+
+
+def _recipe_allocator(allocator) -> tuple[str, dict]:
+    """The model name and options of ``baseline`` and ``compact`` for a recipe's
+    ``memopt.allocator`` (recipe names use ``_``, model names ``-``).
+
+    ``increase_size``, ``pregrow`` and ``init_size`` set up MindSpore's pool and only reach its
+    models. ``pool`` (train in pool mode, for ``ms-memopt run``) simulates its baseline on
+    MindSpore's pool: pool mode itself is the ``pool`` policy, with regions from the plan."""
+    name = allocator.name.replace("_", "-")
+    if name == "pool":
+        name = "mindspore"
+    if name not in ("mindspore", "mindspore-bestfit"):
+        return name, {}
+    options = {"increase_size": allocator.increase_size}
+    if allocator.pregrow:
+        options["pregrow"] = True
+    elif allocator.init_size:
+        options["init_size"] = allocator.init_size
+    return name, options
+
+
+def config_from_recipe(recipe, **overrides) -> SimConfig:
+    """The :class:`SimConfig` a recipe asks for (``memopt.scan_every``, ``compact_every``,
+    ``compact_trigger``, ``watch``, ``allocator``; capacity = ``memopt.device.hbm``)."""
+    mem = recipe.memopt
+    name, options = _recipe_allocator(mem.allocator)
+    cfg = SimConfig(steps=mem.workload.steps, capacity=recipe.capacity, allocator=name,
+                    allocator_options=options, scan_every=mem.scan_every,
+                    compact_every=mem.compact_every,
+                    watch=dict(mem.watch) or {WATCH_TAG: 4_200_000_000}, seed=mem.workload.seed,
+                    timing=mem.timing)
+    if mem.compact_trigger is not None:
+        cfg.compact_trigger = mem.compact_trigger
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(cfg, key, value)
+    return cfg
+
+
+@dataclass
+class PlacedRun:
+    """The events of one run with the model's addresses, and its layout at the end.
+
+    Frees of tensors a pool-mode cache evicted appear as frees at the eviction; a compaction
+    appears as a free and an alloc (at the new address) per moved block. Every event is kept
+    in memory: a few hundred steps of the 100B recipe are millions of events.
+    """
+
+    events: list[Event] = field(default_factory=list)
+    final: Layout | None = None
+
+
+@dataclass
+class WatchPoint:
+    """What ``on_watch`` receives: a run just before its watched request ``event`` (``kind``
+    ``"watch"``) or at the request that failed (``kind`` ``"oom"``).
+
+    ``model`` is the live allocator model (do not feed it); :meth:`layout` builds its layout.
+    """
+
+    policy: str
+    seed: int
+    step: int
+    kind: str
+    event: Event
+    model: AllocatorModel
+    _run: "_Run" = field(repr=False)
+
+    def layout(self) -> Layout:
+        """The model's layout now, each live block without a tag tagged with the tag of the
+        request it serves (pool-mode blocks already carry their region's name)."""
+        layout = self.model.layout()
+        run = self._run
+        tag_at = {run.addr_of[tid]: tag for tid, tag in run.tag_of.items() if tid in run.addr_of}
+        for block in layout.blocks():
+            if block.live and block.tag is None:
+                block.tag = tag_at.get(block.addr)
+        return layout
+
+
+# --- one run ---------------------------------------------------------------------------------
+class _Tracker:
+    """Running figures of one run (sizes in bytes)."""
+
+    def __init__(self, result: PolicyResult, timeline: IO[str] | None) -> None:
+        self.r = result
+        self.timeline = timeline
+        self.window_min: int | None = None
+        self.watch_min: int | None = None        # smallest largest_free before a watched request
+        self.last_scan_frag: float | None = None
+
+    def sample(self, step: int, kind: str, free_total: int, largest: int, extra: dict | None = None) -> float | None:
+        r = self.r
+        ratio = frag_ratio(free_total, largest)
+        if ratio is not None and (r.frag_ratio_max is None or ratio > r.frag_ratio_max):
+            r.frag_ratio_max = ratio
+        if r.largest_free_min is None or largest < r.largest_free_min:
+            r.largest_free_min = largest
+        if self.window_min is None or largest < self.window_min:
+            self.window_min = largest
+        if self.timeline is not None:
+            row = {"policy": r.policy, "seed": r.seed, "step": step, "kind": kind,
+                   "free_total": free_total, "largest_free": largest, "frag_ratio": ratio}
+            if extra:
+                row.update(extra)
+            self.timeline.write(json.dumps(row, separators=(",", ":")) + "\n")
+        return ratio
+
+    def close_window(self) -> None:
+        if self.window_min is not None:
+            self.r.largest_free_by_window.append(self.window_min)
+        self.window_min = None
+
+
+def _free_total(model: AllocatorModel) -> int:
+    return model.reserved - model.allocated
+
+
+def _device_free(model: AllocatorModel) -> int | None:
+    return None if model.capacity is None else max(model.capacity - model.reserved, 0)
+
+
+def _make_model(policy: str, spec: WorkloadSpec, cfg: SimConfig) -> AllocatorModel:
+    if policy == "pool":
+        return model_class("pool", fast=cfg.allocator_options.get("fast")).for_workload(spec, capacity=cfg.capacity)
+    return create(cfg.allocator, cfg.capacity, **cfg.allocator_options)
+
+
+def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig) -> tuple[AllocatorModel, Layout, Layout, list]:
+    """:func:`~ms_memopt.analysis.compaction.model.compact_model` with a fresh model of ``cfg``'s allocator
+    (no pre-grown blocks: the compacted layout brings its own)."""
+    from ms_memopt.analysis.compaction.model import compact_model
+
+    options = {k: v for k, v in cfg.allocator_options.items() if k not in ("pregrow", "init_size")}
+    return compact_model(model, addr_of, lambda: create(cfg.allocator, cfg.capacity, **options))
+
+
+class _Run:
+    """One policy on one seed, fed one step's events at a time (so several policies can
+    share one generated stream)."""
+
+    def __init__(self, spec: WorkloadSpec, policy: str, cfg: SimConfig, seed: int,
+                 timeline: IO[str] | None, on_watch: Callable[[WatchPoint], None] | None = None,
+                 placed: PlacedRun | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        self.cfg = cfg
+        self.result = PolicyResult(policy=policy, seed=seed, steps=cfg.steps)
+        self.track = _Tracker(self.result, timeline)
+        self.model = _make_model(policy, spec, cfg)
+        self.watch = dict(cfg.watch)
+        self.watch_need = max(self.watch.values(), default=0)
+        self.compacting = policy == "compact"
+        # one forecast, of the largest watched request: it is the first to stop fitting
+        self.forecaster = Forecaster(self.watch_need, window=cfg.forecast_window) if self.watch_need else None
+        self.region_metrics = getattr(self.model, "region_metrics", None)
+        self.drain = getattr(self.model, "drain_evicted", None)
+        self.addr_of: dict[int, int] = {}
+        self.on_watch = on_watch
+        self.placed = placed
+        # tensor id -> tag, kept only for on_watch's tagged layouts (allocator models keep no tags)
+        self.tag_of: dict[int, str | None] = {}
+        self.size_of: dict[int, int] = {}   # tensor id -> bytes, kept only when recording (evictions)
+        self.dead = False
+        self.seconds = 0.0
+        # the time model (ms_memopt.engine.timing): the step's lengths (set by the lock-step loop), the
+        # unfused optimizer's extra traffic (pool mode runs the fused one), the collective
+        self.spec = spec
+        self.lengths: list[int] | None = None
+        self.optimizer_bytes = 0 if policy == "pool" else optimizer_extra_bytes(spec)
+        self.result.collective_bytes = collective_bytes(spec)
+        self._stall_counts = [0, 0, 0, 0]
+
+    def _stall_start(self) -> tuple:
+        model = self.model
+        return (model.segment_allocs, model.reserved if model.virtual else 0,
+                getattr(model, "eager_frees", 0), getattr(model, "slow_path_events", 0))
+
+    def _stall_add(self, start: tuple) -> None:
+        """Add what the model did since ``start`` (:meth:`_stall_start`) to the step's counts."""
+        now = self._stall_start()
+        counts = self._stall_counts
+        counts[0] += max(0, now[0] - start[0])
+        counts[1] += abs(now[1] - start[1]) // (2 << 20)
+        counts[2] += max(0, now[2] - start[2])
+        counts[3] += max(0, now[3] - start[3])
+
+    def _note_step(self, step: int, moved: int, compactions: int) -> None:
+        """The completed step's :class:`~ms_memopt.engine.timing.StepCounts` (steps 1..)."""
+        if step < 1:
+            return
+        flops, model_flops, bubble = step_flops(self.spec, self.lengths or [self.spec.seq_length]
+                                                * self.spec.micro_batches)
+        a, v, d, slow = self._stall_counts
+        self.result.step_counts.append(StepCounts(flops, model_flops, bubble, a, v, d, slow, self.optimizer_bytes,
+                                                  compactions, moved).as_tuple())
+
+    def feed(self, step: int, batch: list[tuple]) -> bool:
+        """Run one step's events, as rows (:meth:`StepWorkload.step_rows`: ``Event(*row)`` is
+        the event; no object per event); ``False`` once the job has died (OOM)."""
+        if self.dead:
+            return False
+        started = time.perf_counter()
+        self._stall_counts = [0, 0, 0, 0]
+        stall_start = self._stall_start()
+        moved_before, compactions_before = self.result.bytes_moved, self.result.compactions
+        cfg, track, result, watch = self.cfg, self.track, self.result, self.watch
+        model, addr_of, drain, region_metrics = self.model, self.addr_of, self.drain, self.region_metrics
+        on_watch, record = self.on_watch, self.placed.events if self.placed is not None else None
+        tag_of = self.tag_of if on_watch is not None else None
+        note_mark = model.note_mark
+        malloc, free = model.malloc, model.free
+        # a model with a compiled fast path serves the stretches of allocs and frees between
+        # marks and watched requests in one call; nothing per event to record then
+        fast = record is None and tag_of is None
+        fast_run = batch_runner(model) if fast else None
+        index, count = 0, len(batch)
+        while index < count:
+            if fast_run is not None:
+                # forget: a pool-mode cache eviction drops its tensors from addr_of (as _forget)
+                index, _, _, _, oom = fast_run(batch, index, count, addr_of, watch, False, True)
+                if oom:
+                    self._fail(Event(*batch[index]), step)
+                    break
+                if index == count:
+                    break
+            row = batch[index]
+            index += 1
+            action, tid, size, pool, tag = (row[_ACTION], row[_ID], row[_SIZE], row[_POOL], row[_TAG])
+            if action == "alloc":
+                if tag in watch:
+                    extra = {"tag": tag, "size": size}
+                    if region_metrics is not None:
+                        extra["region_frag"] = _note_regions(result, region_metrics())
+                    lf = model.largest_free()
+                    track.sample(step, "watch", _free_total(model), lf, extra)
+                    if track.watch_min is None or lf < track.watch_min:
+                        track.watch_min = lf
+                    if self.forecaster is not None:
+                        self.forecaster.add(step, lf)
+                    if on_watch is not None:
+                        on_watch(WatchPoint(result.policy, result.seed, step, "watch", Event(*row), model, self))
+                addr = malloc(size, pool=pool, tag=tag)
+                if addr is None:
+                    self._fail(Event(*row), step)
+                    break
+                if drain is not None:
+                    gone = drain()
+                    if gone:
+                        self._forget(gone, step)
+                addr_of[tid] = addr
+                if tag_of is not None:
+                    tag_of[tid] = tag
+                if record is not None:
+                    self.size_of[tid] = size
+                    record.append(Event("alloc", id=tid, size=size, addr=addr, pool=pool, tag=tag, step=step))
+            elif action == "free":
+                addr = addr_of.pop(tid, None)
+                if addr is not None:
+                    free(addr)
+                    if tag_of is not None:
+                        tag_of.pop(tid, None)
+                    if record is not None:
+                        record.append(Event("free", id=tid, size=self.size_of.pop(tid, size), addr=addr, step=step))
+            elif action == "mark" and tag != "optimizer_end":
+                note_mark(tag, size)
+            elif action == "mark":
+                scan = cfg.scan_every and step % cfg.scan_every == 0
+                forecaster = self.forecaster
+                if forecaster is not None:      # long-lived memory: what stays after the optimizer step
+                    forecaster.add(step, None, long_lived=model.allocated)
+                fc = None
+                if scan:
+                    extra = {"allocated": model.allocated}
+                    if region_metrics is not None:
+                        extra["region_frag"] = _note_regions(result, region_metrics())
+                    if forecaster is not None:
+                        fc = forecaster.forecast()
+                        extra["forecast"] = forecast_fields(fc, cfg.forecast_horizon)
+                        if result.forecast_warned_at is None and fc.warns(cfg.forecast_horizon):
+                            result.forecast_warned_at, result.forecast_step_at_warning = step, fc.step
+                    track.last_scan_frag = track.sample(step, "scan", _free_total(model),
+                                                        model.largest_free(), extra)
+                if self.compacting:
+                    periodic = cfg.compact_every and step % cfg.compact_every == 0
+                    warned = scan and self._warned(fc)
+                    if periodic or warned:
+                        self._stall_add(stall_start)
+                        model, before, after, moves = _compact(model, addr_of, cfg)
+                        self.model = model
+                        stall_start = self._stall_start()
+                        malloc, free, note_mark = model.malloc, model.free, model.note_mark
+                        fast_run = batch_runner(model) if fast else None
+                        if record is not None:
+                            _record_moves(record, moves, step)
+                        _note_compaction(result, track, step, before, after, sum(m.size for m in moves),
+                                         "periodic" if periodic else "warning")
+                        if forecaster is not None:
+                            forecaster.reset(step)      # the trend described the layout just compacted
+                if scan:
+                    track.watch_min = None
+                    track.close_window()
+        if not self.dead:
+            result.events += len(batch)
+            self._stall_add(stall_start)
+            self._note_step(step, result.bytes_moved - moved_before, result.compactions - compactions_before)
+        self.seconds += time.perf_counter() - started
+        return not self.dead
+
+    def _warned(self, fc: Forecast | None) -> bool:
+        """The ``compact`` policy's warning at a scan (see :class:`SimConfig` ``compact_trigger``)."""
+        if self.cfg.compact_trigger == "margin":
+            low = self.track.watch_min
+            return low is not None and low < self.watch_need * (1.0 + self.cfg.watch_margin)
+        return fc is not None and fc.warns(self.cfg.forecast_horizon)
+
+    def _forget(self, addrs: list[int], step: int) -> None:
+        """Drop the tensors a pool-mode cache evicted (their later frees must not hit new blocks)."""
+        wanted = set(addrs)
+        for tid in [t for t, a in self.addr_of.items() if a in wanted]:
+            addr = self.addr_of.pop(tid)
+            self.tag_of.pop(tid, None)
+            if self.placed is not None:
+                self.placed.events.append(Event("free", id=tid, size=self.size_of.pop(tid, 0), addr=addr,
+                                                step=step))
+
+    def _fail(self, event, step: int) -> None:
+        model, result = self.model, self.result
+        oom = model.ooms[-1] if model.ooms else None
+        free_total = _free_total(model)
+        result.oom_step = step
+        result.oom_tag = event.tag
+        result.oom_size = event.size
+        result.free_total_at_oom = free_total
+        result.allocated_at_oom = model.allocated
+        result.largest_free_at_oom = oom.largest_free if oom else model.largest_free()
+        # the model's own record when it made one (the numbers replay reports), else the same rule
+        result.oom_kind = oom.kind if oom is not None else oom_kind(event.size, free_total, _device_free(model))
+        result.frag_at_oom = self.track.last_scan_frag
+        self.track.sample(step, "oom", free_total, result.largest_free_at_oom,
+                          {"tag": event.tag, "size": event.size, "oom_kind": result.oom_kind})
+        self.dead = True
+        if self.on_watch is not None:
+            self.on_watch(WatchPoint(result.policy, result.seed, step, "oom", event, model, self))
+
+    def finish(self, gen: StepWorkload, generation_seconds: float) -> PolicyResult:
+        result, model = self.result, self.model
+        self.track.close_window()
+        result.peak_allocated = model.peak_allocated
+        result.peak_reserved = max(model.peak_reserved, model.reserved)
+        result.shapes_seen = len(gen.shapes_seen)
+        result.seconds = self.seconds + generation_seconds
+        if self.placed is not None:
+            self.placed.final = model.layout()
+        return result
+
+
+def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig, seed: int,
+                  timeline: IO[str] | None, on_step: Callable[[int], None] | None,
+                  on_watch: Callable[[WatchPoint], None] | None = None,
+                  placed: dict[str, PlacedRun] | None = None) -> list[PolicyResult]:
+    """Every policy on one seed, fed the same generated steps (generated once)."""
+    placed = placed or {}
+    runs = [_Run(spec, policy, cfg, seed, timeline, on_watch, placed.get(policy)) for policy in policies]
+    gen = StepWorkload(spec, seed)
+    started = time.perf_counter()
+    batch = gen.prologue_rows()
+    generation = time.perf_counter() - started
+    alive = [run for run in runs if run.feed(0, batch)]
+    for step in range(1, cfg.steps + 1):
+        if not alive:
+            break
+        started = time.perf_counter()
+        batch = gen.step_rows(step)
+        generation += time.perf_counter() - started
+        for run in alive:
+            run.lengths = gen.lengths
+        alive = [run for run in alive if run.feed(step, batch)]
+        if on_step is not None:
+            on_step(step)
+    share = generation / max(1, len(runs))
+    return [run.finish(gen, share) for run in runs]
+
+
+def simulate_policy(spec: WorkloadSpec, policy: str, cfg: SimConfig, *, seed: int | None = None,
+                    timeline: IO[str] | None = None,
+                    on_step: Callable[[int], None] | None = None,
+                    on_watch: Callable[[WatchPoint], None] | None = None,
+                    placed: PlacedRun | None = None) -> PolicyResult:
+    """Run ``cfg.steps`` steps of ``spec`` under ``policy`` with one seed.
+
+    Args:
+        spec: the workload.
+        policy: ``"baseline"``, ``"compact"`` or ``"pool"``.
+        cfg: steps, capacity, allocator, scan and compaction intervals, watched requests.
+        seed: the workload seed (default ``cfg.seed``); the same seed gives the same events
+            under every policy.
+        timeline: a text file to stream the samples to as JSON lines.
+        on_step: called after every step (progress bars).
+        on_watch: called with a :class:`WatchPoint` before every watched request and at an OOM.
+        placed: receives the events with the model's addresses and the final layout.
+    """
+    seed = cfg.seed if seed is None else seed
+    return _run_lockstep(spec, (policy,), cfg, seed, timeline, on_step, on_watch,
+                         {policy: placed} if placed is not None else None)[0]
+
+
+def _note_regions(result: PolicyResult, per_region: dict[str, float | None]) -> dict[str, float | None]:
+    """Keep the worst frag ratio inside each pool-mode region."""
+    worst = result.region_frag_max_by_region or {}
+    for name, ratio in per_region.items():
+        if ratio is not None:
+            worst[name] = max(worst.get(name, 0.0), ratio)
+            if result.region_frag_max is None or ratio > result.region_frag_max:
+                result.region_frag_max = ratio
+    result.region_frag_max_by_region = worst
+    return per_region
+
+
+def _record_moves(record: list[Event], moves: list, step: int) -> None:
+    """A compaction as events: each moved block freed at its old address, allocated at the new."""
+    for move in moves:
+        record.append(Event("free", id=move.block_id, size=move.size, addr=move.src, step=step, tag="compaction"))
+    for move in moves:
+        record.append(Event("alloc", id=move.block_id, size=move.size, addr=move.dst, step=step, tag="compaction"))
+
+
+def _note_compaction(result: PolicyResult, track: _Tracker, step: int, before: Layout, after: Layout,
+                     moved: int, why: str) -> None:
+    mb, ma = measure(before), measure(after)
+    result.compactions += 1
+    result.bytes_moved += moved
+    if mb.frag_ratio is not None and (result.frag_before_compaction is None or mb.frag_ratio > result.frag_before_compaction):
+        result.frag_before_compaction = mb.frag_ratio
+    if ma.frag_ratio is not None and (result.frag_after_compaction is None or ma.frag_ratio > result.frag_after_compaction):
+        result.frag_after_compaction = ma.frag_ratio
+    for seg in after.segments:
+        holes = [b.size for b in seg.blocks if not b.live]
+        seg_ratio = frag_ratio(sum(holes), max(holes, default=0))
+        if seg_ratio is not None and (result.frag_after_compaction_segment_max is None
+                                      or seg_ratio > result.frag_after_compaction_segment_max):
+            result.frag_after_compaction_segment_max = seg_ratio
+    if result.largest_free_after_compaction_min is None or ma.largest_free < result.largest_free_after_compaction_min:
+        result.largest_free_after_compaction_min = ma.largest_free
+    track.sample(step, "compaction", ma.free_total, ma.largest_free,
+                 {"why": why, "frag_before": mb.frag_ratio, "largest_free_before": mb.largest_free,
+                  "bytes_moved": moved})
+
+
+def simulate(spec: WorkloadSpec, cfg: SimConfig, *, policies: tuple[str, ...] = POLICIES,
+             seeds: list[int] | None = None, timeline: IO[str] | None = None,
+             on_step: Callable[[int], None] | None = None,
+             on_watch: Callable[[WatchPoint], None] | None = None,
+             placed: dict[str, PlacedRun] | None = None) -> dict[str, PolicySummary]:
+    """Every policy over every seed. The policies of one seed run in lock step on one generated
+    stream (the same events for every policy, generated once).
+
+    ``on_watch`` sees every run (check ``point.policy`` / ``point.seed``); ``placed`` records the
+    first seed's run of each policy it names (see :class:`PlacedRun`)."""
+    seeds = [cfg.seed] if seeds is None else list(seeds)
+    per_policy: dict[str, list[PolicyResult]] = {p: [] for p in policies}
+    for index, seed in enumerate(seeds):
+        for result in _run_lockstep(spec, tuple(policies), cfg, seed, timeline, on_step, on_watch,
+                                    placed if index == 0 else None):
+            per_policy[result.policy].append(result)
+    return {p: PolicySummary(p, runs) for p, runs in per_policy.items()}

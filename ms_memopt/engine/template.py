@@ -1,0 +1,881 @@
+"""Step templates learned from real recordings: the user's own model, simulated at any shape.
+
+A recording made with :func:`ms_memopt.mindspore.mark_step` (``ms-memopt record``) holds a
+``step`` event at every step end whose ``tag`` carries the step's dims
+(``dims:seq=32,batch=4``, docs/events.md); a dims-less ``step`` event before them (the setup
+mark, ``mark_step()``) ends the prologue. :func:`learn` splits each recording into
+
+* the **prologue**: the events before the setup mark (empty without one: the setup then
+  belongs to the first step);
+* **steps**, each the events since the previous step event, with the dims of its own mark,
+  classified as ``first`` (a recording's first step), ``new_shape`` (the first step at a dims
+  value the recording has not run before) and ``repeat``.
+
+Within a class every step must make the same allocations and frees in the same order (the
+same pool, stream and tag at each allocation; each free of the same allocation), else an
+:class:`~ms_memopt.core.errors.InputError` names the recording, the step and what differs: a
+template is never made of steps that do not line up. Each allocation's size is fitted as a
+polynomial in the dims that vary across the class's samples: the lowest total degree whose fit
+reproduces every recorded size exactly (numpy least squares as the screen, then exact rational
+coefficients checked in integers); a position no degree reproduces keeps the size recorded
+most often (a constant) and is listed (:attr:`Template.not_exact`). A free refers to the allocation it frees: one of
+the same step (``same``), of the prologue (``prologue``), or of the step ``k`` steps back
+(``back``; the position there depends on that step's class, so one position per class seen).
+Allocations a recording never frees stay never freed; events after the last mark (the
+process's exit) are not part of a template.
+
+:func:`generate` turns a template and a schedule (one dims dict per step) into events: the
+prologue, then per step the variant its place in the schedule calls for. :func:`fidelity`
+compares generated events with a recording position by position.
+
+Example:
+    >>> from ms_memopt.core.events import Event
+    >>> def rec(seqs):
+    ...     ev, i = [Event("step", step=0)], 0
+    ...     for n, s in enumerate(seqs, 1):
+    ...         i += 1; ev += [Event("alloc", id=i, size=64 * s * s + 512), Event("free", id=i),
+    ...                        Event("step", step=n, tag=f"dims:seq={s}")]
+    ...     return ev
+    >>> t = learn([("a", rec([8, 8, 16, 16])), ("b", rec([16, 16, 24, 24])), ("c", rec([24, 8, 8]))])
+    >>> [e.size for e in generate(t, [{"seq": 32}, {"seq": 32}]) if e.action == "alloc"]
+    [66048, 66048]
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from itertools import combinations_with_replacement
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Event
+
+__all__ = ["Template", "learn", "learn_files", "generate", "load_template", "save_template", "fidelity",
+           "parse_dims_tag", "dims_tag", "read_schedule", "CLASSES", "FORMAT", "VERSION"]
+
+FORMAT = "ms-memopt-template"
+VERSION = 1
+CLASSES = ("first", "new_shape", "repeat")
+MAX_DEGREE = 3
+_DIMS_PREFIX = "dims:"
+
+
+# --- dims in step tags ----------------------------------------------------------------------
+def parse_dims_tag(tag: str | None) -> dict[str, int] | None:
+    """``"dims:seq=32,batch=4"`` -> ``{"seq": 32, "batch": 4}``; ``None`` for any other tag.
+
+    Example:
+        >>> parse_dims_tag("dims:seq=32,batch=4"), parse_dims_tag(None)
+        ({'seq': 32, 'batch': 4}, None)
+    """
+    if not tag or not tag.startswith(_DIMS_PREFIX):
+        return None
+    out: dict[str, int] = {}
+    for part in tag[len(_DIMS_PREFIX):].split(","):
+        name, sep, value = part.partition("=")
+        try:
+            if not sep or not name.isidentifier():
+                raise ValueError
+            out[name] = int(value)
+        except ValueError:
+            raise ValueError(f"bad dims tag {tag!r}: expected dims:NAME=INT,NAME=INT") from None
+    return out
+
+
+def dims_tag(dims: dict[str, int]) -> str:
+    """The ``step`` event tag for ``dims`` (inverse of :func:`parse_dims_tag`)."""
+    return _DIMS_PREFIX + ",".join(f"{k}={v}" for k, v in dims.items())
+
+
+def _key(dims: dict[str, int]) -> tuple:
+    return tuple(sorted(dims.items()))
+
+
+def _show(dims: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in dims.items()) or "no dims"
+
+
+# --- the template -------------------------------------------------------------------------
+@dataclass
+class Template:
+    """A learned template (the JSON form is :meth:`to_dict`; see the module docstring).
+
+    ``prologue`` and each entry of ``classes`` are dicts: ``samples`` (steps it was learned
+    from), ``seen`` (the distinct dims it was recorded at), ``basis`` (monomials: one exponent
+    per dim of ``dims``, by increasing degree) and ``ops``: ``["a", coefs, pool, stream, tag,
+    exact]`` (``coefs`` multiply the first ``len(coefs)`` monomials; ints or ``"p/q"``
+    strings), ``["f", "same", i]``, ``["f", "prologue", i]``, ``["f", "back", k, {class: i}]``
+    (``i`` counts allocations), ``["e"]`` (empty_cache).
+    """
+
+    dims: list[str]
+    prologue: dict
+    classes: dict[str, dict]
+    pool: str | None = None
+    allocator: str = "mindspore-bestfit"
+    recordings: list[dict] = field(default_factory=list)
+    not_exact: list[dict] = field(default_factory=list)
+    positions: int = 0
+
+    @property
+    def exact(self) -> int:
+        return self.positions - len(self.not_exact)
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "pool": self.pool, "allocator": self.allocator,
+                "dims": list(self.dims), "recordings": self.recordings,
+                "fit": {"positions": self.positions, "exact": self.exact, "not_exact": self.not_exact},
+                "prologue": self.prologue, "classes": self.classes}
+
+    def summary(self) -> dict:
+        """Counts per class (for the CLI)."""
+        def allocs(part: dict) -> int:
+            return sum(1 for op in part["ops"] if op[0] == "a")
+        return {"dims": self.dims, "allocator": self.allocator, "positions": self.positions, "exact": self.exact,
+                "not_exact": len(self.not_exact), "prologue_allocs": allocs(self.prologue),
+                "classes": {name: {"samples": c["samples"], "allocs": allocs(c), "ops": len(c["ops"]),
+                                   "seen": c["seen"]} for name, c in self.classes.items()}}
+
+
+# --- learning -----------------------------------------------------------------------------
+@dataclass
+class _Step:
+    recording: str
+    number: int | None          # the step event's number (None: the prologue)
+    index: int                  # 0-based step index in its recording (-1: prologue)
+    dims: dict[str, int]
+    kind: str
+    ops: list[tuple] = field(default_factory=list)     # ("a", size, pool, stream, tag) / ("f", ref) / ("e",)
+    prev: str | None = None     # the class of the step before (None: the first step, the prologue)
+    sizes: list[int] = field(default_factory=list)
+
+    def where(self) -> str:
+        if self.index < 0:
+            return f"{self.recording}: prologue"
+        return f"{self.recording}: step {self.number} ({self.kind}, {_show(self.dims)})"
+
+
+def _split(name: str, events: Iterable[Event]) -> tuple[_Step, list[_Step]]:
+    """The prologue and the steps of one recording, each op's free resolved to its allocation."""
+    events = list(events)
+    marks = [i for i, e in enumerate(events) if e.action == "step"]
+    dims_marks = []
+    for i in marks:
+        try:
+            dims = parse_dims_tag(events[i].tag)
+        except ValueError as exc:
+            raise InputError(f"step {events[i].step}: {exc}", source=name) from None
+        if dims is not None:
+            dims_marks.append((i, dims))
+    if not dims_marks:
+        raise InputError("no step event with dims (tag dims:NAME=INT,...); record the run with "
+                         "ms_memopt.mindspore.mark_step(seq=..., batch=...) at each step end", source=name)
+    first_dims = dims_marks[0][0]
+    setup = [i for i in marks if i < first_dims and events[i].tag is None]
+    start = setup[-1] + 1 if setup else 0
+    prologue = _Step(name, None, -1, {}, "prologue")
+    steps: list[_Step] = []
+    seen: set = set()
+    where: dict[int, tuple[_Step, int]] = {}       # alloc id -> (its step, its alloc position)
+
+    def fill(step: _Step, chunk: list[Event]) -> None:
+        for event in chunk:
+            if event.action == "alloc":
+                where[event.id] = (step, len(step.sizes))
+                step.ops.append(("a", event.pool, event.stream, event.tag))
+                step.sizes.append(event.size)
+            elif event.action == "free":
+                owner = where.pop(event.id, None)
+                if owner is None:
+                    continue          # allocated before the recording (or on a skipped line)
+                at, pos = owner
+                if at is step:
+                    ref = ("same", pos)
+                elif at.index < 0:
+                    ref = ("prologue", pos)
+                else:
+                    ref = ("back", step.index - at.index, at.kind, pos)
+                step.ops.append(("f",) + ref)
+            elif event.action == "empty_cache":
+                step.ops.append(("e",))
+
+    fill(prologue, events[:start] if setup else [])
+    begin = start
+    for index, (mark, dims) in enumerate(dims_marks):
+        key = _key(dims)
+        kind = "first" if index == 0 else ("repeat" if key in seen else "new_shape")
+        seen.add(key)
+        step = _Step(name, events[mark].step, index, dims, kind, prev=steps[-1].kind if steps else None)
+        fill(step, events[begin:mark])
+        steps.append(step)
+        begin = mark + 1
+    return prologue, steps
+
+
+def _describe(op: tuple, sizes: list[int] | None = None, pos: int | None = None) -> str:
+    if op[0] == "a":
+        extra = "" if sizes is None else f" of {sizes[pos]} B"
+        return f"an allocation{extra} (pool {op[1] or 'common'}, stream {op[2]}, tag {op[3]})"
+    if op[0] == "e":
+        return "empty_cache"
+    if op[1] == "same":
+        return f"a free of this step's allocation #{op[2]}"
+    if op[1] == "prologue":
+        return f"a free of the prologue's allocation #{op[2]}"
+    if len(op) == 4:
+        return f"a free of the #{op[3]} freed allocation of the step {op[2]} back"
+    return f"a free of allocation #{op[4]} of the {op[3]} step {op[2]} step(s) back"
+
+
+def _identities(step: _Step) -> tuple[list, dict]:
+    """The step's ops with each free named by what it frees, independent of its place: a free
+    of the step ``k`` back is ``("back", k, rank)``, ``rank`` its allocation's rank among the
+    frees of that step by allocation order (the same in a ``first`` and a ``repeat`` step when
+    the steps allocate the common tensors in one order). Also ``identity -> (class, position)``
+    for the back frees."""
+    backs: dict[int, list[int]] = {}
+    for op in step.ops:
+        if op[0] == "f" and op[1] == "back":
+            backs.setdefault(op[2], []).append(op[4])
+    rank = {k: {pos: r for r, pos in enumerate(sorted(v))} for k, v in backs.items()}
+    out, targets = [], {}
+    for op in step.ops:
+        if op[0] == "f" and op[1] == "back":
+            ident = ("f", "back", op[2], rank[op[2]][op[4]])
+            targets[ident] = (op[3], op[4])
+            out.append(ident)
+        else:
+            out.append(op)
+    return out, targets
+
+
+def _align(kind: str, samples: list[_Step]) -> tuple[list, dict, list[list[int]], int]:
+    """The class's op list, the op lists after a step of a given class where its most common
+    free order differs, each sample's sizes, and how many samples free in another order than
+    the template; or the error naming what does not line up.
+
+    Allocations must match one to one (count, order, pool, stream, tag), and every sample must
+    free the same allocations; where a free happens may differ between samples (MindSpore
+    frees what Python's garbage collector releases when the collector runs), and the template
+    keeps the most common order."""
+    ref = samples[0]
+    ref_allocs = [op for op in ref.ops if op[0] == "a"]
+    patterns: dict[tuple, int] = {}
+    by_prev: dict[str | None, dict[tuple, int]] = {}
+    merged_targets: dict[tuple, dict[str, int]] = {}
+    ref_frees = None
+    for other in samples:
+        allocs = [op for op in other.ops if op[0] == "a"]
+        if len(allocs) != len(ref_allocs):
+            raise InputError(
+                f"{other.where()} does not line up with {ref.where()}: {len(allocs)} allocations against "
+                f"{len(ref_allocs)}; steps of one class must repeat the same allocations in the same order "
+                "(a shape-dependent branch in the model? the setup mark missing?)")
+        for i, (a, b) in enumerate(zip(ref_allocs, allocs)):
+            if a != b:
+                raise InputError(f"{other.where()} does not line up with {ref.where()}: allocation #{i} is "
+                                 f"{_describe(b, other.sizes, i)} there, {_describe(a, ref.sizes, i)} here")
+        ops, targets = _identities(other)
+        frees = sorted((op for op in ops if op[0] != "a"), key=repr)
+        if ref_frees is None:
+            ref_frees = frees
+        elif frees != ref_frees:
+            extra = [op for op in frees if op not in ref_frees]
+            missing = [op for op in ref_frees if op not in frees]
+            what = (f"{_describe(extra[0])} that {ref.where()} does not make" if extra else
+                    f"no {_describe(missing[0])[2:]} (which {ref.where()} makes)")
+            raise InputError(f"{other.where()} does not line up with {ref.where()}: it makes {what}; "
+                             f"{len(frees)} frees against {len(ref_frees)}")
+        for ident, (cls, pos) in targets.items():
+            slot = merged_targets.setdefault(ident, {})
+            if slot.setdefault(cls, pos) != pos:
+                raise InputError(f"{other.where()}: the free of the {cls} step {ident[2]} back that is its "
+                                 f"#{ident[3]} frees allocation #{pos}, another {kind} step's frees #{slot[cls]}")
+        patterns[tuple(ops)] = patterns.get(tuple(ops), 0) + 1
+        by_prev.setdefault(other.prev, {}).setdefault(tuple(ops), 0)
+        by_prev[other.prev][tuple(ops)] += 1
+
+    def materialise(pattern: tuple) -> list:
+        out = []
+        for op in pattern:
+            if op[0] == "f" and op[1] == "back":
+                out.append(["f", "back", op[2], dict(merged_targets[op])])
+            else:
+                out.append(list(op))
+        return out
+
+    best = max(patterns, key=patterns.get)
+    # where frees land can depend on the class of the step before (what it left to free)
+    after = {prev: materialise(max(counts, key=counts.get)) for prev, counts in by_prev.items()
+             if prev is not None and max(counts, key=counts.get) != best}
+    reordered = sum(n for prev, counts in by_prev.items() for pattern, n in counts.items()
+                    if pattern != (best if prev not in after else max(counts, key=counts.get)))
+    return materialise(best), after, [s.sizes for s in samples], reordered
+
+
+def _basis(names: list[str], varying: list[int], degree: int) -> list[list[int]]:
+    out = []
+    for d in range(degree + 1):
+        for combo in combinations_with_replacement(varying, d):
+            exps = [0] * len(names)
+            for j in combo:
+                exps[j] += 1
+            out.append(exps)
+    return out
+
+
+def _monomial(exps: Sequence[int], point: Sequence[int]) -> int:
+    value = 1
+    for e, x in zip(exps, point):
+        if e:
+            value *= x ** e
+    return value
+
+
+def _solve_exact(matrix: list[list[int]], rhs: list[int]) -> list[Fraction] | None:
+    """Solve a square integer system in rationals (Gauss-Jordan); ``None`` when singular."""
+    n = len(matrix)
+    a = [[Fraction(v) for v in row] + [Fraction(r)] for row, r in zip(matrix, rhs)]
+    for col in range(n):
+        pivot = next((r for r in range(col, n) if a[r][col] != 0), None)
+        if pivot is None:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        p = a[col][col]
+        a[col] = [v / p for v in a[col]]
+        for r in range(n):
+            if r != col and a[r][col] != 0:
+                f = a[r][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+    return [row[n] for row in a]
+
+
+def _inverse_exact(matrix: list[list[int]]) -> list[list[Fraction]] | None:
+    n = len(matrix)
+    cols = []
+    for j in range(n):
+        col = _solve_exact(matrix, [1 if i == j else 0 for i in range(n)])
+        if col is None:
+            return None
+        cols.append(col)
+    return [[cols[j][i] for j in range(n)] for i in range(n)]
+
+
+def _coef_text(c: Fraction) -> int | str:
+    return int(c) if c.denominator == 1 else f"{c.numerator}/{c.denominator}"
+
+
+def _coef_value(c: int | str) -> Fraction:
+    return Fraction(c) if isinstance(c, int) else Fraction(c)
+
+
+def _fit(names: list[str], points: list[dict[str, int]], sizes: list[list[int]],
+         max_degree: int = MAX_DEGREE) -> tuple[list[list[int]], list[list], list[bool]]:
+    """Per allocation position: the coefficients of the lowest-degree exact polynomial fit.
+
+    Returns the basis, per position its coefficient list (ints / ``"p/q"``), and whether it is exact.
+    """
+    import numpy as np
+
+    grid = [[p.get(n, 0) for n in names] for p in points]
+    varying = [j for j in range(len(names)) if len({row[j] for row in grid}) > 1]
+    unique: list[list[int]] = []
+    for row in grid:
+        if row not in unique:
+            unique.append(row)
+    positions = len(sizes[0]) if sizes else 0
+    y = np.array(sizes, dtype=np.float64).reshape(len(sizes), positions)
+    coefs: list[list | None] = [None] * positions
+    exact = [False] * positions
+    todo = list(range(positions))
+    best_basis: list[list[int]] = [[0] * len(names)]
+    for degree in range(max_degree + 1):
+        basis = _basis(names, varying, degree)
+        if len(basis) > len(unique):
+            break
+        a_unique = np.array([[_monomial(e, row) for e in basis] for row in unique], dtype=np.float64)
+        scale = np.abs(a_unique).max(axis=0)
+        scale[scale == 0] = 1
+        if np.linalg.matrix_rank(a_unique / scale) < len(basis):
+            break
+        best_basis = basis
+        # an invertible square subsystem on unique points, for the exact coefficients
+        chosen: list[int] = []
+        for r in range(len(unique)):
+            trial = chosen + [r]
+            if np.linalg.matrix_rank(a_unique[trial] / scale) == len(trial):
+                chosen = trial
+            if len(chosen) == len(basis):
+                break
+        sub = [[_monomial(e, unique[r]) for e in basis] for r in chosen]
+        inverse = _inverse_exact(sub)
+        if inverse is None or not todo:
+            continue
+        a_all = np.array([[_monomial(e, row) for e in basis] for row in grid], dtype=np.float64)
+        sol, *_ = np.linalg.lstsq(a_all / scale, y[:, todo], rcond=None)
+        pred = np.rint((a_all / scale) @ sol)
+        screen = np.all(pred == y[:, todo], axis=0)
+        rows_of = [grid.index(unique[r]) for r in chosen]
+        left = []
+        for col, pos in enumerate(todo):
+            values = [sizes[s][pos] for s in range(len(sizes))]
+            if screen[col]:
+                rhs = [values[r] for r in rows_of]
+                c = [sum(inv * v for inv, v in zip(row, rhs)) for row in inverse]
+                if all(sum(ci * _monomial(e, g) for ci, e in zip(c, basis)) == v for g, v in zip(grid, values)):
+                    coefs[pos] = [_coef_text(ci) for ci in c]
+                    exact[pos] = True
+                    continue
+            left.append(pos)
+        todo = left
+    for pos in todo:     # no polynomial reproduces it: the size recorded most often (a constant)
+        values = [s[pos] for s in sizes]
+        coefs[pos] = [max(sorted(set(values)), key=values.count)]
+    return best_basis, coefs, exact
+
+
+def _evaluate(coefs: list, basis: list[list[int]], point: list[int]) -> int:
+    total = Fraction(0)
+    for c, exps in zip(coefs, basis):
+        total += _coef_value(c) * _monomial(exps, point)
+    return max(0, math.floor(total + Fraction(1, 2)))
+
+
+def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None = None,
+          max_degree: int = MAX_DEGREE) -> Template:
+    """Learn a template from ``(name, events)`` recordings (see the module docstring).
+
+    Raises:
+        InputError: a recording without dims marks, recordings with different dims names, or
+            steps of one class (or prologues) that do not line up (names recording and step).
+    """
+    prologues: list[_Step] = []
+    steps: list[_Step] = []
+    info = []
+    names: list[str] | None = None
+    for name, events in recordings:
+        prologue, own = _split(name, events)
+        for step in own:
+            if names is None:
+                names = list(step.dims)
+            elif set(step.dims) != set(names):
+                raise InputError(f"step {step.number} has dims {sorted(step.dims)}, the first step seen has "
+                                 f"{sorted(names)}; every step of every recording must name the same dims", source=name)
+        prologues.append(prologue)
+        steps.extend(own)
+        info.append({"path": name, "steps": len(own),
+                     "classes": {k: sum(1 for s in own if s.kind == k) for k in CLASSES}})
+    if not recordings:
+        raise InputError("no recording to learn from")
+    names = names or []
+    not_exact: list[dict] = []
+    positions = 0
+
+    def build(label: str, samples: list[_Step]) -> dict:
+        nonlocal positions
+        ops, after, sizes, reordered = _align(label, samples)
+        points = [s.dims for s in samples]
+        basis, coefs, exact = _fit(names, points, [list(x) for x in sizes], max_degree)
+
+        def with_sizes(ops: list) -> list:
+            out_ops, pos = [], 0
+            for op in ops:
+                if op[0] == "a":
+                    out_ops.append(["a", coefs[pos], op[1], op[2], op[3], exact[pos]])
+                    pos += 1
+                else:
+                    out_ops.append(op)
+            return out_ops
+
+        out_ops = with_sizes(ops)
+        grid = [[p.get(n, 0) for n in names] for p in points]
+        for pos in range(len(coefs)):
+            if not exact[pos]:
+                errors = [abs(_evaluate(coefs[pos], basis, g) - s[pos]) for g, s in zip(grid, sizes)]
+                not_exact.append({"class": label, "alloc": pos, "max_error": max(errors),
+                                  "sizes": sorted({s[pos] for s in sizes})[:8]})
+        positions += len(coefs)
+        seen: list[dict] = []
+        for p in points:
+            if p and p not in seen:
+                seen.append(p)
+        part = {"samples": len(samples), "seen": seen, "basis": basis, "ops": out_ops,
+                "free_order_variants": reordered}
+        if after:
+            part["ops_after"] = {prev: with_sizes(o) for prev, o in after.items()}
+        return part
+
+    prologue = build("prologue", prologues)
+    classes = {}
+    for kind in CLASSES:
+        samples = [s for s in steps if s.kind == kind]
+        if samples:
+            classes[kind] = build(kind, samples)
+    from ms_memopt.io.traces.ms_pool_log import POOL_NAME
+    # the model of the recorded pool: DynamicMemPoolBestFit (CPU) or, for Ascend's default pool, mindspore
+    allocator = "mindspore-bestfit" if pool in (None, POOL_NAME) else "mindspore"
+    return Template(names, prologue, classes, pool=pool, allocator=allocator, recordings=info,
+                    not_exact=not_exact, positions=positions)
+
+
+def learn_files(paths: Sequence[str | Path], *, max_degree: int = MAX_DEGREE) -> Template:
+    """:func:`learn` from recording files (``ms-memopt record`` JSONL, or any trace format)."""
+    from ms_memopt.io.traces import load_trace
+
+    recordings, pools = [], set()
+    for path in paths:
+        trace = load_trace(path)
+        recordings.append((str(path), trace.events))
+        pools.add(trace.meta.get("pool"))
+    if len(pools) > 1:
+        raise InputError(f"the recordings come from different pools: {sorted(map(str, pools))}")
+    return learn(recordings, pool=next(iter(pools)) if pools else None, max_degree=max_degree)
+
+
+# --- generating ---------------------------------------------------------------------------
+def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings: list[str] | None = None,
+             first_id: int = 1) -> list[Event]:
+    """The events of ``schedule`` (one dims dict per step): the prologue, then each step's
+    variant (``first``, ``new_shape``, ``repeat``) with its sizes evaluated at its dims, and a
+    ``step`` event (tag ``dims:...``) at each step end.
+
+    ``warnings`` (a list) receives what is extrapolated: a dim a class never saw vary, a
+    free whose target step's class the template never saw there.
+
+    Raises:
+        InputError: a schedule step whose dims differ from the template's, or a class the
+            schedule needs that the template has no sample of.
+    """
+    names = template.dims
+    events: list[Event] = []
+    next_id = first_id
+    live: set[int] = set()
+    notes: dict[str, int] = {}
+
+    def note(text: str) -> None:
+        notes[text] = notes.get(text, 0) + 1
+
+    mapping: dict = {}
+
+    def run(part: dict, point: list[int], prologue_ids: list[int], history: list, kind: str = "prologue") -> list[int]:
+        nonlocal next_id
+        ids: list[int] = []
+        basis = part["basis"]
+        prev = history[-1][0] if history else None
+        for op in part.get("ops_after", {}).get(prev, part["ops"]):
+            what = op[0]
+            if what == "a":
+                events.append(Event("alloc", id=next_id, size=_evaluate(op[1], basis, point), stream=op[3] or 0,
+                                    pool=op[2], tag=op[4]))
+                ids.append(next_id)
+                live.add(next_id)
+                next_id += 1
+            elif what == "e":
+                events.append(Event("empty_cache"))
+            else:
+                target = None
+                if op[1] == "same":
+                    target = ids[op[2]] if op[2] < len(ids) else None
+                elif op[1] == "prologue":
+                    target = prologue_ids[op[2]] if op[2] < len(prologue_ids) else None
+                else:
+                    back = op[2]
+                    if back <= len(history):
+                        cls, their, their_point = history[-back]
+                        pos = op[3].get(cls)
+                        if pos is None:     # never recorded after such a step: align the two steps' sizes
+                            known = next(iter(op[3]))
+                            pos = _mapped(template, known, cls, their_point, mapping).get(op[3][known])
+                            note(f"a {kind} step {back} after a {cls} step was never recorded: what it frees of "
+                                 f"that step found by aligning the {known} and {cls} steps' sizes"
+                                 + ("" if pos is not None else " failed; it stays live"))
+                        if pos is not None and pos < len(their):
+                            target = their[pos]
+                if target is not None and target in live:
+                    live.discard(target)
+                    events.append(Event("free", id=target))
+        return ids
+
+    prologue_ids = run(template.prologue, [0] * len(names), [], [])
+    history: list[tuple[str, list[int], list[int]]] = []
+    seen: set = set()
+    for number, dims in enumerate(schedule, 1):
+        if set(dims) != set(names):
+            raise InputError(f"schedule step {number} has dims {sorted(dims)}; the template's are {sorted(names)}")
+        key = _key(dims)
+        kind = "first" if number == 1 else ("repeat" if key in seen else "new_shape")
+        seen.add(key)
+        part = template.classes.get(kind)
+        if part is None:
+            raise InputError(f"schedule step {number} ({_show(dims)}) is a {kind} step and the template has none: "
+                             + ("record runs that change shape mid-run" if kind == "new_shape" else
+                                "record runs with more steps"))
+        point = [dims[n] for n in names]
+        for j, name in enumerate(names):
+            values = {s.get(name) for s in part["seen"]}
+            if len(values) == 1 and dims[name] not in values:
+                note(f"{kind} steps were recorded at {name}={next(iter(values))} only; {name}={dims[name]} uses "
+                     "those sizes unchanged")
+        ids = run(part, point, prologue_ids, history, kind)
+        history.append((kind, ids, point))
+        events.append(Event("step", step=number, tag=dims_tag({n: dims[n] for n in names})))
+    if warnings is not None:
+        warnings.extend(f"{text} (x{count})" if count > 1 else text for text, count in notes.items())
+    return events
+
+
+def _mapped(template: Template, known: str, target: str, point: list[int], cache: dict) -> dict[int, int]:
+    """Allocation position in a ``known`` step -> the same allocation in a ``target`` step at
+    ``point``: the two size sequences aligned (longest matching runs, :mod:`difflib`)."""
+    key = (known, target, tuple(point))
+    if key not in cache:
+        from difflib import SequenceMatcher
+
+        def sizes(name: str) -> list[tuple]:
+            part = template.classes[name]
+            return [(_evaluate(op[1], part["basis"], point), op[2], op[3], op[4])
+                    for op in part["ops"] if op[0] == "a"]
+        out: dict[int, int] = {}
+        matcher = SequenceMatcher(None, sizes(known), sizes(target), autojunk=False)
+        for block in matcher.get_matching_blocks():
+            for i in range(block.size):
+                out[block.a + i] = block.b + i
+        cache[key] = out
+    return cache[key]
+
+
+# --- schedules ----------------------------------------------------------------------------
+def read_schedule(path: str | Path, dims: Sequence[str] | None = None) -> list[dict[str, int]]:
+    """A schedule CSV: a header of dim names, then one row of integers per step.
+
+    Raises:
+        InputError: names the file, line and column of a bad cell; a header that is not the
+            template's dims (when ``dims`` is given).
+    """
+    import csv
+
+    from ms_memopt.core.errors import open_input
+
+    source = str(path)
+    with open_input(path, expected="a schedule CSV (a header of dim names, one row of integers per step)") as handle:
+        rows = list(csv.reader(handle))
+    lines = [(n, row) for n, row in enumerate(rows, 1) if any(cell.strip() for cell in row)]
+    if not lines:
+        raise InputError("empty schedule; expected a header of dim names (seq,batch) and one row per step",
+                         source=source, line=1)
+    header_line, header = lines[0]
+    header = [h.strip() for h in header]
+    for column, name in enumerate(header, 1):
+        if not name.isidentifier():
+            raise InputError(f"column {column}: header {name!r} is not a dim name", source=source, line=header_line)
+    if len(set(header)) != len(header):
+        raise InputError("a dim is named twice in the header", source=source, line=header_line)
+    if dims is not None and set(header) != set(dims):
+        raise InputError(f"the header names {header}; the template's dims are {list(dims)}", source=source,
+                         line=header_line)
+    out = []
+    for number, row in lines[1:]:
+        if len(row) != len(header):
+            raise InputError(f"{len(row)} cells, the header has {len(header)}", source=source, line=number)
+        step = {}
+        for column, (name, cell) in enumerate(zip(header, row), 1):
+            try:
+                step[name] = int(cell.strip())
+            except ValueError:
+                raise InputError(f"column {column} ({name}): expected an integer, got {cell.strip()!r}",
+                                 source=source, line=number) from None
+        out.append(step)
+    if not out:
+        raise InputError("no step rows after the header", source=source, line=header_line)
+    return out
+
+
+# --- JSON ---------------------------------------------------------------------------------
+def save_template(template: Template, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(template.to_dict(), separators=(",", ":")) + "\n", encoding="utf-8")
+
+
+def _need(cond: bool, where: str, message: str, source: str) -> None:
+    if not cond:
+        raise InputError(f"{where}: {message}", source=source)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_coef(c, where: str, source: str) -> None:
+    if _is_int(c):
+        return
+    _need(isinstance(c, str), where, f"a coefficient is an integer or a \"p/q\" string, got {c!r}", source)
+    try:
+        Fraction(c)
+    except (ValueError, ZeroDivisionError):
+        raise InputError(f"{where}: bad coefficient {c!r}", source=source) from None
+
+
+def _check_part(part, where: str, dims: list[str], classes: set[str], source: str) -> None:
+    _need(isinstance(part, dict), where, "expected an object", source)
+    for key in ("samples", "seen", "basis", "ops"):
+        _need(key in part, f"{where}", f"missing key {key!r}", source)
+    _need(_is_int(part["samples"]) and part["samples"] >= 1, f"{where}.samples", "expected a positive integer", source)
+    _need(isinstance(part["seen"], list) and all(isinstance(s, dict) and set(s) == set(dims) and
+                                                 all(_is_int(v) for v in s.values()) for s in part["seen"]),
+          f"{where}.seen", f"expected a list of {{dim: int}} objects over {dims}", source)
+    basis = part["basis"]
+    _need(isinstance(basis, list) and len(basis) >= 1 and all(
+        isinstance(b, list) and len(b) == len(dims) and all(_is_int(e) and e >= 0 for e in b) for b in basis),
+        f"{where}.basis", f"expected a list of exponent lists, {len(dims)} non-negative integers each", source)
+    _check_ops(part["ops"], f"{where}.ops", basis, classes, source)
+    after = part.get("ops_after", {})
+    _need(isinstance(after, dict), f"{where}.ops_after", "expected an object {class: ops}", source)
+    for prev, ops in after.items():
+        _need(prev in classes, f"{where}.ops_after.{prev}", f"unknown class; expected one of {sorted(classes)}", source)
+        _check_ops(ops, f"{where}.ops_after.{prev}", basis, classes, source)
+
+
+def _check_ops(ops, where: str, basis: list, classes: set[str], source: str) -> None:
+    _need(isinstance(ops, list), where, "expected a list", source)
+    allocs = 0
+    for i, op in enumerate(ops):
+        at = f"{where}[{i}]"
+        _need(isinstance(op, list) and op and op[0] in ("a", "f", "e"), at, "expected [\"a\", ...], [\"f\", ...] or "
+              "[\"e\"]", source)
+        if op[0] == "a":
+            _need(len(op) == 6, at, "an allocation is [\"a\", coefs, pool, stream, tag, exact]", source)
+            _need(isinstance(op[1], list) and 1 <= len(op[1]) <= len(basis), f"{at}[1]",
+                  f"expected 1..{len(basis)} coefficients", source)
+            for j, c in enumerate(op[1]):
+                _check_coef(c, f"{at}[1][{j}]", source)
+            _need(op[2] is None or isinstance(op[2], str), f"{at}[2]", "pool is a string or null", source)
+            _need(_is_int(op[3]), f"{at}[3]", "stream is an integer", source)
+            _need(op[4] is None or isinstance(op[4], str), f"{at}[4]", "tag is a string or null", source)
+            _need(isinstance(op[5], bool), f"{at}[5]", "exact is true or false", source)
+            allocs += 1
+        elif op[0] == "f":
+            _need(len(op) >= 3 and op[1] in ("same", "prologue", "back"), at,
+                  "a free is [\"f\", \"same\"|\"prologue\", i] or [\"f\", \"back\", k, {class: i}]", source)
+            if op[1] == "back":
+                _need(len(op) == 4 and _is_int(op[2]) and op[2] >= 1 and isinstance(op[3], dict) and op[3] and
+                      all(k in classes and _is_int(v) and v >= 0 for k, v in op[3].items()), at,
+                      f"expected [\"f\", \"back\", k >= 1, {{class: i}}] with classes from {sorted(classes)}", source)
+            else:
+                _need(len(op) == 3 and _is_int(op[2]) and op[2] >= 0, at, "expected a non-negative allocation index",
+                      source)
+                if op[1] == "same":
+                    _need(op[2] < allocs, f"{at}[2]", f"frees allocation #{op[2]} before it is made", source)
+
+
+def template_from_dict(data, source: str = "template") -> Template:
+    """Validate a template's JSON object; errors name the key path (``classes.repeat.ops[3][1]``)."""
+    _need(isinstance(data, dict), "(top)", "expected a JSON object", source)
+    _need(data.get("format") == FORMAT, "format", f"expected {FORMAT!r}, got {data.get('format')!r}", source)
+    _need(data.get("version") == VERSION, "version", f"unsupported version {data.get('version')!r}; expected "
+          f"{VERSION}", source)
+    for key in ("dims", "prologue", "classes"):
+        _need(key in data, "(top)", f"missing key {key!r}", source)
+    dims = data["dims"]
+    _need(isinstance(dims, list) and all(isinstance(d, str) and d.isidentifier() for d in dims)
+          and len(set(dims)) == len(dims), "dims", "expected a list of distinct dim names", source)
+    classes = data["classes"]
+    _need(isinstance(classes, dict) and classes, "classes", f"expected an object with some of {list(CLASSES)}", source)
+    for name in classes:
+        _need(name in CLASSES, f"classes.{name}", f"unknown class; expected one of {list(CLASSES)}", source)
+    _check_part(data["prologue"], "prologue", dims, set(CLASSES), source)
+    for name, part in classes.items():
+        _check_part(part, f"classes.{name}", dims, set(CLASSES), source)
+    allocator = data.get("allocator") or "mindspore-bestfit"
+    _need(isinstance(allocator, str), "allocator", "expected a model name", source)
+    fit = data.get("fit") or {}
+    _need(isinstance(fit, dict), "fit", "expected an object", source)
+    return Template(dims=list(dims), prologue=data["prologue"], classes=dict(classes), pool=data.get("pool"),
+                    allocator=allocator, recordings=list(data.get("recordings") or []),
+                    not_exact=list(fit.get("not_exact") or []), positions=int(fit.get("positions") or 0))
+
+
+def load_template(path: str | Path) -> Template:
+    """Read and validate a ``.template.json`` file.
+
+    Raises:
+        InputError: not JSON, not our format, or a bad key (the message names its key path).
+    """
+    from ms_memopt.core.errors import open_input
+    from ms_memopt.core.jsontext import parse_json
+
+    source = str(path)
+    with open_input(path, expected="an ms-memopt template (.template.json)") as handle:
+        text = handle.read()
+    return template_from_dict(parse_json(text, source=source, line=1), source)
+
+
+# --- fidelity -----------------------------------------------------------------------------
+def _block_offsets(events: Iterable[Event]) -> list[tuple]:
+    """Per allocation in order: ``(size, block number, offset in block, step)`` (blocks
+    numbered by creation, from the ``segment_alloc`` events; ``step`` counts the ``step``
+    events before it); ``None`` block and offset when not inside a block."""
+    blocks: list[tuple[int, int]] = []
+    out = []
+    step = 0
+    for event in events:
+        if event.action == "step":
+            step += 1
+        elif event.action == "segment_alloc":
+            blocks.append((event.addr, event.size))
+        elif event.action == "alloc":
+            where = None
+            if event.addr is not None:
+                for number, (base, size) in enumerate(blocks):
+                    if base <= event.addr < base + size:
+                        where = (number, event.addr - base)
+                        break
+            out.append((event.size,) + (where or (None, None)) + (step,))
+    return out
+
+
+def fidelity(recorded: Iterable[Event], simulated: Iterable[Event], *, until_last_step: bool = True) -> dict:
+    """Compare a recording with simulated events, allocation by allocation in order:
+    ``size_match`` (same size at the same position) and ``offset_match`` (same block number
+    and offset inside it), as fractions of the recording's allocations.
+
+    ``layout_match``: step by step, the fraction of allocations whose place (block, offset,
+    aligned size) the other side also fills in that step, as multisets: two equal buffers that
+    swapped places (frees in another order) still match, a different layout does not.
+
+    ``until_last_step``: only the recording's allocations before its last ``step`` event (the
+    process's exit is not a step).
+    """
+    recorded = list(recorded)
+    if until_last_step:
+        last = max((i for i, e in enumerate(recorded) if e.action == "step"), default=len(recorded) - 1)
+        recorded = recorded[:last + 1]
+    rec = _block_offsets(recorded)
+    sim = _block_offsets(simulated)
+    n = len(rec)
+    same_size = sum(1 for a, b in zip(rec, sim) if a[0] == b[0])
+    same_place = sum(1 for a, b in zip(rec, sim) if a[1] is not None and a[1:3] == b[1:3])
+    # the same places as sets, step by step: which of two equal buffers sits where aside
+    from collections import Counter
+
+    def per_step(rows: list[tuple]) -> dict[int, Counter]:
+        out: dict[int, Counter] = {}
+        for size, block, offset, step in rows:
+            if block is not None:
+                out.setdefault(step, Counter())[(block, offset, max(512, (size + 511) // 512 * 512))] += 1
+        return out
+    rec_steps, sim_steps = per_step(rec), per_step(sim)
+    # the recording's prologue is ended by a setup mark the simulation does not write
+    shift = 1 if recorded and any(e.action == "step" and e.tag is None for e in recorded) else 0
+    same_layout = sum(sum((counter & sim_steps.get(step - shift, Counter())).values())
+                      for step, counter in rec_steps.items())
+    return {"allocs_recorded": n, "allocs_simulated": len(sim),
+            "size_match": same_size / n if n else None, "offset_match": same_place / n if n else None,
+            "layout_match": same_layout / n if n else None}
+
+
+# --- placing ------------------------------------------------------------------------------
+

@@ -1,0 +1,183 @@
+"""What fragmentation costs in time: a per-rank, per-step time model and the job's step.
+
+Every constant is a ``memopt.timing`` recipe key (:class:`~ms_memopt.config.recipe.TimingConfig`;
+docs/recipes.md gives each one's source, docs/simulation.md the check against the field report).
+
+**One rank, one step** (:func:`rank_step`), from what the simulator counted that step
+(:class:`StepCounts`):
+
+* *compute*: the stage's FLOPs of the step's micro-batches at their drawn lengths n
+  (per layer and sequence, forward ``2 P n + 4 n^2 h``: the dense matmuls and the attention
+  scores and their product, Narayanan et al. 2021; backward twice the forward; recompute one
+  more forward; the LM head ``2 V h n`` on the last stage; all split by tensor parallel), plus
+  the 1F1B bubble (``(p - 1) / m`` of the micro-batches' time), over
+  ``peak_flops x base_efficiency``;
+* *memory stalls*: what the allocator model did that step, each at its cost: blocks taken from
+  the device (``segment_allocs``, ``device_alloc_seconds``), VMM 2 MiB chunks mapped or
+  unmapped (the net change of mapped bytes: a lower bound, ``vmm_chunk_seconds``), eager-free
+  sweeps (``defrag_sweep_seconds``; counted by the pure-Python VMM model only), requests on the
+  slow path (``slow_path_seconds``; :attr:`~ms_memopt.allocators.base.AllocatorModel.slow_path_events`,
+  counted by the pure-Python models only: the compiled ones report 0), and the unfused
+  optimizer's two intermediate FP32 copies, each written and read once (bytes over
+  ``hbm_bandwidth``; pool mode runs the fused optimizer: none);
+* *compaction*: every byte moved is read and written (``2 x bytes / hbm_bandwidth``) plus
+  ``compaction_barrier_seconds`` per compaction.
+
+**The job's step** (:func:`job_steps`): a step ends when its slowest rank ends; a compaction is
+a global sync point, so every rank waits for the longest one; then the gradient AllReduce over
+data parallel (ring: ``2 (d - 1) / d x gradient bytes / collective_bandwidth``):
+``max_r(compute_r + stalls_r) + max_r(compaction_r) + collective``.
+
+Example:
+    >>> from ms_memopt.config.recipe import TimingConfig
+    >>> c = StepCounts(flops=8e14, model_flops=8e14)
+    >>> rank_step(c, TimingConfig(peak_flops=1e15, base_efficiency=0.5))
+    (1.6, 0.0, 0.0)
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from ms_memopt.config.recipe import TimingConfig
+
+__all__ = ["StepCounts", "TIMING_KEYS", "stage_flops_fields", "step_flops", "optimizer_extra_bytes",
+           "collective_bytes", "rank_step", "job_steps", "job_timing"]
+
+#: the keys of a policy's ``timing`` object (``simulate --json``), in order
+TIMING_KEYS = ("step_seconds_median", "step_seconds_p99", "step_cv", "mfu", "memory_stall_share",
+               "compaction_pause_share")
+
+
+@dataclass(slots=True)
+class StepCounts:
+    """What one rank did in one step, as counts (the time follows from a :class:`TimingConfig`,
+    so other constants re-price a run without simulating it again)."""
+
+    flops: float = 0.0              # FLOPs executed (recompute included), bubble excluded
+    model_flops: float = 0.0        # the model's FLOPs (no recompute): what MFU counts
+    bubble: float = 0.0             # the 1F1B bubble as a share of the micro-batches' time
+    device_allocs: int = 0
+    vmm_chunks: int = 0
+    defrag_sweeps: int = 0
+    slow_path: int = 0
+    optimizer_bytes: int = 0        # extra HBM traffic of the unfused optimizer
+    compactions: int = 0
+    compaction_bytes: int = 0
+
+    def as_tuple(self) -> tuple:
+        return (self.flops, self.model_flops, self.bubble, self.device_allocs, self.vmm_chunks,
+                self.defrag_sweeps, self.slow_path, self.optimizer_bytes, self.compactions,
+                self.compaction_bytes)
+
+
+def stage_flops_fields(recipe, stage: int) -> dict:
+    """The :class:`~ms_memopt.engine.workload.WorkloadSpec` fields of one stage's compute: forward
+    FLOPs per token of its layers (``flops_dense``, dense matmuls ``2 P``; the LM head on the
+    last stage) and per token squared (``flops_attention``, ``4 h_q`` per layer), per card
+    (split by tensor parallel), per sequence; sequences per micro-batch; pipeline stages and
+    data-parallel ways. MoE layers are counted as dense layers (every expert's weights): an
+    upper bound."""
+    from ms_memopt.analysis.estimate import _layer_split
+
+    model, par = recipe.model, recipe.parallel
+    t = par.model_parallel
+    layers = recipe.stage_layers()[stage]
+    dense_layer, _ = _layer_split(model, False, t, par.expert_parallel)
+    dense = 2.0 * dense_layer * layers
+    if stage == par.pipeline_stage - 1:
+        dense += 2.0 * model.vocab_size * model.hidden_size / t
+    attention = 4.0 * model.num_heads * model.head_dim * layers / t
+    return {"flops_dense": dense, "flops_attention": attention, "batch_size": recipe.train.batch_size,
+            "pipeline_stages": par.pipeline_stage, "data_parallel": par.data_parallel}
+
+
+def step_flops(spec, lengths: list[int]) -> tuple[float, float, float]:
+    """(FLOPs executed, model FLOPs, bubble share) of one step whose micro-batches have
+    ``lengths`` tokens per sequence."""
+    b = spec.batch_size
+    forward = sum(b * (spec.flops_dense * n + spec.flops_attention * n * n) for n in lengths)
+    recompute = 1.0 if spec.recompute_every else 0.0
+    m = max(1, len(lengths))
+    return (3.0 + recompute) * forward, 3.0 * forward, (spec.pipeline_stages - 1) / m
+
+
+def optimizer_extra_bytes(spec) -> int:
+    """HBM traffic of the unfused AdamW's intermediate copies per step: the workload's two FP32
+    copies per parameter group (``optimizer_temp``), each written once and read once."""
+    from ms_memopt.engine.workload import _aligned
+
+    groups = max(1, spec.optimizer_groups)
+    return 2 * 2 * groups * _aligned(spec.param_bytes * 2 / groups)
+
+
+def collective_bytes(spec) -> float:
+    """Bytes each card sends in the gradient AllReduce over data parallel (ring):
+    ``2 (d - 1) / d x grad_bytes``; over ``collective_bandwidth`` it is the collective's time."""
+    d = max(1, spec.data_parallel)
+    return 2.0 * (d - 1) / d * spec.grad_bytes
+
+
+def rank_step(c: StepCounts | tuple, timing: TimingConfig) -> tuple[float, float, float]:
+    """(compute, memory stalls, compaction) seconds of one rank's step."""
+    if not isinstance(c, StepCounts):
+        c = StepCounts(*c)
+    compute = c.flops * (1.0 + c.bubble) / (timing.peak_flops * timing.base_efficiency)
+    stalls = (c.device_allocs * timing.device_alloc_seconds + c.vmm_chunks * timing.vmm_chunk_seconds
+              + c.defrag_sweeps * timing.defrag_sweep_seconds + c.slow_path * timing.slow_path_seconds
+              + c.optimizer_bytes / timing.hbm_bandwidth)
+    compaction = (2.0 * c.compaction_bytes / timing.hbm_bandwidth
+                  + c.compactions * timing.compaction_barrier_seconds)
+    return compute, stalls, compaction
+
+
+def job_steps(ranks: list[list[tuple[float, float, float]]], collective: float) -> list[tuple[float, float, float]]:
+    """Each job step as (seconds, memory stalls, compaction pause) from every rank's
+    (compute, stalls, compaction) per step: the slowest rank's compute and stalls, the longest
+    compaction (a global sync point), then the collective. Steps run while every rank runs (a
+    job stops at its first rank's OOM).
+
+    Example:
+        >>> job_steps([[(1.0, 0.1, 0.0)], [(1.2, 0.0, 0.5)]], collective=0.3)
+        [(2.0, 0.0, 0.5)]
+    """
+    if not ranks:
+        return []
+    out = []
+    for per_rank in zip(*ranks):
+        slowest = max(per_rank, key=lambda r: r[0] + r[1])
+        pause = max(r[2] for r in per_rank)
+        out.append((slowest[0] + slowest[1] + pause + collective, slowest[1], pause))
+    return out
+
+
+def job_timing(rank_counts: list[list[tuple]], collectives: list[float], timing: TimingConfig) -> tuple[dict, dict] | None:
+    """``(timing, detail)``: a policy's ``timing`` object (:data:`TIMING_KEYS`) over its ranks'
+    step counts and collective bytes (:func:`collective_bytes`), and its detail:
+    ``rank_step_median`` (each rank's median busy time, compute and stalls, for the
+    distribution across ranks), ``step_seconds`` (the job's step times) and ``steps``;
+    ``None`` when no step completed."""
+    priced = [[rank_step(c, timing) for c in counts] for counts in rank_counts]
+    steps = job_steps(priced, max(collectives, default=0.0) / timing.collective_bandwidth)
+    if not steps:
+        return None
+    seconds = np.array([s[0] for s in steps])
+    n = len(steps)
+    model_flops = sum(statistics.fmean(StepCounts(*counts[i]).model_flops for counts in rank_counts)
+                      for i in range(n))
+    total = float(seconds.sum())
+    mean = float(seconds.mean())
+    mfu = model_flops / (total * timing.peak_flops) if total > 0 else None
+    out = {
+        "step_seconds_median": float(np.median(seconds)),
+        "step_seconds_p99": float(np.quantile(seconds, 0.99)),
+        "step_cv": float(seconds.std() / mean) if mean > 0 else 0.0,
+        "mfu": mfu if mfu else None,
+        "memory_stall_share": sum(s[1] for s in steps) / total if total > 0 else 0.0,
+        "compaction_pause_share": sum(s[2] for s in steps) / total if total > 0 else 0.0,
+    }
+    extra = {"rank_step_median": [float(np.median([p[0] + p[1] for p in r[:n]])) for r in priced],
+             "step_seconds": [float(x) for x in seconds], "steps": n}
+    return out, extra

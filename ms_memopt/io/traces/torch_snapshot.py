@@ -1,0 +1,365 @@
+"""Read PyTorch / torch_npu memory snapshots (``torch.cuda.memory._dump_snapshot()`` pickles).
+
+A snapshot is a pickled dict ``{"segments": [...], "device_traces": [[...], ...], ...}``:
+the segments and blocks at the moment of the dump, and per device the recorded trace of
+``alloc`` / ``free_requested`` / ``free_completed`` / ``segment_alloc`` / ``segment_free`` /
+``oom`` / ``snapshot`` entries. Newer files add ``time_us`` to trace entries and
+``allocator_settings`` at the top; older ones lack both. torch_npu writes the same shape.
+
+Snapshots are untrusted input: a pickle can run any callable while it loads. They are read
+with :class:`SafeUnpickler`, which refuses every global, so only builtin containers and scalars
+(dict, list, tuple, str, bytes, int, float, bool, None) can come out and nothing is called.
+
+Mapping to :class:`~ms_memopt.core.events.Event`:
+
+* ``alloc`` -> ``alloc`` with the recorded ``addr`` and a fresh ``id`` (``time`` in seconds
+  from ``time_us`` when present);
+* ``free_completed`` (and the oldest files' ``free``) -> ``free`` of the latest live ``alloc``
+  at that address: the block becomes reusable only once the stream has finished with it, so
+  ``free_requested`` is left out;
+* ``segment_alloc`` / ``segment_free`` -> the same actions;
+* ``oom``, ``snapshot``, ``segment_map``, ``segment_unmap`` are skipped (counted in ``meta``).
+
+Recording often starts after segments already exist. ``Trace.initial`` is the reconstructed
+start state (see :func:`reconstruct_initial`), ``Trace.final`` the recorded segments.
+
+Example:
+    >>> trace = read_torch_snapshot("memory_snapshot.pickle")      # doctest: +SKIP
+    >>> trace.format, len(trace.final.segments)                      # doctest: +SKIP
+    ('torch-snapshot', 215)
+"""
+from __future__ import annotations
+
+import bisect
+import io
+import math
+import pickle
+from pathlib import Path
+
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Event, Trace
+from ms_memopt.core.layout import Block, Layout, Segment
+from ms_memopt.core.units import short_repr
+
+__all__ = ["SafeUnpickler", "safe_load", "read_torch_snapshot", "looks_like_torch_snapshot",
+           "reconstruct_initial", "LIVE_STATES", "round_request"]
+
+FORMAT = "torch-snapshot"
+#: block states that hold memory (the block is not reusable yet)
+LIVE_STATES = frozenset({"active_allocated", "active_pending_free", "active_awaiting_free"})
+_ALL_STATES = LIVE_STATES | {"inactive"}
+_MIN_BLOCK = 512
+_SMALL_SIZE = 1 << 20          # requests <= 1 MiB go to the small pool
+_SMALL_SEGMENT = 2 << 20       # small-pool segments are exactly 2 MiB
+_SKIPPED_ACTIONS = ("oom", "snapshot", "segment_map", "segment_unmap", "free_requested")
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """An unpickler that refuses every global: no class, function or module is ever looked up.
+
+    Pickle's only ways to run code (``REDUCE``, ``BUILD``, ``INST``, ``OBJ``, ``NEWOBJ``) need
+    a callable, and callables only come from ``find_class``; refusing it leaves the builtin
+    containers and scalars the opcodes build directly.
+
+    Example:
+        >>> SafeUnpickler(io.BytesIO(pickle.dumps({"a": [1, 2.0, None]}))).load()
+        {'a': [1, 2.0, None]}
+    """
+
+    def find_class(self, module: str, name: str):  # noqa: D401 - pickle's hook
+        raise pickle.UnpicklingError(f"refused to load global {module}.{name}: "
+                                     "snapshots may only hold builtin containers and scalars")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("refused a persistent id: snapshots may not reference external objects")
+
+
+def safe_load(path: str | Path):
+    """Unpickle ``path`` with :class:`SafeUnpickler`; every failure is an :class:`InputError`."""
+    source = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or exc}", source=source) from None
+    if not data:
+        raise InputError("empty file; expected a PyTorch memory snapshot pickle", source=source)
+    try:
+        return SafeUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        if str(exc).startswith("refused"):
+            raise InputError(f"not a safe PyTorch memory snapshot: {exc}", source=source) from None
+        kind = "truncated" if "truncated" in str(exc) else "malformed"
+        raise InputError(f"{kind} pickle ({exc}); expected a PyTorch memory snapshot", source=source) from None
+    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+            OverflowError, MemoryError, RecursionError, UnicodeDecodeError) as exc:
+        kind = "truncated" if isinstance(exc, EOFError) else "malformed"
+        raise InputError(f"{kind} pickle ({type(exc).__name__}: {exc}); expected a PyTorch memory snapshot",
+                         source=source) from None
+
+
+def looks_like_torch_snapshot(head: bytes) -> bool:
+    """True when ``head`` (a file's first bytes) starts like a protocol 2+ pickle of a dict.
+
+    Example:
+        >>> looks_like_torch_snapshot(pickle.dumps({"segments": []}, protocol=4)[:16])
+        True
+        >>> looks_like_torch_snapshot(b'{"format": "ms-memopt-events"}')
+        False
+    """
+    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def round_request(size: int) -> int:
+    """The caching allocator's default rounding: a multiple of 512 bytes, at least 512."""
+    return _MIN_BLOCK if size < _MIN_BLOCK else (size + _MIN_BLOCK - 1) // _MIN_BLOCK * _MIN_BLOCK
+
+
+def _int(obj: dict, key: str, where: str, source: str) -> int:
+    """A device address or size: an integer in [0, 2**64)."""
+    value = obj.get(key) if isinstance(obj, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+        raise InputError(f"{where}: expected an integer {key!r} from 0 to 2**64 - 1, got {short_repr(value)}",
+                         source=source)
+    return value
+
+
+def _check_expansion(segments: list, source: str) -> None:
+    """Refuse more blocks than the file has bytes.
+
+    Written out, every block costs the pickle several bytes of its own; only the memo lets
+    many segments share one ``blocks`` list, so that a 100 KB file would expand to millions
+    of blocks (gigabytes and minutes). No snapshot PyTorch writes shares them.
+    """
+    try:
+        size = Path(source).stat().st_size
+    except OSError:
+        return
+    total = sum(len(seg["blocks"]) for seg in segments
+                if isinstance(seg, dict) and isinstance(seg.get("blocks"), list))
+    if total > size:
+        raise InputError(f"{total} blocks in a {size}-byte file: the pickle shares its block lists among "
+                         "segments (memo references), which no PyTorch snapshot does", source=source)
+
+
+def _time_seconds(t: object, where: str, source: str) -> float | None:
+    """``time_us`` in seconds; ``None`` when absent or not a number."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        return None
+    try:
+        seconds = t / 1e6
+    except OverflowError:    # an integer beyond float range
+        seconds = math.inf
+    if not math.isfinite(seconds):
+        raise InputError(f"{where}: 'time_us' must be a finite number of microseconds, got "
+                         f"{t if isinstance(t, float) else 'an integer beyond float range'}", source=source)
+    return seconds
+
+
+def _final_layout(segments: list, device: int, source: str) -> Layout:
+    out: list[Segment] = []
+    for i, seg in enumerate(segments):
+        where = f"segments[{i}]"
+        if not isinstance(seg, dict):
+            raise InputError(f"{where}: expected a dict, got {type(seg).__name__}", source=source)
+        if seg.get("device", 0) != device:
+            continue
+        addr = _int(seg, "address", where, source)
+        total = _int(seg, "total_size", where, source)
+        stream = seg.get("stream", 0)
+        if isinstance(stream, bool) or not isinstance(stream, int):
+            raise InputError(f"{where}: expected an integer 'stream', got {short_repr(stream)}", source=source)
+        kind = seg.get("segment_type", "small" if total == _SMALL_SEGMENT else "large")
+        if kind not in ("small", "large"):
+            raise InputError(f"{where}: segment_type must be 'small' or 'large', got {short_repr(kind)}", source=source)
+        raw_blocks = seg.get("blocks")
+        if not isinstance(raw_blocks, list):
+            raise InputError(f"{where}: expected a list 'blocks'", source=source)
+        blocks = []
+        cursor = addr
+        for j, raw in enumerate(raw_blocks):
+            bwhere = f"{where}.blocks[{j}]"
+            size = _int(raw, "size", bwhere, source)
+            # older snapshots omit block addresses: blocks tile the segment in order
+            baddr = _int(raw, "address", bwhere, source) if "address" in raw else cursor
+            state = raw.get("state")
+            if not isinstance(state, str) or state not in _ALL_STATES:
+                raise InputError(f"{bwhere}: unknown state {short_repr(state)}; expected one of {sorted(_ALL_STATES)}",
+                                 source=source)
+            if baddr != cursor or size == 0:
+                raise InputError(f"{bwhere}: blocks must tile the segment (expected address {cursor:#x})",
+                                 source=source)
+            blocks.append(Block(baddr, size, state in LIVE_STATES, tag=_our_tag(raw)))
+            cursor += size
+        if cursor != addr + total:
+            raise InputError(f"{where}: blocks cover {cursor - addr} bytes, segment has {total}", source=source)
+        out.append(Segment(addr, total, blocks, stream=stream, pool=kind))
+    out.sort(key=lambda s: s.addr)
+    for before, after in zip(out, out[1:]):
+        if after.addr < before.end:
+            raise InputError(f"segments at {before.addr:#x} and {after.addr:#x} overlap", source=source)
+    return Layout(out)
+
+
+def reconstruct_initial(events: list[Event], final: Layout, pre_live: dict[int, tuple[int, int]],
+                        ) -> Layout:
+    """The allocator state when recording began, from the final segments and the trace.
+
+    Args:
+        events: the trace (recorded addresses; ``segment_*`` events in order).
+        final: the recorded segments at the end.
+        pre_live: blocks alive when recording began, ``addr -> (id, size in bytes)``: blocks
+            freed in the trace but never allocated in it, and final live blocks never
+            allocated in it.
+
+    Segments: the final ones minus those the trace allocated plus those it freed (walking the
+    trace backwards). Inside each, ``pre_live`` blocks are live; the rest is free, merged. A
+    large-pool block's unsplit tail cannot be told apart from a free hole, except that the
+    caching allocator never leaves a large free block of 1 MiB or less: such a gap right
+    after a live large-pool block is that block's tail.
+    """
+    segments = {s.addr: (s.size, s.stream, s.pool) for s in final.segments}
+    for event in reversed(events):
+        if event.action == "segment_alloc":
+            segments.pop(event.addr, None)
+        elif event.action == "segment_free":
+            segments[event.addr] = (event.size, event.stream,
+                                    "small" if event.size == _SMALL_SEGMENT else "large")
+    live = sorted(pre_live.items())
+    out = []
+    starts = [a for a, _ in live]
+    for addr in sorted(segments):
+        size, stream, pool = segments[addr]
+        end = addr + size
+        blocks: list[Block] = []
+        cursor = addr
+        i = bisect.bisect_left(starts, addr)
+        while i < len(live) and live[i][0] < end:
+            baddr, (bid, bsize) = live[i]
+            i += 1
+            if baddr < cursor:
+                continue  # overlapping report: keep the first
+            if baddr > cursor:
+                blocks.append(Block(cursor, baddr - cursor, False))
+            bsize = min(bsize, end - baddr)
+            blocks.append(Block(baddr, bsize, True, id=bid))
+            cursor = baddr + bsize
+            nxt = live[i][0] if i < len(live) and live[i][0] < end else end
+            if pool == "large" and 0 < nxt - cursor <= _SMALL_SIZE:
+                blocks[-1].size += nxt - cursor
+                cursor = nxt
+        if cursor < end:
+            blocks.append(Block(cursor, end - cursor, False))
+        out.append(Segment(addr, size, blocks, stream=stream, pool=pool))
+    return Layout(out)
+
+
+def _our_tag(entry: dict) -> str | None:
+    """The tag ms-memopt's own export wrote as the one frame of a block or event
+    (:mod:`ms_memopt.io.traces.memory_viz`); ``None`` for anything else, real stacks included."""
+    frames = entry.get("frames")
+    if isinstance(frames, list) and len(frames) == 1 and isinstance(frames[0], dict) \
+            and frames[0].get("filename") == "ms-memopt" and isinstance(frames[0].get("name"), str):
+        name = frames[0]["name"]
+        return None if name == "untagged" else name
+    return None
+
+
+_STACK_DEPTH = 4     # innermost frames kept per allocation (what `doctor` shows of a blocker)
+
+
+def _stack(entry: dict) -> list[str]:
+    """The innermost Python frames of a trace entry as ``name (file:line)`` strings: the
+    caller's code rather than the allocator's own C++ (``??``, ``CUDACachingAllocator.cpp``),
+    and outside the framework's package when such frames exist."""
+    frames = entry.get("frames")
+    if not isinstance(frames, list):
+        return []
+    python = [f for f in frames if isinstance(f, dict) and isinstance(f.get("filename"), str)
+              and isinstance(f.get("name"), str) and f["filename"].endswith(".py")]
+    own = [f for f in python if "/torch/" not in f["filename"] and "/torch_npu/" not in f["filename"]]
+    return [f"{f['name']} ({f['filename']}:{f.get('line')})" for f in (own or python)[:_STACK_DEPTH]]
+
+
+def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
+    """Read a PyTorch / torch_npu ``_dump_snapshot`` pickle as a :class:`Trace` for ``device``.
+
+    Raises:
+        InputError: unreadable, empty, truncated or hostile pickle, or not a snapshot's shape
+            (the message names the file and the offending entry).
+    """
+    source = str(path)
+    data = safe_load(path)
+    if not isinstance(data, dict) or "segments" not in data or "device_traces" not in data:
+        got = sorted(map(str, data))[:6] if isinstance(data, dict) else type(data).__name__
+        raise InputError(f"expected a dict with 'segments' and 'device_traces' (a PyTorch memory snapshot), "
+                         f"got {got}", source=source)
+    segments, traces = data["segments"], data["device_traces"]
+    if not isinstance(segments, list) or not isinstance(traces, list):
+        raise InputError("'segments' and 'device_traces' must be lists", source=source)
+    if not isinstance(device, int) or device < 0:
+        raise InputError(f"device must be a non-negative integer, got {short_repr(device)}", key="--device")
+    if traces and device >= len(traces):
+        raise InputError(f"no trace for device {device}; the snapshot has {len(traces)} device(s)", source=source)
+    raw_trace = traces[device] if traces else []
+    if not isinstance(raw_trace, list):
+        raise InputError(f"device_traces[{device}] must be a list", source=source)
+    _check_expansion(segments, source)
+    final = _final_layout(segments, device, source)
+
+    events: list[Event] = []
+    live_id: dict[int, int] = {}        # addr -> id of the live block allocated there
+    live_size: dict[int, int] = {}
+    pre_live: dict[int, tuple[int, int]] = {}
+    skipped: dict[str, int] = {}
+    frames: dict[int, list[str]] = {}     # alloc id -> its innermost frames, where recorded
+    next_id = 1
+    for i, entry in enumerate(raw_trace):
+        where = f"device_traces[{device}][{i}]"
+        if not isinstance(entry, dict):
+            raise InputError(f"{where}: expected a dict, got {type(entry).__name__}", source=source)
+        action = entry.get("action")
+        if action in _SKIPPED_ACTIONS:
+            skipped[action] = skipped.get(action, 0) + 1
+            continue
+        if action not in ("alloc", "free_completed", "free", "segment_alloc", "segment_free"):
+            raise InputError(f"{where}: unknown action {short_repr(action)}", source=source)
+        addr = _int(entry, "addr", where, source)
+        size = _int(entry, "size", where, source)
+        stream = entry.get("stream", 0)
+        if isinstance(stream, bool) or not isinstance(stream, int):
+            raise InputError(f"{where}: expected an integer 'stream', got {short_repr(stream)}", source=source)
+        time = _time_seconds(entry.get("time_us"), where, source)
+        if action == "alloc":
+            tag = _our_tag(entry)
+            events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time, tag=tag))
+            if tag is None and (stack := _stack(entry)):
+                frames[next_id] = stack
+            live_id[addr] = next_id
+            live_size[addr] = size
+            next_id += 1
+        elif action in ("free_completed", "free"):
+            bid = live_id.pop(addr, None)
+            if bid is None:
+                # freed but never allocated in the trace: alive when recording began
+                bid = next_id
+                next_id += 1
+                pre_live[addr] = (bid, round_request(size))
+            else:
+                del live_size[addr]
+            events.append(Event("free", id=bid, size=size, addr=addr, stream=stream, time=time))
+        else:
+            events.append(Event(action, size=size, addr=addr, stream=stream, time=time))
+
+    # final live blocks the trace never allocated were alive all along; give them ids too
+    for block in final.live_blocks():
+        if block.addr in live_id:
+            block.id = live_id[block.addr]
+        elif block.addr not in pre_live:
+            block.id = next_id
+            pre_live[block.addr] = (next_id, block.size)
+            next_id += 1
+    initial = reconstruct_initial(events, final, pre_live)
+    meta = {"device": device, "skipped_actions": skipped, "frames": frames,
+            "allocator_settings": data.get("allocator_settings") if isinstance(data.get("allocator_settings"), dict)
+            else None}
+    return Trace(events, source=source, format=FORMAT, initial=initial, final=final, meta=meta)

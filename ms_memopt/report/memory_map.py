@@ -1,0 +1,99 @@
+"""The memory map: each row a pool at one step, segments end to end in address order, live blocks
+coloured by purpose and holes light grey (the picture of "14 GB free and no 4.2 GB piece").
+
+Example:
+    >>> from ms_memopt.core.layout import Block, Layout, Segment
+    >>> seg = Segment(0, 1024, [Block(0, 512, True, tag="grad_bucket"), Block(512, 512, False)])
+    >>> plot_memory_map([LayoutSnapshot(1, "step 1", Layout([seg]))], "out/map.png")   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.metrics import measure
+from ms_memopt.core.units import format_size
+from ms_memopt.io.layouts import LayoutSnapshot
+from ms_memopt.report.plots import FREE_COLOR, PURPOSE_COLORS, pool_color, purpose_color, pyplot, save_figure, size_unit
+
+__all__ = ["plot_memory_map"]
+
+
+def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
+                    title: str = "Memory map", outline: Sequence[tuple[int, int]] = ()) -> Path:
+    """One row per snapshot: the pool's segments laid end to end in address order (gaps between
+    segments, which no request can use, are left out), live blocks coloured by purpose, free
+    blocks (holes) light grey, segment/region boundaries as black ticks with the region name.
+    ``outline``: ``(addr, size)`` ranges drawn with a red frame in every row where they lie
+    (``ms-memopt doctor``'s blockers).
+
+    Raises:
+        InputError: no snapshots.
+    """
+    if not snapshots:
+        raise InputError("no layouts to draw (expected layouts.jsonl)")
+    plt = pyplot()
+    from matplotlib.patches import Patch
+
+    widest = max(sum(s.size for s in snap.layout.segments) for snap in snapshots) or 1
+    div, unit = size_unit(widest)
+    rows = len(snapshots)
+    fig, ax = plt.subplots(figsize=(12, 1.3 + 0.9 * rows))
+    used: dict[str, str] = {}
+    for row, snap in enumerate(snapshots):
+        y = rows - 1 - row
+        offset = 0
+        previous = None
+        bars: dict[str, list[tuple[float, float]]] = {}
+        framed = []
+        for seg in sorted(snap.layout.segments, key=lambda s: s.addr):
+            for addr, size in outline:
+                if seg.addr <= addr < seg.end:
+                    framed.append(((offset + addr - seg.addr) / div, size / div))
+            for block in seg.blocks:
+                start = (offset + block.addr - seg.addr) / div
+                width = block.size / div
+                if block.live:
+                    label, color = purpose_color(block.tag) if block.tag else pool_color(seg.pool)
+                    used[label] = color
+                else:
+                    label, color = "free", FREE_COLOR
+                bars.setdefault(color, []).append((start, width))
+            ax.plot([offset / div] * 2, [y - 0.42, y + 0.42], color="black", linewidth=0.8)
+            if seg.pool != previous and seg.size / widest > 0.03:   # name each region where it starts
+                ax.text((offset + seg.size * 0.01) / div, y - 0.33, seg.pool, fontsize=6.5, va="bottom",
+                        ha="left", color="black", alpha=0.85)
+            previous = seg.pool
+            offset += seg.size
+        ax.plot([offset / div] * 2, [y - 0.42, y + 0.42], color="black", linewidth=0.8)
+        few = sum(len(v) for v in bars.values()) <= 400   # block edges only where they stay visible
+        for color, spans in bars.items():
+            ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color,
+                           edgecolor="white" if few else "none", linewidth=0.4)
+        if framed:
+            ax.broken_barh(framed, (y - 0.4, 0.8), facecolors="none", edgecolor="red", linewidth=1.2, zorder=5)
+        m = measure(snap.layout)
+        ratio = "n/a" if m.frag_ratio is None else f"{m.frag_ratio:.2f}"
+        ax.text(offset / div, y + 0.45, f" free {format_size(m.free_total)}, largest hole "
+                f"{format_size(m.largest_free)}, frag {ratio}", fontsize=8, va="bottom", ha="right")
+    regions = {seg.pool for snap in snapshots for seg in snap.layout.segments}
+    ax.set_yticks(range(rows))
+    ax.set_yticklabels([snap.label for snap in reversed(snapshots)])
+    ax.set_ylim(-0.6, rows - 0.2)
+    ax.set_xlim(0, widest / div * 1.01)
+    ax.set_xlabel(f"offset in reserved memory ({unit}); segments in address order, black ticks = "
+                  f"segment boundaries")
+    order = list(PURPOSE_COLORS)
+    handles = [Patch(facecolor=c, label=f"live: {n}")
+               for n, c in sorted(used.items(), key=lambda nc: (order.index(nc[0]) if nc[0] in order else 99, nc[0]))]
+    handles.append(Patch(facecolor=FREE_COLOR, edgecolor="#999999", label="free (hole)"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if rows < 3 else -0.2),
+              ncol=min(len(handles), 6), fontsize=8, frameon=False)
+    pools = ", ".join(sorted(regions))
+    ax.set_title(f"{title}\n(pools/regions: {pools})", fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+# --- region budget -------------------------------------------------------------------------------
