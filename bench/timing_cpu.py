@@ -90,6 +90,35 @@ def growth_seconds(size: int = 2**20, repeats: int = 200) -> float:
     return _median_time(grow, repeats)
 
 
+def dispatch_seconds(ops_count: int = 2000) -> float:
+    """PyNative's host time per op (``request_seconds``): a chain of adds on 16 floats (no
+    compute to speak of, one output buffer each), synchronized once at the end."""
+    x = Tensor(np.zeros(16, np.float32))
+
+    def chain():
+        y = x
+        for _ in range(ops_count):
+            y = y + 1.0
+        y.asnumpy()
+    return _median_time(chain, 5) / ops_count
+
+
+def shape_build_seconds(rounds: int = 8) -> float:
+    """Per op, what a step at a shape not run before costs more (``shape_build_seconds``): a
+    chain of six ops (two matmuls, softmax, mul, relu, transpose) at a new row count each round
+    against the same chain at a row count run before."""
+    w = Tensor(np.ones((64, 64), np.float32))
+
+    def chain(rows: int) -> None:
+        a = Tensor(np.ones((rows, 64), np.float32))
+        y = ops.relu(ops.softmax(ops.matmul(a, w), -1) * 2.0)
+        ops.matmul(ops.transpose(y, (1, 0)), a).asnumpy()
+    fresh = iter(range(1000, 1000 + 8 * (rounds + 4), 8))
+    new = _median_time(lambda: chain(next(fresh)), rounds)
+    repeat = _median_time(lambda: chain(1000), rounds)
+    return max(0.0, new - repeat) / 6
+
+
 def _demo_gpt(recipe):
     from ms_memopt.mindspore.model import GPT, GPTConfig
 
@@ -180,11 +209,15 @@ def main() -> None:
     demo_rate = matmul_flops(tokens, m.hidden_size, m.intermediate_size, 50)
     compaction = compaction_times(64, 16)
     grow = growth_seconds()
+    dispatch = dispatch_seconds()
+    build = shape_build_seconds()
     profile = {"peak_flops": float(f"{peak:.3g}"),
                "base_efficiency": float(f"{min(1.0, demo_rate / peak):.3g}"),
                "hbm_bandwidth": float(f"{compaction['bandwidth']:.3g}"),
                "device_alloc_seconds": float(f"{grow:.3g}"),
-               "compaction_barrier_seconds": float(f"{compaction['seconds_small']:.3g}")}
+               "compaction_barrier_seconds": float(f"{compaction['seconds_small']:.3g}"),
+               "request_seconds": float(f"{dispatch:.3g}"),
+               "shape_build_seconds": float(f"{build:.3g}")}
     TimingConfig(**profile)          # the keys exist
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -210,6 +243,8 @@ def main() -> None:
                                             f"{compaction['seconds_small'] * 1e3:.2f} ms"),
             ("-> hbm_bandwidth (copy, read + write)", f"{compaction['bandwidth'] / 1e9:.2f} GB/s"),
             ("-> device_alloc_seconds (1 MiB, touched)", f"{grow * 1e6:.1f} us"),
+            ("-> request_seconds (PyNative dispatch per op)", f"{dispatch * 1e6:.1f} us"),
+            ("-> shape_build_seconds (per op, new shape)", f"{build * 1e6:.1f} us"),
             ("AdamWeightDecay / FusedAdamW step", f"{opt['AdamWeightDecay'] * 1e3:.2f} / "
                                                  f"{opt['FusedAdamW'] * 1e3:.2f} ms"),
             ("  the model's unfused extra (bytes / bw)", f"{opt_predicted * 1e6:.1f} us"),

@@ -287,6 +287,9 @@ class WorkloadConfig:
     extra_allocs: ExtraAllocsConfig = field(default_factory=ExtraAllocsConfig)
     comm_jitter: float = 0.0
     moe_load_cv: float = 0.2            # MoE routing load variation; acts on MoE layers only
+    #: a step template learned from recordings (``ms-memopt learn``): the steps are the user's
+    #: model's instead of the hand-made workload's; a path relative to the recipe's folder
+    template: str | None = None
 
 
 #: ``memopt.workload.seq_distribution``'s choices
@@ -340,6 +343,8 @@ class TimingConfig:
     defrag_sweep_seconds: float = 5e-3      # one eager-free / defrag sweep (VMM)
     slow_path_seconds: float = 1e-2         # one request on the allocator's slow path (release, sync, retry)
     compaction_barrier_seconds: float = 1e-3   # the global sync point of one compaction
+    request_seconds: float = 0.0            # host time per allocation request (the op dispatch that makes it)
+    shape_build_seconds: float = 0.0        # per request of a step at a shape not run before (kernel builds)
 
 
 @dataclass(frozen=True)
@@ -524,6 +529,16 @@ class _Reader:
         return conv(value, path)
 
     # converters -------------------------------------------------------------------------------
+    def template_path(self, value: Any, path: str) -> str:
+        """A ``.template.json`` file (``ms-memopt learn``), relative to the recipe's folder; it must exist."""
+        if not isinstance(value, str) or not value.endswith(".template.json"):
+            raise self.fail(path, value, "the path of a step template, NAME.template.json (ms-memopt learn)")
+        where = Path(value) if Path(value).is_absolute() or self.source.startswith("<") else \
+            Path(self.source).parent / value
+        if not where.is_file():
+            raise self.fail(path, value, f"an existing step template file ({where} is not one)")
+        return str(where)
+
     def integer(self, minimum: int | None = 1, maximum: int | None = None) -> Callable[[Any, str], int]:
         """Whole numbers within bounds, and never beyond :data:`~ms_memopt.core.units.MAX_VALUE` (int64)."""
         bounds = _bounds_text(minimum, maximum)
@@ -1124,6 +1139,7 @@ def _read_workload(r: _Reader, w: dict, train: TrainConfig, model: ModelConfig) 
                                  d.extra_allocs.lifetime_steps)),
         comm_jitter=r.get(w, "comm_jitter", f"{p}.comm_jitter", fraction, d.comm_jitter),
         moe_load_cv=r.get(w, "moe_load_cv", f"{p}.moe_load_cv", r.number(minimum=0, maximum=10), d.moe_load_cv),
+        template=r.get(w, "template", f"{p}.template", r.template_path, d.template),
     )
     if workload.seq_max > model.seq_length:
         raise r.fail(f"{p}.seq_max", workload.seq_max,

@@ -12,6 +12,10 @@ docs/recipes.md gives each one's source, docs/simulation.md the check against th
   more forward; the LM head ``2 V h n`` on the last stage; all split by tensor parallel), plus
   the 1F1B bubble (``(p - 1) / m`` of the micro-batches' time), over
   ``peak_flops x base_efficiency``;
+* *host time* (part of compute): each allocation request is made by one op, dispatched from the
+  host (``request_seconds``), and at a shape the rank has not run before every op's kernel is
+  built first (``shape_build_seconds`` per request); both 0 (not priced) unless measured, as
+  ``bench/timing_cpu.py`` does for the CPU;
 * *memory stalls*: what the allocator model did that step, each at its cost: blocks taken from
   the device (``segment_allocs``, ``device_alloc_seconds``), VMM 2 MiB chunks mapped or
   unmapped (the net change of mapped bytes: a lower bound, ``vmm_chunk_seconds``), eager-free
@@ -66,11 +70,13 @@ class StepCounts:
     optimizer_bytes: int = 0        # extra HBM traffic of the unfused optimizer
     compactions: int = 0
     compaction_bytes: int = 0
+    requests: int = 0               # allocation requests of the step (each made by one op's dispatch)
+    new_shape_requests: int = 0     # the step's requests when its shape is new to the rank (kernel builds)
 
     def as_tuple(self) -> tuple:
         return (self.flops, self.model_flops, self.bubble, self.device_allocs, self.vmm_chunks,
                 self.defrag_sweeps, self.slow_path, self.optimizer_bytes, self.compactions,
-                self.compaction_bytes)
+                self.compaction_bytes, self.requests, self.new_shape_requests)
 
 
 def stage_flops_fields(recipe, stage: int) -> dict:
@@ -124,7 +130,8 @@ def rank_step(c: StepCounts | tuple, timing: TimingConfig) -> tuple[float, float
     """(compute, memory stalls, compaction) seconds of one rank's step."""
     if not isinstance(c, StepCounts):
         c = StepCounts(*c)
-    compute = c.flops * (1.0 + c.bubble) / (timing.peak_flops * timing.base_efficiency)
+    compute = (c.flops * (1.0 + c.bubble) / (timing.peak_flops * timing.base_efficiency)
+               + c.requests * timing.request_seconds + c.new_shape_requests * timing.shape_build_seconds)
     stalls = (c.device_allocs * timing.device_alloc_seconds + c.vmm_chunks * timing.vmm_chunk_seconds
               + c.defrag_sweeps * timing.defrag_sweep_seconds + c.slow_path * timing.slow_path_seconds
               + c.optimizer_bytes / timing.hbm_bandwidth)

@@ -187,6 +187,9 @@ class WorkloadSpec:
     moe_experts: int = 1
     moe_local_experts: int = 1
     moe_load_cv: float = _from_config("moe_load_cv")
+    #: a learned step template's path: the simulator runs its steps instead of this class's
+    #: (:class:`~ms_memopt.engine.template_workload.TemplateWorkload`)
+    template: str | None = _from_config("template")
     # the time model's view of the step (ms_memopt.engine.timing; 0: no compute counted): forward FLOPs
     # per token and per token squared of the stage's layers per card and sequence, sequences per
     # micro-batch, pipeline stages (the 1F1B bubble), data-parallel ways (the gradient AllReduce)

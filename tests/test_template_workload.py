@@ -1,0 +1,88 @@
+"""A learned step template as the simulator's workload (issue 23, item 3), and the recipe key
+that names one (``memopt.workload.template``)."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from ms_memopt.config.recipe import WorkloadConfig, load_recipe, recipe_from_dict
+from ms_memopt.core.errors import InputError
+from ms_memopt.engine.template import generate, save_template
+from ms_memopt.engine.template_workload import TemplateWorkload, recorded_dims
+from ms_memopt.engine.workload import WATCH_TAG, draw_sequence_length
+from tests.test_template import learned
+
+TINY = {"model": {"model_config": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_length": 32,
+                                   "vocab_size": 256}},
+        "memopt": {"device": {"hbm": "1GiB"}}}
+
+
+def _plain(rows):
+    """The template's own events of some steps' rows: no step events, marks or watched tags."""
+    return [(r[0], r[1], r[2]) for r in rows if r[0] in ("alloc", "free")]
+
+
+def test_a_given_schedule_gives_the_template_s_own_events():
+    template = learned()
+    schedule = [{"seq": s, "batch": b} for s, b in [(8, 2), (16, 2), (16, 2), (24, 4), (8, 2), (32, 6)]]
+    work = TemplateWorkload(template, schedule=schedule)
+    rows = work.prologue_rows()
+    for step in range(1, len(schedule) + 1):
+        rows += work.step_rows(step)
+        assert work.dims == schedule[step - 1] and work.lengths == [schedule[step - 1]["seq"]]
+    want = [(e.action, e.id, e.size) for e in generate(template, schedule) if e.action in ("alloc", "free")]
+    assert _plain(rows) == want
+    assert work.shapes_seen == {(("batch", b), ("seq", s)) for s, b in [(8, 2), (16, 2), (24, 4), (32, 6)]}
+    with pytest.raises(InputError, match="the schedule has 6 steps; step 7"):
+        work.step_rows(7)
+
+
+def test_each_step_is_framed_and_its_largest_request_is_watched():
+    work = TemplateWorkload(learned(), schedule=[{"seq": 16, "batch": 2}] * 3)
+    rows = work.step_rows(2)
+    assert rows[0][0] == "step" and rows[0][-1] == 2
+    assert rows[-1][0] == "mark" and rows[-1][7] == "optimizer_end"
+    allocs = [r for r in rows if r[0] == "alloc"]
+    watched = [r for r in allocs if r[7] == WATCH_TAG]
+    assert len(watched) == 1 and watched[0][2] == max(r[2] for r in allocs)
+    assert all(r[-1] == 2 for r in rows)                 # every row carries its step
+
+
+def test_drawn_steps_follow_the_recipe_s_length_rule_with_the_card_s_seed():
+    template = learned()
+    rules = WorkloadConfig(dynamic_seq=True, seq_min=8, seq_max=32, seq_align=8)
+    work = TemplateWorkload(template, rules=rules, seq_length=32, seed=11)
+    rng = np.random.default_rng(11)
+    for step in range(1, 41):         # past the first generation: the stream is extended
+        work.step_rows(step)
+        assert work.dims == {"seq": draw_sequence_length(rng, rules, 32), "batch": recorded_dims(template)["batch"]}
+    again = TemplateWorkload(template, rules=rules, seq_length=32, seed=11)
+    assert _plain(again.step_rows(3)) == _plain(work.step_rows(3))       # regeneration changes nothing
+    other = TemplateWorkload(template, rules=rules, seq_length=32, seed=12)
+    assert [other.step_rows(s) and other.dims["seq"] for s in range(1, 41)] != \
+           [work.step_rows(s) and work.dims["seq"] for s in range(1, 41)]
+
+
+def test_without_a_seq_dim_drawn_lengths_are_an_error():
+    template = copy.deepcopy(learned())
+    template.dims = ["batch"]
+    with pytest.raises(InputError, match="has no 'seq' dim"):
+        TemplateWorkload(template, rules=WorkloadConfig(dynamic_seq=True), seq_length=32)
+
+
+def test_the_recipe_key_is_relative_to_the_recipe_and_must_be_a_template(tmp_path):
+    save_template(learned(), tmp_path / "models" / "mine.template.json")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  model_config: {num_layers: 2, hidden_size: 64, num_heads: 4, seq_length: 32,"
+                      " vocab_size: 256}\nmemopt:\n  workload:\n    template: models/mine.template.json\n")
+    assert load_recipe(recipe).memopt.workload.template == str(tmp_path / "models" / "mine.template.json")
+    for value, why in (("models/mine.json", "NAME.template.json"), ("gone.template.json", "existing step template"),
+                       (3, "NAME.template.json")):
+        data = copy.deepcopy(TINY)
+        data["memopt"]["workload"] = {"template": value}
+        with pytest.raises(InputError, match=why) as err:
+            recipe_from_dict(data, source=str(recipe))
+        assert err.value.key == "memopt.workload.template"
+
