@@ -4,7 +4,8 @@
   compaction copy and the AdamW pass (``ms_memopt/native``) and the planner's exact search
   (``ms_memopt/analysis/planner/_search.c``, loaded by ``ms_memopt/analysis/planner/_native.py``);
 * ``ms_memopt.allocators.fast._fastpool``: the allocator models' fast path, plain C against the
-  CPython API (gcc and the Python headers, no extra package; ms_memopt/allocators/fast/__init__.py).
+  CPython API (gcc and the Python headers, no extra package; ms_memopt/allocators/fast/__init__.py),
+  one module from one C file per model, the shared code and the run loop (fast/fastpool.h).
 
 Without a compiler the install still succeeds and the package runs its pure-Python references
 (a warning says so).
@@ -12,7 +13,8 @@ Without a compiler the install still succeeds and the package runs its pure-Pyth
 Each library carries the sha256 of the C sources it was built from (``MS_MEMOPT_SOURCE_HASH``,
 computed by ``ms_memopt/core/_build_hash.py``, which also lists the sources); the loaders compare it
 with the tree's sources and refuse a stale library, so editing a ``.c`` without rebuilding runs
-the pure-Python references with a warning instead of testing the old build.
+the pure-Python references with a warning instead of testing the old build. The hash covers
+every ``.c`` and ``.h`` listed (headers are ``depends`` here: hashed and watched, not compiled).
 """
 import importlib.util
 from pathlib import Path
@@ -30,6 +32,16 @@ build_hash.ROOT = _here
 def _hash_macro(name: str) -> list:
     """The source hash of extension ``name`` as a C string macro."""
     return [("MS_MEMOPT_SOURCE_HASH", f'"{build_hash.source_hash(build_hash.EXTENSIONS[name])}"')]
+
+
+def _compiled(name: str) -> list:
+    """The ``.c`` files of extension ``name`` (what the compiler is given)."""
+    return [path for path in build_hash.EXTENSIONS[name] if path.endswith(".c")]
+
+
+def _headers(name: str) -> list:
+    """The headers of extension ``name``: hashed, and a rebuild when they change, not compiled."""
+    return [path for path in build_hash.EXTENSIONS[name] if not path.endswith(".c")]
 
 
 def _carries(path: str, digest: str) -> bool:
@@ -86,15 +98,18 @@ setup(
     ext_modules=[
         Extension(
             "ms_memopt.native._lib",
-            sources=list(build_hash.EXTENSIONS["ms_memopt.native._lib"]),
+            sources=_compiled("ms_memopt.native._lib"),
             define_macros=_hash_macro("ms_memopt.native._lib"),
             # no FMA contraction: the vector and scalar code of adamw.c give the same bits
             extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off"],
             libraries=["m"],
         ),
-        Extension("ms_memopt.allocators.fast._fastpool", list(build_hash.EXTENSIONS["ms_memopt.allocators.fast._fastpool"]),
+        # one extension module from one C file per model plus the shared code and run loop
+        # (ms_memopt/allocators/fast/fastpool.h); the header is a dependency, not a source
+        Extension("ms_memopt.allocators.fast._fastpool", _compiled("ms_memopt.allocators.fast._fastpool"),
+                  depends=_headers("ms_memopt.allocators.fast._fastpool"),
                   define_macros=_hash_macro("ms_memopt.allocators.fast._fastpool"),
-                  extra_compile_args=["-O2"]),
+                  extra_compile_args=["-O2", "-fvisibility=hidden"]),
     ],
     cmdclass={"build_ext": _OptionalBuildExt},
 )

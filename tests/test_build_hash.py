@@ -81,14 +81,18 @@ def test_the_loaders_take_the_fresh_libraries():
 
 def test_every_c_source_is_hashed_built_and_a_prerequisite_of_the_makefile_stamp():
     listed = {source for sources in EXTENSIONS.values() for source in sources}
-    in_tree = {path.relative_to(REPO).as_posix() for path in (REPO / "ms_memopt").rglob("*.c")}
-    assert in_tree == listed, "a C source that setup.py does not build (or a listed one that is gone)"
+    in_tree = {path.relative_to(REPO).as_posix() for pattern in ("*.c", "*.h") for path in (REPO / "ms_memopt").rglob(pattern)}
+    assert in_tree == listed, "a C source or header that setup.py does not build and hash (or a listed one that is gone)"
     makefile = (REPO / "Makefile").read_text()
     rule = re.search(r"^\$\(STAMP\):(.*)$", makefile, re.M)
-    prerequisites = [re.sub(r"^\$\(wildcard (.*)\)$", r"\1", word)
-                     for word in re.findall(r"\$\(wildcard [^)]*\)|\S+", rule.group(1))]
+    prerequisites = [pattern for word in re.findall(r"\$\(wildcard [^)]*\)|\S+", rule.group(1))
+                     for pattern in re.sub(r"^\$\(wildcard (.*)\)$", r"\1", word).split()]
     for source in sorted(listed) + ["ms_memopt/core/_build_hash.py", "setup.py"]:
         assert any(fnmatch.fnmatch(source, p) for p in prerequisites), f"`make test` would not rebuild after editing {source}"
+    fast_files = {p for p in listed if p.startswith("ms_memopt/allocators/fast/")}
+    assert {Path(p).name for p in fast_files} >= {"fastpool.h", "common.c", "_fastpool.c", "mindspore.c", "mindspore_vmm.c",
+                                                  "torch.c", "torch_expandable.c", "pool.c"}
+    assert "ms_memopt/allocators/fast/*.h" in prerequisites, "a header edit must rebuild too"
     setup = (REPO / "setup.py").read_text()
     assert setup.count("build_hash.EXTENSIONS[") >= 2, "setup.py must build the sources _build_hash hashes"
 
@@ -214,11 +218,13 @@ def _tiny_run(create_function) -> dict:
     return scope["run"](create_function)
 
 
-def test_an_edited_fastpool_source_makes_the_allocators_fall_back(edit):
+@pytest.mark.parametrize("source", EXTENSIONS[FASTPOOL], ids=lambda s: Path(s).name)
+def test_an_edited_fastpool_source_makes_the_allocators_fall_back(edit, source):
+    """Any of the fast path's files: each model's .c, the shared code, the module, the header."""
     _needs_built(FASTPOOL)
     compiled = _tiny_run(create)
     assert compiled["module"] == "ms_memopt.allocators.fast"
-    root = edit("ms_memopt/allocators/fast/_fastpool.c")
+    root = edit(source)
     with pytest.warns(StaleBuildWarning, match=r"ms_memopt\.allocators\.fast\._fastpool \(.*_fastpool.*\) is stale.*make setup.*pip install -e \."):
         assert fast._compiled_core() is None
     # the decision is taken when ms_memopt.allocators.fast is imported: a fresh interpreter

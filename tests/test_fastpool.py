@@ -3,6 +3,7 @@ identical addresses, OOMs, counters and layouts on random traces (hypothesis) an
 recorded trace (the committed fixtures, the shared PyTorch snapshots and placement instances)."""
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from ms_memopt.core.events import Event, Trace
 from ms_memopt.engine.replay import replay
 from ms_memopt.io.traces import load_trace
 
-_NOT_BUILT = ("the compiled fast path is not built, or stale (a StaleBuildWarning says so: _fastpool.c changed "
+_NOT_BUILT = ("the compiled fast path is not built, or stale (a StaleBuildWarning says so: a .c or .h of "
+              "ms_memopt/allocators/fast changed "
               "since the build; `pip install -e .` / `make setup` builds it with gcc)")
 
 
@@ -421,3 +423,61 @@ def test_a_model_a_policy_hands_back_with_a_wrapped_malloc_sees_every_call():
 
     replay(Trace(events), create("mindspore", fast=True), on_step=at_step, sample_every=0)
     assert len(seen) == 10
+
+
+# ---------------------------------------------------------------- one C file per model
+
+FAST_DIR = ROOT.parent / "ms_memopt" / "allocators" / "fast"
+
+
+def test_each_model_has_its_own_c_file_and_the_module_dispatches_through_it():
+    """``fast/<reference module>.c`` holds each model's C twin and its Model record; the module
+    file (run loop, methods, type) names no model: no ``kind`` dispatch is left in it."""
+    from ms_memopt.allocators import MODELS
+    from ms_memopt.core._build_hash import EXTENSIONS
+
+    hashed = set(EXTENSIONS["ms_memopt.allocators.fast._fastpool"])
+    in_folder = {f"ms_memopt/allocators/fast/{p.name}" for p in FAST_DIR.iterdir() if p.suffix in (".c", ".h")}
+    assert in_folder == hashed, "every .c and .h of the fast path is built and hashed"
+    kinds = {}
+    assert set(MODELS) == set(FAST_NAMES) | {"pool"}
+    for name, (module, _) in MODELS.items():
+        source = FAST_DIR / (module.rsplit(".", 1)[1] + ".c")     # the reference's file name
+        assert source.is_file(), f"{name}: no {source.name}"
+        text = source.read_text()
+        found = re.findall(r'const Model fp_\w+_model = \{\s*\.kind = "(\w+)"', text)
+        assert found, f"{source.name} defines no Model record"
+        kinds[name] = found
+    assert kinds["pool"] == ["region", "poolmode"]
+    module = (FAST_DIR / "_fastpool.c").read_text()
+    assert "KIND_" not in module and "->kind ==" not in module and "_malloc(c" not in module
+    for path in FAST_DIR.glob("*.[ch]"):
+        assert "KIND_" not in path.read_text(), f"{path.name}: a kind switch is back"
+    assert (FAST_DIR / "fastpool.h").is_file() and (FAST_DIR / "common.c").is_file()
+
+
+@needs_fast
+def test_pool_mode_routing_is_c_and_matches_the_reference():
+    """region_for's rule (tag's route, else the region named ``pool``, else the workspace; a
+    route to a missing region serves from the workspace) answered by C, with route overrides,
+    an empty route name, a "" route and a plan without a workspace; the C malloc never calls
+    the Python region_for."""
+    from ms_memopt.allocators.pool import PoolModeAllocator
+
+    route = {"activation": "workspace", "p2p": "missing", "": "communication", "optimizer": "", "x": "workspace.cache"}
+    tags = [None, "", "activation", "p2p", "optimizer", "x", "parameter", "shape_cache", "other"]
+    pools = [None, "", "persistent", "communication", "workspace.cache", "missing"]
+    for regions in (_POOL_REGIONS, {k: v for k, v in _POOL_REGIONS.items() if k != "workspace"}):
+        ref = PoolModeAllocator(capacity=2**20, regions=regions, route=route)
+        quick = fast.FastPoolModeAllocator(capacity=2**20, regions=regions, route=route)
+        for tag in tags:
+            for pool in pools:
+                want = ref.region_for(tag, pool)
+                got = quick.region_for(tag, pool)
+                assert (got and got.name) == (want and want.name), (tag, pool)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fast.FastPoolModeAllocator, "region_for", lambda *a: pytest.fail("C called region_for"))
+            for tag in tags:
+                for pool in pools:
+                    assert quick.malloc(1000, tag=tag, pool=pool) == ref.malloc(1000, tag=tag, pool=pool)
+        assert _pool_state(quick) == _pool_state(ref)

@@ -45,7 +45,7 @@ from ms_memopt.core.errors import InputError
 from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.metrics import frag_ratio
 
-__all__ = ["REGION_OF_TAG", "PoolModeAllocator", "region_sizes_for_workload", "moe_load_headroom"]
+__all__ = ["REGION_OF_TAG", "PoolModeAllocator"]
 
 _ALIGN = 512
 _SHIFT = 64
@@ -259,8 +259,9 @@ class PoolModeAllocator(AllocatorModel):
 
     name = "pool"
     #: the region type (ms_memopt.allocators.fast has a compiled one with the same methods;
-    #: its FastPoolModeAllocator repeats :meth:`malloc` and :meth:`free` in C, so a change of
-    #: their rules goes to _fastpool.c too: tests/test_fastpool.py fails until it does)
+    #: its FastPoolModeAllocator repeats :meth:`region_for`, :meth:`malloc` and :meth:`free` in
+    #: C, so a change of their rules, or of _Region's, goes to ms_memopt/allocators/fast/pool.c
+    #: too: tests/test_fastpool.py fails until it does)
     region_class = _Region
 
     @staticmethod
@@ -296,15 +297,6 @@ class PoolModeAllocator(AllocatorModel):
         self.reserved = sum(r.size for r in self.regions.values())
         self.segment_allocs = len(self.regions)
         self._note_usage()
-
-    @classmethod
-    def for_workload(cls, spec, capacity: int | None = None) -> PoolModeAllocator:
-        """Regions sized for a :class:`~ms_memopt.engine.workload.WorkloadSpec` (see
-        :func:`region_sizes_for_workload`), laid out by :meth:`PoolPlan.build`."""
-        from ms_memopt.core.poolplan import PoolPlan
-
-        plan = PoolPlan.build(region_sizes_for_workload(spec, capacity), rings=("activations",))
-        return cls(capacity=capacity, regions=plan, chunked=True)
 
     # --- requests -----------------------------------------------------------------------
     def region_for(self, tag: str | None, pool: str | None) -> _Region | None:
@@ -398,72 +390,3 @@ def _region_sizes(regions) -> dict[str, int]:
     if isinstance(items, dict):
         return {str(k): int(getattr(v, "size", v)) for k, v in items.items()}
     return {str(r.name): int(r.size) for r in items}
-
-
-def moe_load_headroom(spec, samples: int = 1) -> float:
-    """The routed load (relative to the balanced load, 1) a region must hold for ``samples``
-    MoE layer passes at once: their mean plus four standard deviations of their sum, capped at
-    every token coming to this card (``E / L``). One pass's load is the workload's
-    ``Beta(a L, a (E - L)) x E / L`` (``a = 1 / moe_load_cv^2``), whose coefficient of variation
-    is ``sqrt((E - L) / (L (a E + 1)))``; ``samples`` independent passes add up to
-    ``samples + 4 cv sqrt(samples)``.
-
-    Example: 4 of 16 experts per card, cv 0.2: one pass's load varies by 8.7%, so 1.35.
-        >>> from types import SimpleNamespace as S
-        >>> round(moe_load_headroom(S(moe_experts=16, moe_local_experts=4, moe_load_cv=0.2)), 2)
-        1.35
-    """
-    experts, local = max(spec.moe_experts, spec.moe_local_experts), max(1, spec.moe_local_experts)
-    if spec.moe_load_cv <= 0 or experts <= local:
-        return float(samples)
-    a = 1.0 / spec.moe_load_cv ** 2
-    cv = ((experts - local) / (local * (a * experts + 1))) ** 0.5
-    return min(samples + 4 * cv * samples ** 0.5, samples * experts / local)
-
-
-def region_sizes_for_workload(spec, capacity: int | None = None) -> dict[str, int]:
-    """Region sizes (bytes) for one card's workload: parameters and optimizer exactly; the
-    activation ring for ``in_flight + 1`` micro-batches at ``seq_max`` plus two layers of slack;
-    the communication arena for the AllReduce buffer, the buckets, four P2P buffers and, with
-    MoE, the all-to-all dispatch and combine buffers sized by the routed tokens at the load
-    :func:`moe_load_headroom` allows; the workspace for the largest transient set (backward
-    workspaces + weight gradient, or the optimizer's two FP32 temporaries) plus the routed
-    expert activations (kept for the backward by every in-flight micro-batch's MoE layers
-    without recompute, one layer's with) and the extra allocations, with 25% slack; the cache
-    what is left of ``capacity`` up to 2 GiB (at least 64 shapes' worth).
-    """
-    scale = spec.seq_max / spec.seq_length if spec.seq_max else 1.0
-    per_layer = spec.activation_bytes * scale
-    # one chunk more than in flight: a chunk that does not fit before the region's end wraps
-    # to its start and leaves up to one chunk unused until the ring comes round
-    if spec.recompute_every:
-        segments = -(-spec.layers // spec.recompute_every)
-        per_mb = segments * spec.input_bytes * scale
-        ring = (spec.in_flight + 1) * per_mb + spec.recompute_every * per_layer + per_layer
-    else:
-        ring = (spec.in_flight + 1) * spec.layers * per_layer + 2 * per_layer
-    workspace_set = spec.workspace_bytes * scale + spec.param_bytes / spec.layers
-    optimizer_temps = 2 * (spec.param_bytes * 2 / max(1, spec.optimizer_groups))
-    extras = spec.extra_size * (spec.extra_lifetime_steps + 1) if spec.extra_probability else 0
-    moe_passes = len(spec.moe_layers)
-    alltoall = routed = 0.0
-    if moe_passes and (spec.alltoall_bytes or spec.expert_activation_bytes):
-        # the two buffers of one pass (dispatch receive, combine) live together; without
-        # recompute every in-flight micro-batch keeps each MoE layer's routed activations
-        alltoall = spec.alltoall_bytes * scale * moe_load_headroom(spec)
-        kept = (spec.in_flight + 1) * moe_passes if not spec.recompute_every else 1
-        routed = spec.expert_activation_bytes * scale * moe_load_headroom(spec, kept)
-    sizes = {
-        "parameters": spec.param_bytes + spec.layers * _ALIGN,
-        "gradients": spec.grad_bytes + spec.layers * _ALIGN,
-        "optimizer": spec.optimizer_bytes + spec.layers * _ALIGN,
-        "activations": int(ring * 1.02),
-        "communication": int(spec.allreduce_bytes + spec.buckets * spec.bucket_bytes + 4 * spec.p2p_bytes * scale
-                             + alltoall) + 2**20,
-        "workspace": int((max(workspace_set, optimizer_temps) + routed + extras) * 1.25),
-    }
-    floor = 64 * spec.cache_bytes_per_shape
-    sizes = {k: (v + _ALIGN - 1) // _ALIGN * _ALIGN for k, v in sizes.items()}
-    room = (capacity - sum(sizes.values())) if capacity is not None else 2**31
-    sizes["workspace.cache"] = int(max(min(room, 2**31), min(floor, max(room, 0)))) // _ALIGN * _ALIGN
-    return sizes

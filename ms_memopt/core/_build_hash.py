@@ -25,11 +25,16 @@ from pathlib import Path
 
 __all__ = ["EXTENSIONS", "REBUILD", "ROOT", "StaleBuildWarning", "source_hash", "tree_hash", "stale_reason", "check"]
 
-#: extension -> its C sources, relative to :data:`ROOT` (setup.py builds exactly these)
+#: extension -> its C sources, relative to :data:`ROOT`: every ``.c`` (setup.py compiles exactly
+#: these) and ``.h`` (its ``depends``) the library is built from, all of them hashed
 EXTENSIONS: dict[str, tuple[str, ...]] = {
     "ms_memopt.native._lib": ("ms_memopt/native/move_runs.c", "ms_memopt/native/adamw.c",
                               "ms_memopt/analysis/planner/_search.c"),
-    "ms_memopt.allocators.fast._fastpool": ("ms_memopt/allocators/fast/_fastpool.c",),
+    # one module from several C files (one per model, ms_memopt/allocators/fast/fastpool.h says
+    # which is which) and the header they share: an edit of any of them makes the build stale
+    "ms_memopt.allocators.fast._fastpool": tuple(f"ms_memopt/allocators/fast/{name}" for name in (
+        "fastpool.h", "common.c", "mindspore.c", "mindspore_vmm.c", "torch.c", "torch_expandable.c", "pool.c",
+        "_fastpool.c")),
 }
 
 #: what rebuilds the compiled libraries

@@ -1,13 +1,14 @@
 """Compiled fast paths of allocator models: the same rules, millions of events per second.
 
 The pure-Python models are the readable reference. For the models below, a C extension
-(``_fastpool.c``, built by ``pip install`` with gcc and the Python headers, nothing else)
+(one C file per model in this folder, ``fastpool.h`` lists them, built as one module
+``_fastpool`` by ``pip install`` with gcc and the Python headers, nothing else)
 keeps the state and runs ``malloc``/``free`` without Python-level work per event;
 :func:`ms_memopt.allocators.create` picks it when it is built, unless the environment sets
 ``MS_MEMOPT_PURE_PYTHON=1``. ``tests/test_fastpool.py`` holds each fast model to identical
 addresses, counters and layouts as its reference on random traces and on every recorded trace.
-A stale extension, built from another ``_fastpool.c`` than the tree's (edited without
-rebuilding), is not used: a :class:`~ms_memopt.core._build_hash.StaleBuildWarning` names it and the
+A stale extension, built from other C sources than the tree's (any ``.c`` or ``.h`` here
+edited without rebuilding), is not used: a :class:`~ms_memopt.core._build_hash.StaleBuildWarning` names it and the
 rebuild command, and the pure-Python models run (``ms_memopt/core/_build_hash.py``).
 
 Fast classes (reference in brackets):
@@ -20,7 +21,7 @@ Fast classes (reference in brackets):
 * ``torch-expandable``: :class:`FastTorchExpandableAllocator`
   (:class:`~.torch_expandable.TorchExpandableAllocator`)
 * ``pool``: :class:`FastPoolModeAllocator` (:class:`~.pool.PoolModeAllocator`: its regions,
-  ``malloc``/``free`` with the cache's eviction, and the batch loop in C)
+  routing, ``malloc``/``free`` with the cache's eviction, and the batch loop in C)
 
 Example:
     >>> pool = FastMindSporePool(capacity=8 * 2**30)          # doctest: +SKIP
@@ -48,7 +49,7 @@ __all__ = ["AVAILABLE", "FAST_MODELS", "batch_runner", "FastMindSporePool", "Fas
 
 def _compiled_core():
     """The extension's ``ModelCore``, or None: not built (a source tree without ``pip
-    install``), or stale (built from another ``_fastpool.c`` than the tree's; warned)."""
+    install``), or stale (built from other C sources than the tree's; warned)."""
     try:
         from ms_memopt.allocators.fast import _fastpool
     except ImportError:
@@ -75,7 +76,8 @@ FAST_MODELS: dict[str, type] = {}
 
 
 def batch_runner(model: AllocatorModel):
-    """The model's ``_run`` (a stretch of allocs and frees in one call, see ``_fastpool.c``),
+    """The model's ``_run`` (a stretch of allocs and frees in one call, see ``_fastpool.c``'s
+    ``Core_run``),
     or ``None``: not a compiled model, or one whose ``malloc``/``free`` a caller has wrapped on
     the instance (the wrapper must see every call)."""
     run = getattr(model, "_run", None)
@@ -258,12 +260,14 @@ if ModelCore is not None:
 
     class FastPoolModeAllocator(ModelCore, PoolModeAllocator):
         """:class:`~ms_memopt.allocators.pool.PoolModeAllocator` with compiled regions and a
-        compiled ``malloc``/``free``/``_run``: routing (the reference's :meth:`region_for`,
-        remembered per tag and pool), the cache region's FIFO eviction, ``drain_evicted`` and the
-        counters (``allocated``, ``peak_allocated``, ``evictions``) are the C state's; an address
-        belongs to the region whose range holds it (the reference's ``_owner`` map, which the
-        compiled model does not keep). Layouts, metrics, routing and chunk marks are the
-        reference's Python code over the :class:`FastRegion` objects."""
+        compiled ``malloc``/``free``/``_run``: all of pool mode's rules are C (``fast/pool.c``):
+        routing (the reference's :meth:`region_for` over the route table handed to C once, at
+        init; :meth:`region_for` here asks C), the regions' placement, the cache region's FIFO
+        eviction, ``drain_evicted`` and the counters (``allocated``, ``peak_allocated``,
+        ``evictions``); an address belongs to the region whose range holds it (the reference's
+        ``_owner`` map, which the compiled model does not keep). Layouts, metrics and the
+        dispatch of chunk marks to the rings are the reference's Python code reading the
+        :class:`FastRegion` objects."""
 
         region_class = FastRegion
         # the reference's, not ModelCore's (which knows nothing of regions)
@@ -276,9 +280,16 @@ if ModelCore is not None:
                      chunked: bool = False) -> None:
             ModelCore.__init__(self, capacity, kind="poolmode")
             PoolModeAllocator.__init__(self, capacity, regions, route, chunked)
-            del self._owner, self._evicted        # kept in C (see the class docstring)
-            regions = tuple(self.regions.values())
-            self._pool_init(regions, tuple((1 if r.evicting else 0) | (2 if r.ring else 0) for r in regions))
+            del self._owner, self._evicted, self._region_cache   # kept in C (see the class docstring)
+            self._by_index = regions = tuple(self.regions.values())
+            # the route table goes to C once: a later edit of self.route does not reroute
+            self._pool_init(regions, tuple((1 if r.evicting else 0) | (2 if r.ring else 0) for r in regions),
+                            tuple(self.regions), dict(self.route))
+
+        def region_for(self, tag: str | None, pool: str | None) -> FastRegion | None:
+            """The region serving a request (the reference's rule, answered by the C routing)."""
+            index = self._route(tag, pool)
+            return None if index < 0 else self._by_index[index]
 
     FAST_MODELS.update({"mindspore": FastMindSporePool, "mindspore-bestfit": FastMindSporeBestFitPool,
                         "mindspore-vmm": FastMindSporeVMMPool, "torch": FastTorchCachingAllocator,

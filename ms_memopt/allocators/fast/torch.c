@@ -1,0 +1,201 @@
+/* PyTorch's caching allocator (ms_memopt/allocators/torch.py, without max_split_size_mb):
+ * small (<= 1 MiB) and large pools per stream, sizes rounded (roundup_power2_divisions),
+ * segments of 2 MiB / 20 MiB / the rounded size at the lowest free address from 1 TiB (or a
+ * recorded one), split when enough remains, cached segments released when a new one does not
+ * fit. Segments are kept by address in Core.order (common.c; torch_expandable.c's ranges too). */
+#include "fastpool.h"
+
+#define T_MIN_LARGE_ALLOC (10 * MIB)
+#define T_ROUND_LARGE (2 * MIB)
+#define T_ADDRESS_BASE (1ULL << 40)
+
+static int bit_length(u64 v) { return v ? 64 - __builtin_clzll(v) : 0; }
+
+/* round_size(size, divisions) */
+u64 fp_torch_round(Core *c, long long raw) {
+    if (raw < 512) return 512;
+    u64 size = (u64)raw, d = c->torch.divisions;
+    if (d > 1 && size > 512 * d) {
+        if ((size & (size - 1)) == 0) return size;
+        u64 floor = 1ULL << (bit_length(size) - 1);
+        u64 step = floor >> (bit_length(d) - 1);
+        if (step == 0) return floor << 1;
+        u64 low = size & ~(step - 1);
+        return low == size ? size : low + step;
+    }
+    return (size + 511) / 512 * 512;
+}
+
+static u64 torch_allocation_size(u64 rounded) {
+    if (rounded <= SMALL_SIZE) return T_SMALL_BUFFER;
+    if (rounded < T_MIN_LARGE_ALLOC) return T_LARGE_BUFFER;
+    return round_up(rounded, T_ROUND_LARGE);
+}
+
+static int torch_is_unused(Core *c, u64 addr, u64 size) {
+    Py_ssize_t i = fp_order_search(c, addr);
+    if (i < c->norder && c->segs[c->order[i]].addr < addr + size) return 0;
+    if (i > 0) {
+        Seg *before = &c->segs[c->order[i - 1]];
+        if (before->addr + before->size > addr) return 0;
+    }
+    return 1;
+}
+
+static u64 torch_lowest_gap(Core *c, u64 size) {
+    u64 cursor = T_ADDRESS_BASE;
+    for (Py_ssize_t k = 0; k < c->norder; k++) {
+        Seg *s = &c->segs[c->order[k]];
+        u64 end = s->addr + s->size;
+        if (end <= cursor) continue;
+        if (s->addr >= cursor + size) break;
+        cursor = round_up(end, T_ROUND_LARGE);
+    }
+    return cursor;
+}
+
+/* _new_segment: -2 when it does not fit in the capacity */
+static int32_t torch_new_segment(Core *c, Py_ssize_t ai, u64 size, i64 stream) {
+    if (c->bounded && (u64)c->reserved + size > c->capacity) return -2;
+    int found = 0;
+    u64 addr = 0;
+    for (Py_ssize_t i = 0; i < c->torch.ntrec; i++) {
+        Recorded *r = &c->torch.trec[i];
+        if (r->size == size && r->stream == stream && torch_is_unused(c, r->addr, size)) {
+            addr = r->addr;
+            memmove(&c->torch.trec[i], &c->torch.trec[i + 1], (size_t)(c->torch.ntrec - i - 1) * sizeof(Recorded));
+            c->torch.ntrec--;
+            found = 1;
+            break;
+        }
+    }
+    if (!found) addr = torch_lowest_gap(c, size);
+    int32_t si = fp_new_segment_at(c, ai, addr, size, 1);
+    if (si >= 0) c->segment_allocs += 1;
+    return si;
+}
+
+static int torch_idle(Core *c, int32_t si) {
+    Seg *s = &c->segs[si];
+    int32_t h = s->head;
+    return s->alive && h >= 0 && !c->bufs[h].used && c->bufs[h].prev < 0 && c->bufs[h].next < 0;
+}
+
+/* _release: give the idle, unsplit segment back to the device */
+static void torch_release(Core *c, int32_t si) {
+    Seg *s = &c->segs[si];
+    int32_t h = s->head;
+    fp_unindex_buf(c, h);
+    fp_buf_drop(c, h);
+    fp_order_remove(c, s->addr);
+    fp_drop_segment(c, si);
+}
+
+/* _release_cached: every idle unsplit segment goes back; how many did */
+static int torch_release_cached(Core *c) {
+    int released = 0;
+    for (Py_ssize_t k = 0; k < c->norder;) {
+        int32_t si = c->order[k];
+        if (torch_idle(c, si)) { torch_release(c, si); released++; }
+        else k++;
+    }
+    return released;
+}
+
+/* _grow: the new segment's buffer taken out of the free list; -2 none, -1 error */
+static int32_t torch_grow(Core *c, Py_ssize_t ai, u64 rsize, i64 stream) {
+    u64 seg_size = torch_allocation_size(rsize);
+    int32_t si = torch_new_segment(c, ai, seg_size, stream);
+    if (si == -2 && torch_release_cached(c)) si = torch_new_segment(c, ai, seg_size, stream);
+    if (si < 0) return si;
+    int32_t b = c->segs[si].head;
+    fp_unindex_buf(c, b);
+    return b;
+}
+
+/* the whole malloc of the reference: the address, or -2 after recording an OOM, -1 on error */
+static long long torch_malloc(Core *c, long long raw, i64 stream, PyObject *pool, PyObject *tag, int *unused) {
+    u64 rsize = fp_torch_round(c, raw);
+    int small = rsize <= SMALL_SIZE;
+    Py_ssize_t ai = fp_get_alloc(c, stream, 0, small);
+    if (ai < 0) return -1;
+    Alloc *a = &c->allocs[ai];
+    int32_t b;
+    Py_ssize_t at = lower_bound(a, rsize, 0);
+    if (at < a->nkeys) {
+        b = a->keys[at].buf;
+        key_pop(a->keys, &a->nkeys, at);
+    } else {
+        b = torch_grow(c, ai, rsize, stream);
+        c->torch.ntrec = 0;
+        if (b == -1) return -1;
+        if (b == -2) return fp_record_oom(c, PyLong_FromLongLong(raw), stream, tag);
+    }
+    u64 remaining = c->bufs[b].size - rsize;
+    if ((small ? remaining >= 512 : remaining > SMALL_SIZE) && fp_cut(c, b, rsize) < 0) return -1;
+    c->bufs[b].used = 1;
+    return fp_served(c, b);
+}
+
+static int torch_free(Core *c, u64 addr) { return fp_free_merge(c, addr, NULL); }
+
+/* a new segment counts as reserved bytes and takes its place by address */
+static int torch_segment_added(Core *c, int32_t si) {
+    c->reserved += (long long)c->segs[si].size;
+    return fp_order_insert(c, si);
+}
+
+static int torch_empty_cache(Core *c) {
+    torch_release_cached(c);
+    return 0;
+}
+
+/* a recorded segment_alloc: the next new segment of that size and stream goes there if free */
+static int torch_note_segment_alloc(Core *c, PyObject *addr_obj, PyObject *size_obj, PyObject *stream_obj) {
+    if (addr_obj == Py_None) return 0;
+    u64 addr, size = 0;
+    i64 stream = 0;
+    if (fp_get_u64(addr_obj, &addr, "addr") < 0 || (size_obj && fp_get_u64(size_obj, &size, "size") < 0)) return -1;
+    if (stream_obj && (stream = PyLong_AsLongLong(stream_obj)) == -1 && PyErr_Occurred()) return -1;
+    TorchState *t = &c->torch;
+    if (fp_grow_array((void **)&t->trec, &t->captrec, t->ntrec + 1, sizeof(Recorded)) < 0) return -1;
+    t->trec[t->ntrec].addr = addr; t->trec[t->ntrec].size = size; t->trec[t->ntrec].stream = stream;
+    t->ntrec++;
+    return 0;
+}
+
+/* a recorded segment_free: the recorded segment if idle here, else an idle one of the same size
+ * and stream */
+static int torch_release_segment(Core *c, PyObject *addr_obj, PyObject *size_obj, PyObject *stream_obj) {
+    u64 addr, size = 0;
+    i64 stream = 0;
+    if (fp_get_u64(addr_obj, &addr, "addr") < 0) return -1;
+    if ((size_obj && fp_get_u64(size_obj, &size, "size") < 0)) return -1;
+    if (stream_obj && (stream = PyLong_AsLongLong(stream_obj)) == -1 && PyErr_Occurred()) return -1;
+    Py_ssize_t at = fp_order_search(c, addr);
+    if (at < c->norder && c->segs[c->order[at]].addr == addr && torch_idle(c, c->order[at])) {
+        torch_release(c, c->order[at]);
+        return 0;
+    }
+    for (Py_ssize_t k = 0; k < c->norder; k++) {
+        Seg *seg = &c->segs[c->order[k]];
+        if (seg->size == size && seg->stream == stream && torch_idle(c, c->order[k])) {
+            torch_release(c, c->order[k]);
+            break;
+        }
+    }
+    return 0;
+}
+
+static const char *torch_pool_name(const Alloc *a) { return a->small ? "small" : "large"; }
+
+const Model fp_torch_model = {
+    .kind = "torch",
+    .malloc = torch_malloc,
+    .free = torch_free,
+    .segment_added = torch_segment_added,
+    .empty_cache = torch_empty_cache,
+    .note_segment_alloc = torch_note_segment_alloc,
+    .release_segment = torch_release_segment,
+    .pool_name = torch_pool_name,
+};
