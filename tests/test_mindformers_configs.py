@@ -414,7 +414,7 @@ def test_pool_mode_sizes_the_moe_buffers_from_the_routed_tokens(tmp_path, capsys
     """Pool mode's communication region holds the all-to-all buffers and its workspace the kept
     routed activations, at a load four deviations above the balanced one: a MoE job whose
     routing varies step to step (cv 0.5) runs 40 steps without a pool-mode OOM."""
-    from ms_memopt.allocators.pool import moe_load_headroom, region_sizes_for_workload
+    from ms_memopt.engine.pool_sizing import moe_load_headroom, region_sizes_for_workload
     from ms_memopt.engine.workload import spec_from_recipe
     mc = _mc(seq_length=1024, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
              first_k_dense_replace=1, use_flash_attention=True)

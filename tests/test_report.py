@@ -212,3 +212,24 @@ def test_a_run_whose_scans_never_change_says_plainly_that_nothing_fragmented(tmp
     assert "Nothing fragmented in this run:** all 3 scans saw the same pool (2.00 MiB free, largest hole 1.00 MiB)" in text
     _two_rank_run(tmp_path / "moving")
     assert "Nothing fragmented" not in build_report(tmp_path / "moving").read_text()
+
+
+def test_the_report_reads_the_pool_log_summary_the_run_wrote_and_never_replays(tmp_path, monkeypatch):
+    import gzip
+
+    from ms_memopt.engine import pool_log_check, replay
+
+    (tmp_path / "rank_0").mkdir()
+    (tmp_path / "rank_0" / "scan.jsonl").write_text("".join(json.dumps(_scan(0, s, 2 * MiB, MiB)) + "\n"
+                                                            for s in (1, 5)))
+    data = Path(__file__).parent / "data" / "pool_log" / "mlp_jit.log.gz"
+    (tmp_path / "pool.log").write_bytes(gzip.decompress(data.read_bytes()))
+    # no summary yet: the report says how to get one
+    text = build_report(tmp_path).read_text()
+    assert "has no replay summary (`pool_log_replay.json`" in text and "`ms-memopt replay pool.log`" in text
+    summary = pool_log_check.write_summary(tmp_path)      # what the run does when it finishes
+    assert summary["address_match"] == 1.0 and summary["final_layout_match"] is True
+    monkeypatch.setattr(replay, "replay", None)            # the report must not replay
+    text = build_report(tmp_path).read_text()
+    assert (f"The run's pool log (`pool.log`: {summary['events']:,} pool events, {summary['allocs']:,} allocations) "
+            f"replays through the `mindspore-bestfit` model at 100.00% address match, final layout identical") in text

@@ -47,6 +47,8 @@ __all__ = [
     "JobSpec",
     "RankOutcome",
     "RankStream",
+    "RankView",
+    "ShowRank",
     "job_from_recipe",
     "median_job_oom_step",
     "rank_streams",
@@ -204,6 +206,8 @@ class JobResult:
     outcomes: list[RankOutcome] = field(default_factory=list)
     #: the time model's constants (``memopt.timing``); ``None``: the defaults
     timing_config: object = None
+    #: what the job kept of the rank it is judged by (:func:`simulate_jobs` ``show``), else ``None``
+    view: "RankView | None" = field(default=None, repr=False)
 
     def timing_figures(self, timing=None) -> tuple[dict, dict] | None:
         """``(timing, detail)``: the policy's ``timing`` object (:data:`ms_memopt.engine.timing.TIMING_KEYS`)
@@ -310,12 +314,37 @@ def median_job_oom_step(results: list[JobResult]) -> float | None:
 
 # --- running -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class ShowRank:
+    """What to keep of the rank a job is judged by (:attr:`JobResult.closest`: its first failing
+    rank, or the closest call), taken by the job's own run of it: ``layouts``, its pool at each
+    policy's OOM or worst moment (:class:`~ms_memopt.engine.snapshots.LayoutCollector`); ``placed``,
+    the policies whose events with the model's addresses to keep (:class:`~ms_memopt.engine.simulate.PlacedRun`).
+
+    Every rank of the job collects them (its run takes the loop's pure-Python path, which sees
+    every call); only the shown rank's are kept.
+    """
+
+    layouts: bool = False
+    placed: tuple[str, ...] = ()
+
+
+@dataclass
+class RankView:
+    """What :class:`ShowRank` kept of one rank: its stream, layouts and placed runs per policy."""
+
+    stream: RankStream
+    snapshots: list = field(default_factory=list)
+    placed: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class _Task:
     stream: RankStream
     spec: WorkloadSpec
     cfg: SimConfig
     policies: tuple[str, ...]
     timeline: bool
+    show: ShowRank | None = None
 
 
 class _RankTimeline(io.StringIO):
@@ -331,17 +360,18 @@ class _RankTimeline(io.StringIO):
 
 def _pool_mode_misfit(spec: WorkloadSpec, cfg: SimConfig) -> str | None:
     """Why pool mode's regions cannot be reserved on this card, or ``None`` when they can."""
-    from ms_memopt.allocators.pool import PoolModeAllocator
+    from ms_memopt.engine.pool_sizing import pool_for_workload
 
     try:
-        PoolModeAllocator.for_workload(spec, capacity=cfg.capacity)
+        pool_for_workload(spec, capacity=cfg.capacity, fast=False)
     except InputError as exc:
         return exc.message
     return None
 
 
-def _run_stream(task: _Task) -> tuple[dict[str, PolicyResult], str | None]:
-    """Worker: every policy on one stream, in lock step (one generated event stream).
+def _run_stream(task: _Task) -> list:
+    """Worker: every policy on one stream, in lock step (one generated event stream); returns
+    ``[results per policy, timeline text or None, RankView or None]``.
 
     A pool-mode plan larger than the card cannot even start: its result is an OOM at step 0
     (``oom_tag`` ``"pool_mode"``), so a sweep over small cards reports it instead of stopping."""
@@ -354,17 +384,36 @@ def _run_stream(task: _Task) -> tuple[dict[str, PolicyResult], str | None]:
         results["pool"] = PolicyResult("pool", task.stream.seed, cfg.steps, oom_step=0, oom_kind="capacity",
                                        oom_tag="pool_mode", oom_size=None)
         policies = tuple(p for p in policies if p != "pool")
+    view = collector = None
+    if task.show is not None:
+        from ms_memopt.engine.simulate import PlacedRun
+        from ms_memopt.engine.snapshots import LayoutCollector
+
+        view = RankView(task.stream, placed={p: PlacedRun() for p in task.show.placed if p in policies})
+        if task.show.layouts:
+            collector = LayoutCollector([], policies=task.policies, seed=task.stream.seed)
     if policies:
-        out = simulate(task.spec, cfg, policies=policies, seeds=[task.stream.seed], timeline=sink)
+        out = simulate(task.spec, cfg, policies=policies, seeds=[task.stream.seed], timeline=sink,
+                       on_watch=collector, placed=view.placed if view is not None and view.placed else None)
         results.update({policy: summary.seeds[0] for policy, summary in out.items()})
-    return {policy: results[policy] for policy in task.policies}, (sink.getvalue() if sink is not None else None)
+    if collector is not None:
+        view.snapshots = collector.snapshots()
+    return [{policy: results[policy] for policy in task.policies}, (sink.getvalue() if sink is not None else None),
+            view]
+
+
+def _shown_key(result: PolicyResult, stream: RankStream) -> tuple:
+    """Orders ranks as :attr:`JobResult.closest` picks them: the first to fail, else the closest call."""
+    if result.oom_step is not None:
+        return (0, result.oom_step, stream.rank)
+    return (1, result.largest_free_min or 0, stream.rank)
 
 
 def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str | None = None,
                   workers: int | None = None, progress: bool = False,
                   timeline: io.TextIOBase | None = None,
                   on_stream: Callable[[int, int], None] | None = None,
-                  processes: bool = True) -> list[dict[str, JobResult]]:
+                  processes: bool = True, show: ShowRank | None = None) -> list[dict[str, JobResult]]:
     """Simulate every stream of every job (all in one pool of tasks, so a sweep keeps every
     worker busy), and return per job ``{policy: JobResult}``.
 
@@ -375,21 +424,39 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
         timeline: receives every stream's samples (JSON lines stamped with ``rank`` and
             ``stage``), job by job in stream order, after the runs.
         on_stream: called as ``on_stream(done, total)`` when a stream finishes.
+        show: what the first job keeps of the rank it is judged by (:class:`ShowRank`), set as
+            every policy's :attr:`JobResult.view`; the job's own runs take it, no second simulation.
     """
     from ms_memopt.engine.executors import run_tasks
 
     tasks, owner = [], []
     for j, job in enumerate(jobs):
         for stream in job.streams:
-            tasks.append(_Task(stream, job.specs[stream.stage], job.cfg, job.policies, timeline is not None))
+            tasks.append(_Task(stream, job.specs[stream.stage], job.cfg, job.policies, timeline is not None,
+                               show if j == 0 else None))
             owner.append(j)
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(tasks), unit="rank", desc="rank streams", leave=False)
     finished = [0]
+    shown: list = [None, None]          # (key, value) of the first job's shown rank so far
+
+    def keep_shown(index: int, value) -> None:
+        """Keep only the view of the rank the first job is judged by (the others' are dropped)."""
+        if value[2] is None:
+            return
+        first = tasks[index].policies[0]
+        key = _shown_key(value[0][first], tasks[index].stream)
+        if shown[0] is None or key < shown[0]:
+            if shown[1] is not None:
+                shown[1][2] = None
+            shown[0], shown[1] = key, value
+        else:
+            value[2] = None
 
     def on_done(index: int, value) -> None:
+        keep_shown(index, value)
         finished[0] += 1
         if bar is not None:
             bar.update(1)
@@ -404,9 +471,11 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
             bar.close()
     out: list[dict[str, JobResult]] = [{p: JobResult(p, job.seed, job.cfg.steps, timing_config=job.cfg.timing)
                                         for p in job.policies} for job in jobs]
-    for task, j, (results, text) in zip(tasks, owner, values):
+    for task, j, (results, text, view) in zip(tasks, owner, values):
         for policy, result in results.items():
             out[j][policy].outcomes.append(RankOutcome(task.stream, result))
+            if view is not None:
+                out[j][policy].view = view
         if timeline is not None and text:
             timeline.write(text)
     return out

@@ -22,16 +22,15 @@ Example:
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ms_memopt.allocators.base import AllocatorModel, OOMRecord
-from ms_memopt.allocators.fast import batch_runner
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import DEVICE_ADDRESS_LIMIT, Layout
 from ms_memopt.core.metrics import LayoutMetrics, measure
+from ms_memopt.engine.loop import drive
 
 __all__ = ["ReplayResult", "replay", "placed_events", "same_layout", "check_bounds", "default_allocator", "DEVICE_ADDRESS_LIMIT"]
 
@@ -150,6 +149,15 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
     Raises:
         InputError: a size or address beyond any device (:func:`check_bounds`).
     """
+    return _replay(trace, model, sample_every=sample_every, on_sample=on_sample, on_step=on_step, stop=stop)
+
+
+def _replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = None,
+            on_sample: Callable[[int, LayoutMetrics], None] | None = None,
+            on_step: Callable[[int, AllocatorModel, dict[int, int]], AllocatorModel] | None = None,
+            stop: int | None = None, on_alloc: Callable | None = None,
+            on_free: Callable | None = None) -> ReplayResult:
+    """:func:`replay`, with the loop's ``on_alloc``/``on_free`` hooks (:func:`~ms_memopt.engine.loop.drive`)."""
     check_bounds(trace)
     events = trace.events
     if sample_every is None:
@@ -158,82 +166,26 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
     if trace.initial is not None:
         model.restore(trace.initial)
         address_of.update({b.id: b.addr for b in trace.initial.live_blocks() if b.id is not None})
-
-    allocs = known = matched = 0
     frag_max: float | None = None
-    count = len(events) if stop is None else max(0, min(stop, len(events)))
-    samples = 0
-    model_seconds = cpu_seconds = 0.0
-    oom_seen = 0
 
-    def sample(index: int) -> None:
-        nonlocal frag_max, samples
-        m = model.metrics()
-        samples += 1
+    def sample(index: int, current: AllocatorModel) -> None:
+        nonlocal frag_max
+        m = current.metrics()
         if m.frag_ratio is not None and (frag_max is None or m.frag_ratio > frag_max):
             frag_max = m.frag_ratio
         if on_sample is not None:
             on_sample(index, m)
 
-    malloc, free = model.malloc, model.free
-    # a model with a compiled fast path (ms_memopt.allocators.fast) runs stretches of allocs and
-    # frees in one call; the other events, and every event of the other models, run here
-    batch = batch_runner(model)
-    index = 0
-    chunk_start, cpu_start = time.perf_counter(), time.process_time()
-    while index < count:
-        if batch is not None:
-            stop = count if not sample_every else min(count, index - index % sample_every + sample_every)
-            index, batch_allocs, batch_known, batch_matched, oom = batch(events, index, stop, address_of, None, True)
-            allocs += batch_allocs
-            known += batch_known
-            matched += batch_matched
-            if not oom and index == stop:
-                if sample_every and stop % sample_every == 0:
-                    model_seconds += time.perf_counter() - chunk_start
-                    cpu_seconds += time.process_time() - cpu_start
-                    sample(stop - 1)
-                    chunk_start, cpu_start = time.perf_counter(), time.process_time()
-                continue
-        event = events[index]
-        action = event.action
-        if batch is not None and action == "alloc":
-            pass                      # the fast path served it and recorded an OOM
-        elif action == "alloc":
-            allocs += 1
-            addr = malloc(event.size, stream=event.stream, pool=event.pool, tag=event.tag)
-            if addr is not None:
-                address_of[event.id] = addr
-                if event.addr is not None:
-                    known += 1
-                    matched += addr == event.addr
-        elif action == "free":
-            addr = address_of.pop(event.id, None)
-            if addr is not None:
-                free(addr)
-        elif action == "segment_alloc":
-            model.note_segment_alloc(event.addr, event.size, event.stream)
-        elif action == "segment_free":
-            model.release_segment(event.addr, event.size, event.stream)
-        elif action == "empty_cache":
-            model.empty_cache()
-        elif action == "mark":
-            model.note_mark(event.tag, event.size)
-        elif action == "step" and on_step is not None:
-            model = on_step(event.step or 0, model, address_of)
-            malloc, free = model.malloc, model.free
-            batch = batch_runner(model)     # the guard against a wrapped malloc holds after a policy, too
-        if len(model.ooms) > oom_seen:
-            model.ooms[-1].event_index = index
-            oom_seen = len(model.ooms)
-        if sample_every and (index % sample_every == sample_every - 1 or action == "step"):
-            model_seconds += time.perf_counter() - chunk_start
-            cpu_seconds += time.process_time() - cpu_start
-            sample(index)
-            chunk_start, cpu_start = time.perf_counter(), time.process_time()
-        index += 1
-    model_seconds += time.perf_counter() - chunk_start
-    cpu_seconds += time.process_time() - cpu_start
+    policy = None
+    if on_step is not None:
+        def policy(index: int, event: Event, current: AllocatorModel) -> AllocatorModel:
+            return on_step(event.step or 0, current, address_of)
+
+    run = drive(events, model, stop=stop, addr_of=address_of, on_step=policy, on_alloc=on_alloc,
+                on_free=on_free, sample_every=sample_every, on_sample=sample)
+    model, count = run.model, run.stopped_at
+    model_seconds, cpu_seconds = run.seconds, run.cpu_seconds
+    allocs, samples = run.allocs, run.samples
 
     final_layout = model.layout()
     end = measure(final_layout)
@@ -253,7 +205,7 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
         largest_free_end=end.largest_free,
         frag_ratio_end=end.frag_ratio,
         frag_ratio_max=frag_max,
-        address_match=(matched / known) if known else None,
+        address_match=run.address_match,
         events_per_s=len(events) / model_seconds if model_seconds > 0 else float("inf"),
         samples=samples,
         cpu_events_per_s=len(events) / cpu_seconds if cpu_seconds > 0 else float("inf"),
@@ -298,30 +250,32 @@ def placed_events(trace: Trace, model: AllocatorModel, *, segments: bool = False
     """
     placed: list[int | None] = []
     grown: list[list] = []                      # per allocation: the blocks it made the model take
-    malloc = model.malloc
     state = {"count": model.segment_allocs, "reserved": model.reserved,
              "seen": {seg.addr for seg in model.layout().segments} if segments else set()}
 
-    def recording_malloc(size, **kwargs):
-        if segments and model.reserved < state["reserved"]:      # blocks went back: see them anew
-            state["seen"] = {seg.addr for seg in model.layout().segments}
-        addr = malloc(size, **kwargs)
+    def returned(current: AllocatorModel) -> None:
+        """Blocks went back to the device: a later block at one of their addresses is new."""
+        if current.reserved < state["reserved"]:
+            state["seen"] = {seg.addr for seg in current.layout().segments}
+        state["reserved"] = current.reserved
+
+    def on_alloc(index: int, event: Event, addr: int | None) -> None:
+        current = model
         placed.append(addr)
         new = []
-        if segments and model.segment_allocs != state["count"]:
-            state["count"] = model.segment_allocs
-            current = sorted(model.layout().segments, key=lambda seg: seg.addr)
-            new = [seg for seg in current if seg.addr not in state["seen"]]
-            state["seen"] = {seg.addr for seg in current}
+        if segments and current.segment_allocs != state["count"]:
+            state["count"] = current.segment_allocs
+            now = sorted(current.layout().segments, key=lambda seg: seg.addr)
+            new = [seg for seg in now if seg.addr not in state["seen"]]
+            state["seen"] = {seg.addr for seg in now}
         grown.append(new)
-        state["reserved"] = model.reserved
-        return addr
+        state["reserved"] = current.reserved
 
-    model.malloc = recording_malloc  # replay looks the method up on the instance
-    try:
-        result = replay(trace, model, sample_every=sample_every)
-    finally:
-        del model.malloc
+    def on_free(index: int, event: Event, addr: int) -> None:
+        if segments:
+            returned(model)
+
+    result = _replay(trace, model, sample_every=sample_every, on_alloc=on_alloc, on_free=on_free)
     out: list[Event] = []
     addr_of: dict[int, int] = {}
     if trace.initial is not None:

@@ -144,25 +144,25 @@ def _real_pool_note(scans: dict[int, list[dict]]) -> str | None:
 
 def _pool_log_replay(root: Path) -> str | None:
     """One sentence on the run's own pool log (``pool.log``, written when its scans followed the
-    real pool): how many pool calls it holds and how exactly the model replays them."""
+    real pool): how many pool calls it holds and how exactly the model replays them, from the
+    summary the run wrote when it finished (:mod:`ms_memopt.engine.pool_log_check`; the report
+    does not replay)."""
+    from ms_memopt.engine.pool_log_check import ALLOCATOR, SUMMARY_NAME, read_summary
     from ms_memopt.io.traces.ms_pool_log import LOG_NAME
 
-    path = root / LOG_NAME
-    if not path.is_file():
+    if not (root / LOG_NAME).is_file():
         return None
-    from ms_memopt.allocators import create
-    from ms_memopt.engine.replay import replay
-    from ms_memopt.io.traces import load_trace
-
-    try:
-        trace = load_trace(path)
-    except InputError as exc:
-        return f"The run's pool log `{LOG_NAME}` could not be replayed: {exc}."
-    result = replay(trace, create("mindspore-bestfit"), sample_every=0)
-    match = "n/a" if result.address_match is None else f"{100 * result.address_match:.2f}%"
-    return (f"The run's pool log (`{LOG_NAME}`: {result.events:,} pool events, {result.allocs:,} allocations) "
-            f"replays through the `mindspore-bestfit` model at {match} address match, final layout "
-            f"{'identical' if result.final_layout_match else 'different'} "
+    summary = read_summary(root)
+    if summary is None:
+        return (f"The run's pool log (`{LOG_NAME}`) has no replay summary (`{SUMMARY_NAME}`, written when "
+                f"the run finishes): `ms-memopt replay {LOG_NAME}` replays it through the `{ALLOCATOR}` model "
+                f"(docs/allocators.md).")
+    if "error" in summary:
+        return f"The run's pool log `{LOG_NAME}` could not be replayed: {summary['error']}."
+    match = "n/a" if summary.get("address_match") is None else f"{100 * summary['address_match']:.2f}%"
+    return (f"The run's pool log (`{LOG_NAME}`: {summary['events']:,} pool events, {summary['allocs']:,} allocations) "
+            f"replays through the `{summary.get('allocator', ALLOCATOR)}` model at {match} address match, final layout "
+            f"{'identical' if summary.get('final_layout_match') else 'different'} "
             f"(`ms-memopt replay {LOG_NAME}`; docs/allocators.md).")
 
 
@@ -314,7 +314,7 @@ def _oom_text(ooms: dict, job: bool, shown: int = 5) -> str:
         where = f"{unit} {key}"
         if job:
             where += f" (stage {r.get('stage', '?')}, seed {r.get('seed', '?')})"
-        return f"{where}: step {r['step']} ({r.get('oom_kind', '?')}, {r.get('tag', '?')} {format_size(r.get('size'))})"
+        return f"{where}: step {r['step']} ({r.get('oom_kind', '?')}, {r.get('tag') or 'an untagged request of'} {format_size(r.get('size'))})"
 
     if not items:
         return "none"
