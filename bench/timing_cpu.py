@@ -18,8 +18,9 @@ Measures, on CPU (MindSpore 2.10's CPU kernels, PyNative):
 writes them as a CPU timing profile (``memopt.timing`` YAML snippet, ``--out``), then runs
 ``ms-memopt run recipes/demo_cpu.yaml`` and compares the simulator's predicted median step
 (the demo recipe with that profile, the ``compact`` policy: ``run`` compacts every
-``compact_every`` steps as the simulator does) with the median ``step_seconds`` of its
-``train.jsonl`` (the first 3 steps, kernel builds, left out). Prints the error; the last line is
+``compact_every`` steps as the simulator does), once on the recipe's hand-made workload and once
+on the run's own steps (a template learned from the run's pool log, which ``run`` marks with each
+step's shape), with the median ``step_seconds`` of its ``train.jsonl`` (the first 3 steps left out). Prints the error; the last line is
 one JSON object. About 1-2 minutes.
 
 Usage: ``python bench/timing_cpu.py [--out out/bench/timing_cpu.yaml] [--steps 30]``
@@ -171,22 +172,38 @@ def recompute_ratio(recipe, steps: int = 12) -> float:
     return float(np.median(cells["recompute"][1]) / np.median(cells["plain"][1]))
 
 
-def measured_run(steps: int) -> tuple[float, list[float]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "ms_memopt", "run", str(DEMO), "--out", tmp, "--steps", str(steps),
-               "--no-report", "--no-progress"]
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rows = [json.loads(line) for line in (Path(tmp) / "train.jsonl").read_text().splitlines() if line.strip()]
+def measured_run(steps: int, keep: Path) -> tuple[float, list[float]]:
+    """The demo's ``ms-memopt run``: its median step (the first 3 left out) and every step's time;
+    its pool log (each step marked with its shape) is kept in ``keep`` for the template."""
+    cmd = [sys.executable, "-m", "ms_memopt", "run", str(DEMO), "--out", str(keep), "--steps", str(steps),
+           "--no-report", "--no-progress"]
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in (keep / "train.jsonl").read_text().splitlines() if line.strip()]
     seconds = [r["step_seconds"] for r in rows]
     return float(np.median(seconds[3:])), seconds
 
 
-def predicted_step(profile: dict, steps: int) -> dict:
+def learned_template(run_dir: Path) -> Path:
+    """The demo GPT's step template, learned from the measured run's own pool log."""
+    from ms_memopt.engine.template import learn_files, save_template
+
+    path = run_dir / "demo_gpt.template.json"
+    save_template(learn_files([run_dir / "pool.log"]), path)
+    return path
+
+
+def predicted_step(profile: dict, steps: int, template: Path | None = None) -> dict:
+    """The simulator's prediction of the demo run's step: the recipe's hand-made workload, or with
+    ``template`` the run's own steps (a template learned from it) on the CPU pool's model."""
     from ms_memopt.engine.job import job_from_recipe, simulate_jobs
 
     data = parse_yaml(DEMO.read_text(encoding="utf-8"), source=str(DEMO))
     data = copy.deepcopy(data)
     data["memopt"]["timing"] = profile
+    if template is not None:
+        data["memopt"]["workload"]["template"] = str(template)
+        data["memopt"]["allocator"] = {"name": "mindspore_bestfit", "pregrow": False,
+                                       "increase_size": data["memopt"]["allocator"].get("increase_size", "1MiB")}
     recipe = recipe_from_dict(data, source=f"{DEMO} + CPU profile")
     job = job_from_recipe(recipe, steps=steps, policies=("compact",))
     result = simulate_jobs([job], workers=1)[0]["compact"]
@@ -229,10 +246,15 @@ def main() -> None:
     spec_opt_bytes = 8 * 4 * opt["parameters"]     # two FP32 copies, written and read (FP32 parameters)
     opt_predicted = spec_opt_bytes / profile["hbm_bandwidth"]
     rec = recompute_ratio(recipe)
-    measured, seconds = measured_run(args.steps)
-    predicted = predicted_step(profile, args.steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        measured, seconds = measured_run(args.steps, Path(tmp))
+        predicted = predicted_step(profile, args.steps)
+        from_template = predicted_step(profile, args.steps, learned_template(Path(tmp)))
     pred_median = predicted["timing"]["step_seconds_median"]
     error = pred_median / measured - 1.0
+    templ_median = from_template["timing"]["step_seconds_median"]
+    templ_error = templ_median / measured - 1.0
+    templ_mean = float(np.mean(from_template["step_seconds"]))
 
     print(f"{'figure':<44} {'value':>14}")
     rows = [("peak matmul FLOP/s (1024^3, float32)", f"{peak / 1e9:.1f} GFLOP/s"),
@@ -250,8 +272,11 @@ def main() -> None:
             ("  the model's unfused extra (bytes / bw)", f"{opt_predicted * 1e6:.1f} us"),
             ("recompute step ratio (measured, model 4/3)", f"{rec:.3f}"),
             (f"ms-memopt run demo: median step ({args.steps} steps)", f"{measured * 1e3:.2f} ms"),
-            ("predicted median step (simulate, profile)", f"{pred_median * 1e3:.3f} ms"),
-            ("prediction error (predicted / measured - 1)", f"{100 * error:+.1f}%")]
+            ("predicted median step: hand-made workload", f"{pred_median * 1e3:.3f} ms"),
+            ("  error (predicted / measured - 1)", f"{100 * error:+.1f}%"),
+            ("predicted median step: learned template", f"{templ_median * 1e3:.3f} ms"),
+            ("  error (predicted / measured - 1)", f"{100 * templ_error:+.1f}%"),
+            ("measured / template mean step", f"{float(np.mean(seconds[3:])) * 1e3:.1f} / {templ_mean * 1e3:.1f} ms")]
     for name, value in rows:
         print(f"{name:<44} {value:>14}")
     print(f"profile written to {out}")
@@ -259,7 +284,9 @@ def main() -> None:
                       "optimizer_seconds": {k: opt[k] for k in ("AdamWeightDecay", "FusedAdamW")},
                       "optimizer_extra_predicted_seconds": opt_predicted, "recompute_step_ratio": rec,
                       "measured_step_median": measured, "predicted_step_median": pred_median,
-                      "prediction_error": error, "seconds": time.perf_counter() - started}))
+                      "prediction_error": error, "template_step_median": templ_median,
+                      "template_prediction_error": templ_error, "measured_step_mean": float(np.mean(seconds[3:])),
+                      "template_step_mean": templ_mean, "seconds": time.perf_counter() - started}))
 
 
 if __name__ == "__main__":

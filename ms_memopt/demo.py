@@ -102,6 +102,14 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"      loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {len(result.losses)} steps, "
               f"{timings['train (MindSpore, CPU)']:.0f} s", flush=True)
 
+        print("      learning the GPT's step template from its own pool log, simulating it where it fragments ...",
+              flush=True)
+        t0 = time.perf_counter()
+        learned = _learned_model(run_dir, out / "learned", args.sim_steps)
+        timings["learned template: learn + simulate"] = time.perf_counter() - t0
+        if learned is not None:
+            parts.append(("learned", "The CPU GPT's own steps, learned from its recording"))
+
     print(f"[2/3] planning {BIG_RECIPE.name} ...", flush=True)
     t0 = time.perf_counter()
     big = load_recipe(BIG_RECIPE)
@@ -144,6 +152,73 @@ def _demo(args: argparse.Namespace) -> int:
     report.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"report: {report} ({total:.0f} s)")
     return 0
+
+
+def _learned_model(run_dir: Path, out: Path, steps: int) -> Path | None:
+    """Learn the trained GPT's step template from the run's pool log (``run`` marks each step
+    with its ``seq`` and ``batch``), then simulate that model's own steps, their lengths drawn
+    by the demo recipe's rule, on the recorded pool's model (``mindspore-bestfit``) under the
+    three policies, at the largest capacity (a step of 2% of the peak reserved) where the
+    baseline dies of fragmentation: the report shows its timeline and memory map."""
+    import copy
+
+    from ms_memopt.config.recipe import recipe_from_dict
+    from ms_memopt.engine.template import learn_files, save_template
+    from ms_memopt.io.traces.ms_pool_log import LOG_NAME
+    from ms_memopt.io.yamltext import parse_yaml
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        template = learn_files([run_dir / LOG_NAME])
+    except InputError as exc:       # a run without marks (an old MindSpore, --no-pool-log): say so
+        print(f"      no template: {exc}", flush=True)
+        return None
+    path = out / "demo_gpt.template.json"
+    save_template(template, path)
+    data = copy.deepcopy(parse_yaml(CPU_RECIPE.read_text(encoding="utf-8"), source=str(CPU_RECIPE)))
+    data["memopt"]["workload"]["template"] = str(path.resolve())
+    data["memopt"]["workload"]["steps"] = steps
+    data["memopt"]["allocator"] = {"name": "mindspore_bestfit", "pregrow": False,
+                                   "increase_size": data["memopt"]["allocator"].get("increase_size", "1MiB")}
+
+    def recipe_at(capacity: int | None) -> Recipe:
+        data["memopt"]["device"]["hbm"] = capacity if capacity is not None else 2**40
+        return recipe_from_dict(copy.deepcopy(data), source=f"{CPU_RECIPE} + {path.name}")
+
+    def baseline(capacity: int | None):
+        r = recipe_at(capacity)
+        return simulate(spec_from_recipe(r), config_from_recipe(r), policies=("baseline",))["baseline"].seeds[0]
+
+    free = baseline(None)
+    chosen = None
+    for share in range(100, 0, -2):
+        capacity = free.peak_reserved * share // 100
+        if capacity < free.peak_allocated:
+            break
+        run = baseline(capacity)
+        if run.oom_step is not None and run.oom_kind == "fragmentation":
+            chosen = capacity
+            break
+    recipe = recipe_at(chosen)
+    print(f"      template: {template.positions} positions ({template.exact} exact), dims "
+          f"{', '.join(template.dims)}; unbounded peak {format_size(free.peak_allocated)} allocated, "
+          f"{format_size(free.peak_reserved)} reserved; "
+          + (f"capacity {format_size(chosen)}, where the baseline dies of fragmentation"
+             if chosen else "no capacity above the peak kills the baseline by fragmentation"), flush=True)
+    scans = recipe.memopt.scan_every
+    collector = LayoutCollector([s for s in (1, scans, 2 * scans) if s <= steps], seed=recipe.memopt.workload.seed)
+    cfg = config_from_recipe(recipe)
+    with open(out / "timeline.jsonl", "w", encoding="utf-8") as timeline:
+        results = simulate(spec_from_recipe(recipe), cfg, policies=POLICIES, timeline=timeline, on_watch=collector)
+    (out / "summary.json").write_text(json.dumps({p: [r.to_dict() for r in s.seeds] for p, s in results.items()}),
+                                      encoding="utf-8")
+    for policy, s in results.items():
+        r = s.seeds[0]
+        print(f"      {policy:<9} OOM step {r.oom_step}" + (f" ({r.oom_kind})" if r.oom_step else ""), flush=True)
+    write_layouts(out / "layouts.jsonl", collector.snapshots())
+    build_report(out, title="The CPU GPT's own steps (a template learned from its recording)",
+                 memory_map_title="the learned GPT: the pool just before each step's largest request")
+    return path
 
 
 def _first_ranks(recipe: Recipe, steps: int, seeds: int) -> list:

@@ -8,9 +8,11 @@ run as written.
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,8 @@ def test_every_tour_command_works_from_a_clean_clone(tmp_path, monkeypatch, caps
     shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
     shutil.copytree(ROOT / "bench", tmp_path / "bench")
     monkeypatch.chdir(tmp_path)
+    # `record -- python ...` runs the PATH's python: this interpreter's, as in the virtualenv
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
     for argv in _tour_commands():
         argv = _shortened(argv)
         if argv[0] == "run":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from itertools import permutations
 import subprocess
 import sys
 from pathlib import Path
@@ -242,6 +243,60 @@ def test_learn_and_simulate_through_the_cli(tmp_path, capsys):
 
 
 @pytest.mark.mindspore
+def drawn_record(seqs: list[int], order: str) -> list[Event]:
+    """A model whose "softmax backward" frees three intermediates (a, b, c: a and c of one size,
+    between long-lived tensors so their holes do not merge) in a per-process ``order``, as
+    MindSpore 2.10 does on CPU; the next two tensors of that size take the holes in the order
+    they became free."""
+    rec = Rec()
+    for seq in seqs:
+        ids, keep = {}, []
+        for name in "abc":
+            ids[name] = rec.alloc(4096 * seq if name != "b" else 64 * seq)
+            keep.append(rec.alloc(256))                   # lives to the step's end: no merging
+        for name in order:
+            rec.free(ids[name])
+        big = [rec.alloc(4096 * seq), rec.alloc(4096 * seq)]
+        for ident in keep + big:
+            rec.free(ident)
+        rec.mark(seq=seq)
+    return rec.events
+
+
+def _placed(events):
+    from ms_memopt.allocators import create
+    from ms_memopt.core.events import Trace
+    from ms_memopt.engine.replay import placed_events
+    return placed_events(Trace(events, source="t", format="template"), create("mindspore-bestfit"),
+                         segments=True, sample_every=None)[0]
+
+
+def test_per_process_free_orders_are_kept_and_predict_addresses():
+    """Two calibration processes free the group a, b, c in allocation order, a third as b, a, c
+    (MindSpore draws it once per process): the template keeps the most common order, the third
+    process's as ``free_orders[0]``, and the orders no process drew of that group after it. A
+    held-out process that drew c, b, a (the next tensor of a's size then takes c's hole, not
+    a's) is predicted exactly in that order (sizes and offsets), and not in the default."""
+    calib = [("p0", drawn_record([8, 8, 12, 12], "abc")), ("p1", drawn_record([12, 8, 8], "abc")),
+             ("p2", drawn_record([8, 12, 12], "bac"))]
+    template = learn(calib)
+    assert template.free_orders[0]["recording"] == "p2"
+    drawn = {tuple(v["permutation"]): k for k, v in enumerate(template.free_orders) if v["recording"] is None}
+    assert sorted(drawn) == sorted(permutations(range(3)))           # every order of the group
+    again = template_from_dict(json.loads(json.dumps(template.to_dict())))     # kept in the JSON
+    assert again.free_orders == template.free_orders
+    held = [16, 16, 8, 16]
+    recorded = _placed(drawn_record(held, "cba"))
+    schedule = [{"seq": s} for s in held]
+    default = fidelity(recorded, _placed(generate(again, schedule)), until_last_step=False)
+    exact = fidelity(recorded, _placed(generate(again, schedule, free_order=drawn[(2, 1, 0)])),
+                     until_last_step=False)
+    assert default["size_match"] == exact["size_match"] == 1.0
+    assert exact["offset_match"] == 1.0 and default["offset_match"] < 0.9
+    with pytest.raises(InputError, match="free order 9"):
+        generate(again, schedule, free_order=9)
+
+
 def test_real_model_template_predicts_a_held_out_run(tmp_path):
     """A tiny demo GPT recorded at 3 lengths, learned, and a held-out run of other lengths
     (beyond the calibrated ones too) simulated: >= 99% of the allocations have the recorded
@@ -279,10 +334,11 @@ def test_real_model_template_predicts_a_held_out_run(tmp_path):
     from ms_memopt.engine.replay import replay
     peaks = [replay(read_jsonl(path), create("mindspore-bestfit")).peak_allocated for path in (heldout, simulated)]
     assert peaks[0] == peaks[1]
-    # Offsets are not asserted: MindSpore frees a few small groups at a step's end in an order that
-    # changes between processes and under load (alone this test gave 100%; in the loaded full
-    # suite once 56%), and the pool's tie rule then sends later tensors into the other of two equal
-    # holes (docs/simulation.md, "Templates learned from recordings"). Issue 23 stays open on it.
+    # Offsets are not asserted: MindSpore 2.10 (CPU, PyNative) frees SoftmaxBackward's three
+    # intermediates in an order it draws once per process (two of them of one size: which hole the
+    # next tensor of that size takes), and the held-out process's draw need not be one the three
+    # calibration processes drew (docs/simulation.md, "Templates learned from recordings");
+    # test_per_process_free_orders_are_kept_and_predict_addresses checks the mechanism.
     assert 0.0 < figures["offset_match"] <= 1.0
 
 
@@ -307,3 +363,39 @@ def test_mark_step_writes_dims_lines_only_when_recording(monkeypatch, capfd):
         mark_step(seq=1.5)
     with pytest.raises(TypeError):
         StepMarkCallback("not callable")
+
+
+@pytest.mark.mindspore
+def test_step_mark_callback_frees_the_outputs_of_a_step_after_the_next_mark(monkeypatch):
+    """Model.train drops a step's outputs when the next step's network call returns, while
+    MindSpore still runs that step's tail (a free at a point that changes from run to run);
+    the callback holds them until the next step's end, after the wait for the queued work."""
+    import weakref
+
+    from ms_memopt.mindspore import StepMarkCallback
+    from ms_memopt.mindspore.steps import reset_step_count
+
+    class Outputs:
+        pass
+
+    class Args:
+        net_outputs = None
+
+    class Context:
+        def __init__(self):
+            self.args = Args()
+
+        def original_args(self):
+            return self.args
+
+    reset_step_count()
+    monkeypatch.delenv("MS_MEMOPT_RECORD", raising=False)
+    callback, ctx = StepMarkCallback(lambda c: {"seq": 8}), Context()
+    ctx.args.net_outputs = Outputs()
+    first = weakref.ref(ctx.args.net_outputs)
+    callback.on_train_step_end(ctx)
+    ctx.args.net_outputs = Outputs()          # Model.train: the next step's outputs replace them
+    assert first() is not None                # still held: not freed mid-step
+    callback.on_train_step_end(ctx)
+    assert first() is None                    # freed at the next step's end
+    callback.on_train_end(ctx)

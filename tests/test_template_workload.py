@@ -10,8 +10,8 @@ import pytest
 from ms_memopt.config.recipe import WorkloadConfig, load_recipe, recipe_from_dict
 from ms_memopt.core.errors import InputError
 from ms_memopt.engine.template import generate, save_template
-from ms_memopt.engine.template_workload import TemplateWorkload, recorded_dims
-from ms_memopt.engine.workload import WATCH_TAG, draw_sequence_length
+from ms_memopt.engine.template_workload import WATCH, TemplateWorkload, recorded_dims
+from ms_memopt.engine.workload import draw_sequence_length
 from tests.test_template import learned
 
 TINY = {"model": {"model_config": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_length": 32,
@@ -45,7 +45,7 @@ def test_each_step_is_framed_and_its_largest_request_is_watched():
     assert rows[0][0] == "step" and rows[0][-1] == 2
     assert rows[-1][0] == "mark" and rows[-1][7] == "optimizer_end"
     allocs = [r for r in rows if r[0] == "alloc"]
-    watched = [r for r in allocs if r[7] == WATCH_TAG]
+    watched = [r for r in allocs if r[7] == WATCH]
     assert len(watched) == 1 and watched[0][2] == max(r[2] for r in allocs)
     assert all(r[-1] == 2 for r in rows)                 # every row carries its step
 
@@ -86,3 +86,52 @@ def test_the_recipe_key_is_relative_to_the_recipe_and_must_be_a_template(tmp_pat
             recipe_from_dict(data, source=str(recipe))
         assert err.value.key == "memopt.workload.template"
 
+
+
+def _template_recipe(tmp_path, **workload):
+    save_template(learned(), tmp_path / "toy.template.json")
+    lines = ["model:", "  model_config: {num_layers: 2, hidden_size: 64, num_heads: 4, seq_length: 32, vocab_size: 256}",
+             "runner_config: {batch_size: 4}",
+             "parallel_config: {data_parallel: 2, model_parallel: 1, pipeline_stage: 1, micro_batch_num: 1}",
+             "memopt:", "  device: {hbm: 160KiB, cards: 2}", "  compact_every: 10",
+             "  allocator: {name: mindspore_bestfit}",
+             "  timing: {request_seconds: 1.0e-4, shape_build_seconds: 1.0e-3}",
+             "  workload:", "    template: toy.template.json", "    steps: 60", "    dynamic_seq: true",
+             "    seq_min: 8", "    seq_max: 32", "    seq_align: 8"]
+    lines += [f"    {k}: {v}" for k, v in workload.items()]
+    path = tmp_path / "r.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_recipe_naming_a_template_runs_the_job_under_every_policy(tmp_path, capsys):
+    import json
+
+    from ms_memopt.cli import main
+
+    recipe = _template_recipe(tmp_path)
+    assert main(["simulate", str(recipe), "--json", "--workers", "1", "--out", str(tmp_path / "out")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ranks"] == 2 and set(out["policies"]) == {"baseline", "compact", "pool"}
+    for policy, result in out["policies"].items():
+        assert result["job_oom_step"] is None, policy
+        assert result["timing"]["step_seconds_median"] > 0
+    assert out["policies"]["compact"]["first_rank"]["compactions"] == 6
+    assert (tmp_path / "out" / "memory_map.png").is_file()
+
+
+def test_template_steps_are_priced_per_request_and_per_new_shape():
+    from ms_memopt.engine.simulate import config_from_recipe, simulate_policy
+    from ms_memopt.engine.timing import StepCounts
+    from ms_memopt.engine.workload import spec_from_recipe
+
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = load_recipe(_template_recipe(Path(tmp)))
+        spec = spec_from_recipe(recipe)
+        result = simulate_policy(spec, "baseline", config_from_recipe(recipe, steps=30))
+    counts = [StepCounts(*c) for c in result.step_counts]
+    assert len(counts) == 30 and all(c.requests > 0 for c in counts)
+    new = [c for c in counts if c.new_shape_requests]
+    assert 1 <= len(new) <= result.shapes_seen and all(c.new_shape_requests == c.requests for c in new)

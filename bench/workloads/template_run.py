@@ -5,16 +5,24 @@ marking each step with its dims (``mark_step(seq=S, batch=B)``), for ``ms-memopt
 
 ``--model gpt``: the demo GPT (ms_memopt.mindspore.model). ``--model gqa``: a decoder defined
 here, not in the package: RMSNorm, grouped-query attention (4 query heads sharing 2 key/value
-heads), SwiGLU MLP, no position embedding. ``--batches 4,2,...`` varies the batch too.
+heads), SwiGLU MLP, no position embedding. ``--model llama``: MindFormers' ``LlamaForCausalLM``
+(tiny: 4 heads, intermediate 2 x hidden, vocab ``--vocab``; mindformers 2.0.0, its missing
+``hyper_parallel`` the import-only stand-in of tests/mindformers_support). ``--model gpt-train``:
+the demo GPT through ``Model.train`` (a dataset of one batch per ``--seqs`` length,
+``StepMarkCallback`` marking the steps). ``--batches 4,2,...`` varies the batch too.
 """
 import argparse
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from ms_memopt.mindspore import mark_step
+from ms_memopt.mindspore.pool_log_source import wait_for_queued_ops
 
 
 class RMSNorm(nn.Cell):
@@ -72,9 +80,53 @@ class GQADecoder(nn.Cell):
         return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def _llama(args):
+    """MindFormers' LLaMA, tiny, on CPU (the keys tests/mindformers_support/mf_cpu.py sets)."""
+    if importlib.util.find_spec("hyper_parallel") is None:      # mindformers imports it; not on PyPI
+        sys.path.append(str(Path(__file__).resolve().parents[2] / "tests" / "mindformers_support"))
+    # MindFormers' switch for eager (PyNative) runs: the causal mask is then sliced to each step's length
+    import os
+    os.environ.setdefault("ENFORCE_EAGER", "true")
+    from mindformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(batch_size=args.batch, seq_length=args.max_seq, hidden_size=args.hidden,
+                      num_layers=args.layers, num_heads=4, vocab_size=args.vocab, multiple_of=16,
+                      intermediate_size=2 * args.hidden, rms_norm_eps=1e-5, compute_dtype="float32",
+                      layernorm_compute_type="float32", softmax_compute_type="float32", rotary_dtype="float32",
+                      param_init_type="float32", use_past=False, use_flash_attention=False,
+                      fused_rms_norm=False, use_rope_slice=True)
+    return LlamaForCausalLM(cfg)
+
+
+class _LlamaLoss(nn.Cell):
+    """``LlamaForCausalLM`` computes its own loss from ``input_ids`` (shifted) and ``labels``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def construct(self, ids, labels):
+        return self.model(ids, labels)
+
+
+def _model_train(args, seqs, batches, train_net_parts) -> None:
+    """``Model.train`` over one batch per step, marked by ``StepMarkCallback``."""
+    import mindspore.dataset as ds
+    from mindspore.train import Model
+
+    from ms_memopt.mindspore import StepMarkCallback
+    net, opt = train_net_parts
+    rng = np.random.default_rng(args.seed + 1)
+    rows = [rng.integers(0, args.vocab, (b, s + 1)).astype(np.int32) for s, b in zip(seqs, batches)]
+    data = ds.GeneratorDataset([(r[:, :-1], r[:, 1:]) for r in rows], column_names=["input_ids", "labels"],
+                               shuffle=False, num_parallel_workers=1)
+    dims = lambda ctx: {"seq": int(ctx.original_args().train_dataset_element[0].shape[1]),
+                        "batch": int(ctx.original_args().train_dataset_element[0].shape[0])}
+    Model(net, optimizer=opt).train(1, data, callbacks=[StepMarkCallback(dims)], dataset_sink_mode=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=("gpt", "gqa"), default="gpt")
+    ap.add_argument("--model", choices=("gpt", "gqa", "llama", "gpt-train"), default="gpt")
     ap.add_argument("--seqs", required=True, help="comma-separated sequence length per step")
     ap.add_argument("--batches", default=None, help="comma-separated batch per step (default: --batch)")
     ap.add_argument("--batch", type=int, default=4)
@@ -88,20 +140,33 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch] * len(seqs)
     ms.set_seed(args.seed)
     ms.runtime.launch_blocking()
-    if args.model == "gpt":
+    if args.model in ("gpt", "gpt-train"):
         from ms_memopt.mindspore.model import GPT, GPTConfig, GPTWithLoss
         cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=4,
                         seq_length=args.max_seq, vocab_size=args.vocab)
         net = GPTWithLoss(GPT(cfg))
+    elif args.model == "llama":
+        net = _LlamaLoss(_llama(args))
     else:
         net = GQADecoder(vocab=args.vocab, hidden=args.hidden, layers=args.layers, seed=args.seed)
-    train = nn.TrainOneStepCell(net, nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-3))
+    opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-3)
+    if args.model == "gpt-train":
+        _model_train(args, seqs, batches, (net, opt))
+        return
+    train = nn.TrainOneStepCell(net, opt)
     train.set_train(True)
     rng = np.random.default_rng(args.seed + 1)
     mark_step()                                   # the setup ends here
     for seq, batch in zip(seqs, batches):
         tokens = rng.integers(0, args.vocab, (batch, seq + 1)).astype(np.int32)
-        loss = train(Tensor(tokens[:, :-1]), Tensor(tokens[:, 1:]))
+        ids, labels = Tensor(tokens[:, :-1]), Tensor(tokens[:, 1:])
+        out = train(ids, labels)
+        # drop the step's tensors and the previous loss only once MindSpore's queued work is
+        # done: ``loss = train(...)`` frees the previous loss while the pipeline still runs this
+        # step's tail, at a point that changes from run to run
+        wait_for_queued_ops()
+        loss = out
+        del out, ids, labels
         mark_step(seq=seq, batch=batch)
     print("loss", float(loss.asnumpy()))
 

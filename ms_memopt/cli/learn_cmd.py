@@ -59,4 +59,7 @@ def run(args) -> int:
               f"off by up to {miss['max_error']} B)", file=sys.stdout)
     if len(template.not_exact) > 10:
         print(f"  ... and {len(template.not_exact) - 10} more (--json lists all)")
+    for k, variant in enumerate(template.free_orders):
+        print(f"free order {k}: {variant['recording']} freed in another order ({', '.join(variant['parts'])}); "
+              "MindSpore draws some free orders once per process")
     return 0

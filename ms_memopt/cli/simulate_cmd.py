@@ -10,8 +10,8 @@ object: per policy ``job_oom_step``, ``job_oom_rank``, ``job_oom_stage``, ``rank
 :class:`ms_memopt.engine.simulate.PolicyResult` figures) and ``rank_results``; with ``--seeds N``,
 each policy holds ``seeds`` (one job each) and ``median_job_oom_step``). ``--out DIR``
 receives ``timeline.jsonl`` (every rank's samples, stamped with ``rank`` and ``stage``),
-and for the rank the job is judged by (its first failing rank, or the closest call, run once
-more in-process) ``layouts.jsonl`` (its pool at each policy's OOM, or at its worst moment when
+and for the rank the job is judged by (its first failing rank, or the closest call, as the job
+itself ran it: :class:`ms_memopt.engine.job.ShowRank`) ``layouts.jsonl`` (its pool at each policy's OOM, or at its worst moment when
 it survives) and ``report.md`` with ``fragmentation.png`` and ``memory_map.png``.
 ``--export-memory-viz FILE.pickle`` writes that rank's simulated events with the model's addresses and its final
 layout in PyTorch's memory snapshot format (pytorch.org/memory_viz): with one policy to
@@ -48,6 +48,9 @@ def add_parser(parser) -> None:
     parser.add_argument("--export-events", default=None, metavar="OUT.jsonl",
                         help="template only: write the events with the model's addresses (JSONL)")
     parser.add_argument("--capacity", default=None, metavar="SIZE", help="template only: the device capacity")
+    parser.add_argument("--free-order", type=int, default=None, metavar="K",
+                        help="template only: simulate in the free order of entry K of the template's free_orders "
+                             "(a calibration process's own; default: the most common)")
 
 
 def add_job_arguments(parser) -> None:
@@ -81,12 +84,12 @@ def run(args) -> int:
     if str(args.recipe).endswith(".template.json"):      # a learned step template (ms-memopt learn)
         from ms_memopt.cli.simulate_template import run as run_template
         return run_template(args)
-    for flag in ("schedule", "export_events", "capacity"):
+    for flag in ("schedule", "export_events", "capacity", "free_order"):
         if getattr(args, flag, None) is not None:
             raise InputError("only for a step template (MODEL.template.json, ms-memopt learn)"
                              + ("; a recipe's capacity is memopt.device.hbm" if flag == "capacity" else ""),
                              key="--" + flag.replace("_", "-"))
-    from ms_memopt.engine.job import job_from_recipe, median_job_oom_step, simulate_jobs
+    from ms_memopt.engine.job import ShowRank, job_from_recipe, median_job_oom_step, simulate_jobs
     from ms_memopt.config.recipe import load_recipe
     from ms_memopt.engine.simulate import POLICIES
 
@@ -108,17 +111,21 @@ def run(args) -> int:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         timeline = open(out_dir / "timeline.jsonl", "w", encoding="utf-8")
+    viz_paths = _viz_paths(args.export_memory_viz, jobs[0].policies) if args.export_memory_viz else {}
+    show = None
+    if out_dir is not None or viz_paths:
+        show = ShowRank(layouts=out_dir is not None, placed=tuple(viz_paths))
     try:
         results = simulate_jobs(jobs, executor=args.executor, address=args.address, workers=args.workers,
-                                progress=sys.stderr.isatty(), timeline=timeline)
+                                progress=sys.stderr.isatty(), timeline=timeline, show=show)
     finally:
         if timeline is not None:
             timeline.close()
-    shown = next(iter(results[0].values())).closest
+    first = next(iter(results[0].values()))
     if out_dir is not None:
         _write_timing(out_dir / "timing.json", results[0])
-    if out_dir is not None or args.export_memory_viz:
-        _rerun_shown_rank(jobs[0], shown, out_dir, args)
+    if show is not None:
+        _write_shown_rank(jobs[0], first.view, out_dir, viz_paths, args)
 
     if args.json:
         out = {"recipe": str(args.recipe), "steps": cfg.steps, "allocator": cfg.allocator,
@@ -187,29 +194,19 @@ def configure_job(job, recipe, args):
     return job
 
 
-def _rerun_shown_rank(job, shown, out_dir: Path | None, args) -> None:
-    """Run the rank the job is judged by (its first failing rank, or the closest call) once more
-    in this process, where hooks can see inside it: ``--out`` gets ``layouts.jsonl`` (its pool at
-    each policy's OOM or worst moment), ``report.md`` and ``fragmentation.png`` of that rank;
+def _write_shown_rank(job, view, out_dir: Path | None, viz_paths: dict[str, Path], args) -> None:
+    """What the job kept of the rank it is judged by (its first failing rank, or the closest call;
+    :class:`~ms_memopt.engine.job.ShowRank`): ``--out`` gets ``layouts.jsonl`` (its pool at each
+    policy's OOM or worst moment), ``report.md`` and ``fragmentation.png`` of that rank;
     ``--export-memory-viz`` its placed events."""
-    from ms_memopt.engine.simulate import PlacedRun, simulate
-
-    stream = shown.stream if shown is not None else job.streams[0]
-    viz_paths = _viz_paths(args.export_memory_viz, job.policies) if args.export_memory_viz else {}
-    placed = {policy: PlacedRun() for policy in viz_paths}
-    collector = None
-    if out_dir is not None:
-        from ms_memopt.engine.snapshots import LayoutCollector
-        collector = LayoutCollector([], policies=job.policies, seed=stream.seed)
-    simulate(job.specs[stream.stage], job.cfg, policies=job.policies, seeds=[stream.seed],
-             placed=placed or None, on_watch=collector)
+    stream = view.stream if view is not None else job.streams[0]
     if out_dir is not None:
         from ms_memopt.report.plots import plot_fragmentation_timeline
         from ms_memopt.report.build import build_report
         from ms_memopt.io.layouts import write_layouts
         name = Path(args.recipe).name
         where = f"rank {stream.rank} (stage {stream.stage}, seed {stream.seed})"
-        write_layouts(out_dir / "layouts.jsonl", collector.snapshots())
+        write_layouts(out_dir / "layouts.jsonl", view.snapshots if view is not None else [])
         build_report(out_dir, title=f"Simulation of {name}: {job.cfg.steps} steps, {len(job.streams)} rank streams",
                      memory_map_title=f"{name}, {where}: the pool at each policy's OOM, or its worst moment")
         # the report draws the first stream in the file; show the rank the job is judged by
@@ -217,7 +214,11 @@ def _rerun_shown_rank(job, shown, out_dir: Path | None, args) -> None:
                                     seed=stream.seed, title=f"{name}, {where}")
     from ms_memopt.io.traces.memory_viz import write_memory_viz
     for policy, path in viz_paths.items():
-        write_memory_viz(path, placed[policy].events, placed[policy].final)
+        run = view.placed.get(policy) if view is not None else None
+        if run is None:         # the policy never ran on this card (pool mode's regions do not fit)
+            print(f"memory viz ({policy}): not written, the policy did not run on rank {stream.rank}", file=sys.stderr)
+            continue
+        write_memory_viz(path, run.events, run.final)
         print(f"memory viz ({policy}, rank {stream.rank}, seed {stream.seed}): {path}", file=sys.stderr)
 
 

@@ -7,7 +7,9 @@ model (the recorded pool's: ``mindspore-bestfit`` for CPU recordings; ``--alloca
 overrides, ``--allocator-option`` and ``--capacity`` set it up). Prints peaks, OOMs and
 fragmentation (``--json``: one object, bytes); ``--export-events OUT.jsonl`` writes the events
 with the model's addresses and its blocks as ``segment_alloc`` events (our JSONL,
-docs/events.md). Exit code 0, or 1 with ``--fail-on-oom`` after an OOM.
+docs/events.md). Exit code 0, or 1 with ``--fail-on-oom`` after an OOM. ``args.free_order``
+(when the parser gives one): generate in that calibration recording's free order
+(``template.free_orders``, :func:`~ms_memopt.engine.template.generate`).
 """
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ def run(args) -> int:
     options = parse_allocator_options(name, args.allocator_option)
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
     warnings: list[str] = []
-    events = generate(template, schedule, warnings=warnings)
+    # which calibration process's free order (template.free_orders); None: the most common one
+    free_order = getattr(args, "free_order", None)
+    events = generate(template, schedule, warnings=warnings, free_order=free_order)
     trace = Trace(events, source=str(args.recipe), format="template")
     if args.export_events:    # one replay gives the figures and the placed events
         placed, result = placed_events(trace, create(name, capacity, **options), segments=True, sample_every=None)
@@ -51,6 +55,7 @@ def run(args) -> int:
     out = {"template": str(args.recipe), "schedule": str(args.schedule), "steps": len(schedule),
            "dims": template.dims, "capacity": capacity, "warnings": warnings,
            "classes": _class_counts(template, schedule), "export_events": args.export_events,
+           "free_order": free_order, "free_orders": len(template.free_orders),
            **{k: v for k, v in result.to_dict().items() if k not in ("address_match", "policy")}}
     if args.json:
         print(json.dumps(out))

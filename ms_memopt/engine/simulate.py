@@ -53,16 +53,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
-from ms_memopt.allocators import create, model_class
+from ms_memopt.allocators import create
 from ms_memopt.allocators.base import AllocatorModel, oom_kind
-from ms_memopt.allocators.fast import batch_runner
 from ms_memopt.analysis.forecast import Forecast, Forecaster
 from ms_memopt.analysis.scan import forecast_fields
 from ms_memopt.config.recipe import TimingConfig
 from ms_memopt.core.events import ROW_INDEX, Event
 from ms_memopt.core.layout import Layout
 from ms_memopt.core.metrics import frag_ratio, measure
+from ms_memopt.engine.loop import drive
+from ms_memopt.engine.pool_sizing import pool_for_workload
 from ms_memopt.engine.timing import StepCounts, collective_bytes, optimizer_extra_bytes, step_flops
+from ms_memopt.engine.template_workload import WATCH, make_workload, watched_bytes
 from ms_memopt.engine.workload import WATCH_TAG, StepWorkload, WorkloadSpec
 
 __all__ = [
@@ -79,7 +81,7 @@ __all__ = [
 
 POLICIES = ("baseline", "compact", "pool")
 # where a row (a tuple of Event's fields, ms_memopt.core.events.FIELDS) holds what the loop reads
-_ACTION, _ID, _SIZE, _POOL, _TAG = (ROW_INDEX[n] for n in ("action", "id", "size", "pool", "tag"))
+_ID, _SIZE, _POOL, _TAG, _ACTION = (ROW_INDEX[n] for n in ("id", "size", "pool", "tag", "action"))
 COMPACT_TRIGGERS = ("forecast", "margin")
 
 
@@ -234,10 +236,14 @@ def config_from_recipe(recipe, **overrides) -> SimConfig:
     ``compact_trigger``, ``watch``, ``allocator``; capacity = ``memopt.device.hbm``)."""
     mem = recipe.memopt
     name, options = _recipe_allocator(mem.allocator)
+    watch = dict(mem.watch) or {WATCH_TAG: 4_200_000_000}
+    if mem.workload.template:       # a template's watched request is each step's largest
+        from ms_memopt.engine.workload import spec_from_recipe
+
+        watch = {WATCH: watched_bytes(spec_from_recipe(recipe))}
     cfg = SimConfig(steps=mem.workload.steps, capacity=recipe.capacity, allocator=name,
                     allocator_options=options, scan_every=mem.scan_every,
-                    compact_every=mem.compact_every,
-                    watch=dict(mem.watch) or {WATCH_TAG: 4_200_000_000}, seed=mem.workload.seed,
+                    compact_every=mem.compact_every, watch=watch, seed=mem.workload.seed,
                     timing=mem.timing)
     if mem.compact_trigger is not None:
         cfg.compact_trigger = mem.compact_trigger
@@ -332,7 +338,7 @@ def _device_free(model: AllocatorModel) -> int | None:
 
 def _make_model(policy: str, spec: WorkloadSpec, cfg: SimConfig) -> AllocatorModel:
     if policy == "pool":
-        return model_class("pool", fast=cfg.allocator_options.get("fast")).for_workload(spec, capacity=cfg.capacity)
+        return pool_for_workload(spec, capacity=cfg.capacity, fast=cfg.allocator_options.get("fast"))
     return create(cfg.allocator, cfg.capacity, **cfg.allocator_options)
 
 
@@ -364,7 +370,6 @@ class _Run:
         # one forecast, of the largest watched request: it is the first to stop fitting
         self.forecaster = Forecaster(self.watch_need, window=cfg.forecast_window) if self.watch_need else None
         self.region_metrics = getattr(self.model, "region_metrics", None)
-        self.drain = getattr(self.model, "drain_evicted", None)
         self.addr_of: dict[int, int] = {}
         self.on_watch = on_watch
         self.placed = placed
@@ -377,6 +382,7 @@ class _Run:
         # unfused optimizer's extra traffic (pool mode runs the fused one), the collective
         self.spec = spec
         self.lengths: list[int] | None = None
+        self.requests, self.new_shape = 0, False
         self.optimizer_bytes = 0 if policy == "pool" else optimizer_extra_bytes(spec)
         self.result.collective_bytes = collective_bytes(spec)
         self._stall_counts = [0, 0, 0, 0]
@@ -403,119 +409,124 @@ class _Run:
                                                 * self.spec.micro_batches)
         a, v, d, slow = self._stall_counts
         self.result.step_counts.append(StepCounts(flops, model_flops, bubble, a, v, d, slow, self.optimizer_bytes,
-                                                  compactions, moved).as_tuple())
+                                                  compactions, moved, self.requests,
+                                                  self.requests if self.new_shape else 0).as_tuple())
 
     def feed(self, step: int, batch: list[tuple]) -> bool:
         """Run one step's events, as rows (:meth:`StepWorkload.step_rows`: ``Event(*row)`` is
-        the event; no object per event); ``False`` once the job has died (OOM)."""
+        the event; no object per event) through :func:`~ms_memopt.engine.loop.drive`; ``False``
+        once the job has died (OOM)."""
         if self.dead:
             return False
         started = time.perf_counter()
         self._stall_counts = [0, 0, 0, 0]
-        stall_start = self._stall_start()
+        self._stall_from = self._stall_start()
         moved_before, compactions_before = self.result.bytes_moved, self.result.compactions
-        cfg, track, result, watch = self.cfg, self.track, self.result, self.watch
-        model, addr_of, drain, region_metrics = self.model, self.addr_of, self.drain, self.region_metrics
-        on_watch, record = self.on_watch, self.placed.events if self.placed is not None else None
-        tag_of = self.tag_of if on_watch is not None else None
-        note_mark = model.note_mark
-        malloc, free = model.malloc, model.free
-        # a model with a compiled fast path serves the stretches of allocs and frees between
-        # marks and watched requests in one call; nothing per event to record then
-        fast = record is None and tag_of is None
-        fast_run = batch_runner(model) if fast else None
-        index, count = 0, len(batch)
-        while index < count:
-            if fast_run is not None:
-                # forget: a pool-mode cache eviction drops its tensors from addr_of (as _forget)
-                index, _, _, _, oom = fast_run(batch, index, count, addr_of, watch, False, True)
-                if oom:
-                    self._fail(Event(*batch[index]), step)
-                    break
-                if index == count:
-                    break
-            row = batch[index]
-            index += 1
-            action, tid, size, pool, tag = (row[_ACTION], row[_ID], row[_SIZE], row[_POOL], row[_TAG])
-            if action == "alloc":
-                if tag in watch:
-                    extra = {"tag": tag, "size": size}
-                    if region_metrics is not None:
-                        extra["region_frag"] = _note_regions(result, region_metrics())
-                    lf = model.largest_free()
-                    track.sample(step, "watch", _free_total(model), lf, extra)
-                    if track.watch_min is None or lf < track.watch_min:
-                        track.watch_min = lf
-                    if self.forecaster is not None:
-                        self.forecaster.add(step, lf)
-                    if on_watch is not None:
-                        on_watch(WatchPoint(result.policy, result.seed, step, "watch", Event(*row), model, self))
-                addr = malloc(size, pool=pool, tag=tag)
-                if addr is None:
-                    self._fail(Event(*row), step)
-                    break
-                if drain is not None:
-                    gone = drain()
-                    if gone:
-                        self._forget(gone, step)
-                addr_of[tid] = addr
-                if tag_of is not None:
-                    tag_of[tid] = tag
-                if record is not None:
-                    self.size_of[tid] = size
-                    record.append(Event("alloc", id=tid, size=size, addr=addr, pool=pool, tag=tag, step=step))
-            elif action == "free":
-                addr = addr_of.pop(tid, None)
-                if addr is not None:
-                    free(addr)
-                    if tag_of is not None:
-                        tag_of.pop(tid, None)
-                    if record is not None:
-                        record.append(Event("free", id=tid, size=self.size_of.pop(tid, size), addr=addr, step=step))
-            elif action == "mark" and tag != "optimizer_end":
-                note_mark(tag, size)
-            elif action == "mark":
-                scan = cfg.scan_every and step % cfg.scan_every == 0
-                forecaster = self.forecaster
-                if forecaster is not None:      # long-lived memory: what stays after the optimizer step
-                    forecaster.add(step, None, long_lived=model.allocated)
-                fc = None
-                if scan:
-                    extra = {"allocated": model.allocated}
-                    if region_metrics is not None:
-                        extra["region_frag"] = _note_regions(result, region_metrics())
-                    if forecaster is not None:
-                        fc = forecaster.forecast()
-                        extra["forecast"] = forecast_fields(fc, cfg.forecast_horizon)
-                        if result.forecast_warned_at is None and fc.warns(cfg.forecast_horizon):
-                            result.forecast_warned_at, result.forecast_step_at_warning = step, fc.step
-                    track.last_scan_frag = track.sample(step, "scan", _free_total(model),
-                                                        model.largest_free(), extra)
-                if self.compacting:
-                    periodic = cfg.compact_every and step % cfg.compact_every == 0
-                    warned = scan and self._warned(fc)
-                    if periodic or warned:
-                        self._stall_add(stall_start)
-                        model, before, after, moves = _compact(model, addr_of, cfg)
-                        self.model = model
-                        stall_start = self._stall_start()
-                        malloc, free, note_mark = model.malloc, model.free, model.note_mark
-                        fast_run = batch_runner(model) if fast else None
-                        if record is not None:
-                            _record_moves(record, moves, step)
-                        _note_compaction(result, track, step, before, after, sum(m.size for m in moves),
-                                         "periodic" if periodic else "warning")
-                        if forecaster is not None:
-                            forecaster.reset(step)      # the trend described the layout just compacted
-                if scan:
-                    track.watch_min = None
-                    track.close_window()
+        self.step = step
+        recording = self.placed is not None
+        tagging = self.on_watch is not None
+        # recording and tagging see every call: the loop runs them in Python (else the compiled
+        # loop serves the stretches of allocs and frees between marks and watched requests)
+        run = drive(batch, self.model, addr_of=self.addr_of, streams=False, stop_on_oom=True,
+                    forget_evicted=True, watch=self.watch, on_watch=self._at_watch, on_mark=self._at_mark,
+                    on_alloc=self._at_alloc if recording or tagging else None,
+                    on_free=self._at_free if recording or tagging else None,
+                    on_evict=self._at_evict if recording or tagging else None)
+        self.model = run.model
+        if run.oom_index is not None:
+            self._fail(Event(*batch[run.oom_index]), step)
         if not self.dead:
-            result.events += len(batch)
-            self._stall_add(stall_start)
-            self._note_step(step, result.bytes_moved - moved_before, result.compactions - compactions_before)
+            self.result.events += len(batch)
+            self._stall_add(self._stall_from)
+            self._note_step(step, self.result.bytes_moved - moved_before,
+                            self.result.compactions - compactions_before)
         self.seconds += time.perf_counter() - started
         return not self.dead
+
+    # --- the loop's hooks (ms_memopt.engine.loop) ---------------------------------------------
+    def _at_watch(self, index: int, row: tuple, model: AllocatorModel) -> None:
+        """Just before a watched request: the sample that matters (``largest_free`` against it)."""
+        result, track, step = self.result, self.track, self.step
+        tag, size = row[_TAG], row[_SIZE]
+        extra = {"tag": tag, "size": size}
+        if self.region_metrics is not None:
+            extra["region_frag"] = _note_regions(result, self.region_metrics())
+        lf = model.largest_free()
+        track.sample(step, "watch", _free_total(model), lf, extra)
+        if track.watch_min is None or lf < track.watch_min:
+            track.watch_min = lf
+        if self.forecaster is not None:
+            self.forecaster.add(step, lf)
+        if self.on_watch is not None:
+            self.on_watch(WatchPoint(result.policy, result.seed, step, "watch", Event(*row), model, self))
+
+    def _at_alloc(self, index: int, row: tuple, addr: int | None) -> None:
+        if addr is None:
+            return
+        tid, size, tag = row[_ID], row[_SIZE], row[_TAG]
+        if self.on_watch is not None:
+            self.tag_of[tid] = tag
+        if self.placed is not None:
+            self.size_of[tid] = size
+            self.placed.events.append(Event("alloc", id=tid, size=size, addr=addr, pool=row[_POOL], tag=tag,
+                                            step=self.step))
+
+    def _at_free(self, index: int, row: tuple, addr: int) -> None:
+        tid = row[_ID]
+        self.tag_of.pop(tid, None)
+        if self.placed is not None:
+            self.placed.events.append(Event("free", id=tid, size=self.size_of.pop(tid, row[_SIZE]), addr=addr,
+                                            step=self.step))
+
+    def _at_evict(self, index: int, gone: list[tuple[int, int]]) -> None:
+        """A pool-mode cache evicted these tensors (the loop dropped them from ``addr_of``)."""
+        for tid, addr in gone:
+            self.tag_of.pop(tid, None)
+            if self.placed is not None:
+                self.placed.events.append(Event("free", id=tid, size=self.size_of.pop(tid, 0), addr=addr,
+                                                step=self.step))
+
+    def _at_mark(self, index: int, row: tuple, model: AllocatorModel) -> AllocatorModel:
+        """A mark: the model notes it; the optimizer's end is a step's end (scan, compaction)."""
+        tag, size = row[_TAG], row[_SIZE]
+        if tag != "optimizer_end":
+            model.note_mark(tag, size)
+            return model
+        cfg, track, result, step = self.cfg, self.track, self.result, self.step
+        scan = cfg.scan_every and step % cfg.scan_every == 0
+        forecaster = self.forecaster
+        if forecaster is not None:      # long-lived memory: what stays after the optimizer step
+            forecaster.add(step, None, long_lived=model.allocated)
+        fc = None
+        if scan:
+            extra = {"allocated": model.allocated}
+            if self.region_metrics is not None:
+                extra["region_frag"] = _note_regions(result, self.region_metrics())
+            if forecaster is not None:
+                fc = forecaster.forecast()
+                extra["forecast"] = forecast_fields(fc, cfg.forecast_horizon)
+                if result.forecast_warned_at is None and fc.warns(cfg.forecast_horizon):
+                    result.forecast_warned_at, result.forecast_step_at_warning = step, fc.step
+            track.last_scan_frag = track.sample(step, "scan", _free_total(model), model.largest_free(), extra)
+        if self.compacting:
+            periodic = cfg.compact_every and step % cfg.compact_every == 0
+            warned = scan and self._warned(fc)
+            if periodic or warned:
+                self.model = model          # the stall counts read the model being compacted
+                self._stall_add(self._stall_from)
+                model, before, after, moves = _compact(model, self.addr_of, cfg)
+                self.model = model
+                self._stall_from = self._stall_start()
+                if self.placed is not None:
+                    _record_moves(self.placed.events, moves, step)
+                _note_compaction(result, track, step, before, after, sum(m.size for m in moves),
+                                 "periodic" if periodic else "warning")
+                if forecaster is not None:
+                    forecaster.reset(step)      # the trend described the layout just compacted
+        if scan:
+            track.watch_min = None
+            track.close_window()
+        return model
 
     def _warned(self, fc: Forecast | None) -> bool:
         """The ``compact`` policy's warning at a scan (see :class:`SimConfig` ``compact_trigger``)."""
@@ -523,16 +534,6 @@ class _Run:
             low = self.track.watch_min
             return low is not None and low < self.watch_need * (1.0 + self.cfg.watch_margin)
         return fc is not None and fc.warns(self.cfg.forecast_horizon)
-
-    def _forget(self, addrs: list[int], step: int) -> None:
-        """Drop the tensors a pool-mode cache evicted (their later frees must not hit new blocks)."""
-        wanted = set(addrs)
-        for tid in [t for t, a in self.addr_of.items() if a in wanted]:
-            addr = self.addr_of.pop(tid)
-            self.tag_of.pop(tid, None)
-            if self.placed is not None:
-                self.placed.events.append(Event("free", id=tid, size=self.size_of.pop(tid, 0), addr=addr,
-                                                step=step))
 
     def _fail(self, event, step: int) -> None:
         model, result = self.model, self.result
@@ -572,7 +573,7 @@ def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig,
     """Every policy on one seed, fed the same generated steps (generated once)."""
     placed = placed or {}
     runs = [_Run(spec, policy, cfg, seed, timeline, on_watch, placed.get(policy)) for policy in policies]
-    gen = StepWorkload(spec, seed)
+    gen = make_workload(spec, seed)
     started = time.perf_counter()
     batch = gen.prologue_rows()
     generation = time.perf_counter() - started
@@ -581,10 +582,15 @@ def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig,
         if not alive:
             break
         started = time.perf_counter()
+        shapes = len(gen.shapes_seen)
         batch = gen.step_rows(step)
+        # the time model's host counts: one op's dispatch per request, kernels built at a new shape
+        requests = sum(1 for row in batch if row[_ACTION] == "alloc")
+        new_shape = len(gen.shapes_seen) > shapes
         generation += time.perf_counter() - started
         for run in alive:
             run.lengths = gen.lengths
+            run.requests, run.new_shape = requests, new_shape
         alive = [run for run in alive if run.feed(step, batch)]
         if on_step is not None:
             on_step(step)

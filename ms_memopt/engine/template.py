@@ -25,8 +25,10 @@ Allocations a recording never frees stay never freed; events after the last mark
 process's exit) are not part of a template.
 
 :func:`generate` turns a template and a schedule (one dims dict per step) into events: the
-prologue, then per step the variant its place in the schedule calls for. :func:`fidelity`
-compares generated events with a recording position by position.
+prologue, then per step the variant its place in the schedule calls for, in the most common
+free order of the calibration steps or (``free_order=k``) in the order calibration recording
+``free_orders[k]`` freed in. :func:`fidelity` compares generated events with a recording
+position by position.
 
 Example:
     >>> from ms_memopt.core.events import Event
@@ -103,6 +105,13 @@ def _show(dims: dict[str, int]) -> str:
 class Template:
     """A learned template (the JSON form is :meth:`to_dict`; see the module docstring).
 
+    ``free_orders``: one entry per calibration recording that freed in another order than the
+    most common one somewhere, ``{"recording": path, "parts": {part: {"ops", "ops_after"}}}``
+    (only the parts that differ; ``generate(..., free_order=k)``), then the orders no
+    calibration process drew of the runs of frees whose order differed between processes
+    (``"recording": null, "permutation": [ranks]``: each such run freed in that order of its
+    members, ranked by what they free).
+
     ``prologue`` and each entry of ``classes`` are dicts: ``samples`` (steps it was learned
     from), ``seen`` (the distinct dims it was recorded at), ``basis`` (monomials: one exponent
     per dim of ``dims``, by increasing degree) and ``ops``: ``["a", coefs, pool, stream, tag,
@@ -119,6 +128,7 @@ class Template:
     recordings: list[dict] = field(default_factory=list)
     not_exact: list[dict] = field(default_factory=list)
     positions: int = 0
+    free_orders: list[dict] = field(default_factory=list)
 
     @property
     def exact(self) -> int:
@@ -128,7 +138,8 @@ class Template:
         return {"format": FORMAT, "version": VERSION, "pool": self.pool, "allocator": self.allocator,
                 "dims": list(self.dims), "recordings": self.recordings,
                 "fit": {"positions": self.positions, "exact": self.exact, "not_exact": self.not_exact},
-                "prologue": self.prologue, "classes": self.classes}
+                "prologue": self.prologue, "classes": self.classes,
+                **({"free_orders": self.free_orders} if self.free_orders else {})}
 
     def summary(self) -> dict:
         """Counts per class (for the CLI)."""
@@ -136,6 +147,7 @@ class Template:
             return sum(1 for op in part["ops"] if op[0] == "a")
         return {"dims": self.dims, "allocator": self.allocator, "positions": self.positions, "exact": self.exact,
                 "not_exact": len(self.not_exact), "prologue_allocs": allocs(self.prologue),
+                "free_orders": len(self.free_orders),
                 "classes": {name: {"samples": c["samples"], "allocs": allocs(c), "ops": len(c["ops"]),
                                    "seen": c["seen"]} for name, c in self.classes.items()}}
 
@@ -252,15 +264,19 @@ def _identities(step: _Step) -> tuple[list, dict]:
     return out, targets
 
 
-def _align(kind: str, samples: list[_Step]) -> tuple[list, dict, list[list[int]], int]:
+def _align(kind: str, samples: list[_Step]) -> tuple[list, dict, list[list[int]], int, dict]:
     """The class's op list, the op lists after a step of a given class where its most common
     free order differs, each sample's sizes, and how many samples free in another order than
     the template; or the error naming what does not line up.
 
     Allocations must match one to one (count, order, pool, stream, tag), and every sample must
-    free the same allocations; where a free happens may differ between samples (MindSpore
-    frees what Python's garbage collector releases when the collector runs), and the template
-    keeps the most common order."""
+    free the same allocations; where a free happens may differ between samples, and the
+    template keeps the most common order. Also each recording's own most common order
+    (``{recording: (ops, ops_after)}``): MindSpore 2.10 on CPU frees SoftmaxBackward's three
+    intermediates in an order drawn once per process (the same in every step of a process,
+    another in the next process), which decides which of two equal holes the next tensor of
+    that size takes; a template cannot know a future process's draw, so it keeps every draw
+    its calibration processes made (:attr:`Template.free_orders`)."""
     ref = samples[0]
     ref_allocs = [op for op in ref.ops if op[0] == "a"]
     patterns: dict[tuple, int] = {}
@@ -313,7 +329,154 @@ def _align(kind: str, samples: list[_Step]) -> tuple[list, dict, list[list[int]]
              if prev is not None and max(counts, key=counts.get) != best}
     reordered = sum(n for prev, counts in by_prev.items() for pattern, n in counts.items()
                     if pattern != (best if prev not in after else max(counts, key=counts.get)))
-    return materialise(best), after, [s.sizes for s in samples], reordered
+    # each recording's own order: MindSpore draws some free orders once per process (below)
+    own: dict[str, tuple[list, dict]] = {}
+    for name in dict.fromkeys(s.recording for s in samples):
+        mine = [s for s in samples if s.recording == name]
+        counts: dict[tuple, int] = {}
+        prevs: dict[str | None, dict[tuple, int]] = {}
+        for step in mine:
+            pattern = tuple(_identities(step)[0])
+            counts[pattern] = counts.get(pattern, 0) + 1
+            prevs.setdefault(step.prev, {}).setdefault(pattern, 0)
+            prevs[step.prev][pattern] += 1
+        top = max(counts, key=counts.get)
+        own[name] = (materialise(top), {prev: materialise(max(c, key=c.get)) for prev, c in prevs.items()
+                                        if prev is not None and max(c, key=c.get) != top})
+    return materialise(best), after, [s.sizes for s in samples], reordered, own
+
+
+def _free_runs(ops: list) -> dict[int, tuple[int, int]]:
+    """The runs of consecutive frees in ``ops``: allocations before the run -> (start, end) op index."""
+    out, allocs, start = {}, 0, None
+    for i, op in enumerate(list(ops) + [["a"]]):
+        if op[0] == "f":
+            start = i if start is None else start
+            continue
+        if start is not None:
+            out[allocs] = (start, i)
+            start = None
+        if op[0] == "a":
+            allocs += 1
+    return out
+
+
+def _member_key(op: list) -> tuple:
+    return (op[1], op[2]) if op[1] != "back" else (op[1], op[2], sorted(op[3].items()))
+
+
+def _reordered(ops: list, runs: dict[int, tuple[int, int]], perm: tuple[int, ...]) -> list:
+    """``ops`` with each run of ``runs`` (``len(perm)`` frees) freed in ``perm`` order: the
+    ``j``-th free is the member of rank ``perm[j]`` by :func:`_member_key`."""
+    out = [list(op) if op[0] != "f" or op[1] != "back" else [op[0], op[1], op[2], dict(op[3])] for op in ops]
+    for start, end in runs.values():
+        members = sorted(ops[start:end], key=_member_key)
+        out[start:end] = [members[r] for r in perm]
+    return out
+
+
+def _widened(run: list, lo: int, hi: int) -> tuple[int, int]:
+    """``run[lo:hi]`` (frees whose order differed) widened to the neighbouring frees of
+    allocations made as close to the span's own as they are to each other: an op's
+    intermediates (allocated back to back) whose order only partly differed between processes."""
+    same = lambda op: op[0] == "f" and op[1] == "same"
+    if not all(same(op) for op in run[lo:hi]):
+        return lo, hi
+    while True:
+        idx = [op[2] for op in run[lo:hi]]
+        reach = max(1, max(idx) - min(idx))
+        near = lambda op: same(op) and min(abs(op[2] - i) for i in idx) <= reach
+        if lo > 0 and near(run[lo - 1]):
+            lo -= 1
+        elif hi < len(run) and near(run[hi]):
+            hi += 1
+        else:
+            return lo, hi
+
+
+def _same_spans(ops: list, other: list, spans: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """``spans`` of ``ops`` (by allocations before them) found in ``other``: the run after as
+    many allocations, where it holds the same frees at the same offset in the run."""
+    mine, theirs = _free_runs(ops), _free_runs(other)
+    out = {}
+    for key, (lo, hi) in spans.items():
+        if key in mine and key in theirs:
+            shift = theirs[key][0] - mine[key][0]
+            span = other[lo + shift:hi + shift]
+            if sorted(map(_member_key, span)) == sorted(map(_member_key, ops[lo:hi])):
+                out[key] = (lo + shift, hi + shift)
+    return out
+
+
+def _permuted_orders(parts: dict[str, dict], per_recording: dict[str, dict[str, dict]]) -> list[dict]:
+    """Free orders no calibration process drew, for the runs of frees whose order differed
+    between processes: every order of their members (runs of 2..4 frees of one length), the
+    same order in every such run, as one process draws one order for all of them."""
+    from itertools import permutations
+
+    varying: dict[str, dict[int, tuple[int, int]]] = {}
+    for label, part in parts.items():
+        mine = _free_runs(part["ops"])
+        for variants in per_recording.values():
+            own = variants.get(label)
+            if own is None:
+                continue
+            theirs = _free_runs(own["ops"])
+            for key, (start, end) in mine.items():
+                if key not in theirs:
+                    continue
+                run, other = part["ops"][start:end], own["ops"][slice(*theirs[key])]
+                if run == other or len(run) != len(other):
+                    continue
+                # the span that differs, when it holds the same frees (one that moved to another
+                # run is not a draw of the order)
+                lo = next(i for i, (x, y) in enumerate(zip(run, other)) if x != y)
+                hi = len(run) - next(i for i, (x, y) in enumerate(zip(run[::-1], other[::-1])) if x != y)
+                if sorted(map(_member_key, run[lo:hi])) == sorted(map(_member_key, other[lo:hi])):
+                    lo, hi = _widened(run, lo, hi)
+                    old_span = varying.setdefault(label, {}).get(key)
+                    span = (start + lo, start + hi)
+                    if old_span:
+                        span = (min(span[0], old_span[0]), max(span[1], old_span[1]))
+                    varying[label][key] = span
+    lengths = [end - start for runs in varying.values() for start, end in runs.values()]
+    if not lengths:
+        return []
+    n = max(set(lengths), key=lengths.count)
+    if not 2 <= n <= 4:
+        return []
+    runs = {label: {k: r for k, r in rs.items() if r[1] - r[0] == n} for label, rs in varying.items()}
+    out = []
+    for perm in permutations(range(n)):
+        variant = {label: {"ops": _reordered(parts[label]["ops"], rs, perm)} for label, rs in runs.items() if rs}
+        for label, v in variant.items():
+            after = parts[label].get("ops_after")
+            if after:
+                v["ops_after"] = {prev: _reordered(o, _same_spans(parts[label]["ops"], o, runs[label]), perm)
+                                  for prev, o in after.items()}
+        if variant:
+            out.append({"recording": None, "permutation": list(perm), "parts": variant})
+    return out
+
+
+def _coherent_default(parts: dict[str, dict], synthesized: list[dict]) -> None:
+    """Make the default free order one process's draw: the most common order of each class
+    and of each class of step before (``ops_after``) may come from different processes, a mix
+    no process makes. The draw of the class with the most samples is applied to all of them
+    (``parts`` edited in place)."""
+    if not synthesized:
+        return
+    main = max(synthesized[0]["parts"], key=lambda label: parts[label]["samples"])
+    for variant in synthesized:
+        if variant["parts"][main]["ops"] == parts[main]["ops"]:
+            for label, order in variant["parts"].items():
+                parts[label]["ops"] = order["ops"]
+                if "ops_after" in order:
+                    parts[label]["ops_after"] = {prev: o for prev, o in order["ops_after"].items()
+                                                 if o != order["ops"]}
+                    if not parts[label]["ops_after"]:
+                        del parts[label]["ops_after"]
+            return
 
 
 def _basis(names: list[str], varying: list[int], degree: int) -> list[list[int]]:
@@ -473,10 +636,11 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
     names = names or []
     not_exact: list[dict] = []
     positions = 0
+    per_recording: dict[str, dict[str, dict]] = {}     # recording -> {part: its own free order}
 
     def build(label: str, samples: list[_Step]) -> dict:
         nonlocal positions
-        ops, after, sizes, reordered = _align(label, samples)
+        ops, after, sizes, reordered, own = _align(label, samples)
         points = [s.dims for s in samples]
         basis, coefs, exact = _fit(names, points, [list(x) for x in sizes], max_degree)
 
@@ -506,6 +670,13 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
                 "free_order_variants": reordered}
         if after:
             part["ops_after"] = {prev: with_sizes(o) for prev, o in after.items()}
+        default = (part["ops"], part.get("ops_after", {}))
+        for name, (mine, mine_after) in own.items():
+            variant = {"ops": with_sizes(mine)}
+            if mine_after:
+                variant["ops_after"] = {prev: with_sizes(o) for prev, o in mine_after.items()}
+            if (variant["ops"], variant.get("ops_after", {})) != default:
+                per_recording.setdefault(name, {})[label] = variant
         return part
 
     prologue = build("prologue", prologues)
@@ -517,8 +688,12 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
     from ms_memopt.io.traces.ms_pool_log import POOL_NAME
     # the model of the recorded pool: DynamicMemPoolBestFit (CPU) or, for Ascend's default pool, mindspore
     allocator = "mindspore-bestfit" if pool in (None, POOL_NAME) else "mindspore"
+    free_orders = [{"recording": name, "parts": parts} for name, parts in per_recording.items()]
+    synthesized = _permuted_orders({"prologue": prologue, **classes}, per_recording)
+    _coherent_default({"prologue": prologue, **classes}, synthesized)
+    free_orders += synthesized
     return Template(names, prologue, classes, pool=pool, allocator=allocator, recordings=info,
-                    not_exact=not_exact, positions=positions)
+                    not_exact=not_exact, positions=positions, free_orders=free_orders)
 
 
 def learn_files(paths: Sequence[str | Path], *, max_degree: int = MAX_DEGREE) -> Template:
@@ -537,10 +712,15 @@ def learn_files(paths: Sequence[str | Path], *, max_degree: int = MAX_DEGREE) ->
 
 # --- generating ---------------------------------------------------------------------------
 def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings: list[str] | None = None,
-             first_id: int = 1) -> list[Event]:
+             first_id: int = 1, free_order: int | None = None) -> list[Event]:
     """The events of ``schedule`` (one dims dict per step): the prologue, then each step's
     variant (``first``, ``new_shape``, ``repeat``) with its sizes evaluated at its dims, and a
     ``step`` event (tag ``dims:...``) at each step end.
+
+    ``free_order``: ``None`` frees in the most common order of the calibration steps; ``k``
+    in the order calibration recording ``template.free_orders[k]["recording"]`` freed in
+    (MindSpore draws a few free orders once per process: docs/simulation.md, "Templates
+    learned from recordings").
 
     ``warnings`` (a list) receives what is extrapolated: a dim a class never saw vary, a
     free whose target step's class the template never saw there.
@@ -559,13 +739,19 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
         notes[text] = notes.get(text, 0) + 1
 
     mapping: dict = {}
+    if free_order is not None and not 0 <= free_order < len(template.free_orders):
+        raise InputError(f"free order {free_order}: the template has {len(template.free_orders)} "
+                         "(0.." + str(len(template.free_orders) - 1) + ")" if template.free_orders else
+                         f"free order {free_order}: the template's recordings all freed in one order")
+    own = template.free_orders[free_order]["parts"] if free_order is not None else {}
 
     def run(part: dict, point: list[int], prologue_ids: list[int], history: list, kind: str = "prologue") -> list[int]:
         nonlocal next_id
         ids: list[int] = []
         basis = part["basis"]
         prev = history[-1][0] if history else None
-        for op in part.get("ops_after", {}).get(prev, part["ops"]):
+        order = own.get(kind, part)
+        for op in order.get("ops_after", {}).get(prev, order["ops"]):
             what = op[0]
             if what == "a":
                 events.append(Event("alloc", id=next_id, size=_evaluate(op[1], basis, point), stream=op[3] or 0,
@@ -789,13 +975,29 @@ def template_from_dict(data, source: str = "template") -> Template:
     _check_part(data["prologue"], "prologue", dims, set(CLASSES), source)
     for name, part in classes.items():
         _check_part(part, f"classes.{name}", dims, set(CLASSES), source)
+    free_orders = data.get("free_orders") or []
+    _need(isinstance(free_orders, list), "free_orders", "expected a list", source)
+    parts = {"prologue": data["prologue"], **classes}
+    for k, variant in enumerate(free_orders):
+        at = f"free_orders[{k}]"
+        _need(isinstance(variant, dict) and (variant.get("recording") is None or isinstance(variant["recording"], str))
+              and isinstance(variant.get("parts"), dict), at,
+              "expected {\"recording\": path or null, \"parts\": {...}}", source)
+        for name, order in variant["parts"].items():
+            _need(name in parts and isinstance(order, dict) and "ops" in order, f"{at}.parts.{name}",
+                  f"expected {{\"ops\": [...]}} for one of {sorted(parts)}", source)
+            _check_ops(order["ops"], f"{at}.parts.{name}.ops", parts[name]["basis"], set(CLASSES), source)
+            for prev, ops in (order.get("ops_after") or {}).items():
+                _need(prev in CLASSES, f"{at}.parts.{name}.ops_after.{prev}", "unknown class", source)
+                _check_ops(ops, f"{at}.parts.{name}.ops_after.{prev}", parts[name]["basis"], set(CLASSES), source)
     allocator = data.get("allocator") or "mindspore-bestfit"
     _need(isinstance(allocator, str), "allocator", "expected a model name", source)
     fit = data.get("fit") or {}
     _need(isinstance(fit, dict), "fit", "expected an object", source)
     return Template(dims=list(dims), prologue=data["prologue"], classes=dict(classes), pool=data.get("pool"),
                     allocator=allocator, recordings=list(data.get("recordings") or []),
-                    not_exact=list(fit.get("not_exact") or []), positions=int(fit.get("positions") or 0))
+                    not_exact=list(fit.get("not_exact") or []), positions=int(fit.get("positions") or 0),
+                    free_orders=list(free_orders))
 
 
 def load_template(path: str | Path) -> Template:

@@ -12,8 +12,11 @@ drawn length, every other dim keeps the value the template was recorded at most 
 What a template does not have, this class adds, and says so:
 
 * the *watched request* (where the simulator samples ``largest_free`` against a request): the
-  largest allocation of each step, tagged :data:`~ms_memopt.engine.workload.WATCH_TAG` (tags do
-  not change where a model places a block);
+  largest allocation of each step, tagged :data:`WATCH` (tags do not change where a model places
+  a block);
+* a ``parameter`` tag on untagged allocations of the persistent pool, which MindSpore keeps for
+  Parameters (``set_from_persistent_mem(tensor->is_parameter())``): pool mode's regions route
+  by tag;
 * the ``optimizer_end`` mark that ends a step (where the ``compact`` policy compacts).
 
 Example:
@@ -24,10 +27,12 @@ Example:
     ...                     classes={"first": part, "repeat": part, "new_shape": part})
     >>> work = TemplateWorkload(template, schedule=[{"seq": 8}, {"seq": 16}])
     >>> [(row[0], row[2], row[7]) for row in work.step_rows(2)]
-    [('step', 0, None), ('alloc', 1024, 'allreduce'), ('free', 0, None), ('mark', 0, 'optimizer_end')]
+    [('step', 0, None), ('alloc', 1024, 'step_largest'), ('free', 0, None), ('mark', 0, 'optimizer_end')]
 """
 from __future__ import annotations
 
+import functools
+import os
 from collections import Counter
 from typing import Sequence
 
@@ -35,14 +40,79 @@ import numpy as np
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import FIELDS, ROW_INDEX, Event
-from ms_memopt.engine.template import Template, generate
-from ms_memopt.engine.workload import WATCH_TAG, draw_sequence_length
+from ms_memopt.engine.template import Template, generate, load_template, read_schedule
+from ms_memopt.engine.workload import StepWorkload, draw_sequence_length
 
-__all__ = ["TemplateWorkload", "SEQ_DIM", "recorded_dims"]
+__all__ = ["TemplateWorkload", "SEQ_DIM", "WATCH", "make_workload", "recorded_dims", "template_of",
+           "watched_bytes", "peak_by_pool"]
 
 #: the dim that takes the recipe's sequence-length rules
 SEQ_DIM = "seq"
-_TAG, _STEP, _SIZE, _ACTION = ROW_INDEX["tag"], ROW_INDEX["step"], ROW_INDEX["size"], ROW_INDEX["action"]
+#: the tag of each step's largest request, the one the simulator watches on a template
+WATCH = "step_largest"
+_TAG, _STEP, _SIZE, _ACTION, _POOL, _ID = (ROW_INDEX[k] for k in ("tag", "step", "size", "action", "pool", "id"))
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, mtime: float) -> Template:
+    return load_template(path)
+
+
+def template_of(spec) -> Template | None:
+    """The template a :class:`~ms_memopt.engine.workload.WorkloadSpec` names (loaded once per
+    process and file version), or None."""
+    if not spec.template:
+        return None
+    try:
+        mtime = os.path.getmtime(spec.template)
+    except OSError as exc:
+        raise InputError(f"cannot read the step template: {exc}", source=spec.template,
+                         key="memopt.workload.template") from None
+    return _load(spec.template, mtime)
+
+
+def make_workload(spec, seed: int = 0):
+    """The workload the simulator runs for ``spec`` and one card's ``seed``: the template's steps
+    when ``spec.template`` names one (its ``seq`` drawn by the spec's length rules, or the steps
+    of ``spec.schedule``, a CSV), else the hand-made :class:`~ms_memopt.engine.workload.StepWorkload`."""
+    template = template_of(spec)
+    if template is None:
+        return StepWorkload(spec, seed)
+    schedule = read_schedule(spec.schedule, template.dims) if spec.schedule else None
+    return TemplateWorkload(template, schedule=schedule, rules=None if schedule else spec,
+                            seq_length=spec.seq_length, seed=seed)
+
+
+def watched_bytes(spec) -> int:
+    """The request a template run watches: the largest allocation of a repeat step at the
+    longest length the spec allows (``seq_max``)."""
+    template = template_of(spec)
+    dims = dict(recorded_dims(template))
+    if SEQ_DIM in dims:
+        dims[SEQ_DIM] = spec.seq_max or spec.seq_length
+    rows = TemplateWorkload(template, schedule=[dims, dims]).step_rows(2)
+    return max((row[_SIZE] for row in rows if row[_ACTION] == "alloc"), default=0)
+
+
+def peak_by_pool(workload, steps: int) -> dict[str, int]:
+    """Per pool (``persistent``, ``common``), the most bytes live at once over the prologue and
+    the first ``steps`` steps of ``workload`` (sizes rounded up to MindSpore's 512 B)."""
+    live: dict[int, tuple[str, int]] = {}
+    now: Counter = Counter()
+    peak: Counter = Counter()
+    rows = list(workload.prologue_rows())
+    for step in range(1, steps + 1):
+        rows += workload.step_rows(step)
+    for row in rows:
+        if row[_ACTION] == "alloc":
+            pool, size = row[_POOL] or "common", -(-max(row[_SIZE], 1) // 512) * 512
+            live[row[_ID]] = (pool, size)
+            now[pool] += size
+            peak[pool] = max(peak[pool], now[pool])
+        elif row[_ACTION] == "free" and row[_ID] in live:
+            pool, size = live.pop(row[_ID])
+            now[pool] -= size
+    return dict(peak)
 
 
 def recorded_dims(template: Template) -> dict[str, int]:
@@ -67,6 +137,12 @@ def recorded_dims(template: Template) -> dict[str, int]:
 def _row(event: Event, step: int | None = None) -> tuple:
     row = tuple(getattr(event, name) for name in FIELDS)
     return row if step is None else row[:_STEP] + (step,) + row[_STEP + 1:]
+
+
+def _tagged(row: tuple) -> tuple:
+    if row[_ACTION] == "alloc" and row[_POOL] == "persistent" and row[_TAG] is None:
+        return row[:_TAG] + ("parameter",) + row[_TAG + 1:]
+    return row
 
 
 class TemplateWorkload:
@@ -109,7 +185,7 @@ class TemplateWorkload:
     # the interface the simulator drives -----------------------------------------------------
     def prologue_rows(self) -> list[tuple]:
         """What the template allocates before its first step (weights, optimizer state), as rows."""
-        return [_row(e) for e in generate(self.template, [])]
+        return [_tagged(_row(e)) for e in generate(self.template, [])]
 
     def step_rows(self, step: int) -> list[tuple]:
         """Step ``step`` (1-based) as rows: a ``step`` event, the template's events at the step's
@@ -159,7 +235,7 @@ class TemplateWorkload:
                 self._steps.append(self._finish(number, chunk))
                 chunk, number = [], number + 1
             else:
-                chunk.append(_row(event, number))
+                chunk.append(_tagged(_row(event, number)))
 
     @staticmethod
     def _finish(step: int, rows: list[tuple]) -> list[tuple]:
@@ -167,6 +243,6 @@ class TemplateWorkload:
         if sizes:
             _, at = max(sizes, key=lambda si: (si[0], -si[1]))      # the first of the largest
             row = rows[at]
-            rows[at] = row[:_TAG] + (WATCH_TAG,) + row[_TAG + 1:]
+            rows[at] = row[:_TAG] + (WATCH,) + row[_TAG + 1:]
         return ([("step", None, 0, None, 0, None, None, None, step)] + rows
                 + [("mark", None, 0, None, 0, None, None, "optimizer_end", step)])

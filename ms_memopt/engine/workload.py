@@ -164,6 +164,10 @@ class WorkloadSpec:
     buckets: int = 0
     optimizer_groups: int = 8
     activation_split: tuple[float, ...] = (0.35, 0.3, 0.2, 0.15)
+    #: the share of ``activation_bytes`` that grows with the square of the length: the attention
+    #: probabilities kept without flash attention (0: all linear, as with flash attention). A
+    #: recorded MindSpore layer keeps ``a s + b s^2`` bytes (bench/workload_vs_template.py)
+    activation_quadratic_share: float = 0.0
     workspace_split: tuple[float, ...] = (0.5, 0.3, 0.2)
     enabled: bool = _from_config("enabled")
     dynamic_seq: bool = _from_config("dynamic_seq")
@@ -190,6 +194,8 @@ class WorkloadSpec:
     #: a learned step template's path: the simulator runs its steps instead of this class's
     #: (:class:`~ms_memopt.engine.template_workload.TemplateWorkload`)
     template: str | None = _from_config("template")
+    #: with a template, the steps' dims from a CSV (``simulate T.template.json --schedule``) instead of drawn
+    schedule: str | None = None
     # the time model's view of the step (ms_memopt.engine.timing; 0: no compute counted): forward FLOPs
     # per token and per token squared of the stage's layers per card and sequence, sequences per
     # micro-batch, pipeline stages (the 1F1B bubble), data-parallel ways (the gradient AllReduce)
@@ -428,12 +434,19 @@ class StepWorkload:
             out.setdefault(i * s.layers // count, []).append(part)
         return out
 
+    def _activation_scale(self, length: int) -> float:
+        """A layer's saved bytes at ``length`` tokens relative to ``seq_length``: linear, but for
+        the share ``activation_quadratic_share`` (attention probabilities) that goes with the square."""
+        r = length / self.spec.seq_length
+        q = self.spec.activation_quadratic_share
+        return r + q * (r * r - r) if q else r
+
     def _saved_sizes(self, length: int) -> tuple[list[int], int]:
         """Bytes of one layer's saved tensors, and of a recompute segment's input."""
         s = self.spec
-        scale = length / s.seq_length
+        scale = self._activation_scale(length)
         return ([_aligned(s.activation_bytes * scale * share) for share in s.activation_split],
-                _aligned(s.input_bytes * scale))
+                _aligned(s.input_bytes * (length / s.seq_length)))
 
     def _kept_bytes(self, length: int) -> int:
         """What one micro-batch's forward keeps for its backward (the ``forward:M`` mark's size)."""
@@ -482,7 +495,7 @@ class StepWorkload:
         """One micro-batch backward, last layer first; may request the AllReduce buffer."""
         s = self.spec
         scale = length / s.seq_length
-        act = _aligned(s.activation_bytes * scale)
+        act = _aligned(s.activation_bytes * self._activation_scale(length))
         wss = [_aligned(s.workspace_bytes * scale * share) for share in s.workspace_split]
         grad_size = _aligned(s.param_bytes / s.layers)
         k = s.recompute_every
@@ -680,6 +693,7 @@ def spec_from_recipe(recipe, *, stage: int = 0, plan=None) -> WorkloadSpec:
         grad_bytes=regions["gradients"],
         optimizer_bytes=regions["optimizer"],
         activation_bytes=int(activation * factor),
+        activation_quadratic_share=_quadratic_share(model, shape, selective, recipe),
         workspace_bytes=regions.get("workspace", mem.workspace),
         input_bytes=int(est.layer_input_bytes(model, **shape) * factor),
         recompute_every=k if k and k < layers or k == layers else 0,
@@ -691,6 +705,19 @@ def spec_from_recipe(recipe, *, stage: int = 0, plan=None) -> WorkloadSpec:
         **_moe_fields(recipe, stage, factor),
         **stage_flops_fields(recipe, stage),
     )
+
+
+def _quadratic_share(model, shape: dict, selective: bool, recipe) -> float:
+    """The share of a layer's activation bytes at ``seq`` that is quadratic in the length (the
+    attention probabilities; 0 with flash attention): from the formula ``A(s) = a s + b s^2`` at
+    ``seq`` and twice it, ``A(2s) - 2 A(s) = 2 b s^2``."""
+    from ms_memopt.analysis import estimate as est
+    if model.use_flash_attention or selective:
+        return 0.0
+    kept = dict(recompute="none", comm_kept=not recipe.recompute.mp_comm_recompute)
+    at_seq = est.layer_activation_bytes(model, **shape, **kept)
+    at_twice = est.layer_activation_bytes(model, **{**shape, "seq": 2 * shape["seq"]}, **kept)
+    return max(0.0, min(1.0, (at_twice - 2 * at_seq) / (2 * at_seq))) if at_seq else 0.0
 
 
 def spec_settings(config: WorkloadConfig) -> dict:

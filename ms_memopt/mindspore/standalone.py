@@ -64,7 +64,9 @@ from ms_memopt.mindspore.compaction import CompactionCallback
 from ms_memopt.mindspore.fused_adamw import FusedAdamW
 from ms_memopt.mindspore.model import GPT, GPTConfig, GPTWithLoss, synthetic_batches
 from ms_memopt.mindspore.pool_mode import enable_pool_mode
+from ms_memopt.mindspore import poolcapture
 from ms_memopt.mindspore.scan_callback import LayoutScanCallback
+from ms_memopt.mindspore.steps import mark_step
 
 __all__ = ["RunResult", "select_device", "gpt_config_from_recipe", "token_batches", "sequence_lengths",
            "run_standalone",
@@ -512,7 +514,12 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
     else:
         previous_level = None
     try:
-        return _train(recipe, out, device=device, steps=steps, resume_from=resume_from, progress=progress)
+        result = _train(recipe, out, device=device, steps=steps, resume_from=resume_from, progress=progress)
+        # the run is over (its network freed): its own pool log (a CPU run's) is replayed once, here;
+        # the report reads the summary (ms_memopt.engine.pool_log_check)
+        from ms_memopt.engine.pool_log_check import write_summary
+        write_summary(out)
+        return result
     finally:
         package_logger.removeHandler(handler)
         handler.close()
@@ -591,6 +598,11 @@ def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_
     for cb in callbacks:
         cb.on_train_begin(context)
         cb.on_train_epoch_begin(context)
+    # with the pool log followed, each step's end is marked in it with its shape: the log is a
+    # recording `ms-memopt learn` takes (docs/simulation.md)
+    marking = poolcapture.active() is not None
+    if marking:
+        mark_step()
     try:
         for input_ids, labels in batches:
             params.cur_step_num += 1
@@ -605,6 +617,8 @@ def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_
             result.step_seconds.append(params.step_seconds)
             for cb in callbacks:
                 cb.on_train_step_end(context)
+            if marking:
+                mark_step(seq=int(input_ids.shape[1]), batch=int(input_ids.shape[0]))
             if context.get_stop_requested():
                 notes.append(f"a callback stopped training at step {params.cur_step_num}")
                 break

@@ -15,7 +15,8 @@ step has reached the pool (and its log) before the mark. Under ``ms-memopt recor
 (``MS_MEMOPT_RECORD=1``) it then writes one stderr line, ``ms-memopt step N seq=32 batch=4``,
 which the pool-log reader turns into a ``step`` event with ``tag="dims:seq=32,batch=4"``
 (docs/events.md); ``N`` counts the calls with dims from 1 (the setup mark is ``step 0``).
-Outside a recording nothing is written. ``ms-memopt learn`` builds a step template from such
+In a process that follows its own pool log (:mod:`ms_memopt.mindspore.poolcapture`, what
+``ms-memopt run`` does) the line goes to that log instead. Elsewhere nothing is written. ``ms-memopt learn`` builds a step template from such
 recordings (docs/simulation.md, "Templates learned from recordings").
 
 With ``Model.train`` use :class:`StepMarkCallback`.
@@ -79,7 +80,15 @@ def mark_step(**dims: int) -> int:
     wait_for_queued_ops()
     if os.environ.get("MS_MEMOPT_RECORD"):
         _write_record_line(line)
+    elif _capturing():      # this process's own pool log (ms-memopt run): file descriptor 2 is its file
+        os.write(2, (line + "\n").encode())
     return step
+
+
+def _capturing() -> bool:
+    from ms_memopt.mindspore import poolcapture
+
+    return poolcapture.active() is not None
 
 
 def _callback_base():
@@ -90,7 +99,9 @@ def _callback_base():
 
 class StepMarkCallback(_callback_base()):
     """``Model.train`` callback: :func:`mark_step` at train begin (setup mark) and at every
-    step end with ``dims_fn(run_context)``'s dims (a dict of integers).
+    step end with ``dims_fn(run_context)``'s dims (a dict of integers). It holds each step's
+    outputs until the next step's end (after MindSpore's queued work), so they are freed at
+    the same place in every run (docs/simulation.md, "Fidelity, measured").
 
     Example:
         >>> cb = StepMarkCallback(lambda ctx: {"seq": 32, "batch": 4})       # doctest: +SKIP
@@ -102,9 +113,23 @@ class StepMarkCallback(_callback_base()):
         if not callable(dims_fn):
             raise TypeError("dims_fn must be callable: run_context -> {name: int}")
         self.dims_fn = dims_fn
+        self._held = None
 
     def on_train_begin(self, run_context) -> None:
         mark_step()
 
     def on_train_step_end(self, run_context) -> None:
-        mark_step(**dict(self.dims_fn(run_context)))
+        dims = dict(self.dims_fn(run_context))
+        # Model.train replaces a step's outputs as soon as the next step's network call returns,
+        # while MindSpore's pipeline still runs that step's tail: they would be freed at a point
+        # that changes from run to run. Held here, they are freed at the next step's end, once
+        # its queued work is done, before its mark: the same place in every run.
+        from ms_memopt.mindspore.pool_log_source import wait_for_queued_ops
+
+        wait_for_queued_ops()
+        args = getattr(run_context, "original_args", None)
+        self._held = getattr(args(), "net_outputs", None) if callable(args) else None
+        mark_step(**dims)
+
+    def on_train_end(self, run_context) -> None:
+        self._held = None
