@@ -105,7 +105,7 @@ def _demo(args: argparse.Namespace) -> int:
         print("      learning the GPT's step template from its own pool log, simulating it where it fragments ...",
               flush=True)
         t0 = time.perf_counter()
-        learned = _learned_model(run_dir, out / "learned", args.sim_steps)
+        learned = _learned_model(run_dir, out / "learned", min(args.sim_steps, 200))
         timings["learned template: learn + simulate"] = time.perf_counter() - t0
         if learned is not None:
             parts.append(("learned", "The CPU GPT's own steps, learned from its recording"))
@@ -185,24 +185,31 @@ def _learned_model(run_dir: Path, out: Path, steps: int) -> Path | None:
         data["memopt"]["device"]["hbm"] = capacity if capacity is not None else 2**40
         return recipe_from_dict(copy.deepcopy(data), source=f"{CPU_RECIPE} + {path.name}")
 
-    def baseline(capacity: int | None):
+    def runs(capacity: int | None) -> dict:
         r = recipe_at(capacity)
-        return simulate(spec_from_recipe(r), config_from_recipe(r), policies=("baseline",))["baseline"].seeds[0]
+        return {p: s.seeds[0] for p, s in simulate(spec_from_recipe(r), config_from_recipe(r),
+                                                   policies=("baseline", "compact")).items()}
 
-    free = baseline(None)
-    chosen = None
+    free = runs(None)["baseline"]
+    # the largest capacity where the baseline dies of fragmentation and compaction saves it: what
+    # kills it there is the holes, not memory in use (which grows on CPU: MindSpore's PyNative
+    # reduce ops keep 3 x 512 B a call, docs/verified.md); else the largest where it dies at all
+    chosen = dies = None
     for share in range(100, 0, -2):
         capacity = free.peak_reserved * share // 100
         if capacity < free.peak_allocated:
             break
-        run = baseline(capacity)
-        if run.oom_step is not None and run.oom_kind == "fragmentation":
-            chosen = capacity
-            break
+        at = runs(capacity)
+        if at["baseline"].oom_step is not None and at["baseline"].oom_kind == "fragmentation":
+            dies = dies or capacity
+            if at["compact"].oom_step is None:
+                chosen = capacity
+                break
+    chosen = chosen or dies
     recipe = recipe_at(chosen)
     print(f"      template: {template.positions} positions ({template.exact} exact), dims "
           f"{', '.join(template.dims)}; unbounded peak {format_size(free.peak_allocated)} allocated, "
-          f"{format_size(free.peak_reserved)} reserved; "
+          f"{format_size(free.peak_reserved)} reserved over {steps} steps; "
           + (f"capacity {format_size(chosen)}, where the baseline dies of fragmentation"
              if chosen else "no capacity above the peak kills the baseline by fragmentation"), flush=True)
     scans = recipe.memopt.scan_every
@@ -215,10 +222,22 @@ def _learned_model(run_dir: Path, out: Path, steps: int) -> Path | None:
     for policy, s in results.items():
         r = s.seeds[0]
         print(f"      {policy:<9} OOM step {r.oom_step}" + (f" ({r.oom_kind})" if r.oom_step else ""), flush=True)
+    deaths = {s.seeds[0].oom_step for s in results.values()}
+    if chosen and len(deaths) == 1 and None not in deaths:
+        grow = (free.peak_allocated - _peak_after(recipe_at(None), 20)) / max(1, steps - 20)
+        print(f"      every policy dies at the same step: this model's memory in use grows "
+              f"{format_size(int(grow))} a step (allocations never freed, as recorded), so growth, not the "
+              f"holes, decides where it dies", flush=True)
     write_layouts(out / "layouts.jsonl", collector.snapshots())
     build_report(out, title="The CPU GPT's own steps (a template learned from its recording)",
                  memory_map_title="the learned GPT: the pool just before each step's largest request")
     return path
+
+
+def _peak_after(recipe: Recipe, steps: int) -> int:
+    """Peak bytes allocated by the baseline over the first ``steps`` steps of ``recipe``."""
+    return simulate(spec_from_recipe(recipe), config_from_recipe(recipe, steps=steps),
+                    policies=("baseline",))["baseline"].seeds[0].peak_allocated
 
 
 def _first_ranks(recipe: Recipe, steps: int, seeds: int) -> list:
