@@ -81,7 +81,7 @@ __all__ = [
 
 POLICIES = ("baseline", "compact", "pool")
 # where a row (a tuple of Event's fields, ms_memopt.core.events.FIELDS) holds what the loop reads
-_ID, _SIZE, _POOL, _TAG, _ACTION = (ROW_INDEX[n] for n in ("id", "size", "pool", "tag", "action"))
+_ID, _SIZE, _POOL, _TAG = (ROW_INDEX[n] for n in ("id", "size", "pool", "tag"))
 COMPACT_TRIGGERS = ("forecast", "margin")
 
 
@@ -433,6 +433,7 @@ class _Run:
                     on_free=self._at_free if recording or tagging else None,
                     on_evict=self._at_evict if recording or tagging else None)
         self.model = run.model
+        self.requests = run.allocs
         if run.oom_index is not None:
             self._fail(Event(*batch[run.oom_index]), step)
         if not self.dead:
@@ -584,13 +585,11 @@ def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig,
         started = time.perf_counter()
         shapes = len(gen.shapes_seen)
         batch = gen.step_rows(step)
-        # the time model's host counts: one op's dispatch per request, kernels built at a new shape
-        requests = sum(1 for row in batch if row[_ACTION] == "alloc")
+        # the time model prices kernel builds at a shape new to the rank (and each request, counted by the loop)
         new_shape = len(gen.shapes_seen) > shapes
         generation += time.perf_counter() - started
         for run in alive:
-            run.lengths = gen.lengths
-            run.requests, run.new_shape = requests, new_shape
+            run.lengths, run.new_shape = gen.lengths, new_shape
         alive = [run for run in alive if run.feed(step, batch)]
         if on_step is not None:
             on_step(step)

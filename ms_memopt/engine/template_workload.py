@@ -175,6 +175,7 @@ class TemplateWorkload:
         self._rng = np.random.default_rng(seed)
         self._schedule: list[dict[str, int]] = []
         self._steps: list[list[tuple]] = []          # rows of generated steps 1..len
+        self._prologue: list[tuple] | None = None
         self.shapes_seen: set[tuple] = set()
         #: the dims of the last step asked for; ``lengths`` its sequence length (a list, as the
         #: hand-made workload's micro-batches)
@@ -185,7 +186,9 @@ class TemplateWorkload:
     # the interface the simulator drives -----------------------------------------------------
     def prologue_rows(self) -> list[tuple]:
         """What the template allocates before its first step (weights, optimizer state), as rows."""
-        return [_tagged(_row(e)) for e in generate(self.template, [])]
+        if self._prologue is None:      # generated once: every regeneration of the steps starts with it
+            self._prologue = [_tagged(_row(e)) for e in generate(self.template, [])]
+        return list(self._prologue)
 
     def step_rows(self, step: int) -> list[tuple]:
         """Step ``step`` (1-based) as rows: a ``step`` event, the template's events at the step's
@@ -226,7 +229,7 @@ class TemplateWorkload:
         warnings: list[str] = []
         events = generate(self.template, self._schedule, warnings=warnings)
         self.warnings = warnings
-        prologue = sum(1 for _ in generate(self.template, []))
+        prologue = len(self.prologue_rows())
         self._steps = []
         chunk: list[tuple] = []
         number = 1
