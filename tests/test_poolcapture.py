@@ -73,3 +73,37 @@ def test_capture_refuses_after_mindspore_is_imported(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "imported before" in proc.stdout and "refused: None" in proc.stdout
     assert not (tmp_path / "p.log").exists()
+
+
+MARKS = textwrap.dedent("""
+    import sys
+    from ms_memopt.mindspore import poolcapture
+    capture = poolcapture.start(sys.argv[1])
+    import numpy as np
+    import mindspore as ms
+    from ms_memopt.mindspore import mark_step
+    mark_step()
+    for rows in (8, 16, 8):
+        x = ms.Tensor(np.ones((rows, 64), np.float32))
+        y = (x * 2 + 1) * 3
+        y.asnumpy()
+        mark_step(seq=rows, batch=1)
+    capture.poll()
+    capture.stop()
+""")
+
+
+@pytest.mark.mindspore
+def test_marks_go_to_the_process_s_own_pool_log_and_are_a_recording(tmp_path):
+    """`ms-memopt run` follows its own pool log; mark_step writes its step lines there (not to
+    the terminal), so the log is a recording `ms-memopt learn` takes."""
+    script = tmp_path / "marks.py"
+    script.write_text(MARKS)
+    log = tmp_path / "pool.log"
+    proc = subprocess.run([sys.executable, str(script), str(log)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ms-memopt step" not in proc.stderr
+    from ms_memopt.io.traces import load_trace
+    steps = [e for e in load_trace(log).events if e.action == "step"]
+    assert [(e.step, e.tag) for e in steps] == [(0, None), (1, "dims:seq=8,batch=1"), (2, "dims:seq=16,batch=1"),
+                                                (3, "dims:seq=8,batch=1")]
