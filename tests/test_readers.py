@@ -173,6 +173,16 @@ def test_msmemscope_pairs_by_address_without_ids(tmp_path):
     assert [(e.action, e.id, e.time) for e in trace.events] == [("alloc", 1, 100), ("free", 1, 300)]
 
 
+def test_msmemscope_device_ids_order_numerically_however_long(tmp_path):
+    """A fuzz case: a 5,000-digit Device Id made int() raise ValueError (its digit limit)."""
+    header = "ID,Event,Event Type,Name,Timestamp(ns),Process Id,Thread Id,Device Id,Ptr,Attr\n"
+    rows = ('1,MALLOC,MINDSPORE,N/A,100,1,1,10,0x10,"{addr:0x10,size:512}"\n'
+            '2,MALLOC,MINDSPORE,N/A,110,1,1,' + "9" * 5000 + ',0x20,"{addr:0x20,size:512}"\n'
+            '3,MALLOC,MINDSPORE,N/A,120,1,1,02,0x30,"{addr:0x30,size:512}"\n')
+    trace = read_msmemscope(_write(tmp_path, "s.csv", header + rows))
+    assert [e.addr for e in trace.events if e.action == "alloc"] == [0x30]     # device 2, the lowest
+
+
 # --- instances --------------------------------------------------------------------------------
 def test_instances_frees_before_allocs_at_equal_times():
     buffers = [SimpleNamespace(id="x", lower=0, upper=2, size=8), SimpleNamespace(id="y", lower=2, upper=4, size=8),

@@ -167,7 +167,12 @@ def _read(handle, source: str) -> Trace:
 
 
 def _device_key(device: str):
-    return (0, int(device)) if device.isdigit() else (1, device)
+    """Device ids in numeric order, then the others (``host``) by name; digits are compared by
+    length and text, not converted: a 5,000-digit id is beyond ``int()``'s string limit."""
+    if device.isdigit():
+        digits = device.lstrip("0") or "0"
+        return (0, len(digits), digits)
+    return (1, 0, device)
 
 
 def _to_trace(rows: list[_Row], devices: set[str], source: str, unit: str) -> Trace:
