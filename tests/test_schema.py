@@ -88,7 +88,9 @@ def test_every_recipe_value_reaches_the_spec(tmp_path):
     # each key set to a non-default value arrives in the simulator's spec unchanged
     template = tmp_path / "mine.template.json"
     template.write_text("{}")      # the recipe checks the file is there; the engine reads it
-    values = {"template": str(template), "enabled": False, "dynamic_seq": True, "seq_distribution": "lognormal", "seq_min": 16,
+    schedule = tmp_path / "steps.csv"
+    schedule.write_text("seq\n16\n")
+    values = {"template": str(template), "schedule": str(schedule), "enabled": False, "dynamic_seq": True, "seq_distribution": "lognormal", "seq_min": 16,
               "seq_max": 48, "seq_buckets": [32, 48], "seq_align": 8, "long_tail": 0.25, "comm_jitter": 0.4,
               "moe_load_cv": 0.7, "shape_cache": {"bytes_per_shape": 12345, "max_shapes": 9},
               "extra_allocs": {"probability": 0.5, "size": 4096, "lifetime_steps": 3}}

@@ -233,7 +233,8 @@ def test_learn_and_simulate_through_the_cli(tmp_path, capsys):
     held = record([(40, 3), (40, 3), (12, 5), (40, 3)])
     assert fidelity(held, exported.events)["size_match"] == 1.0
     # an OOM under a small capacity is reported, not raised
-    assert main(["simulate", str(template), "--schedule", str(schedule), "--capacity", "4KiB", "--json"]) == 0
+    assert main(["simulate", str(template), "--schedule", str(schedule), "--capacity", "4KiB", "--export-events",
+                 str(tmp_path / "small.jsonl"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ooms"]
     # the template options are refused for a recipe; a template needs its schedule
     assert main(["simulate", str(REPO / "recipes/demo_cpu.yaml"), "--schedule", str(schedule)]) == 2

@@ -135,3 +135,64 @@ def test_template_steps_are_priced_per_request_and_per_new_shape():
     assert len(counts) == 30 and all(c.requests > 0 for c in counts)
     new = [c for c in counts if c.new_shape_requests]
     assert 1 <= len(new) <= result.shapes_seen and all(c.new_shape_requests == c.requests for c in new)
+
+
+def _schedule(tmp_path, lengths):
+    path = tmp_path / "s.csv"
+    path.write_text("seq,batch\n" + "".join(f"{n},4\n" for n in lengths))
+    return path
+
+
+def test_a_bare_template_runs_as_a_one_card_job_with_policies_report_and_memory_map(tmp_path, capsys):
+    import json
+
+    from ms_memopt.cli import main
+
+    save_template(learned(), tmp_path / "toy.template.json")
+    schedule = _schedule(tmp_path, [8, 16, 32, 8, 24] * 8)
+    args = ["simulate", str(tmp_path / "toy.template.json"), "--schedule", str(schedule)]
+    assert main(args + ["--json", "--workers", "1", "--out", str(tmp_path / "out")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ranks"] == 1 and out["steps"] == 40 and set(out["policies"]) == {"baseline", "compact", "pool"}
+    assert out["allocator"] == "mindspore-bestfit"
+    for policy, result in out["policies"].items():
+        assert result["job_oom_step"] is None, policy
+        assert result["timing"] is None and "recipe" in result["timing_note"]     # no model FLOPs to price
+        assert result["first_rank"]["peak_allocated"] > 0
+    for name in ("timeline.jsonl", "layouts.jsonl", "report.md", "memory_map.png"):
+        assert (tmp_path / "out" / name).is_file(), name
+    assert not (tmp_path / "out" / "timing.json").exists()
+    # --steps takes the schedule's first steps, --policy picks, --capacity sets the card
+    assert main(args + ["--json", "--workers", "1", "--steps", "10", "--policy", "baseline",
+                        "--capacity", "1MiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == 10 and list(out["policies"]) == ["baseline"] and out["capacity"] == 2**20
+    # a job of many ranks needs a recipe; the replay's options do not mix with the job's
+    assert main(args + ["--ranks", "4"]) == 2
+    assert "memopt.workload.template" in capsys.readouterr().err
+    assert main(args + ["--steps", "41"]) == 2
+    assert "schedule's rows" in capsys.readouterr().err
+    assert main(args + ["--export-events", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o2")]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_a_recipe_takes_its_template_steps_from_a_schedule(tmp_path):
+    from ms_memopt.engine.simulate import config_from_recipe, simulate_policy
+    from ms_memopt.engine.workload import spec_from_recipe
+
+    _schedule(tmp_path, [32] * 30)
+    recipe = load_recipe(_template_recipe(tmp_path, schedule="s.csv", steps=30))
+    assert recipe.memopt.workload.schedule == str(tmp_path / "s.csv")
+    result = simulate_policy(spec_from_recipe(recipe), "baseline", config_from_recipe(recipe))
+    assert result.shapes_seen == 1 and result.steps == 30
+    # the schedule's length bounds the run; a schedule needs a template; it must exist
+    with pytest.raises(InputError, match="step 31"):
+        simulate_policy(spec_from_recipe(recipe), "baseline", config_from_recipe(recipe, steps=31))
+    path = _template_recipe(tmp_path, schedule="missing.csv")
+    with pytest.raises(InputError, match=r"memopt\.workload\.schedule.*existing schedule file"):
+        load_recipe(path)
+    path.write_text(path.read_text().replace("    template: toy.template.json\n", ""))
+    _schedule(tmp_path, [8])
+    path.write_text(path.read_text().replace("missing.csv", "s.csv"))
+    with pytest.raises(InputError, match="only with memopt.workload.template"):
+        load_recipe(path)

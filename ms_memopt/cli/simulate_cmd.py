@@ -27,7 +27,7 @@ from pathlib import Path
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.units import format_size
 
-__all__ = ["add_job_arguments", "add_parser", "configure_job", "parse_policies", "parse_stages", "run"]
+__all__ = ["add_job_arguments", "add_parser", "configure_job", "parse_policies", "parse_stages", "run", "run_jobs"]
 
 
 def add_parser(parser) -> None:
@@ -87,18 +87,31 @@ def run(args) -> int:
     for flag in ("schedule", "export_events", "capacity", "free_order"):
         if getattr(args, flag, None) is not None:
             raise InputError("only for a step template (MODEL.template.json, ms-memopt learn)"
-                             + ("; a recipe's capacity is memopt.device.hbm" if flag == "capacity" else ""),
+                             + ("; a recipe's capacity is memopt.device.hbm" if flag == "capacity" else
+                                "; a recipe names one as memopt.workload.schedule" if flag == "schedule" else ""),
                              key="--" + flag.replace("_", "-"))
-    from ms_memopt.engine.job import ShowRank, job_from_recipe, median_job_oom_step, simulate_jobs
     from ms_memopt.config.recipe import load_recipe
-    from ms_memopt.engine.simulate import POLICIES
 
-    policies = parse_policies(args.policy, POLICIES)
+    _check_counts(args)
+    return run_jobs(load_recipe(args.recipe), args)
+
+
+def _check_counts(args) -> None:
     if args.steps is not None and args.steps < 1:
         raise InputError(f"expected a positive number of steps, got {args.steps}", key="--steps")
     if args.seeds is not None and args.seeds < 1:
         raise InputError(f"expected a positive number of seeds, got {args.seeds}", key="--seeds")
-    recipe = load_recipe(args.recipe)
+
+
+def run_jobs(recipe, args, *, priced: bool = True) -> int:
+    """Simulate ``recipe``'s job under ``args``' policies and print it (the recipe route; a bare
+    template's one-card recipe, :func:`~ms_memopt.engine.template_workload.recipe_for_template`,
+    comes here too with ``priced=False``: it has no model whose FLOPs the time model could price)."""
+    from ms_memopt.engine.job import ShowRank, job_from_recipe, median_job_oom_step, simulate_jobs
+    from ms_memopt.engine.simulate import POLICIES
+
+    policies = parse_policies(args.policy, POLICIES)
+    _check_counts(args)
     seeds = list(range(args.seeds)) if args.seeds else [recipe.memopt.workload.seed if args.seed is None
                                                           else args.seed]
     jobs = [configure_job(job_from_recipe(recipe, policies=policies, seed=seed, ranks=args.ranks,
@@ -122,7 +135,7 @@ def run(args) -> int:
         if timeline is not None:
             timeline.close()
     first = next(iter(results[0].values()))
-    if out_dir is not None:
+    if out_dir is not None and priced:
         _write_timing(out_dir / "timing.json", results[0])
     if show is not None:
         _write_shown_rank(jobs[0], first.view, out_dir, viz_paths, args)
@@ -140,9 +153,11 @@ def run(args) -> int:
                                            "seeds": [r.to_dict() for r in per_seed]}
             else:
                 out["policies"][policy] = per_seed[0].to_dict()
+            if not priced:
+                _unpriced(out["policies"][policy])
         print(json.dumps(out))
     else:
-        _print_table(results, policies, cfg, bool(args.seeds))
+        _print_table(results, policies, cfg, bool(args.seeds), priced=priced)
     any_oom = any(job[p].job_oom_step is not None for job in results for p in policies)
     return 1 if (args.fail_on_oom and any_oom) else 0
 
@@ -249,7 +264,20 @@ def _dash(value) -> str:
     return "-" if value is None else str(value)
 
 
-def _print_table(results, policies, cfg, many: bool) -> None:
+#: why a bare template's run has no time model (``simulate --json``'s ``timing_note``)
+UNPRICED = ("a template records no model FLOPs: name it in a recipe (memopt.workload.template) for the time model")
+
+
+def _unpriced(figures: dict) -> None:
+    """Drop the time model's figures from a policy's (or its seeds') ``--json`` object."""
+    for entry in [figures, *figures.get("seeds", [])]:
+        if "timing" in entry:
+            entry.pop("timing_detail", None)
+            entry["timing"] = None
+            entry["timing_note"] = UNPRICED
+
+
+def _print_table(results, policies, cfg, many: bool, *, priced: bool = True) -> None:
     print(f"{cfg.steps} steps, allocator {cfg.allocator} {cfg.allocator_options or ''}, "
           f"capacity {format_size(cfg.capacity)}, scan every {cfg.scan_every}, compact every {cfg.compact_every}")
     print(f"{'policy':<9} {'seed':>4} {'ranks':>5} {'job_oom':>7} {'rank':>5} {'stage':>5} {'oom_kind':<13} "
@@ -268,7 +296,10 @@ def _print_table(results, policies, cfg, many: bool) -> None:
         if many:
             from ms_memopt.engine.job import median_job_oom_step
             print(f"{policy:<9} median job_oom_step: {median_job_oom_step([job[policy] for job in results])}")
-    _print_timing(results, policies)
+    if priced:
+        _print_timing(results, policies)
+    else:
+        print(f"time model: not priced ({UNPRICED})")
 
 
 def _pct(value) -> str:

@@ -1,5 +1,13 @@
 """``ms-memopt simulate MODEL.template.json --schedule FILE.csv``: a learned step template run.
 
+Two routes. Without ``--export-events`` the template runs as a one-card job
+(:func:`~ms_memopt.engine.template_workload.recipe_for_template`): every policy of ``--policy``,
+``--steps``, ``--seeds``, ``--capacity``, ``--allocator``, ``--compact-trigger``, ``--out``'s
+timeline, report and memory map, ``--export-memory-viz``, the forecast and the executors, as a
+recipe naming it (``memopt.workload.template``) gets; the time model is not priced (a template
+records no model FLOPs), and a job of many ranks needs a recipe (``--ranks`` and ``--stages`` are
+refused with that advice). With ``--export-events`` (the held-out check's route):
+
 The template (``ms-memopt learn``) generates the events of every step of the schedule (one CSV
 row per step, one column per dim): its prologue, then per step the variant its place calls
 for (``first``, ``new_shape``, ``repeat``). They are replayed through the template's allocator
@@ -34,6 +42,12 @@ def run(args) -> int:
     if not getattr(args, "schedule", None):
         raise InputError("a template needs --schedule FILE.csv (a header of dims "
                          f"{','.join(template.dims)}, one row per step)", key="--schedule")
+    if not args.export_events:
+        return _run_job(args)
+    for flag in _JOB_ONLY:
+        if getattr(args, flag, None) not in (None, False):
+            raise InputError("--export-events replays the schedule once through the recorded pool's model; "
+                             "drop it for the job's options", key="--" + flag.replace("_", "-"))
     schedule = read_schedule(args.schedule, template.dims)
     name = args.allocator or template.allocator
     options = parse_allocator_options(name, args.allocator_option)
@@ -87,6 +101,29 @@ def run(args) -> int:
         if args.export_events:
             print(f"events written   {args.export_events}")
     return 1 if (getattr(args, "fail_on_oom", False) and result.ooms) else 0
+
+
+#: the job route's options (they do not combine with --export-events)
+_JOB_ONLY = ("out", "seeds", "export_memory_viz", "compact_trigger", "ranks", "stages")
+
+
+def _run_job(args) -> int:
+    """The template as a one-card job (:func:`~ms_memopt.cli.simulate_cmd.run_jobs`)."""
+    from ms_memopt.cli.simulate_cmd import run_jobs
+    from ms_memopt.engine.template_workload import recipe_for_template
+
+    for flag in ("ranks", "stages"):
+        if getattr(args, flag, None) is not None:
+            raise InputError("a bare template is one card; for a job of many ranks name it in a recipe "
+                             "(memopt.workload.template, with its sequence-length rules or memopt.workload.schedule; "
+                             "docs/simulation.md)", key="--" + flag)
+    if getattr(args, "free_order", None) is not None:
+        raise InputError("--free-order goes with --export-events (one replay in that calibration process's "
+                         "order); the job runs the most common order", key="--free-order")
+    capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
+    recipe = recipe_for_template(args.recipe, args.schedule, capacity=capacity, steps=args.steps)
+    args.steps = None           # the recipe has them
+    return run_jobs(recipe, args, priced=False)
 
 
 def _class_counts(template, schedule) -> dict[str, int]:

@@ -290,6 +290,9 @@ class WorkloadConfig:
     #: a step template learned from recordings (``ms-memopt learn``): the steps are the user's
     #: model's instead of the hand-made workload's; a path relative to the recipe's folder
     template: str | None = None
+    #: with a template, each step's dims from a CSV (one row a step, one column a dim; ``simulate
+    #: T.template.json --schedule``) instead of drawn by the length rules; relative to the recipe
+    schedule: str | None = None
 
 
 #: ``memopt.workload.seq_distribution``'s choices
@@ -533,10 +536,19 @@ class _Reader:
         """A ``.template.json`` file (``ms-memopt learn``), relative to the recipe's folder; it must exist."""
         if not isinstance(value, str) or not value.endswith(".template.json"):
             raise self.fail(path, value, "the path of a step template, NAME.template.json (ms-memopt learn)")
+        return self._existing(value, path, "step template file")
+
+    def schedule_path(self, value: Any, path: str) -> str:
+        """A step schedule, ``.csv`` (one row a step, one column a dim), relative to the recipe's folder."""
+        if not isinstance(value, str) or not value.endswith(".csv"):
+            raise self.fail(path, value, "the path of a step schedule, NAME.csv (a header of dims, one row a step)")
+        return self._existing(value, path, "schedule file")
+
+    def _existing(self, value: str, path: str, what: str) -> str:
         where = Path(value) if Path(value).is_absolute() or self.source.startswith("<") else \
             Path(self.source).parent / value
         if not where.is_file():
-            raise self.fail(path, value, f"an existing step template file ({where} is not one)")
+            raise self.fail(path, value, f"an existing {what} ({where} is not one)")
         return str(where)
 
     def integer(self, minimum: int | None = 1, maximum: int | None = None) -> Callable[[Any, str], int]:
@@ -1140,7 +1152,10 @@ def _read_workload(r: _Reader, w: dict, train: TrainConfig, model: ModelConfig) 
         comm_jitter=r.get(w, "comm_jitter", f"{p}.comm_jitter", fraction, d.comm_jitter),
         moe_load_cv=r.get(w, "moe_load_cv", f"{p}.moe_load_cv", r.number(minimum=0, maximum=10), d.moe_load_cv),
         template=r.get(w, "template", f"{p}.template", r.template_path, d.template),
+        schedule=r.get(w, "schedule", f"{p}.schedule", r.schedule_path, d.schedule),
     )
+    if workload.schedule and not workload.template:
+        raise r.fail(f"{p}.schedule", w.get("schedule"), f"a schedule only with {p}.template (a step template's dims)")
     if workload.seq_max > model.seq_length:
         raise r.fail(f"{p}.seq_max", workload.seq_max,
                      f"at most model.model_config.seq_length ({model.seq_length})")

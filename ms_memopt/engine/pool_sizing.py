@@ -44,7 +44,9 @@ def region_sizes_for_template(spec, capacity: int | None = None, *, steps: int =
     ``capacity``, or twice the dry run's common peak without one)."""
     from ms_memopt.engine.template_workload import make_workload, peak_by_pool
 
-    peak = peak_by_pool(make_workload(spec, 0), steps)
+    work = make_workload(spec, 0)
+    # a schedule ends: the dry run stays within it
+    peak = peak_by_pool(work, min(steps, work.scheduled_steps or steps))
     parameters = int(peak.get("persistent", 0) * 1.1) + 4096
     parameters = (parameters + _ALIGN - 1) // _ALIGN * _ALIGN
     rest = capacity - parameters if capacity is not None else 2 * peak.get("common", 0) + 2**20

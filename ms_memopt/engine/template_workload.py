@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 from collections import Counter
 from typing import Sequence
 
@@ -44,12 +45,14 @@ from ms_memopt.engine.template import Template, generate, load_template, read_sc
 from ms_memopt.engine.workload import StepWorkload, draw_sequence_length
 
 __all__ = ["TemplateWorkload", "SEQ_DIM", "WATCH", "make_workload", "recorded_dims", "template_of",
-           "watched_bytes", "peak_by_pool"]
+           "watched_bytes", "peak_by_pool", "recipe_for_template", "UNBOUNDED"]
 
 #: the dim that takes the recipe's sequence-length rules
 SEQ_DIM = "seq"
 #: the tag of each step's largest request, the one the simulator watches on a template
 WATCH = "step_largest"
+#: the capacity of a bare template's card when none is given: 1 TiB, more than any step asks for
+UNBOUNDED = 1 << 40
 _TAG, _STEP, _SIZE, _ACTION, _POOL, _ID = (ROW_INDEX[k] for k in ("tag", "step", "size", "action", "pool", "id"))
 
 
@@ -81,6 +84,51 @@ def make_workload(spec, seed: int = 0):
     schedule = read_schedule(spec.schedule, template.dims) if spec.schedule else None
     return TemplateWorkload(template, schedule=schedule, rules=None if schedule else spec,
                             seq_length=spec.seq_length, seed=seed)
+
+
+def recipe_for_template(path: str, schedule: str, *, capacity: int | None = None, steps: int | None = None):
+    """The one-card recipe a bare template (``ms-memopt simulate T.template.json --schedule
+    CSV``) runs under, so that it gets every policy, ``--out``'s report and memory map, the
+    forecast and the executors exactly as a recipe naming the template does
+    (``memopt.workload.template`` and ``memopt.workload.schedule``).
+
+    The card is the recorded pool's (the template's ``allocator``, blocks of 1 MiB as MindSpore's
+    CPU pool takes them, none pre-grown) with ``capacity`` bytes (default :data:`UNBOUNDED`); the
+    run has the schedule's steps (``steps``: the first that many). A template records no model:
+    the recipe's ``model`` section only satisfies the schema (one layer, the schedule's longest
+    ``seq``), so its FLOPs mean nothing and the caller must not report the time model.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> from ms_memopt.engine.template import Template, save_template
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> part = {"samples": 1, "seen": [{"seq": 8}], "basis": [[0]], "ops": []}
+        >>> save_template(Template(["seq"], part, {"first": part, "repeat": part}), d / "m.template.json")
+        >>> _ = (d / "s.csv").write_text("seq\\n8\\n16\\n")
+        >>> r = recipe_for_template(str(d / "m.template.json"), str(d / "s.csv"))
+        >>> r.memopt.workload.steps, r.memopt.allocator.name, r.memopt.device.hbm == UNBOUNDED
+        (2, 'mindspore_bestfit', True)
+    """
+    from ms_memopt.config.recipe import recipe_from_dict
+
+    template = load_template(path)
+    rows = read_schedule(schedule, template.dims)
+    if steps is not None and not 1 <= steps <= len(rows):
+        raise InputError(f"expected 1 to {len(rows)} steps (the schedule's rows), got {steps}", key="--steps")
+    longest = max([row.get(SEQ_DIM, 1) for row in rows] + [recorded_dims(template).get(SEQ_DIM, 1), 1])
+    data = {
+        "model": {"model_config": {"num_layers": 1, "hidden_size": 8, "num_heads": 1, "seq_length": longest,
+                                   "vocab_size": 8}},
+        "memopt": {
+            "device": {"name": "recorded pool", "hbm": capacity if capacity is not None else UNBOUNDED, "cards": 1},
+            "allocator": {"name": template.allocator.replace("-", "_"), "pregrow": False, "increase_size": "1MiB"},
+            "workload": {"template": str(Path(path).resolve()), "schedule": str(Path(schedule).resolve()),
+                         "steps": steps or len(rows), "dynamic_seq": False},
+            # about 10 scans a run, so that the compact policy can act on a short schedule
+            "scan_every": max(1, min(100, (steps or len(rows)) // 10)),
+        },
+    }
+    return recipe_from_dict(data, source=f"<{path} with {schedule}>")
 
 
 def watched_bytes(spec) -> int:
@@ -199,6 +247,11 @@ class TemplateWorkload:
         self.shapes_seen.add(tuple(sorted(self.dims.items())))
         self.lengths = [self.dims.get(SEQ_DIM, self.seq_length)]
         return self._steps[step - 1]
+
+    @property
+    def scheduled_steps(self) -> int | None:
+        """The steps of a given schedule (asking for more is an error); ``None`` when drawn."""
+        return None if self._fixed is None else len(self._fixed)
 
     def to_dict(self) -> dict:
         """What the run is made of, for ``--json``."""

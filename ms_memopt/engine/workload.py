@@ -195,7 +195,7 @@ class WorkloadSpec:
     #: (:class:`~ms_memopt.engine.template_workload.TemplateWorkload`)
     template: str | None = _from_config("template")
     #: with a template, the steps' dims from a CSV (``simulate T.template.json --schedule``) instead of drawn
-    schedule: str | None = None
+    schedule: str | None = _from_config("schedule")
     # the time model's view of the step (ms_memopt.engine.timing; 0: no compute counted): forward FLOPs
     # per token and per token squared of the stage's layers per card and sequence, sequences per
     # micro-batch, pipeline stages (the 1F1B bubble), data-parallel ways (the gradient AllReduce)
