@@ -79,7 +79,8 @@ def test_more_hbm_bandwidth_shortens_the_compaction_pause(demo_results):
     job = demo_results["compact"]
     pauses = []
     for bandwidth in (1e9, 2e9, 4e9):
-        figures = job.timing_figures(TimingConfig(hbm_bandwidth=bandwidth, compaction_barrier_seconds=0.0))
+        figures = job.timing_figures(TimingConfig(hbm_bandwidth=bandwidth, compaction_barrier_seconds=0.0,
+                                                  compaction_tensor_seconds=0.0))
         t, detail = figures
         pauses.append(t["compaction_pause_share"] * sum(detail["step_seconds"]))
     assert pauses[0] > pauses[1] > pauses[2] > 0
@@ -160,6 +161,7 @@ def test_recipe_timing_keys_reach_the_simulator():
 @pytest.mark.parametrize("key, value", [
     ("base_efficiency", 1.5), ("base_efficiency", 0), ("peak_flops", 0), ("peak_flops", "fast"),
     ("hbm_bandwidth", -1), ("collective_bandwidth", 0), ("device_alloc_seconds", -0.001),
+    ("device_free_seconds", -0.001),
     ("vmm_chunk_seconds", "x"), ("defrag_sweep_seconds", -1), ("slow_path_seconds", float("nan")),
     ("compaction_barrier_seconds", -5), ("hbm_bandwith", 1e12),
 ])
@@ -241,3 +243,95 @@ def test_vmm_chunk_maps_are_counted():
     result = simulate_jobs([job], workers=1)[0]["baseline"]
     counts = [StepCounts(*c) for c in result.outcomes[0].result.step_counts]
     assert counts[0].vmm_chunks > 0                         # the first step maps its activations' chunks
+
+
+def test_a_compaction_pays_host_work_per_live_tensor(demo_results):
+    job = demo_results["compact"]
+    counts = [StepCounts(*c) for o in job.outcomes for c in o.result.step_counts]
+    compacted = [c for c in counts if c.compactions]
+    assert compacted and all(c.compaction_tensors > 0 for c in compacted)
+    assert all(c.compaction_tensors == 0 for c in counts if not c.compactions)
+    c = StepCounts(compactions=1, compaction_bytes=0, compaction_tensors=1000)
+    assert rank_step(c, TimingConfig(compaction_barrier_seconds=0.0, compaction_tensor_seconds=2e-5))[2] == \
+        pytest.approx(0.02)
+
+
+def test_every_card_draws_its_own_jitter_and_the_job_waits_for_the_slowest():
+    from ms_memopt.engine.timing import card_factors, job_timing
+
+    counts = [[StepCounts(flops=1e12, model_flops=1e12).as_tuple()] * 200 for _ in range(4)]
+    timing = TimingConfig(peak_flops=1e12, base_efficiency=1.0)
+    calm, calm_detail = job_timing(counts, [0.0] * 4, timing, cards=64)
+    assert calm["step_seconds_median"] == pytest.approx(1.0) and calm_detail["card_cv"] == 0
+    jittered = TimingConfig(peak_flops=1e12, base_efficiency=1.0, card_jitter=0.05)
+    t, detail = job_timing(counts, [0.0] * 4, jittered, cards=64)
+    assert detail["cards_per_stream"] == 16
+    assert 0.04 < detail["card_cv"] < 0.06                  # the cards' spread is the jitter
+    # the slowest of 64 cards is about 2.4 sigma above the mean: the job's step is longer
+    assert 1.08 < t["step_seconds_median"] < 1.16
+    more, _ = job_timing(counts, [0.0] * 4, jittered, cards=1024)
+    assert more["step_seconds_median"] > t["step_seconds_median"]
+    # the same job seed draws the same factors; another seed others
+    assert job_timing(counts, [0.0] * 4, jittered, cards=64)[0] == t
+    assert job_timing(counts, [0.0] * 4, jittered, cards=64, seed=1)[0] != t
+    assert card_factors(2, 2, 10, 3.0).min() >= 0.5 and card_factors(2, 2, 10, 3.0).max() <= 1.5
+
+
+def test_idle_blocks_given_back_are_priced_at_device_free_seconds():
+    c = StepCounts(device_frees=3, device_allocs=1)
+    timing = TimingConfig(device_free_seconds=0.01, device_alloc_seconds=0.5)
+    assert rank_step(c, timing)[1] == pytest.approx(0.53)
+    assert rank_step(c, TimingConfig(device_free_seconds=0.0, device_alloc_seconds=0.5))[1] == pytest.approx(0.5)
+    assert TimingConfig().device_free_seconds == TimingConfig().device_alloc_seconds   # the same assumption
+
+
+def test_device_frees_come_last_so_older_tuples_keep_their_positions():
+    c = StepCounts(flops=1.0, device_allocs=2, slow_path=4, new_shape_requests=5, device_frees=7)
+    t = c.as_tuple()
+    assert t[-1] == 7 and StepCounts(*t) == c
+    older = t[:-1]                          # a tuple written before device_frees existed
+    assert StepCounts(*older).device_frees == 0 and StepCounts(*older).slow_path == 4
+    assert rank_step(older, TimingConfig()) == rank_step(StepCounts(*older), TimingConfig())
+
+
+def test_the_simulator_counts_the_idle_blocks_a_model_gave_back():
+    """_stall_start/_stall_add: the model's segment_frees since the step began (a compaction's
+    fresh model starts its own count), beside the slow-path events."""
+    from ms_memopt.allocators import create
+    from ms_memopt.engine.simulate import _Run
+
+    run = object.__new__(_Run)              # the counting lines only, no workload
+    run.model = create("mindspore", capacity=64 * 2**20, increase_size=16 * 2**20)
+    run._stall_counts = [0, 0, 0, 0, 0]
+    start = run._stall_start()
+    blocks = [run.model.malloc(10 * 2**20) for _ in range(3)]
+    for addr in blocks[:2]:
+        run.model.free(addr)
+    run.model.empty_cache()                 # two idle blocks go back
+    run.model.malloc(64 * 2**20)            # cannot be served: one slow-path request
+    run._stall_add(start)
+    allocs, _, _, slow, freed = run._stall_counts
+    assert (allocs, slow, freed) == (3, 1, 2)
+
+
+def test_pool_mode_as_the_field_ran_it_recomputes_and_pays_one_forward_more(tmp_path):
+    from ms_memopt.config.recipe import recipe_from_dict
+    from ms_memopt.core.errors import InputError
+    from ms_memopt.io.yamltext import parse_yaml
+
+    data = parse_yaml(DEMO.read_text(), source=str(DEMO))
+    data["memopt"]["pool_checkpoint_every"] = 1
+    recipe = recipe_from_dict(data, source=str(DEMO))
+    job = job_from_recipe(recipe, steps=12)
+    assert job.pool_specs is not None and job.pool_specs[0].recompute_every == 1
+    assert job.specs[0].recompute_every == 0
+    results = simulate_jobs([job], workers=1)[0]
+    for policy, ratio in (("baseline", 1.0), ("compact", 1.0), ("pool", 4 / 3)):
+        counts = [StepCounts(*c) for c in results[policy].outcomes[0].result.step_counts]
+        assert counts and all(c.flops == pytest.approx(ratio * c.model_flops) for c in counts), policy
+    # recompute keeps less: pool mode's peak is below the baseline's
+    peak = {p: results[p].outcomes[0].result.peak_allocated for p in ("baseline", "pool")}
+    assert peak["pool"] < peak["baseline"]
+    data["memopt"]["pool_checkpoint_every"] = 99
+    with pytest.raises(InputError, match=r"memopt\.pool_checkpoint_every.*at most the layers"):
+        recipe_from_dict(data, source=str(DEMO))

@@ -99,11 +99,21 @@ class AllocatorModel(ABC):
         self.peak_reserved = 0
         self.peak_allocated = 0
         self.segment_allocs = 0
-        #: requests that took the allocator's slow path: cached memory released and the
-        #: device asked again (PyTorch's ``num_alloc_retries``), a garbage-collection sweep,
-        #: MindSpore borrowing the other pool; a surviving setting can still pay for
-        #: fragmentation in time. Counted by the pure-Python models only.
+        #: requests that took the allocator's slow path: a request that did not fit on the
+        #: first try and went through the retry path, whether or not the retry succeeded.
+        #: PyTorch: cached memory released and the device asked again (``num_alloc_retries``),
+        #: counted by the pure-Python torch model only. MindSpore (every MindSpore model,
+        #: pure-Python and compiled): the sync-and-retry of ``AbstractDynamicMemPool::AllocMemBuf``
+        #: (``DoSyncAllEvents``; with VMM first ``SyncAllStreams`` + ``FreeIdleMemsByEagerFree``),
+        #: see :mod:`~ms_memopt.allocators.mindspore`. A surviving setting can still pay for
+        #: fragmentation in time (``slow_path_seconds``).
         self.slow_path_events = 0
+        #: idle blocks given back to the device (``MemBufAllocator::ReleaseFreeBlocks``: the
+        #: MindSpore pools' ``empty_cache()`` and recorded ``segment_free`` events), one per
+        #: block; priced at ``device_free_seconds``. Counted by the non-VMM MindSpore models
+        #: (pure-Python and compiled); the VMM model gives memory back as 2 MiB chunk unmaps
+        #: (counted through ``reserved``) and the PyTorch models report 0.
+        self.segment_frees = 0
         self.ooms: list[OOMRecord] = []
 
     # --- requests -----------------------------------------------------------------------

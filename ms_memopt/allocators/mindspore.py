@@ -34,8 +34,22 @@ names below are MindSpore's):
     the common allocator's free buffers -> grow a new block *of the common allocator*
     (MindSpore reassigns the allocator before expanding) -> OOM.
   Event syncs (``DoSyncAllEvents``) are not modelled: frees in a trace take effect at once.
+* **The slow path** (``slow_path_events``; MindSpore 2.10,
+  ``mindspore/ccsrc/runtime/memory/mem_pool/abstract_dynamic_mem_pool.cc``,
+  ``AbstractDynamicMemPool::AllocMemBuf``; the older pool's ``DynamicMemPoolBestFit::AllocTensorMem``
+  in ``mem_dynamic_allocator.cc`` does the same with ``SyncAllEventsInner``): without VMM or
+  eager free a first failure does *not* sync anything: it borrows and grows. Only when the
+  borrows and the new block have all failed does MindSpore log "Alloc tensor mem failed and
+  try to sync all events to release memory", run ``DoSyncAllEvents`` (wait for every event
+  still holding a freed buffer, free those buffers) and retry ``allocator->Malloc`` once;
+  failing that the request fails. That request is one slow-path event, whether or not its
+  retry succeeds. Here frees take effect at once, so nothing waits on an event and the retry
+  finds nothing new: every slow-path event of this model ends in an OOM.
 * **Idle blocks are kept**: memory returns to the device only through ``empty_cache()``
-  (``ReleaseFreeBlocks``: every block that is one whole idle buffer) — never on its own.
+  (``AbstractDynamicMemPool::ReleaseFreeBlocks`` -> ``MemBufAllocator::ReleaseFreeBlocks``:
+  every block that is one whole idle buffer goes back through ``mem_block_cleaner_`` ->
+  ``FreeDeviceMem``) or a recorded ``segment_free`` — never on its own, not even on the
+  failure path above. Each block given back counts one ``segment_frees``.
 * **set_memory(init_size=...)** (``Initialize``): ``init_size`` is split in half: the
   persistent and the common allocator of stream 0 each start with one block of
   ``init_size / 2`` (512-aligned). ``pregrow=True`` means ``init_size = capacity`` — which in
@@ -188,6 +202,9 @@ class MindSporePool(AllocatorModel):
                     other = allocators.get((stream, True, False)) or self._allocator(stream, True, False)
                     buf = self._take(other, size)
                 if buf is None:
+                    # DoSyncAllEvents and one more allocator->Malloc: the slow path; with frees
+                    # already applied the retry cannot find more than the first try did
+                    self.slow_path_events += 1
                     self._record_oom(size, stream, tag)
                     return None
         self.allocated += buf[_SIZE]
@@ -399,6 +416,7 @@ class MindSporePool(AllocatorModel):
         del self._bufs[head[_ADDR]]
         seg.owner.segments.remove(seg)
         self.reserved -= seg.size
+        self.segment_frees += 1
 
 
     def _index(self, buf: list, free_keys: list[int]) -> None:

@@ -22,6 +22,18 @@ with ``enable_eager_free_``; ``ascend_vmm_adapter.cc``; names below are MindSpor
   allocator becomes eager-free and every 2 MiB chunk lying wholly inside an eager-free buffer
   is unmapped — then retry; then reserve a new virtual range (``MallocExpandBlock``); then a
   common request tries the persistent allocator; then OOM.
+* **The slow path** (``slow_path_events``; MindSpore 2.10,
+  ``mindspore/ccsrc/runtime/memory/mem_pool/abstract_dynamic_mem_pool.cc``,
+  ``AbstractDynamicMemPool::AllocMemBuf``): with VMM the first failure of
+  ``allocator->Malloc`` is the slow path at once: ``WaitPipelineHelper``, ``SyncAllStreams``
+  (the host waits for every stream), ``FreeIdleMemsByEagerFree``, retry. Each such request
+  counts one slow-path event, whether the retry, the new range or the borrow then serves it
+  or it fails (the last resort, ``DoSyncAllEvents`` and one more ``Malloc``, is part of the
+  same request's slow path and finds nothing new here: frees take effect at once). The sweep
+  it runs counts separately (``eager_frees``), so does each periodic ``DefragMemory``.
+* **Idle memory goes back by chunk**: virtual ranges are never released (``segment_frees``
+  stays 0); what returns to the device is the 2 MiB chunks an eager-free sweep unmaps
+  (``FreeDeviceMemByEagerFree``), seen as the drop of ``reserved``.
 * **Defragmentation**: ``DefragMemory`` (every ``defrag_memory_step_freq`` steps, 100 by
   default) runs the same eager free: :meth:`defrag` here, also what :meth:`empty_cache` does.
   The replay engine does not call it on step events; the simulator may.
@@ -200,6 +212,7 @@ class MindSporeVMMPool(AllocatorModel):
         allocator = self._allocator(stream, persistent)
         buf = self._take(allocator, size)
         if buf is None:
+            self.slow_path_events += 1      # SyncAllStreams + FreeIdleMemsByEagerFree, then retry
             self.defrag()
             buf = self._take(allocator, size)
             if buf is None:

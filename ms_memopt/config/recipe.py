@@ -342,12 +342,15 @@ class TimingConfig:
     hbm_bandwidth: float = 1.8e12           # bytes/s: the field report's 1.8 TB/s
     collective_bandwidth: float = 400e9     # bytes/s per card for the gradient AllReduce: HCCS 400 GB/s
     device_alloc_seconds: float = 1e-3      # one block taken from the device (pool growth)
+    device_free_seconds: float = 1e-3       # one idle block given back to the device (ReleaseFreeBlocks)
     vmm_chunk_seconds: float = 2e-5         # one 2 MiB chunk mapped or unmapped (VMM)
     defrag_sweep_seconds: float = 5e-3      # one eager-free / defrag sweep (VMM)
     slow_path_seconds: float = 1e-2         # one request on the allocator's slow path (release, sync, retry)
     compaction_barrier_seconds: float = 1e-3   # the global sync point of one compaction
     request_seconds: float = 0.0            # host time per allocation request (the op dispatch that makes it)
     shape_build_seconds: float = 0.0        # per request of a step at a shape not run before (kernel builds)
+    card_jitter: float = 0.0                # CV of each card's compute per step (host noise, links, clocks)
+    compaction_tensor_seconds: float = 2e-5  # host work per live tensor of a compaction (measured here)
 
 
 @dataclass(frozen=True)
@@ -374,6 +377,9 @@ class MemoptConfig:
     checkpoint_every: int | None = None
     activation_factor: float = 1.0
     pool_mode: bool = False
+    #: the simulated ``pool`` policy recomputes every k layers (pool mode as the field ran it:
+    #: ``enable_pool_mode(checkpoint_every=k)``); ``None``: it keeps ``checkpoint_every``
+    pool_checkpoint_every: int | None = None
     scan_every: int = 100
     compact_every: int | None = None
     compact_when_frag_above: float | None = None
@@ -968,7 +974,8 @@ def _read_train(r: _Reader, data: dict) -> TrainConfig:
 
 
 _MEMOPT_KEYS = {"device", "params", "zero_stage", "grad_dtype", "master_weights", "optimizer_dtype",
-                "checkpoint_every", "activation_factor", "pool_mode", "scan_every", "compact_every",
+                "checkpoint_every", "pool_checkpoint_every", "activation_factor", "pool_mode", "scan_every",
+                "compact_every",
                 "compact_when_frag_above", "compact_trigger", "watch", "communication", "workspace", "allocator",
                 "workload", "train", "timing"}
 _DEVICE_KEYS = {"name", "hbm", "cards"}
@@ -1068,6 +1075,7 @@ def _read_memopt(r: _Reader, data: dict, model: ModelConfig, parallel: ParallelC
         optimizer_dtype=r.get(m, "optimizer_dtype", "memopt.optimizer_dtype", r.dtype,
                               _default_optimizer_dtype(train.optimizer_type, model.param_init_type)),
         checkpoint_every=r.get(m, "checkpoint_every", "memopt.checkpoint_every", pos, None),
+        pool_checkpoint_every=r.get(m, "pool_checkpoint_every", "memopt.pool_checkpoint_every", pos, None),
         activation_factor=r.get(m, "activation_factor", "memopt.activation_factor",
                                 r.number(minimum=0, maximum=_MAX_FACTOR, exclusive_min=True), 1.0),
         pool_mode=r.get(m, "pool_mode", "memopt.pool_mode", r.boolean, False),
@@ -1221,11 +1229,10 @@ def _check_consistency(r: _Reader, recipe: Recipe) -> Recipe:
         raise r.fail("memopt.device.cards", mem.device.cards,
                      f"data_parallel x model_parallel x pipeline_stage = {par.data_parallel} x {t} x {pp}"
                      f" = {par.cards}")
-    if mem.checkpoint_every is not None:
-        most = max(recipe.stage_layers())
-        if mem.checkpoint_every > most:
-            raise r.fail("memopt.checkpoint_every", mem.checkpoint_every,
-                         f"at most the layers on a pipeline stage ({most})")
+    for key in ("checkpoint_every", "pool_checkpoint_every"):
+        k = getattr(mem, key)
+        if k is not None and k > max(recipe.stage_layers()):
+            raise r.fail(f"memopt.{key}", k, f"at most the layers on a pipeline stage ({max(recipe.stage_layers())})")
     if par.micro_batch_num < pp and pp > 1:
         raise r.fail("parallel_config.micro_batch_num", par.micro_batch_num,
                      f"at least parallel_config.pipeline_stage ({pp}) for 1F1B")

@@ -157,6 +157,12 @@ class JobSpec:
     policies: tuple[str, ...] = POLICIES
     seed: int = 0
     label: str = ""
+    #: the job's cards (data x tensor x pipeline parallel); the time model's straggler draws
+    #: give every stream an equal share of them (0: one card a stream)
+    cards: int = 0
+    #: the ``pool`` policy's own workload per stage, when it recomputes where the others do not
+    #: (``memopt.pool_checkpoint_every``); ``None``: every policy runs ``specs``
+    pool_specs: dict[int, WorkloadSpec] | None = None
 
 
 def job_from_recipe(recipe, *, policies: tuple[str, ...] = POLICIES, seed: int | None = None,
@@ -172,7 +178,14 @@ def job_from_recipe(recipe, *, policies: tuple[str, ...] = POLICIES, seed: int |
     plan = estimate(recipe)     # once for every stage (it covers them all)
     specs = {stage: spec_from_recipe(recipe, stage=stage, plan=plan) for stage in sorted({s.stage for s in streams})}
     cfg = config_from_recipe(recipe, **overrides)
-    return JobSpec(specs=specs, cfg=cfg, streams=streams, policies=tuple(policies), seed=seed, label=label)
+    pool_specs = None
+    k = recipe.memopt.pool_checkpoint_every
+    if k is not None and "pool" in policies and k != recipe.memopt.checkpoint_every:
+        recomputing = replace(recipe, memopt=replace(recipe.memopt, checkpoint_every=k))
+        pool_plan = estimate(recomputing)
+        pool_specs = {stage: spec_from_recipe(recomputing, stage=stage, plan=pool_plan) for stage in specs}
+    return JobSpec(specs=specs, cfg=cfg, streams=streams, policies=tuple(policies), seed=seed, label=label,
+                   cards=recipe.parallel.cards, pool_specs=pool_specs)
 
 
 @dataclass
@@ -206,6 +219,8 @@ class JobResult:
     outcomes: list[RankOutcome] = field(default_factory=list)
     #: the time model's constants (``memopt.timing``); ``None``: the defaults
     timing_config: object = None
+    #: the job's cards, for the time model's per-card draws (:attr:`JobSpec.cards`; 0: one a stream)
+    cards: int = 0
     #: what the job kept of the rank it is judged by (:func:`simulate_jobs` ``show``), else ``None``
     view: "RankView | None" = field(default=None, repr=False)
 
@@ -218,7 +233,8 @@ class JobResult:
 
         timing = timing or self.timing_config or TimingConfig()
         return job_timing([o.result.step_counts for o in self.outcomes],
-                          [o.result.collective_bytes for o in self.outcomes], timing)
+                          [o.result.collective_bytes for o in self.outcomes], timing,
+                          cards=self.cards or None, seed=self.seed)
 
     def timing(self, timing=None) -> dict | None:
         """The policy's ``timing`` object (see :meth:`timing_figures`)."""
@@ -288,6 +304,8 @@ class JobResult:
             out["timing_detail"] = {"steps": figures[1]["steps"],
                                     "collective_seconds": max(o.result.collective_bytes for o in self.outcomes)
                                     / (self.timing_config or _default_timing()).collective_bandwidth,
+                                    "card_cv": figures[1]["card_cv"],
+                                    "cards_per_stream": figures[1]["cards_per_stream"],
                                     "rank_step_median_min": min(ranks), "rank_step_median_max": max(ranks),
                                     "rank_step_cv": float(np.std(ranks) / np.mean(ranks)) if np.mean(ranks) else 0.0}
         if rank_results:
@@ -345,6 +363,7 @@ class _Task:
     policies: tuple[str, ...]
     timeline: bool
     show: ShowRank | None = None
+    pool_spec: WorkloadSpec | None = None      # the pool policy's own workload (JobSpec.pool_specs)
 
 
 class _RankTimeline(io.StringIO):
@@ -379,7 +398,8 @@ def _run_stream(task: _Task) -> list:
     cfg = replace(task.cfg, seed=task.stream.seed)
     policies = task.policies
     results: dict[str, PolicyResult] = {}
-    misfit = _pool_mode_misfit(task.spec, cfg) if "pool" in policies else None
+    pool_spec = task.pool_spec or task.spec
+    misfit = _pool_mode_misfit(pool_spec, cfg) if "pool" in policies else None
     if misfit is not None:
         results["pool"] = PolicyResult("pool", task.stream.seed, cfg.steps, oom_step=0, oom_kind="capacity",
                                        oom_tag="pool_mode", oom_size=None)
@@ -392,9 +412,16 @@ def _run_stream(task: _Task) -> list:
         view = RankView(task.stream, placed={p: PlacedRun() for p in task.show.placed if p in policies})
         if task.show.layouts:
             collector = LayoutCollector([], policies=task.policies, seed=task.stream.seed)
-    if policies:
-        out = simulate(task.spec, cfg, policies=policies, seeds=[task.stream.seed], timeline=sink,
-                       on_watch=collector, placed=view.placed if view is not None and view.placed else None)
+    # pool mode with its own recompute runs its own workload (the same seed: the same lengths)
+    groups = [(task.spec, policies)]
+    if task.pool_spec is not None and "pool" in policies:
+        groups = [(task.spec, tuple(p for p in policies if p != "pool")), (task.pool_spec, ("pool",))]
+    for spec, group in groups:
+        if not group:
+            continue
+        placed = {p: run for p, run in view.placed.items() if p in group} if view is not None else None
+        out = simulate(spec, cfg, policies=group, seeds=[task.stream.seed], timeline=sink,
+                       on_watch=collector, placed=placed or None)
         results.update({policy: summary.seeds[0] for policy, summary in out.items()})
     if collector is not None:
         view.snapshots = collector.snapshots()
@@ -433,7 +460,8 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
     for j, job in enumerate(jobs):
         for stream in job.streams:
             tasks.append(_Task(stream, job.specs[stream.stage], job.cfg, job.policies, timeline is not None,
-                               show if j == 0 else None))
+                               show if j == 0 else None,
+                               job.pool_specs[stream.stage] if job.pool_specs is not None else None))
             owner.append(j)
     bar = None
     if progress:
@@ -469,7 +497,8 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
     finally:
         if bar is not None:
             bar.close()
-    out: list[dict[str, JobResult]] = [{p: JobResult(p, job.seed, job.cfg.steps, timing_config=job.cfg.timing)
+    out: list[dict[str, JobResult]] = [{p: JobResult(p, job.seed, job.cfg.steps, timing_config=job.cfg.timing,
+                                                  cards=job.cards)
                                         for p in job.policies} for job in jobs]
     for task, j, (results, text, view) in zip(tasks, owner, values):
         for policy, result in results.items():

@@ -385,12 +385,14 @@ class _Run:
         self.requests, self.new_shape = 0, False
         self.optimizer_bytes = 0 if policy == "pool" else optimizer_extra_bytes(spec)
         self.result.collective_bytes = collective_bytes(spec)
-        self._stall_counts = [0, 0, 0, 0]
+        self._stall_counts = [0, 0, 0, 0, 0]
+        self.compaction_tensors = 0
 
     def _stall_start(self) -> tuple:
         model = self.model
         return (model.segment_allocs, model.reserved if model.virtual else 0,
-                getattr(model, "eager_frees", 0), getattr(model, "slow_path_events", 0))
+                getattr(model, "eager_frees", 0), getattr(model, "slow_path_events", 0),
+                getattr(model, "segment_frees", 0))
 
     def _stall_add(self, start: tuple) -> None:
         """Add what the model did since ``start`` (:meth:`_stall_start`) to the step's counts."""
@@ -400,6 +402,7 @@ class _Run:
         counts[1] += abs(now[1] - start[1]) // (2 << 20)
         counts[2] += max(0, now[2] - start[2])
         counts[3] += max(0, now[3] - start[3])
+        counts[4] += max(0, now[4] - start[4])
 
     def _note_step(self, step: int, moved: int, compactions: int) -> None:
         """The completed step's :class:`~ms_memopt.engine.timing.StepCounts` (steps 1..)."""
@@ -407,10 +410,11 @@ class _Run:
             return
         flops, model_flops, bubble = step_flops(self.spec, self.lengths or [self.spec.seq_length]
                                                 * self.spec.micro_batches)
-        a, v, d, slow = self._stall_counts
+        a, v, d, slow, freed = self._stall_counts
         self.result.step_counts.append(StepCounts(flops, model_flops, bubble, a, v, d, slow, self.optimizer_bytes,
                                                   compactions, moved, self.requests,
-                                                  self.requests if self.new_shape else 0).as_tuple())
+                                                  self.requests if self.new_shape else 0,
+                                                  self.compaction_tensors, device_frees=freed).as_tuple())
 
     def feed(self, step: int, batch: list[tuple]) -> bool:
         """Run one step's events, as rows (:meth:`StepWorkload.step_rows`: ``Event(*row)`` is
@@ -419,8 +423,9 @@ class _Run:
         if self.dead:
             return False
         started = time.perf_counter()
-        self._stall_counts = [0, 0, 0, 0]
+        self._stall_counts = [0, 0, 0, 0, 0]
         self._stall_from = self._stall_start()
+        self.compaction_tensors = 0
         moved_before, compactions_before = self.result.bytes_moved, self.result.compactions
         self.step = step
         recording = self.placed is not None
@@ -522,6 +527,8 @@ class _Run:
                     _record_moves(self.placed.events, moves, step)
                 _note_compaction(result, track, step, before, after, sum(m.size for m in moves),
                                  "periodic" if periodic else "warning")
+                # the host work walks every live tensor (mark, offsets), not only the moved ones
+                self.compaction_tensors += sum(1 for _ in before.live_blocks())
                 if forecaster is not None:
                     forecaster.reset(step)      # the trend described the layout just compacted
         if scan:

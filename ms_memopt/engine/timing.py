@@ -17,12 +17,16 @@ docs/recipes.md gives each one's source, docs/simulation.md the check against th
   built first (``shape_build_seconds`` per request); both 0 (not priced) unless measured, as
   ``bench/timing_cpu.py`` does for the CPU;
 * *memory stalls*: what the allocator model did that step, each at its cost: blocks taken from
-  the device (``segment_allocs``, ``device_alloc_seconds``), VMM 2 MiB chunks mapped or
-  unmapped (the net change of mapped bytes: a lower bound, ``vmm_chunk_seconds``), eager-free
-  sweeps (``defrag_sweep_seconds``; counted by the pure-Python VMM model only), requests on the
-  slow path (``slow_path_seconds``; :attr:`~ms_memopt.allocators.base.AllocatorModel.slow_path_events`,
-  counted by the pure-Python models only: the compiled ones report 0), and the unfused
-  optimizer's two intermediate FP32 copies, each written and read once (bytes over
+  the device (``segment_allocs``, ``device_alloc_seconds``), idle blocks given back to it
+  (:attr:`~ms_memopt.allocators.base.AllocatorModel.segment_frees`, ``device_free_seconds``;
+  MindSpore's ``ReleaseFreeBlocks``, counted by the non-VMM MindSpore models, pure-Python and
+  compiled), VMM 2 MiB chunks mapped or unmapped (the net change of mapped bytes: a lower
+  bound, ``vmm_chunk_seconds``), eager-free sweeps (``defrag_sweep_seconds``; the VMM model,
+  pure-Python and compiled), requests on the slow path (``slow_path_seconds``;
+  :attr:`~ms_memopt.allocators.base.AllocatorModel.slow_path_events`: every MindSpore model,
+  pure-Python and compiled, counts MindSpore's sync-and-retry of ``AllocMemBuf``; of the
+  PyTorch models only the pure-Python ones count theirs, the compiled ones report 0), and the
+  unfused optimizer's two intermediate FP32 copies, each written and read once (bytes over
   ``hbm_bandwidth``; pool mode runs the fused optimizer: none);
 * *compaction*: every byte moved is read and written (``2 x bytes / hbm_bandwidth``) plus
   ``compaction_barrier_seconds`` per compaction.
@@ -48,7 +52,7 @@ import numpy as np
 from ms_memopt.config.recipe import TimingConfig
 
 __all__ = ["StepCounts", "TIMING_KEYS", "stage_flops_fields", "step_flops", "optimizer_extra_bytes",
-           "collective_bytes", "rank_step", "job_steps", "job_timing"]
+           "collective_bytes", "rank_step", "card_factors", "job_steps", "job_timing"]
 
 #: the keys of a policy's ``timing`` object (``simulate --json``), in order
 TIMING_KEYS = ("step_seconds_median", "step_seconds_p99", "step_cv", "mfu", "memory_stall_share",
@@ -72,11 +76,15 @@ class StepCounts:
     compaction_bytes: int = 0
     requests: int = 0               # allocation requests of the step (each made by one op's dispatch)
     new_shape_requests: int = 0     # the step's requests when its shape is new to the rank (kernel builds)
+    compaction_tensors: int = 0     # live tensors the step's compactions walked (their host work)
+    # last, so that tuples written before it keep their positions (and read as 0 here)
+    device_frees: int = 0           # idle blocks given back to the device (AllocatorModel.segment_frees)
 
     def as_tuple(self) -> tuple:
         return (self.flops, self.model_flops, self.bubble, self.device_allocs, self.vmm_chunks,
                 self.defrag_sweeps, self.slow_path, self.optimizer_bytes, self.compactions,
-                self.compaction_bytes, self.requests, self.new_shape_requests)
+                self.compaction_bytes, self.requests, self.new_shape_requests, self.compaction_tensors,
+                self.device_frees)
 
 
 def stage_flops_fields(recipe, stage: int) -> dict:
@@ -127,49 +135,100 @@ def collective_bytes(spec) -> float:
 
 
 def rank_step(c: StepCounts | tuple, timing: TimingConfig) -> tuple[float, float, float]:
-    """(compute, memory stalls, compaction) seconds of one rank's step."""
+    """(compute, memory stalls, compaction) seconds of one rank's step (a tuple is
+    :meth:`StepCounts.as_tuple`'s, or an older, shorter one: the missing counts are 0)."""
     if not isinstance(c, StepCounts):
         c = StepCounts(*c)
     compute = (c.flops * (1.0 + c.bubble) / (timing.peak_flops * timing.base_efficiency)
                + c.requests * timing.request_seconds + c.new_shape_requests * timing.shape_build_seconds)
-    stalls = (c.device_allocs * timing.device_alloc_seconds + c.vmm_chunks * timing.vmm_chunk_seconds
+    stalls = (c.device_allocs * timing.device_alloc_seconds + c.device_frees * timing.device_free_seconds
+              + c.vmm_chunks * timing.vmm_chunk_seconds
               + c.defrag_sweeps * timing.defrag_sweep_seconds + c.slow_path * timing.slow_path_seconds
               + c.optimizer_bytes / timing.hbm_bandwidth)
     compaction = (2.0 * c.compaction_bytes / timing.hbm_bandwidth
-                  + c.compactions * timing.compaction_barrier_seconds)
+                  + c.compactions * timing.compaction_barrier_seconds
+                  + c.compaction_tensors * timing.compaction_tensor_seconds)
     return compute, stalls, compaction
 
 
-def job_steps(ranks: list[list[tuple[float, float, float]]], collective: float) -> list[tuple[float, float, float]]:
+def job_steps(ranks: list[list[tuple[float, float, float]]], collective: float,
+              factors: np.ndarray | None = None) -> list[tuple[float, float, float]]:
     """Each job step as (seconds, memory stalls, compaction pause) from every rank's
-    (compute, stalls, compaction) per step: the slowest rank's compute and stalls, the longest
+    (compute, stalls, compaction) per step: the slowest card's compute and stalls, the longest
     compaction (a global sync point), then the collective. Steps run while every rank runs (a
-    job stops at its first rank's OOM).
+    job stops at its first rank's OOM). ``factors`` (:func:`card_factors`, shape ranks x cards x
+    steps) scales each card's compute: every rank stream stands for that many cards, and the
+    step waits for the slowest of all of them.
 
     Example:
         >>> job_steps([[(1.0, 0.1, 0.0)], [(1.2, 0.0, 0.5)]], collective=0.3)
         [(2.0, 0.0, 0.5)]
     """
-    if not ranks:
+    busy, stalls, pause = _card_busy(ranks, factors)
+    if busy is None:
         return []
-    out = []
-    for per_rank in zip(*ranks):
-        slowest = max(per_rank, key=lambda r: r[0] + r[1])
-        pause = max(r[2] for r in per_rank)
-        out.append((slowest[0] + slowest[1] + pause + collective, slowest[1], pause))
-    return out
+    slowest = busy.argmax(axis=0)
+    steps = busy.shape[1]
+    stall_of = stalls[slowest // (busy.shape[0] // stalls.shape[0]), np.arange(steps)]
+    longest = pause.max(axis=0)
+    return [(float(b + p + collective), float(st), float(p))
+            for b, st, p in zip(busy.max(axis=0), stall_of, longest)]
 
 
-def job_timing(rank_counts: list[list[tuple]], collectives: list[float], timing: TimingConfig) -> tuple[dict, dict] | None:
+def card_factors(ranks: int, cards: int, steps: int, jitter: float, seed: int = 0) -> np.ndarray | None:
+    """Per rank stream, card it stands for, and step: the factor on that card's compute,
+    ``1 + jitter x N(0, 1)`` kept within [0.5, 1.5] (a card is never twice as fast or slow for
+    noise alone), drawn from a generator of the job ``seed``'s own (the workload's draws stay
+    as they were); ``None`` when ``jitter`` is 0.
+
+    Example:
+        >>> f = card_factors(ranks=2, cards=3, steps=4, jitter=0.05)
+        >>> f.shape, bool(abs(f.mean() - 1) < 0.1), card_factors(2, 3, 4, 0.0)
+        ((2, 3, 4), True, None)
+    """
+    if jitter <= 0 or ranks < 1 or cards < 1 or steps < 1:
+        return None
+    rng = np.random.default_rng([seed, 0x6A17])
+    return np.clip(1.0 + jitter * rng.standard_normal((ranks, cards, steps)), 0.5, 1.5)
+
+
+def _card_busy(ranks: list[list[tuple[float, float, float]]], factors: np.ndarray | None):
+    """(busy seconds per card and step, stalls per rank and step, compaction per rank and step)
+    over the steps every rank completed; ``(None, None, None)`` without ranks or steps."""
+    steps = min((len(r) for r in ranks), default=0)
+    if steps == 0:
+        return None, None, None
+    priced = np.array([r[:steps] for r in ranks], dtype=float)        # ranks x steps x 3
+    compute, stalls, pause = priced[..., 0], priced[..., 1], priced[..., 2]
+    if factors is None:
+        return compute + stalls, stalls, pause
+    per = factors.shape[1]
+    busy = compute[:, None, :] * factors[:, :, :steps] + stalls[:, None, :]
+    return busy.reshape(len(ranks) * per, steps), stalls, pause
+
+
+def job_timing(rank_counts: list[list[tuple]], collectives: list[float], timing: TimingConfig, *,
+               cards: int | None = None, seed: int = 0) -> tuple[dict, dict] | None:
     """``(timing, detail)``: a policy's ``timing`` object (:data:`TIMING_KEYS`) over its ranks'
     step counts and collective bytes (:func:`collective_bytes`), and its detail:
     ``rank_step_median`` (each rank's median busy time, compute and stalls, for the
-    distribution across ranks), ``step_seconds`` (the job's step times) and ``steps``;
-    ``None`` when no step completed."""
+    distribution across ranks), ``step_seconds`` (the job's step times), ``steps`` and
+    ``card_cv`` (the coefficient of variation of the cards' busy times at a step, the mean over
+    steps: what a job's per-card step times spread by). ``cards``: the job's cards, each rank
+    stream standing for an equal share of them (default: one card a stream), each drawing its
+    own ``timing.card_jitter`` (:func:`card_factors`, from the job ``seed``). ``None`` when no
+    step completed."""
     priced = [[rank_step(c, timing) for c in counts] for counts in rank_counts]
-    steps = job_steps(priced, max(collectives, default=0.0) / timing.collective_bandwidth)
+    steps_done = min((len(p) for p in priced), default=0)
+    per = max(1, (cards or len(priced)) // max(1, len(priced)))
+    factors = card_factors(len(priced), per, steps_done, timing.card_jitter, seed)
+    steps = job_steps(priced, max(collectives, default=0.0) / timing.collective_bandwidth, factors)
     if not steps:
         return None
+    busy, _, _ = _card_busy(priced, factors)
+    mean_busy = busy.mean(axis=0)
+    card_cv = float(np.mean(np.divide(busy.std(axis=0), mean_busy, out=np.zeros_like(mean_busy),
+                                      where=mean_busy > 0)))
     seconds = np.array([s[0] for s in steps])
     n = len(steps)
     model_flops = sum(statistics.fmean(StepCounts(*counts[i]).model_flops for counts in rank_counts)
@@ -186,5 +245,6 @@ def job_timing(rank_counts: list[list[tuple]], collectives: list[float], timing:
         "compaction_pause_share": sum(s[2] for s in steps) / total if total > 0 else 0.0,
     }
     extra = {"rank_step_median": [float(np.median([p[0] + p[1] for p in r[:n]])) for r in priced],
-             "step_seconds": [float(x) for x in seconds], "steps": n}
+             "step_seconds": [float(x) for x in seconds], "steps": n, "card_cv": card_cv,
+             "cards_per_stream": per}
     return out, extra

@@ -96,7 +96,8 @@ if ModelCore is not None:
 
         ``malloc``, ``free``, ``empty_cache``, ``note_segment_alloc``, ``release_segment`` and
         ``largest_free`` are the C methods; the counters (``reserved``, ``allocated``,
-        ``peak_*``, ``segment_allocs``) live in the C state.
+        ``peak_*``, ``segment_allocs``, ``segment_frees``, ``slow_path_events``) live in the C
+        state (the VMM model adds ``eager_frees``).
         """
 
         name = "mindspore"

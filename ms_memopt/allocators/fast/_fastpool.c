@@ -371,6 +371,10 @@ static PyMemberDef Core_members[] = {
     {"peak_reserved", T_LONGLONG, offsetof(Core, peak_reserved), 0, "largest reserved, bytes"},
     {"peak_allocated", T_LONGLONG, offsetof(Core, peak_allocated), 0, "largest allocated, bytes"},
     {"segment_allocs", T_LONGLONG, offsetof(Core, segment_allocs), 0, "blocks taken from the device"},
+    {"slow_path_events", T_LONGLONG, offsetof(Core, slow_path_events), 0,
+     "requests that took the slow path (MindSpore models: the sync-and-retry of AllocMemBuf)"},
+    {"segment_frees", T_LONGLONG, offsetof(Core, segment_frees), 0,
+     "idle blocks given back to the device (MindSpore models: ReleaseFreeBlocks)"},
     {"eager_frees", T_LONGLONG, offsetof(Core, vmm.eager_frees), 0, "vmm: eager frees (defrag) so far"},
     {"evictions", T_LONGLONG, offsetof(Core, pm.evictions), 0, "pool mode: cache entries evicted so far"},
     {NULL}

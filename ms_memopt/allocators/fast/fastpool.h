@@ -131,6 +131,9 @@ typedef struct {
     const struct Model *model;
     /* counters, visible from Python (AllocatorModel's attributes) */
     long long reserved, allocated, peak_reserved, peak_allocated, segment_allocs;
+    /* requests on the slow path and idle blocks given back to the device (the MindSpore
+     * models: mindspore.c, mindspore_vmm.c; base.py documents both) */
+    long long slow_path_events, segment_frees;
     /* configuration */
     int bounded; u64 capacity;
     int idle_order; u64 turn;       /* free keys tie on the idle turn (best-fit pool) */

@@ -75,7 +75,7 @@ static int32_t take(Core *c, Py_ssize_t ai, u64 size) {
 }
 
 
-/* ReleaseFreeBlocks for one block: gone when it is one idle buffer */
+/* ReleaseFreeBlocks for one block: gone when it is one idle buffer (one segment free) */
 static void release_if_idle(Core *c, int32_t si) {
     Seg *s = &c->segs[si];
     if (!s->alive) return;
@@ -84,6 +84,7 @@ static void release_if_idle(Core *c, int32_t si) {
     fp_unindex_buf(c, h);
     fp_buf_drop(c, h);
     fp_drop_segment(c, si);
+    c->segment_frees += 1;
 }
 
 /* the whole malloc of the reference: the address, or -2 after recording an OOM, -1 on error */
@@ -108,7 +109,12 @@ static long long ms_malloc(Core *c, long long raw, i64 stream, PyObject *pool, P
                 if (other < 0) return -1;
                 b = take(c, other, size);
             }
-            if (b == -2) return fp_record_oom(c, PyLong_FromUnsignedLongLong(size), stream, tag);
+            if (b == -2) {
+                /* DoSyncAllEvents and one more Malloc: the slow path; frees are already applied,
+                 * so the retry cannot find more than the first try did */
+                c->slow_path_events += 1;
+                return fp_record_oom(c, PyLong_FromUnsignedLongLong(size), stream, tag);
+            }
         }
     }
     if (b < 0) return -1;

@@ -271,6 +271,7 @@ static long long v_malloc(Core *c, long long raw, i64 stream, PyObject *pool, Py
     if (ai < 0) return -1;
     int32_t b = v_take(c, ai, size);
     if (b == -2) {
+        c->slow_path_events += 1;        /* SyncAllStreams + FreeIdleMemsByEagerFree, then retry */
         if (v_defrag(c) < 0) return -1;
         b = v_take(c, ai, size);
         if (b == -2) b = v_expand(c, ai, size);
