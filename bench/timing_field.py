@@ -64,7 +64,7 @@ def main() -> int:
     job = job_from_recipe(recipe, policies=("baseline", "compact", "pool"), stages=[0], steps=args.steps)
     results = simulate_jobs([job], workers=args.workers)[0]
     simulated = time.perf_counter() - started
-    pool, compact, baseline = results["pool"], results["compact"], results["baseline"]
+    pool, compact = results["pool"], results["compact"]
 
     # what the recipe's constants give, before anything is fitted: the CV across cards comes
     # from each rank's own drawn lengths alone when card_jitter is 0
@@ -93,6 +93,18 @@ def main() -> int:
               f"{f['step_seconds_p99']:>7.3f}s {f['mean_step']:>7.3f}s {100 * f['step_cv']:>7.2f}% "
               f"{100 * f['card_cv']:>7.2f}% {100 * f['mfu']:>5.1f}% {100 * f['memory_stall_share']:>6.2f}% "
               f"{100 * f['compaction_pause_share']:>9.4f}% {f['compactions']:>11}")
+    # pool mode as the field ran it: recomputing every 6 layers (memopt.pool_checkpoint_every)
+    recomputing = dataclasses.replace(recipe, memopt=dataclasses.replace(recipe.memopt, pool_checkpoint_every=6))
+    field_pool = simulate_jobs([job_from_recipe(recomputing, policies=("pool",), stages=[0], steps=args.steps)],
+                               workers=args.workers)[0]["pool"]
+    f = _figures(field_pool, calibrated)
+    f["job_oom_step"], f["compactions"] = field_pool.job_oom_step, 0
+    table["pool_recompute_6"] = f
+    print(f"{'pool, recompute every 6':<9} {str(field_pool.job_oom_step or '-'):>7} {f['step_seconds_median']:>7.3f}s "
+          f"{f['step_seconds_p99']:>7.3f}s {f['mean_step']:>7.3f}s {100 * f['step_cv']:>7.2f}% "
+          f"{100 * f['card_cv']:>7.2f}% {100 * f['mfu']:>5.1f}%  (peak allocated "
+          f"{max(o.result.peak_allocated for o in field_pool.outcomes) / 2**30:.1f} GiB against "
+          f"{max(o.result.peak_allocated for o in pool.outcomes) / 2**30:.1f} GiB without)")
     # one compaction's pause, as priced: the compact policy's pause seconds over its compaction steps
     counts = [c for o in compact.outcomes for c in o.result.step_counts]
     from ms_memopt.engine.timing import StepCounts, rank_step
