@@ -239,13 +239,14 @@ def _write_shown_rank(job, view, out_dir: Path | None, viz_paths: dict[str, Path
 
 def _write_timing(path: Path, results) -> None:
     """The first job seed's time model figures per policy (read by ``ms-memopt report``):
-    ``timing``, the job's ``step_seconds`` and each rank's ``rank_step_median``."""
+    ``timing``, the job's ``step_seconds``, each rank's ``rank_step_median`` and the cards' CV at
+    a step (``card_cv``)."""
     policies = {}
     for policy, job in results.items():
         figures = job.timing_figures()
         policies[policy] = {"timing": None} if figures is None else {
             "timing": figures[0], "step_seconds": figures[1]["step_seconds"],
-            "rank_step_median": figures[1]["rank_step_median"]}
+            "rank_step_median": figures[1]["rank_step_median"], "card_cv": figures[1]["card_cv"]}
     path.write_text(json.dumps({"policies": policies}) + "\n", encoding="utf-8")
 
 

@@ -388,14 +388,16 @@ def _step_time_section(root: Path, title: str) -> list[str]:
     for policy, data in policies.items():
         t = data.get("timing")
         if not t:
-            rows.append([policy, "-", "-", "-", "-", "-", "-"])
+            rows.append([policy, "-", "-", "-", "-", "-", "-", "-"])
             continue
         rows.append([policy, f"{t['step_seconds_median']:.4g} s", f"{t['step_seconds_p99']:.4g} s", pct(t["step_cv"]),
-                     pct(t["mfu"]), pct(t["memory_stall_share"]), pct(t["compaction_pause_share"])])
+                     pct(data.get("card_cv")), pct(t["mfu"]), pct(t["memory_stall_share"]),
+                     pct(t["compaction_pause_share"])])
     plot_step_times(policies, root / "step_time.png", title=f"{title}: the job's step time")
     return ["## Step time (time model)", "",
-            "The job's step is its slowest rank's step (compute, memory stalls) plus the longest compaction "
-            "(a global sync point) plus the gradient AllReduce (docs/simulation.md, *Time*).", "",
-            *_md_table(["policy", "median step", "p99 step", "CV over steps", "MFU", "memory stalls",
-                        "compaction pauses"], rows),
+            "The job's step is its slowest card's step (compute, memory stalls) plus the longest compaction "
+            "(a global sync point) plus the gradient AllReduce (docs/simulation.md, *Time*); the CV across "
+            "cards is the spread of the cards' busy times at a step.", "",
+            *_md_table(["policy", "median step", "p99 step", "CV over steps", "CV across cards", "MFU",
+                        "memory stalls", "compaction pauses"], rows),
             "", "![step time per policy and across ranks](step_time.png)", ""]
