@@ -196,3 +196,21 @@ def test_a_recipe_takes_its_template_steps_from_a_schedule(tmp_path):
     path.write_text(path.read_text().replace("missing.csv", "s.csv"))
     with pytest.raises(InputError, match="only with memopt.workload.template"):
         load_recipe(path)
+
+
+def test_the_workload_runs_the_prologue_and_layer_count_of_its_schedule():
+    """A prologue fitted in hidden and a repeated block count: the simulator's steps are the
+    template's at the schedule's own hidden and layers, prologue included (not the dims
+    recorded most often)."""
+    from tests.test_template import LAYER_RUNS, hidden_record
+
+    from ms_memopt.engine.template import learn
+
+    template = learn([(f"h{h}_L{n}_{i}", hidden_record(h, seqs, layers=n))
+                      for h in (32, 48, 64) for n in (2, 3, 4) for i, seqs in enumerate(LAYER_RUNS)])
+    schedule = [{"seq": s, "hidden": 80, "layers": 6} for s in (12, 12, 20)]
+    work = TemplateWorkload(template, schedule=schedule)
+    rows = work.prologue_rows() + [r for step in (1, 2, 3) for r in work.step_rows(step)]
+    got = [(r[0], r[2]) for r in rows if r[0] in ("alloc", "free")]
+    want = [(e.action, e.size) for e in hidden_record(80, [12, 12, 20], layers=6) if e.action in ("alloc", "free")]
+    assert [s for a, s in got if a == "alloc"] == [s for a, s in want if a == "alloc"]

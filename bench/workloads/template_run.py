@@ -10,6 +10,10 @@ heads), SwiGLU MLP, no position embedding. ``--model llama``: MindFormers' ``Lla
 ``hyper_parallel`` the import-only stand-in of tests/mindformers_support). ``--model gpt-train``:
 the demo GPT through ``Model.train`` (a dataset of one batch per ``--seqs`` length,
 ``StepMarkCallback`` marking the steps). ``--batches 4,2,...`` varies the batch too.
+``--dims seq,batch,hidden,layers`` names the dims each step mark carries (default ``seq,batch``):
+``hidden`` and ``layers`` are constant within a run (one process per value), so a template
+learned over runs at several of them can be asked for another. ``--warmup SEQ`` runs one step
+before the setup mark, so the weights and optimizer states fall in the prologue.
 """
 import argparse
 import importlib.util
@@ -119,9 +123,15 @@ def _model_train(args, seqs, batches, train_net_parts) -> None:
     rows = [rng.integers(0, args.vocab, (b, s + 1)).astype(np.int32) for s, b in zip(seqs, batches)]
     data = ds.GeneratorDataset([(r[:, :-1], r[:, 1:]) for r in rows], column_names=["input_ids", "labels"],
                                shuffle=False, num_parallel_workers=1)
-    dims = lambda ctx: {"seq": int(ctx.original_args().train_dataset_element[0].shape[1]),
-                        "batch": int(ctx.original_args().train_dataset_element[0].shape[0])}
+    dims = lambda ctx: _marked(args, int(ctx.original_args().train_dataset_element[0].shape[1]),
+                               int(ctx.original_args().train_dataset_element[0].shape[0]))
     Model(net, optimizer=opt).train(1, data, callbacks=[StepMarkCallback(dims)], dataset_sink_mode=False)
+
+
+def _marked(args, seq: int, batch: int) -> dict:
+    """The dims of one step mark, those ``--dims`` names (``seq``, ``batch``, ``hidden``, ``layers``)."""
+    values = {"seq": seq, "batch": batch, "hidden": args.hidden, "layers": args.layers}
+    return {name: values[name] for name in args.dims.split(",")}
 
 
 def main() -> None:
@@ -134,8 +144,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=0, metavar="SEQ",
+                    help="one training step at this length before the setup mark (default: none)")
+    ap.add_argument("--dims", default="seq,batch", help="the dims each step mark carries (of seq,batch,hidden,layers)")
     ap.add_argument("--max-seq", type=int, default=128, help="the GPT's position table (longer than every --seqs)")
     args = ap.parse_args()
+    if not set(args.dims.split(",")) <= {"seq", "batch", "hidden", "layers"}:
+        ap.error(f"--dims: expected names of seq,batch,hidden,layers, got {args.dims}")
     seqs = [int(s) for s in args.seqs.split(",")]
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch] * len(seqs)
     ms.set_seed(args.seed)
@@ -156,6 +171,13 @@ def main() -> None:
     train = nn.TrainOneStepCell(net, opt)
     train.set_train(True)
     rng = np.random.default_rng(args.seed + 1)
+    if args.warmup:
+        # a warm-up step before the setup mark: the weights and optimizer states are then made
+        # in the prologue (MindSpore creates them at their first use), not in the first step
+        tokens = rng.integers(0, args.vocab, (args.batch, args.warmup + 1)).astype(np.int32)
+        out = train(Tensor(tokens[:, :-1]), Tensor(tokens[:, 1:]))
+        wait_for_queued_ops()
+        del out
     mark_step()                                   # the setup ends here
     for seq, batch in zip(seqs, batches):
         tokens = rng.integers(0, args.vocab, (batch, seq + 1)).astype(np.int32)
@@ -167,7 +189,7 @@ def main() -> None:
         wait_for_queued_ops()
         loss = out
         del out, ids, labels
-        mark_step(seq=seq, batch=batch)
+        mark_step(**_marked(args, seq, batch))
     print("loss", float(loss.asnumpy()))
 
 

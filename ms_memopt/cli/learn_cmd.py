@@ -5,7 +5,13 @@ the model's prologue and its ``first``, ``new_shape`` and ``repeat`` steps, each
 size a polynomial in the step dims (:mod:`ms_memopt.engine.template`). ``ms-memopt simulate
 MODEL.template.json --schedule FILE.csv`` then runs any sequence of shapes. Prints what was
 learned and which positions no polynomial reproduced exactly (``--json``: one object).
-Exit code 0; 2 for recordings that do not line up (the message names recording and step).
+The prologue is fitted in the dims each recording holds fixed (``hidden``: one process per
+width). Exit code 0; 2 for recordings that do not line up (the message names recording and
+step). Recordings at several values of a dim fixed per process that changes how many
+allocations a step makes (``layers``, 3 or more consecutive counts) give a template over that
+repeated block count (:mod:`ms_memopt.engine.template_layers`); counts whose steps do not show
+one repeated block are refused (exit 2; the message names what a layer adds and what does not
+hold).
 
 Example:
     ms-memopt learn rec16.jsonl rec24.jsonl rec32.jsonl --out gpt.template.json
@@ -46,9 +52,17 @@ def run(args) -> int:
         return 0
     print(f"template {args.out}: dims {', '.join(template.dims)}; allocator {template.allocator}; "
           f"{len(template.recordings)} recording(s)")
+    if template.layered:
+        counts = summary["layered"]["counts"]
+        dim = summary["layered"]["dim"]
+        print(f"repeated block count {dim}: recorded at {', '.join(map(str, counts))}; a larger {dim} is made from "
+              f"{dim}={counts[-1]}'s steps with the blocks one {dim} more inserts (below: {dim}={counts[-1]})")
     print(f"{'class':<10} {'samples':>7} {'allocs':>7} {'ops':>7}  recorded at")
+    # the prologue is fitted in the dims fixed per recording (hidden...): show those values
+    fixed = [n for j, n in enumerate(template.dims) if any(e[j] for e in template.prologue["basis"])]
+    prologue_seen = list({tuple((n, s[n]) for n in fixed): None for s in template.prologue["seen"]}) if fixed else []
     rows = [("prologue", {"samples": template.prologue["samples"], "allocs": summary["prologue_allocs"],
-                          "ops": len(template.prologue["ops"]), "seen": []})]
+                          "ops": len(template.prologue["ops"]), "seen": [dict(k) for k in prologue_seen]})]
     rows += list(summary["classes"].items())
     for name, c in rows:
         seen = "; ".join(",".join(f"{k}={v}" for k, v in s.items()) for s in c["seen"])

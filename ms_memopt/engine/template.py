@@ -18,7 +18,15 @@ template is never made of steps that do not line up. Each allocation's size is f
 polynomial in the dims that vary across the class's samples: the lowest total degree whose fit
 reproduces every recorded size exactly (numpy least squares as the screen, then exact rational
 coefficients checked in integers); a position no degree reproduces keeps the size recorded
-most often (a constant) and is listed (:attr:`Template.not_exact`). A free refers to the allocation it frees: one of
+most often (a constant) and is listed (:attr:`Template.not_exact`). The prologue is fitted the
+same way in the dims every recording holds constant (``hidden``, a model width fixed per
+process: the weights differ between recordings), at each recording's values; :func:`generate`
+evaluates it at the schedule's first step. Recordings whose steps of one class (or prologues)
+each make another number of allocations, decided by a dim fixed per recording (a layer count),
+give a template over that repeated block count (:attr:`Template.layered`,
+:mod:`ms_memopt.engine.template_layers`: 3 or more consecutive counts showing one repeated
+block), else are refused with an :class:`~ms_memopt.core.errors.InputError` that says why and
+names the block one more layer inserts. A free refers to the allocation it frees: one of
 the same step (``same``), of the prologue (``prologue``), or of the step ``k`` steps back
 (``back``; the position there depends on that step's class, so one position per class seen).
 Allocations a recording never frees stay never freed; events after the last mark (the
@@ -60,6 +68,7 @@ __all__ = ["Template", "learn", "learn_files", "generate", "load_template", "sav
 
 FORMAT = "ms-memopt-template"
 VERSION = 1
+LAYERED_VERSION = 2         # a template over a repeated block count (``layered``); version 1 still reads
 CLASSES = ("first", "new_shape", "repeat")
 MAX_DEGREE = 3
 _DIMS_PREFIX = "dims:"
@@ -112,6 +121,10 @@ class Template:
     (``"recording": null, "permutation": [ranks]``: each such run freed in that order of its
     members, ranked by what they free).
 
+    ``layered`` (version 2 of the format): a template over a repeated block count,
+    ``{"dim", "base", "counts": {count: flat template dict}}``; the other fields are then the
+    largest count's (:func:`generate` picks the schedule's count).
+
     ``prologue`` and each entry of ``classes`` are dicts: ``samples`` (steps it was learned
     from), ``seen`` (the distinct dims it was recorded at), ``basis`` (monomials: one exponent
     per dim of ``dims``, by increasing degree) and ``ops``: ``["a", coefs, pool, stream, tag,
@@ -129,6 +142,7 @@ class Template:
     not_exact: list[dict] = field(default_factory=list)
     positions: int = 0
     free_orders: list[dict] = field(default_factory=list)
+    layered: dict | None = None
 
     @property
     def exact(self) -> int:
@@ -139,7 +153,8 @@ class Template:
                 "dims": list(self.dims), "recordings": self.recordings,
                 "fit": {"positions": self.positions, "exact": self.exact, "not_exact": self.not_exact},
                 "prologue": self.prologue, "classes": self.classes,
-                **({"free_orders": self.free_orders} if self.free_orders else {})}
+                **({"free_orders": self.free_orders} if self.free_orders else {}),
+                **({"version": LAYERED_VERSION, "layered": self.layered} if self.layered else {})}
 
     def summary(self) -> dict:
         """Counts per class (for the CLI)."""
@@ -149,7 +164,9 @@ class Template:
                 "not_exact": len(self.not_exact), "prologue_allocs": allocs(self.prologue),
                 "free_orders": len(self.free_orders),
                 "classes": {name: {"samples": c["samples"], "allocs": allocs(c), "ops": len(c["ops"]),
-                                   "seen": c["seen"]} for name, c in self.classes.items()}}
+                                   "seen": c["seen"]} for name, c in self.classes.items()},
+                **({"layered": {"dim": self.layered["dim"],
+                                "counts": sorted(int(c) for c in self.layered["counts"])}} if self.layered else {})}
 
 
 # --- learning -----------------------------------------------------------------------------
@@ -536,15 +553,22 @@ def _coef_value(c: int | str) -> Fraction:
 
 
 def _fit(names: list[str], points: list[dict[str, int]], sizes: list[list[int]],
-         max_degree: int = MAX_DEGREE) -> tuple[list[list[int]], list[list], list[bool]]:
+         max_degree: int = MAX_DEGREE, only: Iterable[str] | None = None
+         ) -> tuple[list[list[int]], list[list], list[bool]]:
     """Per allocation position: the coefficients of the lowest-degree exact polynomial fit.
+
+    ``only``: the dims the polynomial may use (default: every dim that varies across the
+    samples); the prologue is fitted in the dims each recording holds constant.
 
     Returns the basis, per position its coefficient list (ints / ``"p/q"``), and whether it is exact.
     """
     import numpy as np
 
     grid = [[p.get(n, 0) for n in names] for p in points]
-    varying = [j for j in range(len(names)) if len({row[j] for row in grid}) > 1]
+    allowed = set(names if only is None else only)
+    varying = [j for j in range(len(names)) if names[j] in allowed and len({row[j] for row in grid}) > 1]
+    # only the allowed dims count: other dims are zeroed (the basis does not use them)
+    grid = [[v if names[j] in allowed else 0 for j, v in enumerate(row)] for row in grid]
     unique: list[list[int]] = []
     for row in grid:
         if row not in unique:
@@ -607,18 +631,194 @@ def _evaluate(coefs: list, basis: list[list[int]], point: list[int]) -> int:
     return max(0, math.floor(total + Fraction(1, 2)))
 
 
+def _constant_dims(names: list[str], steps: list[_Step]) -> dict[str, set[str]]:
+    """Per recording, the dims all its steps share one value of; only dims constant in every
+    recording are returned for each (a dim the prologue may depend on must be fixed per run)."""
+    values: dict[str, dict[str, set[int]]] = {}
+    for step in steps:
+        for name in names:
+            values.setdefault(step.recording, {}).setdefault(name, set()).add(step.dims[name])
+    common = set(names)
+    for dims in values.values():
+        common &= {name for name, seen in dims.items() if len(seen) == 1}
+    return {recording: set(common) for recording in values}
+
+
+def _same_count_across_recordings(kind: str, samples: list[_Step], constant: dict[str, set[str]],
+                                  everything: list[_Step], reason: str | None = None) -> None:
+    """Refuse recordings whose steps of one class (or prologues) each make their own number
+    of allocations: the op sequence then depends on something fixed per run (a layer count,
+    a model variant), which a template cannot learn yet (steps that differ within one
+    recording are :func:`_align`'s error, which names the step)."""
+    counts: dict[str, set[int]] = {}
+    first: dict[str, _Step] = {}
+    for step in samples:
+        counts.setdefault(step.recording, set()).add(len(step.sizes))
+        first.setdefault(step.recording, step)
+    if any(len(c) > 1 for c in counts.values()) or len({next(iter(c)) for c in counts.values()}) < 2:
+        return
+    totals = [(name, next(iter(c))) for name, c in counts.items()]
+    a, na = totals[0]
+    b, nb = next((name, n) for name, n in totals if n != na)
+    da, db = first[a].dims, first[b].dims
+    differ = [n for n in sorted(constant.get(a, set())) if da.get(n) != db.get(n)]
+    if not differ:
+        return      # no fixed dim tells the runs apart: _align names the steps that do not line up
+    why = ", ".join(f"{n}={da[n]} vs {n}={db[n]}" for n in differ)
+    where = "a step" if kind != "prologue" else "in the prologue"
+    # what the count adds, from the class that shows it cleanest (repeat steps: no first-step
+    # extras, no per-process order of small tensors)
+    for cls in ("repeat", "new_shape", "first", "prologue"):
+        blocks, repeated = _layer_blocks([s for s in everything if s.kind == cls], constant, differ)
+        if repeated:
+            break
+    if blocks:
+        why += "; " + blocks
+    raise InputError(f"the op sequence changed between recordings ({na} vs {nb} allocations {where}); a repeated "
+                     "block count (layers) is not learnable " + (f"from these recordings ({reason})" if reason else
+                                                                 "yet") + ": record each layer count and learn it "
+                     "separately "
+                     f"({kind if kind == 'prologue' else kind + ' steps'} of {a} and {b}: {why})")
+
+
+def _inserted_runs(short: list[tuple], long: list[tuple]) -> list[tuple[int, int]] | None:
+    """Where ``long`` is ``short`` with runs inserted: ``(position in short, run length)`` per
+    run (:mod:`difflib`, the leftmost place inside a repeated stretch); ``None`` when the two
+    also differ otherwise (an allocation replaced or dropped)."""
+    from difflib import SequenceMatcher
+
+    runs = []
+    for tag, i1, _i2, j1, j2 in SequenceMatcher(None, short, long, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        if tag != "insert":
+            return None
+        runs.append((i1, j2 - j1))
+    return runs
+
+
+def _layer_blocks(samples: list[_Step], constant: dict[str, set[str]], differ: list[str]) -> tuple[str | None, bool]:
+    """What a repeated block count adds to a step, for the error of recordings whose op counts
+    differ: the steps of one class at the same step dims, one per recording (allocations as
+    size, pool, stream, tag), compared in order of their allocation count. A repeated block
+    (a layer's forward, its backward, its optimizer updates) shows as the same runs inserted
+    from each count to the next, at the same places (modulo the run: the leftmost place in a
+    repeated stretch): the text (``one more layers adds 214 allocations a step in 3 run(s)
+    (63, 115, 36 allocations, ...)``, ``None`` when no such comparison is possible) and whether
+    the recordings show one repeated block."""
+    fixed = set().union(*constant.values()) if constant else set()
+    by_recording: dict[str, dict[tuple, _Step]] = {}
+    for step in samples:
+        key = tuple(sorted((n, v) for n, v in step.dims.items() if n not in fixed))
+        by_recording.setdefault(step.recording, {}).setdefault(key, step)
+    common = set.intersection(*(set(v) for v in by_recording.values())) if by_recording else set()
+    if not common or len(by_recording) < 2:
+        return None, False
+    key = sorted(common)[0]
+    chosen = sorted((steps[key] for steps in by_recording.values()), key=lambda s: len(s.sizes))
+    # scalars (<= 8 B) as one token: MindSpore allocates a few in an order drawn per process
+    tokens = [[(size if size > 8 else "scalar",) + op[1:] for op, size in zip((o for o in s.ops if o[0] == "a"),
+                                                                            s.sizes)] for s in chosen]
+    label = ", ".join(differ) or "the run"
+    show = lambda s: ",".join(f"{n}={s.dims[n]}" for n in differ) or s.recording
+    found: list[list[tuple[int, int]]] = []
+    for a, b in zip(range(len(chosen)), range(1, len(chosen))):
+        if len(chosen[a].sizes) == len(chosen[b].sizes):
+            continue
+        runs = _inserted_runs(tokens[a], tokens[b])
+        if runs is None:
+            return (f"{show(chosen[b])}'s {chosen[b].kind} step is not {show(chosen[a])}'s with allocations "
+                    "inserted: not a repeated block"), False
+        found.append(runs)
+    if not found:
+        return None, False
+    runs = found[0]
+    out = (f"one more {label} adds {sum(n for _, n in runs)} allocations a step in {len(runs)} run(s) "
+           f"({', '.join(str(n) for _, n in runs)} allocations, inserted at "
+           f"{', '.join(f'#{p}' for p, _ in runs)} of {show(chosen[0])}'s {chosen[0].kind} step at "
+           f"{_show(dict(key))})")
+    # from one count to the next the same runs, each at its place shifted by the runs before it
+    # (or by itself too: which copy difflib calls the inserted one)
+    for later in found[1:]:
+        shift = 0
+        same = len(later) == len(runs)
+        for (p0, n0), (p1, n1) in zip(runs, later):
+            same = same and n0 == n1 and p1 - (p0 + shift) in (0, n0)
+            shift += n0
+        if not same:
+            return out + "; the next count adds other runs: not one repeated block", False
+    if len(found) > 1:
+        out += f", the same runs again at each further count ({len(found) + 1} counts recorded)"
+    return out, True
+
+
+def _count_dim(parts: list[_Step], constant: dict[str, set[str]]) -> str | None:
+    """The dim fixed per recording that decides how many allocations each part makes (a
+    layer count), when the recordings' counts differ; ``None`` when they do not (or no fixed
+    dim explains them: then :func:`_align` names the steps)."""
+    counts: dict[tuple[str, str], set[int]] = {}
+    dims: dict[str, dict[str, int]] = {}
+    for step in parts:
+        counts.setdefault((step.kind, step.recording), set()).add(len(step.sizes))
+        if step.index >= 0:
+            dims.setdefault(step.recording, step.dims)
+    if any(len(c) > 1 for c in counts.values()):
+        return None
+    kinds = {kind for kind, _ in counts}
+    if all(len({next(iter(c)) for (k, _), c in counts.items() if k == kind}) == 1 for kind in kinds):
+        return None
+    fixed = sorted(set().union(*constant.values())) if constant else []
+    candidates = []
+    for name in fixed:
+        by_value: dict[tuple, int] = {}
+        if all(by_value.setdefault((kind, dims[rec][name]), next(iter(c))) == next(iter(c))
+               for (kind, rec), c in counts.items() if rec in dims):
+            candidates.append(name)
+    return "layers" if "layers" in candidates else (candidates[0] if candidates else None)
+
+
+def _learn_layered(dim: str, recordings: list, steps: list[_Step], prologues: list[_Step],
+                   constant: dict[str, set[str]], pool: str | None, max_degree: int) -> Template:
+    """A template over the repeated block count ``dim`` (:mod:`ms_memopt.engine.template_layers`),
+    or the refusal naming what does not hold."""
+    from ms_memopt.engine.template_layers import learn_layered
+
+    value = {s.recording: s.dims[dim] for s in steps}
+    groups: dict[int, list] = {}
+    for name, events in recordings:
+        groups.setdefault(value[name], []).append((name, events))
+    try:
+        layered = learn_layered(dim, groups, lambda recs: learn(recs, pool=pool, max_degree=max_degree))
+    except InputError as exc:
+        reason = str(exc)
+        for kind in CLASSES:
+            _same_count_across_recordings(kind, [s for s in steps if s.kind == kind], constant, steps + prologues,
+                                          reason)
+        _same_count_across_recordings("prologue", prologues, constant, steps + prologues, reason)
+        raise
+    largest = max(int(c) for c in layered["counts"])
+    out = template_from_dict(layered["counts"][str(largest)], f"{dim}={largest}")
+    out.layered = layered
+    # free_orders: the largest count's, which a count never recorded is expanded with; a recorded
+    # count keeps its own (inside ``layered``)
+    out.recordings = [r for c in sorted(layered["counts"], key=int) for r in layered["counts"][c]["recordings"]]
+    return out
+
+
 def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None = None,
           max_degree: int = MAX_DEGREE) -> Template:
     """Learn a template from ``(name, events)`` recordings (see the module docstring).
 
     Raises:
-        InputError: a recording without dims marks, recordings with different dims names, or
-            steps of one class (or prologues) that do not line up (names recording and step).
+        InputError: a recording without dims marks, recordings with different dims names,
+            steps of one class (or prologues) that do not line up (names recording and step),
+            or recordings at several layer counts that do not show one repeated block.
     """
     prologues: list[_Step] = []
     steps: list[_Step] = []
     info = []
     names: list[str] | None = None
+    recordings = [(name, list(events)) for name, events in recordings]
     for name, events in recordings:
         prologue, own = _split(name, events)
         for step in own:
@@ -627,6 +827,9 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
             elif set(step.dims) != set(names):
                 raise InputError(f"step {step.number} has dims {sorted(step.dims)}, the first step seen has "
                                  f"{sorted(names)}; every step of every recording must name the same dims", source=name)
+        # the prologue (weights, optimizer) is made at the dims the run holds for good: its
+        # sizes are fitted in the dims constant within each recording, at the first step's values
+        prologue.dims = dict(own[0].dims) if own else {}
         prologues.append(prologue)
         steps.extend(own)
         info.append({"path": name, "steps": len(own),
@@ -634,6 +837,13 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
     if not recordings:
         raise InputError("no recording to learn from")
     names = names or []
+    constant = _constant_dims(names, steps)
+    count_dim = _count_dim(steps + prologues, constant)
+    if count_dim is not None:
+        return _learn_layered(count_dim, recordings, steps, prologues, constant, pool, max_degree)
+    for kind in CLASSES:
+        _same_count_across_recordings(kind, [s for s in steps if s.kind == kind], constant, steps + prologues)
+    _same_count_across_recordings("prologue", prologues, constant, steps + prologues)
     not_exact: list[dict] = []
     positions = 0
     per_recording: dict[str, dict[str, dict]] = {}     # recording -> {part: its own free order}
@@ -642,7 +852,8 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
         nonlocal positions
         ops, after, sizes, reordered, own = _align(label, samples)
         points = [s.dims for s in samples]
-        basis, coefs, exact = _fit(names, points, [list(x) for x in sizes], max_degree)
+        only = [n for n in names if n in set().union(*constant.values())] if label == "prologue" else None
+        basis, coefs, exact = _fit(names, points, [list(x) for x in sizes], max_degree, only=only)
 
         def with_sizes(ops: list) -> list:
             out_ops, pos = [], 0
@@ -712,7 +923,7 @@ def learn_files(paths: Sequence[str | Path], *, max_degree: int = MAX_DEGREE) ->
 
 # --- generating ---------------------------------------------------------------------------
 def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings: list[str] | None = None,
-             first_id: int = 1, free_order: int | None = None) -> list[Event]:
+             first_id: int = 1, free_order: int | None = None, prologue_only: bool = False) -> list[Event]:
     """The events of ``schedule`` (one dims dict per step): the prologue, then each step's
     variant (``first``, ``new_shape``, ``repeat``) with its sizes evaluated at its dims, and a
     ``step`` event (tag ``dims:...``) at each step end.
@@ -722,13 +933,24 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
     (MindSpore draws a few free orders once per process: docs/simulation.md, "Templates
     learned from recordings").
 
+    ``prologue_only``: only the prologue, at the dims of the schedule's first step (those it was
+    fitted in, such as ``hidden`` or ``layers``, are fixed per run).
+
     ``warnings`` (a list) receives what is extrapolated: a dim a class never saw vary, a
-    free whose target step's class the template never saw there.
+    free whose target step's class the template never saw there, a layer count never recorded.
+
+    A template over a repeated block count (:attr:`Template.layered`) generates at the
+    schedule's count (one for the whole schedule): a recorded count's own template (its own
+    ``free_orders``), or one built from the largest recorded count (whose ``free_orders``
+    :attr:`Template.free_orders` lists).
 
     Raises:
         InputError: a schedule step whose dims differ from the template's, or a class the
             schedule needs that the template has no sample of.
     """
+    if template.layered:
+        return _generate_layered(template, schedule, warnings=warnings, first_id=first_id, free_order=free_order,
+                                 prologue_only=prologue_only)
     names = template.dims
     events: list[Event] = []
     next_id = first_id
@@ -785,7 +1007,13 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
                     events.append(Event("free", id=target))
         return ids
 
-    prologue_ids = run(template.prologue, [0] * len(names), [], [])
+    # the prologue at the run's dims (those it was fitted in are fixed per recorded run)
+    start = schedule[0] if schedule else _most_seen(template.prologue.get("seen") or [])
+    prologue_point = [start.get(n, 0) for n in names]
+    fixed = [n for j, n in enumerate(names) if any(e[j] for e in template.prologue["basis"])]
+    prologue_ids = run(template.prologue, prologue_point, [], [])
+    if prologue_only:
+        return events
     history: list[tuple[str, list[int], list[int]]] = []
     seen: set = set()
     for number, dims in enumerate(schedule, 1):
@@ -800,6 +1028,10 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
                              + ("record runs that change shape mid-run" if kind == "new_shape" else
                                 "record runs with more steps"))
         point = [dims[n] for n in names]
+        for name in fixed:
+            if dims[name] != start[name]:
+                note(f"the prologue depends on {name} (fixed in every recorded run); the schedule changes it after "
+                     f"its first step, the prologue stays that of {name}={start[name]}")
         for j, name in enumerate(names):
             values = {s.get(name) for s in part["seen"]}
             if len(values) == 1 and dims[name] not in values:
@@ -811,6 +1043,38 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
     if warnings is not None:
         warnings.extend(f"{text} (x{count})" if count > 1 else text for text, count in notes.items())
     return events
+
+
+def _generate_layered(template: Template, schedule: Sequence[dict[str, int]], *, warnings: list[str] | None,
+                      first_id: int, free_order: int | None, prologue_only: bool = False) -> list[Event]:
+    """:func:`generate` over a repeated block count: the flat template at the schedule's count
+    (recorded, or built from the largest recorded one: :func:`ms_memopt.engine.template_layers.expand`)."""
+    from ms_memopt.engine.template_layers import expand
+
+    dim = template.layered["dim"]
+    values = {step.get(dim) for step in schedule}
+    if len(values) > 1:
+        raise InputError(f"the schedule changes {dim} ({sorted(map(str, values))}); a repeated block count is fixed "
+                         "per run: one schedule per count")
+    recorded = sorted(int(c) for c in template.layered["counts"])
+    count = next(iter(values)) if values else recorded[-1]
+    if count is None:
+        raise InputError(f"schedule step 1 has no {dim}; the template's dims are {template.dims}")
+    flat = template_from_dict(expand(template.layered, count), f"{dim}={count}")
+    # sizes do not depend on the count (the blocks do): no "recorded at one value only" notes
+    for part in [flat.prologue, *flat.classes.values()]:
+        part["seen"] = [{**seen, dim: count} for seen in part["seen"]]
+    if count not in recorded and warnings is not None:
+        warnings.append(f"{dim}={count} was never recorded (recorded: {recorded}): its steps are built from "
+                        f"{dim}={recorded[-1]}'s with the repeated blocks {dim} adds")
+    return generate(flat, schedule, warnings=warnings, first_id=first_id, free_order=free_order,
+                    prologue_only=prologue_only)
+
+
+def _most_seen(seen: list[dict]) -> dict:
+    """The dims recorded most often (the first of them on a tie); ``{}`` for none."""
+    keys = [_key(s) for s in seen]
+    return dict(max(keys, key=keys.count)) if keys else {}
 
 
 def _mapped(template: Template, known: str, target: str, point: list[int], cache: dict) -> dict[int, int]:
@@ -961,8 +1225,20 @@ def template_from_dict(data, source: str = "template") -> Template:
     """Validate a template's JSON object; errors name the key path (``classes.repeat.ops[3][1]``)."""
     _need(isinstance(data, dict), "(top)", "expected a JSON object", source)
     _need(data.get("format") == FORMAT, "format", f"expected {FORMAT!r}, got {data.get('format')!r}", source)
-    _need(data.get("version") == VERSION, "version", f"unsupported version {data.get('version')!r}; expected "
-          f"{VERSION}", source)
+    _need(data.get("version") in (VERSION, LAYERED_VERSION), "version", f"unsupported version "
+          f"{data.get('version')!r}; expected {VERSION} (or {LAYERED_VERSION}: over a repeated block count)", source)
+    layered = data.get("layered")
+    _need((layered is None) == (data.get("version") == VERSION), "version",
+          f"version {LAYERED_VERSION} is a template over a repeated block count (with \"layered\"), version "
+          f"{VERSION} one without; got version {data.get('version')!r}" + (" with" if layered else " without"),
+          source)
+    if layered is not None:
+        _need(isinstance(layered, dict) and layered.get("dim") in (data.get("dims") or []) and
+              _is_int(layered.get("base")) and isinstance(layered.get("counts"), dict) and layered["counts"],
+              "layered", "expected {\"dim\": a dim, \"base\": int, \"counts\": {count: template}}", source)
+        for count, sub in layered["counts"].items():
+            _need(count.lstrip("-").isdigit(), f"layered.counts.{count}", "expected an integer count", source)
+            template_from_dict(sub, f"{source}: layered.counts.{count}")
     for key in ("dims", "prologue", "classes"):
         _need(key in data, "(top)", f"missing key {key!r}", source)
     dims = data["dims"]
@@ -997,7 +1273,7 @@ def template_from_dict(data, source: str = "template") -> Template:
     return Template(dims=list(dims), prologue=data["prologue"], classes=dict(classes), pool=data.get("pool"),
                     allocator=allocator, recordings=list(data.get("recordings") or []),
                     not_exact=list(fit.get("not_exact") or []), positions=int(fit.get("positions") or 0),
-                    free_orders=list(free_orders))
+                    free_orders=list(free_orders), layered=layered)
 
 
 def load_template(path: str | Path) -> Template:
@@ -1072,8 +1348,11 @@ def fidelity(recorded: Iterable[Event], simulated: Iterable[Event], *, until_las
     rec_steps, sim_steps = per_step(rec), per_step(sim)
     # the recording's prologue is ended by a setup mark the simulation does not write
     shift = 1 if recorded and any(e.action == "step" and e.tag is None for e in recorded) else 0
-    same_layout = sum(sum((counter & sim_steps.get(step - shift, Counter())).values())
-                      for step, counter in rec_steps.items())
+    # (the prologue and the first step are one "step" of the simulation: compared together)
+    merged: dict[int, Counter] = {}
+    for step, counter in rec_steps.items():
+        merged.setdefault(max(0, step - shift), Counter()).update(counter)
+    same_layout = sum(sum((counter & sim_steps.get(step, Counter())).values()) for step, counter in merged.items())
     return {"allocs_recorded": n, "allocs_simulated": len(sim),
             "size_match": same_size / n if n else None, "offset_match": same_place / n if n else None,
             "layout_match": same_layout / n if n else None}

@@ -233,9 +233,13 @@ class TemplateWorkload:
 
     # the interface the simulator drives -----------------------------------------------------
     def prologue_rows(self) -> list[tuple]:
-        """What the template allocates before its first step (weights, optimizer state), as rows."""
+        """What the template allocates before its first step (weights, optimizer state), as rows,
+        at the run's own dims: a prologue is fitted in the dims a recording holds constant
+        (``hidden``, ``layers``), so it is generated with the schedule's first step (the
+        recorded dims when drawing)."""
         if self._prologue is None:      # generated once: every regeneration of the steps starts with it
-            self._prologue = [_tagged(_row(e)) for e in generate(self.template, [])]
+            first = self._fixed[0] if self._fixed else dict(self.base)
+            self._prologue = [_tagged(_row(e)) for e in generate(self.template, [first], prologue_only=True)]
         return list(self._prologue)
 
     def step_rows(self, step: int) -> list[tuple]:
