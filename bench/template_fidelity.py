@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from ms_memopt.allocators import create  # noqa: E402
 from ms_memopt.core.events import Trace, read_jsonl  # noqa: E402
 from ms_memopt.engine.replay import placed_events  # noqa: E402
-from ms_memopt.engine.template import fidelity, generate, load_template  # noqa: E402
+from ms_memopt.engine.template import fidelity, free_order_of, generate, load_template  # noqa: E402
 
 WORKLOAD = str(_REPO / "bench/workloads/template_run.py")
 
@@ -92,39 +92,14 @@ def calibration_runs(calib: list[int], patterns: list[str]) -> list[list[int]]:
     return runs
 
 
-def _first_step(events: list) -> list:
-    """The events up to the first step mark with dims (prologue and first step)."""
-    for i, e in enumerate(events):
-        if e.action == "step" and e.tag:
-            return events[:i + 1]
-    return events
-
-
-def _free_sequence(events: list) -> list[int]:
-    """The allocations freed, in order, each named by its allocation's ordinal."""
-    ordinal, out = {}, []
-    for e in events:
-        if e.action == "alloc":
-            ordinal[e.id] = len(ordinal)
-        elif e.action == "free" and e.id in ordinal:
-            out.append(ordinal[e.id])
-    return out
-
-
 def draw_matched(template, schedule: list[dict], recorded: list) -> dict:
     """Simulate ``schedule`` in each calibration recording's free order (``free_orders``) and
     in the default one; keep the order whose first step frees in the order closest to
     ``recorded``'s first step (ties: the default). Only the held-out's first step is looked at:
     it shows the process's draw; the template is the calibration's."""
-    want = _free_sequence(_first_step(recorded))
-    best = None
-    for k in [None] + list(range(len(template.free_orders))):
-        events = generate(template, schedule, free_order=k)
-        got = _free_sequence(_first_step(events))
-        score = sum(1 for a, b in zip(want, got) if a == b) / max(1, len(want))
-        if best is None or score > best[0]:
-            best = (score, k, events, got == want)
-    score, k, events, same = best
+    k, score = free_order_of(template, schedule, recorded)
+    same = score == 1.0
+    events = generate(template, schedule, free_order=k)
     trace = Trace(events, source="template", format="template")
     placed, _ = placed_events(trace, create(template.allocator, None), segments=True, sample_every=None)
     if k is None:

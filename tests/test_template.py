@@ -544,3 +544,38 @@ def test_real_model_at_a_layer_count_never_recorded(tmp_path):
     peaks = [replay(Trace(events, source="t", format="t"), create("mindspore-bestfit")).peak_allocated
              for events in (held[:last + 1], simulated)]
     assert peaks[0] == peaks[1]
+
+
+def test_a_process_free_order_is_read_from_its_first_step(tmp_path, capsys):
+    """free_order_of reads the order a process drew from its first step alone; simulate
+    --free-order-from REC then predicts the rest of its run exactly (sizes and offsets)."""
+    from ms_memopt.cli import main
+    from ms_memopt.engine.template import free_order_of
+
+    calib = [("p0", drawn_record([8, 8, 12, 12], "abc")), ("p1", drawn_record([12, 8, 8], "abc")),
+             ("p2", drawn_record([8, 12, 12], "bac"))]
+    template = learn(calib)
+    held = [16, 16, 8, 16]
+    schedule = [{"seq": s} for s in held]
+    for order in ("abc", "bac", "cba"):
+        k, match = free_order_of(template, schedule, drawn_record(held[:1], order))    # the first step only
+        assert match == 1.0
+        recorded = _placed(drawn_record(held, order))
+        got = fidelity(recorded, _placed(generate(template, schedule, free_order=k)), until_last_step=False)
+        assert got["offset_match"] == 1.0, order
+    # through the CLI, from a recording file
+    path = tmp_path / "m.template.json"
+    save_template(template, path)
+    rec = tmp_path / "held.jsonl"
+    write_jsonl(rec, drawn_record(held, "cba"))
+    csv = tmp_path / "s.csv"
+    csv.write_text("seq\n" + "".join(f"{s}\n" for s in held))
+    out = tmp_path / "sim.jsonl"
+    assert main(["simulate", str(path), "--schedule", str(csv), "--free-order-from", str(rec),
+                 "--export-events", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["free_order_match"] == 1.0 and result["free_order"] is not None
+    assert fidelity(_placed(drawn_record(held, "cba")), read_jsonl(out).events, until_last_step=False)[
+        "offset_match"] == 1.0
+    assert main(["simulate", str(path), "--schedule", str(csv), "--free-order-from", str(rec)]) == 2
+    assert "--export-events" in capsys.readouterr().err

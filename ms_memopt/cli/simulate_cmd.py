@@ -51,6 +51,9 @@ def add_parser(parser) -> None:
     parser.add_argument("--free-order", type=int, default=None, metavar="K",
                         help="template only: simulate in the free order of entry K of the template's free_orders "
                              "(a calibration process's own; default: the most common)")
+    parser.add_argument("--free-order-from", default=None, metavar="REC.jsonl",
+                        help="template only: simulate in the free order the recorded process drew, read from its "
+                             "first step (MindSpore draws it once per process on CPU)")
 
 
 def add_job_arguments(parser) -> None:
@@ -84,7 +87,7 @@ def run(args) -> int:
     if str(args.recipe).endswith(".template.json"):      # a learned step template (ms-memopt learn)
         from ms_memopt.cli.simulate_template import run as run_template
         return run_template(args)
-    for flag in ("schedule", "export_events", "capacity", "free_order"):
+    for flag in ("schedule", "export_events", "capacity", "free_order", "free_order_from"):
         if getattr(args, flag, None) is not None:
             raise InputError("only for a step template (MODEL.template.json, ms-memopt learn)"
                              + ("; a recipe's capacity is memopt.device.hbm" if flag == "capacity" else

@@ -17,7 +17,9 @@ fragmentation (``--json``: one object, bytes); ``--export-events OUT.jsonl`` wri
 with the model's addresses and its blocks as ``segment_alloc`` events (our JSONL,
 docs/events.md). Exit code 0, or 1 with ``--fail-on-oom`` after an OOM. ``args.free_order``
 (when the parser gives one): generate in that calibration recording's free order
-(``template.free_orders``, :func:`~ms_memopt.engine.template.generate`).
+(``template.free_orders``, :func:`~ms_memopt.engine.template.generate`); ``args.free_order_from``
+(a recording): in the order that process drew, read from its first step
+(:func:`~ms_memopt.engine.template.free_order_of`).
 """
 from __future__ import annotations
 
@@ -55,6 +57,14 @@ def run(args) -> int:
     warnings: list[str] = []
     # which calibration process's free order (template.free_orders); None: the most common one
     free_order = getattr(args, "free_order", None)
+    order_match = None
+    if getattr(args, "free_order_from", None):
+        if free_order is not None:
+            raise InputError("give --free-order or --free-order-from, not both", key="--free-order-from")
+        from ms_memopt.engine.template import free_order_of
+        from ms_memopt.io.traces import load_trace
+
+        free_order, order_match = free_order_of(template, schedule, load_trace(args.free_order_from).events)
     events = generate(template, schedule, warnings=warnings, free_order=free_order)
     trace = Trace(events, source=str(args.recipe), format="template")
     if args.export_events:    # one replay gives the figures and the placed events
@@ -70,6 +80,7 @@ def run(args) -> int:
            "dims": template.dims, "capacity": capacity, "warnings": warnings,
            "classes": _class_counts(template, schedule), "export_events": args.export_events,
            "free_order": free_order, "free_orders": len(template.free_orders),
+           "free_order_from": getattr(args, "free_order_from", None), "free_order_match": order_match,
            **{k: v for k, v in result.to_dict().items() if k not in ("address_match", "policy")}}
     if args.json:
         print(json.dumps(out))
@@ -117,9 +128,10 @@ def _run_job(args) -> int:
             raise InputError("a bare template is one card; for a job of many ranks name it in a recipe "
                              "(memopt.workload.template, with its sequence-length rules or memopt.workload.schedule; "
                              "docs/simulation.md)", key="--" + flag)
-    if getattr(args, "free_order", None) is not None:
-        raise InputError("--free-order goes with --export-events (one replay in that calibration process's "
-                         "order); the job runs the most common order", key="--free-order")
+    for flag in ("free_order", "free_order_from"):
+        if getattr(args, flag, None) is not None:
+            raise InputError(f"--{flag.replace('_', '-')} goes with --export-events (one replay in that "
+                             "process's order); the job runs the most common order", key="--" + flag.replace("_", "-"))
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
     recipe = recipe_for_template(args.recipe, args.schedule, capacity=capacity, steps=args.steps)
     args.steps = None           # the recipe has them

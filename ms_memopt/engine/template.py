@@ -63,7 +63,7 @@ from typing import Iterable, Sequence
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event
 
-__all__ = ["Template", "learn", "learn_files", "generate", "load_template", "save_template", "fidelity",
+__all__ = ["Template", "learn", "learn_files", "generate", "free_order_of", "load_template", "save_template", "fidelity",
            "parse_dims_tag", "dims_tag", "read_schedule", "CLASSES", "FORMAT", "VERSION"]
 
 FORMAT = "ms-memopt-template"
@@ -1043,6 +1043,53 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
     if warnings is not None:
         warnings.extend(f"{text} (x{count})" if count > 1 else text for text, count in notes.items())
     return events
+
+
+def free_order_of(template: Template, schedule: Sequence[dict[str, int]],
+                  recorded: Sequence[Event]) -> tuple[int | None, float]:
+    """The free order a process drew, read from its first step: ``(k, match)`` where ``k`` is the
+    entry of :attr:`Template.free_orders` (``None``: the default order) whose first step of
+    ``schedule`` frees in the order closest to ``recorded``'s first step (ties: the default),
+    and ``match`` the share of those frees in the same place (1.0: the same order).
+
+    MindSpore on CPU draws some free orders once per process, at its first backward
+    (docs/simulation.md, "Templates learned from recordings"), so a running process's first
+    step fixes the order of all its later steps: simulate them with ``free_order=k``.
+
+    Example:
+        >>> from ms_memopt.core.events import Event
+        >>> t = Template(dims=[], prologue={"samples": 1, "seen": [], "basis": [[]], "ops": []}, classes={})
+        >>> free_order_of(t, [], [Event("step", tag="dims:seq=8")])
+        (None, 1.0)
+    """
+    want = _free_sequence(_first_step(list(recorded)))
+    best: tuple[float, int, int | None] | None = None
+    for rank, k in enumerate([None, *range(len(template.free_orders))]):
+        got = _free_sequence(_first_step(generate(template, list(schedule[:1]), free_order=k))) if schedule else []
+        match = sum(1 for a, b in zip(want, got) if a == b) / len(want) if want else 1.0
+        if best is None or match > best[0]:
+            best = (match, rank, k)
+    return best[2], best[0]
+
+
+def _first_step(events: list[Event]) -> list[Event]:
+    """The events up to the first step mark with dims (the prologue and the first step)."""
+    for i, e in enumerate(events):
+        if e.action == "step" and parse_dims_tag(e.tag) is not None:
+            return events[:i + 1]
+    return events
+
+
+def _free_sequence(events: list[Event]) -> list[int]:
+    """The allocations freed, in order, each named by its allocation's ordinal."""
+    ordinal: dict[int, int] = {}
+    out: list[int] = []
+    for e in events:
+        if e.action == "alloc":
+            ordinal[e.id] = len(ordinal)
+        elif e.action == "free" and e.id in ordinal:
+            out.append(ordinal[e.id])
+    return out
 
 
 def _generate_layered(template: Template, schedule: Sequence[dict[str, int]], *, warnings: list[str] | None,
