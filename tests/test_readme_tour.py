@@ -48,8 +48,8 @@ def _shortened(argv: list[str], max_steps: int = _MAX_STEPS) -> list[str]:
             skip = True
         else:
             out.append(arg)
-    if out and out[0] in ("simulate", "sweep"):
-        out += ["--ranks", "1"]     # one rank stream of the job (tests/test_job.py covers many)
+    if out and out[0] in ("simulate", "sweep") and not out[1].endswith(".template.json"):
+        out += ["--ranks", "1"]     # one rank stream of the job (tests/test_job.py covers many); a template is one card
     return out
 
 
