@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 
 import template_fidelity as tf  # noqa: E402
 from ms_memopt.core.events import read_jsonl  # noqa: E402
-from ms_memopt.engine.template import fidelity, load_template  # noqa: E402
+from ms_memopt.engine.template import load_template  # noqa: E402
 
 
 def hidden_part(work: Path, hiddens: list[int], heldout_hidden: int, calib: list[int], patterns: list[str],
@@ -64,26 +64,17 @@ def hidden_part(work: Path, hiddens: list[int], heldout_hidden: int, calib: list
     for seed in seeds:
         rng = np.random.default_rng(seed)
         held = [int(x) * 4 for x in rng.integers(2, max_len // 4 + 1, steps)]
-        held_path = work / f"hidden{heldout_hidden}{tag}_heldout{seed}.jsonl"
-        seconds += tf._record(held_path, "gpt", held, dims + ["--hidden", str(heldout_hidden)])
-        schedule = work / f"hidden{heldout_hidden}{tag}_heldout{seed}.csv"
-        schedule.write_text("seq,batch,hidden\n" + "".join(f"{s},4,{heldout_hidden}\n" for s in held))
-        sim_path = work / f"hidden{heldout_hidden}{tag}_simulated{seed}.jsonl"
-        sim = json.loads(tf._cli("simulate", str(template), "--schedule", str(schedule), "--export-events",
-                                 str(sim_path), "--json"))
-        recorded = read_jsonl(held_path).events
-        fid = fidelity(recorded, read_jsonl(sim_path).events)
-        drawn = tf.draw_matched(t, [{"seq": x, "batch": 4, "hidden": heldout_hidden} for x in held], recorded)
-        rec_replay = json.loads(tf._cli("replay", str(held_path), "--json"))
+        checked, took = tf.held_out_check(template, t, work, f"hidden{heldout_hidden}{tag}_{seed}", "gpt", held,
+                                          {"batch": 4, "hidden": heldout_hidden},
+                                          dims + ["--hidden", str(heldout_hidden)])
+        seconds += took
         rows.append({"part": "hidden", "warmup": warmup, "calibration_hiddens": hiddens,
                      "heldout_hidden": heldout_hidden,
                      "heldout_seed": seed, "heldout_steps": steps, "heldout_lengths": sorted(set(held)),
                      "positions": learned["positions"], "exact": learned["exact"],
                      "prologue_allocs": learned["prologue_allocs"],
                      "not_exact": [f"{m['class']}#{m['alloc']} {m['sizes']}" for m in learned["not_exact_positions"]],
-                     **fid, **drawn, "peak_allocated_recorded": rec_replay["peak_allocated"],
-                     "peak_allocated_simulated": sim["peak_allocated"], "warnings": sim["warnings"],
-                     "record_seconds": round(seconds, 1)})
+                     **checked, "record_seconds": round(seconds, 1)})
     return rows
 
 
@@ -138,22 +129,12 @@ def layers_part(work: Path, counts: list[int], heldout_counts: list[int], calib:
     rng = np.random.default_rng(seed)
     held = [int(x) * 4 for x in rng.integers(2, max_len // 4 + 1, steps)]
     for layers in heldout_counts:
-        held_path = work / f"layers{layers}_h{hidden}_heldout{seed}.jsonl"
-        seconds += tf._record(held_path, "gpt", held, dims + ["--layers", str(layers)])
-        schedule = work / f"layers{layers}_heldout{seed}.csv"
-        schedule.write_text("seq,batch,layers\n" + "".join(f"{s},4,{layers}\n" for s in held))
-        sim_path = work / f"layers{layers}_simulated{seed}.jsonl"
-        sim = json.loads(tf._cli("simulate", str(template), "--schedule", str(schedule), "--export-events",
-                                 str(sim_path), "--json"))
-        recorded = read_jsonl(held_path).events
-        fid = fidelity(recorded, read_jsonl(sim_path).events)
-        drawn = tf.draw_matched(t, [{"seq": x, "batch": 4, "layers": layers} for x in held], recorded)
-        rec_replay = json.loads(tf._cli("replay", str(held_path), "--json"))
+        checked, took = tf.held_out_check(template, t, work, f"layers{layers}_h{hidden}_{seed}", "gpt", held,
+                                          {"batch": 4, "layers": layers}, dims + ["--layers", str(layers)])
+        seconds += took
         rows.append({"part": "layers_heldout", "layer_counts": counts, "heldout_layers": layers,
                      "heldout_seed": seed, "heldout_steps": steps, "heldout_lengths": sorted(set(held)),
-                     "positions": learned["positions"], "exact": learned["exact"], **fid, **drawn,
-                     "peak_allocated_recorded": rec_replay["peak_allocated"],
-                     "peak_allocated_simulated": sim["peak_allocated"], "warnings": sim["warnings"],
+                     "positions": learned["positions"], "exact": learned["exact"], **checked,
                      "record_seconds": round(seconds, 1)})
     return rows
 

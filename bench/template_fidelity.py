@@ -113,6 +113,29 @@ def draw_matched(template, schedule: list[dict], recorded: list) -> dict:
             "offset_match_draw": fidelity(recorded, placed)["offset_match"]}
 
 
+def held_out_check(template_path: Path, template, work: Path, name: str, model: str, held: list[int],
+                   dims: dict[str, int], record_args: list[str]) -> tuple[dict, float]:
+    """Record a held-out run of ``held`` lengths (``dims`` fixed, ``record_args`` to the workload),
+    simulate the same schedule from the template (``simulate --export-events``), and compare:
+    ``(figures, record seconds)``; the figures are the fidelity, the drawn order's
+    (:func:`draw_matched`), both peaks and the simulator's warnings."""
+    held_path = work / f"{name}_heldout.jsonl"
+    seconds = _record(held_path, model, held, record_args)
+    schedule = work / f"{name}_heldout.csv"
+    names = ["seq", *dims]
+    schedule.write_text(",".join(names) + "\n" + "".join(",".join(str(v) for v in [s, *dims.values()]) + "\n"
+                                                           for s in held))
+    sim_path = work / f"{name}_simulated.jsonl"
+    sim = json.loads(_cli("simulate", str(template_path), "--schedule", str(schedule), "--export-events",
+                          str(sim_path), "--json"))
+    recorded = read_jsonl(held_path).events
+    figures = fidelity(recorded, read_jsonl(sim_path).events)
+    figures.update(draw_matched(template, [{"seq": x, **dims} for x in held], recorded))
+    figures.update(peak_allocated_recorded=json.loads(_cli("replay", str(held_path), "--json"))["peak_allocated"],
+                   peak_allocated_simulated=sim["peak_allocated"], warnings=sim["warnings"])
+    return figures, seconds
+
+
 def run_model(model: str, work: Path, calib: list[int], patterns: list[str], steps: int, max_len: int,
               seeds: list[int], extra: list[str]) -> list[dict]:
     """Calibrate and learn once, then one row per held-out run (seed: its random lengths)."""
@@ -129,27 +152,15 @@ def run_model(model: str, work: Path, calib: list[int], patterns: list[str], ste
     for seed in seeds:
         rng = np.random.default_rng(seed)
         held = [int(x) * 4 for x in rng.integers(2, max_len // 4 + 1, steps)]
-        held_path = work / f"{model}_heldout{seed}.jsonl"
-        seconds += _record(held_path, model, held, extra)
-        schedule = work / f"{model}_heldout{seed}.csv"
-        schedule.write_text("seq,batch\n" + "".join(f"{s},4\n" for s in held))
-        sim_path = work / f"{model}_simulated{seed}.jsonl"
-        sim = json.loads(_cli("simulate", str(template), "--schedule", str(schedule), "--export-events",
-                              str(sim_path), "--json"))
-        recorded = read_jsonl(held_path).events
-        fid = fidelity(recorded, read_jsonl(sim_path).events)
-        drawn = draw_matched(t, [{"seq": x, "batch": 4} for x in held], recorded)
-        rec_replay = json.loads(_cli("replay", str(held_path), "--json"))
+        checked, took = held_out_check(template, t, work, f"{model}_{seed}", model, held, {"batch": 4}, extra)
+        seconds += took
         rows.append({"model": model, "heldout_seed": seed, "hash_seed": HASH_SEED, "calibration": calib,
                      "patterns": patterns, "heldout_steps": steps, "heldout_lengths": sorted(set(held)),
                      "beyond_calibration": sorted({s for s in held if s > max(calib)}),
                      "positions": learned["positions"], "exact": learned["exact"],
                      "not_exact": [f"{m['class']}#{m['alloc']} {m['sizes']}" for m in learned["not_exact_positions"]],
                      "free_order_variants": {k: c.get("free_order_variants", 0) for k, c in t.classes.items()},
-                     **fid, **drawn, "free_orders": len(t.free_orders),
-                     "peak_allocated_recorded": rec_replay["peak_allocated"],
-                     "peak_allocated_simulated": sim["peak_allocated"],
-                     "warnings": sim["warnings"],
+                     **checked, "free_orders": len(t.free_orders),
                      "classes": {k: len([o for o in c["ops"] if o[0] == "a"]) for k, c in t.classes.items()},
                      "record_seconds": round(seconds, 1)})
     return rows
