@@ -285,11 +285,11 @@ def test_idle_blocks_given_back_are_priced_at_device_free_seconds():
     assert TimingConfig().device_free_seconds == TimingConfig().device_alloc_seconds   # the same assumption
 
 
-def test_device_frees_come_last_so_older_tuples_keep_their_positions():
-    c = StepCounts(flops=1.0, device_allocs=2, slow_path=4, new_shape_requests=5, device_frees=7)
+def test_new_counts_come_last_so_older_tuples_keep_their_positions():
+    c = StepCounts(flops=1.0, device_allocs=2, slow_path=4, new_shape_requests=5, device_frees=7, layer_passes=3)
     t = c.as_tuple()
-    assert t[-1] == 7 and StepCounts(*t) == c
-    older = t[:-1]                          # a tuple written before device_frees existed
+    assert t[-2:] == (7, 3) and StepCounts(*t) == c
+    older = t[:-2]                          # a tuple written before device_frees and layer_passes existed
     assert StepCounts(*older).device_frees == 0 and StepCounts(*older).slow_path == 4
     assert rank_step(older, TimingConfig()) == rank_step(StepCounts(*older), TimingConfig())
 
@@ -335,3 +335,80 @@ def test_pool_mode_as_the_field_ran_it_recomputes_and_pays_one_forward_more(tmp_
     data["memopt"]["pool_checkpoint_every"] = 99
     with pytest.raises(InputError, match=r"memopt\.pool_checkpoint_every.*at most the layers"):
         recipe_from_dict(data, source=str(DEMO))
+
+
+# --- the CPU timing profile (recipes/demo_cpu.yaml, measured by bench/timing_cpu.py) -----------
+
+#: the keys bench/timing_cpu.py measures and recipes/demo_cpu.yaml sets from it
+CPU_PROFILE_KEYS = ("peak_flops", "base_efficiency", "hbm_bandwidth", "device_alloc_seconds",
+                    "compaction_barrier_seconds", "request_seconds", "shape_build_seconds")
+
+
+def _timing_section_lines(path: Path) -> list[str]:
+    """The ``key: value`` lines of ``memopt.timing`` in a recipe file (comments kept)."""
+    lines, inside, indent = [], False, None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        stripped = line.strip()
+        if stripped == "timing:":
+            inside, indent = True, len(line) - len(line.lstrip())
+            continue
+        if inside and stripped and not stripped.startswith("#"):
+            if len(line) - len(line.lstrip()) <= indent:
+                break
+            lines.append(stripped)
+    return lines
+
+
+def test_the_cpu_demo_recipe_carries_the_measured_cpu_profile():
+    """Every measured key is set in the demo recipe, each with a comment naming the bench, and
+    the values are a CPU's (not the 910C defaults); no measured value is asserted."""
+    lines = _timing_section_lines(DEMO)
+    keys = {line.split(":", 1)[0]: line for line in lines}
+    assert set(CPU_PROFILE_KEYS) <= set(keys), set(CPU_PROFILE_KEYS) - set(keys)
+    for key in CPU_PROFILE_KEYS:
+        assert "bench/timing_cpu.py" in keys[key], f"memopt.timing.{key}: no comment naming bench/timing_cpu.py"
+    timing, default = load_recipe(DEMO).memopt.timing, TimingConfig()
+    assert timing.request_seconds > 0 and timing.shape_build_seconds >= 0
+    assert timing.peak_flops < default.peak_flops and timing.hbm_bandwidth < default.hbm_bandwidth
+    for key in CPU_PROFILE_KEYS:
+        assert getattr(timing, key) == float(keys[key].split(":", 1)[1].split("#")[0]), key
+
+
+def test_simulate_of_the_cpu_demo_prices_its_steps_with_the_cpu_profile(capsys):
+    """``ms-memopt simulate recipes/demo_cpu.yaml --json``: every policy's step is at least its
+    requests' host time under the recipe's profile, and equals the re-pricing of its counts with
+    that profile (not with the 910C defaults)."""
+    from ms_memopt.cli import main
+
+    recipe = load_recipe(DEMO)
+    profile = recipe.memopt.timing
+    assert main(["simulate", str(DEMO), "--steps", "12", "--ranks", "1", "--workers", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    job = job_from_recipe(recipe, steps=12)
+    assert job.cfg.timing == profile
+    results = simulate_jobs([job], workers=1)[0]
+    for policy, figures in out["policies"].items():
+        _sane(figures["timing"])
+        result = results[policy]
+        assert figures["timing"] == pytest.approx(result.timing(profile))
+        assert figures["timing"] != pytest.approx(result.timing(TimingConfig()))
+        counts = [StepCounts(*c) for c in result.outcomes[0].result.step_counts]
+        host = sorted(c.requests * profile.request_seconds for c in counts)
+        assert figures["timing"]["step_seconds_median"] >= host[len(host) // 2] > 0, policy
+
+
+def test_a_hand_made_step_is_priced_on_the_real_pools_request_count(demo_results):
+    """The hand-made workload makes only the large buffers: with host_requests_per_layer the
+    host time is priced per layer pass (layer x micro-batch) plus per step, not on its own
+    requests; 0 keeps its own."""
+    recipe = load_recipe(DEMO)
+    job = demo_results["baseline"]
+    counts = [StepCounts(*c) for c in job.outcomes[0].result.step_counts]
+    passes = recipe.model.num_layers * recipe.parallel.micro_batch_num
+    assert all(c.layer_passes == passes for c in counts)
+    own = TimingConfig(request_seconds=1e-3, host_requests_per_layer=0.0)
+    real = TimingConfig(request_seconds=1e-3, host_requests_per_layer=214, host_requests_per_step=172)
+    c = counts[-1]
+    assert c.requests < 100 and c.host_requests(own) == (c.requests, c.new_shape_requests)
+    assert c.host_requests(real)[0] == 214 * passes + 172
+    assert rank_step(c, real)[0] - rank_step(c, own)[0] == pytest.approx((214 * passes + 172 - c.requests) * 1e-3)

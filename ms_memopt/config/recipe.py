@@ -351,6 +351,8 @@ class TimingConfig:
     shape_build_seconds: float = 0.0        # per request of a step at a shape not run before (kernel builds)
     card_jitter: float = 0.0                # CV of each card's compute per step (host noise, links, clocks)
     compaction_tensor_seconds: float = 2e-5  # host work per live tensor of a compaction (measured here)
+    host_requests_per_layer: float = 0.0    # the real pool's requests per layer pass (hand-made steps; 0: off)
+    host_requests_per_step: float = 0.0     # and per step (embedding, head, loss, optimizer)
 
 
 @dataclass(frozen=True)

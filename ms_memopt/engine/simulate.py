@@ -383,6 +383,8 @@ class _Run:
         self.spec = spec
         self.lengths: list[int] | None = None
         self.requests, self.new_shape = 0, False
+        # a hand-made step's layer passes: the host time may price the real pool's requests per pass
+        self.layer_passes = 0 if spec.template else spec.layers * spec.micro_batches
         self.optimizer_bytes = 0 if policy == "pool" else optimizer_extra_bytes(spec)
         self.result.collective_bytes = collective_bytes(spec)
         self._stall_counts = [0, 0, 0, 0, 0]
@@ -414,7 +416,8 @@ class _Run:
         self.result.step_counts.append(StepCounts(flops, model_flops, bubble, a, v, d, slow, self.optimizer_bytes,
                                                   compactions, moved, self.requests,
                                                   self.requests if self.new_shape else 0,
-                                                  self.compaction_tensors, device_frees=freed).as_tuple())
+                                                  self.compaction_tensors, device_frees=freed,
+                                                  layer_passes=self.layer_passes).as_tuple())
 
     def feed(self, step: int, batch: list[tuple]) -> bool:
         """Run one step's events, as rows (:meth:`StepWorkload.step_rows`: ``Event(*row)`` is

@@ -12,10 +12,14 @@ docs/recipes.md gives each one's source, docs/simulation.md the check against th
   more forward; the LM head ``2 V h n`` on the last stage; all split by tensor parallel), plus
   the 1F1B bubble (``(p - 1) / m`` of the micro-batches' time), over
   ``peak_flops x base_efficiency``;
-* *host time* (part of compute): each allocation request is made by one op, dispatched from the
-  host (``request_seconds``), and at a shape the rank has not run before every op's kernel is
-  built first (``shape_build_seconds`` per request); both 0 (not priced) unless measured, as
-  ``bench/timing_cpu.py`` does for the CPU;
+* *host time* (part of compute): host seconds per pool request inside a step
+  (``request_seconds``; one request stands for the several ops a PyNative step dispatches
+  around it), and at a shape the rank has not run before the kernels built for it
+  (``shape_build_seconds`` per request); both 0 (not priced) unless measured, as
+  ``bench/timing_cpu.py`` does for the CPU. A template's requests are its real ones; the
+  hand-made workload models only the large buffers, so with ``host_requests_per_layer`` set
+  its requests are ``host_requests_per_layer`` per layer pass (layer x micro-batch) plus
+  ``host_requests_per_step``, the real pool's counts (``bench/timing_cpu.py``);
 * *memory stalls*: what the allocator model did that step, each at its cost: blocks taken from
   the device (``segment_allocs``, ``device_alloc_seconds``), idle blocks given back to it
   (:attr:`~ms_memopt.allocators.base.AllocatorModel.segment_frees`, ``device_free_seconds``;
@@ -74,17 +78,34 @@ class StepCounts:
     optimizer_bytes: int = 0        # extra HBM traffic of the unfused optimizer
     compactions: int = 0
     compaction_bytes: int = 0
-    requests: int = 0               # allocation requests of the step (each made by one op's dispatch)
+    requests: int = 0               # allocation requests of the step (the pool's, as the workload makes them)
     new_shape_requests: int = 0     # the step's requests when its shape is new to the rank (kernel builds)
     compaction_tensors: int = 0     # live tensors the step's compactions walked (their host work)
     # last, so that tuples written before it keep their positions (and read as 0 here)
     device_frees: int = 0           # idle blocks given back to the device (AllocatorModel.segment_frees)
+    layer_passes: int = 0           # layers x micro-batches of a hand-made step (0: a template's real requests)
 
     def as_tuple(self) -> tuple:
         return (self.flops, self.model_flops, self.bubble, self.device_allocs, self.vmm_chunks,
                 self.defrag_sweeps, self.slow_path, self.optimizer_bytes, self.compactions,
                 self.compaction_bytes, self.requests, self.new_shape_requests, self.compaction_tensors,
-                self.device_frees)
+                self.device_frees, self.layer_passes)
+
+    def host_requests(self, timing: TimingConfig) -> tuple[int, int]:
+        """(requests, new-shape requests) the host time is priced on: the workload's own, or for a
+        hand-made step with ``timing.host_requests_per_layer`` set, the real pool's count.
+
+        Example:
+            >>> from ms_memopt.config.recipe import TimingConfig
+            >>> c = StepCounts(requests=43, new_shape_requests=43, layer_passes=2)
+            >>> c.host_requests(TimingConfig()), c.host_requests(TimingConfig(host_requests_per_layer=214,
+            ...                                                                host_requests_per_step=172))
+            ((43, 43), (600, 600))
+        """
+        if not (self.layer_passes and timing.host_requests_per_layer):
+            return self.requests, self.new_shape_requests
+        real = round(timing.host_requests_per_layer * self.layer_passes + timing.host_requests_per_step)
+        return real, real if self.new_shape_requests else 0
 
 
 def stage_flops_fields(recipe, stage: int) -> dict:
@@ -139,8 +160,9 @@ def rank_step(c: StepCounts | tuple, timing: TimingConfig) -> tuple[float, float
     :meth:`StepCounts.as_tuple`'s, or an older, shorter one: the missing counts are 0)."""
     if not isinstance(c, StepCounts):
         c = StepCounts(*c)
+    requests, new_shape_requests = c.host_requests(timing)
     compute = (c.flops * (1.0 + c.bubble) / (timing.peak_flops * timing.base_efficiency)
-               + c.requests * timing.request_seconds + c.new_shape_requests * timing.shape_build_seconds)
+               + requests * timing.request_seconds + new_shape_requests * timing.shape_build_seconds)
     stalls = (c.device_allocs * timing.device_alloc_seconds + c.device_frees * timing.device_free_seconds
               + c.vmm_chunks * timing.vmm_chunk_seconds
               + c.defrag_sweeps * timing.defrag_sweep_seconds + c.slow_path * timing.slow_path_seconds
