@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 import sys
-import time
+import timeit
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,12 +25,7 @@ import numpy as np  # noqa: E402
 
 def _median_seconds(fn, repeats: int) -> float:
     fn()            # warm-up: first-call kernel builds
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.median(timeit.repeat(fn, number=1, repeat=repeats)))
 
 
 def per_tensor_seconds(counts=(64, 256, 1024), repeats: int = 7) -> dict:
