@@ -1,7 +1,8 @@
 """The time model against the field report: the 100B recipe's job under every policy, priced.
 
 Simulates ``recipes/dense_100b_1024x910c.yaml`` (first pipeline stage: 16 rank streams standing
-for the 1024 cards, 1000 steps, job seed 0) under baseline, compact and pool once, then prices
+for the 1024 cards, 1000 steps, job seed 0) under baseline, compact and pool once (and compact
+with each trigger alone, and pool mode recomputing every 6 layers as the field ran it), then prices
 the counts (``JobResult.timing``: no second simulation) and
 
 1. **calibrates one constant on pool mode only**: ``base_efficiency`` so that pool mode's
@@ -90,6 +91,20 @@ def main() -> int:
         f["compactions"] = sum(o.result.compactions for o in job_result.outcomes)
         table[name] = f
         print(f"{name:<9} {str(job_result.job_oom_step or '-'):>7} {f['step_seconds_median']:>7.3f}s "
+              f"{f['step_seconds_p99']:>7.3f}s {f['mean_step']:>7.3f}s {100 * f['step_cv']:>7.2f}% "
+              f"{100 * f['card_cv']:>7.2f}% {100 * f['mfu']:>5.1f}% {100 * f['memory_stall_share']:>6.2f}% "
+              f"{100 * f['compaction_pause_share']:>9.4f}% {f['compactions']:>11}")
+    # the compact policy's two triggers apart: every 500 steps only (no scans, so no forecast),
+    # and on the forecast only (no periodic compaction)
+    for label, overrides in (("compact, every 500 only", {"scan_every": 0}),
+                             ("compact, forecast only", {"compact_every": 0})):
+        alone = simulate_jobs([job_from_recipe(recipe, policies=("compact",), stages=[0], steps=args.steps,
+                                               **overrides)], workers=args.workers)[0]["compact"]
+        f = _figures(alone, calibrated)
+        f["job_oom_step"] = alone.job_oom_step
+        f["compactions"] = sum(o.result.compactions for o in alone.outcomes)
+        table[label] = f
+        print(f"{label:<9} {str(alone.job_oom_step or '-'):>7} {f['step_seconds_median']:>7.3f}s "
               f"{f['step_seconds_p99']:>7.3f}s {f['mean_step']:>7.3f}s {100 * f['step_cv']:>7.2f}% "
               f"{100 * f['card_cv']:>7.2f}% {100 * f['mfu']:>5.1f}% {100 * f['memory_stall_share']:>6.2f}% "
               f"{100 * f['compaction_pause_share']:>9.4f}% {f['compactions']:>11}")
