@@ -49,7 +49,16 @@ data = ms.dataset.NumpySlicesDataset({"x": rng.standard_normal((48, 16)).astype(
 
 class Die(Callback):
     def on_train_step_end(self, run_context):
-        if rank == die_rank and run_context.original_args().cur_step_num == 2:
+        step = run_context.original_args().cur_step_num
+        # every rank marks the end of its step's collectives; the rank that dies waits for its peer's
+        # mark first, so that it leaves at the compaction barrier and not inside the peer's last
+        # gradient AllReduce (a ring send to a gone peer fails in MindSpore, not in the barrier)
+        open(os.path.join(out, f"step{step}_rank{rank}.done"), "w").close()
+        if rank == die_rank and step == 2:
+            peer = os.path.join(out, f"step2_rank{1 - rank}.done")
+            deadline = time.monotonic() + 300
+            while not os.path.exists(peer) and time.monotonic() < deadline:
+                time.sleep(0.05)
             print(f"rank {rank}: {die_mode} on purpose before the compaction barrier", flush=True)
             if die_mode == "hang":
                 time.sleep(3600)
