@@ -174,6 +174,9 @@ def test_a_bare_template_runs_as_a_one_card_job_with_policies_report_and_memory_
     assert "schedule's rows" in capsys.readouterr().err
     assert main(args + ["--export-events", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o2")]) == 2
     assert "--out" in capsys.readouterr().err
+    # the replay takes --steps too: the schedule's first steps
+    assert main(args + ["--export-events", str(tmp_path / "x.jsonl"), "--steps", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 5
 
 
 def test_a_recipe_takes_its_template_steps_from_a_schedule(tmp_path):

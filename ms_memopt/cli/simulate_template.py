@@ -51,6 +51,11 @@ def run(args) -> int:
             raise InputError("--export-events replays the schedule once through the recorded pool's model; "
                              "drop it for the job's options", key="--" + flag.replace("_", "-"))
     schedule = read_schedule(args.schedule, template.dims)
+    if args.steps is not None:      # the schedule's first steps, as in the job route
+        if not 1 <= args.steps <= len(schedule):
+            raise InputError(f"expected 1 to {len(schedule)} steps (the schedule's rows), got {args.steps}",
+                             key="--steps")
+        schedule = schedule[:args.steps]
     name = args.allocator or template.allocator
     options = parse_allocator_options(name, args.allocator_option)
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
