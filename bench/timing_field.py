@@ -82,44 +82,36 @@ def main() -> int:
           f"make pool's exactly 5%: {jitter:.4f}")
     print(f"calibrated on pool mode's 3.8 s: base_efficiency {efficiency:.4f} (recipe {base.base_efficiency})")
 
+    def row(label: str, job_result, extra: str = "") -> None:
+        """Price one policy's job at the calibrated constants, keep it in ``table`` and print it."""
+        f = _figures(job_result, calibrated)
+        f["job_oom_step"] = job_result.job_oom_step
+        f["compactions"] = sum(o.result.compactions for o in job_result.outcomes)
+        table[label] = f
+        print(f"{label:<9} {str(job_result.job_oom_step or '-'):>7} {f['step_seconds_median']:>7.3f}s "
+              f"{f['step_seconds_p99']:>7.3f}s {f['mean_step']:>7.3f}s {100 * f['step_cv']:>7.2f}% "
+              f"{100 * f['card_cv']:>7.2f}% {100 * f['mfu']:>5.1f}% {100 * f['memory_stall_share']:>6.2f}% "
+              f"{100 * f['compaction_pause_share']:>9.4f}% {f['compactions']:>11}{extra}")
+
     table = {}
     print(f"{'policy':<9} {'job OOM':>7} {'median':>8} {'p99':>8} {'mean':>8} {'CV steps':>8} {'CV cards':>8} "
           f"{'MFU':>6} {'stalls':>7} {'compaction':>10} {'compactions':>11}")
     for name, job_result in results.items():
-        f = _figures(job_result, calibrated)
-        f["job_oom_step"] = job_result.job_oom_step
-        f["compactions"] = sum(o.result.compactions for o in job_result.outcomes)
-        table[name] = f
-        print(f"{name:<9} {str(job_result.job_oom_step or '-'):>7} {f['step_seconds_median']:>7.3f}s "
-              f"{f['step_seconds_p99']:>7.3f}s {f['mean_step']:>7.3f}s {100 * f['step_cv']:>7.2f}% "
-              f"{100 * f['card_cv']:>7.2f}% {100 * f['mfu']:>5.1f}% {100 * f['memory_stall_share']:>6.2f}% "
-              f"{100 * f['compaction_pause_share']:>9.4f}% {f['compactions']:>11}")
+        row(name, job_result)
     # the compact policy's two triggers apart: every 500 steps only (no scans, so no forecast),
     # and on the forecast only (no periodic compaction)
     for label, overrides in (("compact, every 500 only", {"scan_every": 0}),
                              ("compact, forecast only", {"compact_every": 0})):
-        alone = simulate_jobs([job_from_recipe(recipe, policies=("compact",), stages=[0], steps=args.steps,
-                                               **overrides)], workers=args.workers)[0]["compact"]
-        f = _figures(alone, calibrated)
-        f["job_oom_step"] = alone.job_oom_step
-        f["compactions"] = sum(o.result.compactions for o in alone.outcomes)
-        table[label] = f
-        print(f"{label:<9} {str(alone.job_oom_step or '-'):>7} {f['step_seconds_median']:>7.3f}s "
-              f"{f['step_seconds_p99']:>7.3f}s {f['mean_step']:>7.3f}s {100 * f['step_cv']:>7.2f}% "
-              f"{100 * f['card_cv']:>7.2f}% {100 * f['mfu']:>5.1f}% {100 * f['memory_stall_share']:>6.2f}% "
-              f"{100 * f['compaction_pause_share']:>9.4f}% {f['compactions']:>11}")
+        row(label, simulate_jobs([job_from_recipe(recipe, policies=("compact",), stages=[0], steps=args.steps,
+                                                  **overrides)], workers=args.workers)[0]["compact"])
     # pool mode as the field ran it: recomputing every 6 layers (memopt.pool_checkpoint_every)
     recomputing = dataclasses.replace(recipe, memopt=dataclasses.replace(recipe.memopt, pool_checkpoint_every=6))
     field_pool = simulate_jobs([job_from_recipe(recomputing, policies=("pool",), stages=[0], steps=args.steps)],
                                workers=args.workers)[0]["pool"]
-    f = _figures(field_pool, calibrated)
-    f["job_oom_step"], f["compactions"] = field_pool.job_oom_step, 0
-    table["pool_recompute_6"] = f
-    print(f"{'pool, recompute every 6':<9} {str(field_pool.job_oom_step or '-'):>7} {f['step_seconds_median']:>7.3f}s "
-          f"{f['step_seconds_p99']:>7.3f}s {f['mean_step']:>7.3f}s {100 * f['step_cv']:>7.2f}% "
-          f"{100 * f['card_cv']:>7.2f}% {100 * f['mfu']:>5.1f}%  (peak allocated "
-          f"{max(o.result.peak_allocated for o in field_pool.outcomes) / 2**30:.1f} GiB against "
-          f"{max(o.result.peak_allocated for o in pool.outcomes) / 2**30:.1f} GiB without)")
+    row("pool, recompute every 6", field_pool,
+        f"  (peak allocated {max(o.result.peak_allocated for o in field_pool.outcomes) / 2**30:.1f} GiB against "
+        f"{max(o.result.peak_allocated for o in pool.outcomes) / 2**30:.1f} GiB without)")
+    table["pool_recompute_6"] = table.pop("pool, recompute every 6")
     # one compaction's pause, as priced: the compact policy's pause seconds over its compaction steps
     counts = [c for o in compact.outcomes for c in o.result.step_counts]
     from ms_memopt.engine.timing import StepCounts, rank_step

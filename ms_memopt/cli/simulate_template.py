@@ -45,7 +45,7 @@ def run(args) -> int:
         raise InputError("a template needs --schedule FILE.csv (a header of dims "
                          f"{','.join(template.dims)}, one row per step)", key="--schedule")
     if not args.export_events:
-        return _run_job(args)
+        return _run_job(args, template)
     for flag in _JOB_ONLY:
         if getattr(args, flag, None) not in (None, False):
             raise InputError("--export-events replays the schedule once through the recorded pool's model; "
@@ -123,7 +123,7 @@ def run(args) -> int:
 _JOB_ONLY = ("out", "seeds", "export_memory_viz", "compact_trigger", "ranks", "stages")
 
 
-def _run_job(args) -> int:
+def _run_job(args, template) -> int:
     """The template as a one-card job (:func:`~ms_memopt.cli.simulate_cmd.run_jobs`)."""
     from ms_memopt.cli.simulate_cmd import run_jobs
     from ms_memopt.engine.template_workload import recipe_for_template
@@ -138,7 +138,7 @@ def _run_job(args) -> int:
             raise InputError(f"--{flag.replace('_', '-')} goes with --export-events (one replay in that "
                              "process's order); the job runs the most common order", key="--" + flag.replace("_", "-"))
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
-    recipe = recipe_for_template(args.recipe, args.schedule, capacity=capacity, steps=args.steps)
+    recipe = recipe_for_template(args.recipe, args.schedule, capacity=capacity, steps=args.steps, template=template)
     args.steps = None           # the recipe has them
     return run_jobs(recipe, args, priced=False)
 

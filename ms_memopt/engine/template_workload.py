@@ -86,7 +86,8 @@ def make_workload(spec, seed: int = 0):
                             seq_length=spec.seq_length, seed=seed)
 
 
-def recipe_for_template(path: str, schedule: str, *, capacity: int | None = None, steps: int | None = None):
+def recipe_for_template(path: str, schedule: str, *, capacity: int | None = None, steps: int | None = None,
+                        template: Template | None = None):
     """The one-card recipe a bare template (``ms-memopt simulate T.template.json --schedule
     CSV``) runs under, so that it gets every policy, ``--out``'s report and memory map, the
     forecast and the executors exactly as a recipe naming the template does
@@ -97,6 +98,7 @@ def recipe_for_template(path: str, schedule: str, *, capacity: int | None = None
     run has the schedule's steps (``steps``: the first that many). A template records no model:
     the recipe's ``model`` section only satisfies the schema (one layer, the schedule's longest
     ``seq``), so its FLOPs mean nothing and the caller must not report the time model.
+    ``template``: the one at ``path``, when the caller has loaded it already.
 
     Example:
         >>> import pathlib, tempfile
@@ -111,7 +113,7 @@ def recipe_for_template(path: str, schedule: str, *, capacity: int | None = None
     """
     from ms_memopt.config.recipe import recipe_from_dict
 
-    template = load_template(path)
+    template = template or load_template(path)
     rows = read_schedule(schedule, template.dims)
     if steps is not None and not 1 <= steps <= len(rows):
         raise InputError(f"expected 1 to {len(rows)} steps (the schedule's rows), got {steps}", key="--steps")

@@ -186,7 +186,12 @@ def job_steps(ranks: list[list[tuple[float, float, float]]], collective: float,
         >>> job_steps([[(1.0, 0.1, 0.0)], [(1.2, 0.0, 0.5)]], collective=0.3)
         [(2.0, 0.0, 0.5)]
     """
-    busy, stalls, pause = _card_busy(ranks, factors)
+    return _steps(*_card_busy(ranks, factors), collective)
+
+
+def _steps(busy: np.ndarray | None, stalls: np.ndarray | None, pause: np.ndarray | None,
+           collective: float) -> list[tuple[float, float, float]]:
+    """:func:`job_steps` from :func:`_card_busy`'s arrays."""
     if busy is None:
         return []
     slowest = busy.argmax(axis=0)
@@ -244,10 +249,10 @@ def job_timing(rank_counts: list[list[tuple]], collectives: list[float], timing:
     steps_done = min((len(p) for p in priced), default=0)
     per = max(1, (cards or len(priced)) // max(1, len(priced)))
     factors = card_factors(len(priced), per, steps_done, timing.card_jitter, seed)
-    steps = job_steps(priced, max(collectives, default=0.0) / timing.collective_bandwidth, factors)
+    busy, stalls, pause = _card_busy(priced, factors)      # once: cards x steps can be large
+    steps = _steps(busy, stalls, pause, max(collectives, default=0.0) / timing.collective_bandwidth)
     if not steps:
         return None
-    busy, _, _ = _card_busy(priced, factors)
     mean_busy = busy.mean(axis=0)
     card_cv = float(np.mean(np.divide(busy.std(axis=0), mean_busy, out=np.zeros_like(mean_busy),
                                       where=mean_busy > 0)))
