@@ -819,6 +819,7 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
     info = []
     names: list[str] | None = None
     recordings = [(name, list(events)) for name, events in recordings]
+    _refuse_repeats([name for name, _ in recordings])
     for name, events in recordings:
         prologue, own = _split(name, events)
         for step in own:
@@ -911,6 +912,7 @@ def learn_files(paths: Sequence[str | Path], *, max_degree: int = MAX_DEGREE) ->
     """:func:`learn` from recording files (``ms-memopt record`` JSONL, or any trace format)."""
     from ms_memopt.io.traces import load_trace
 
+    _refuse_repeats([str(Path(p).resolve()) for p in paths], shown=[str(p) for p in paths])
     recordings, pools = [], set()
     for path in paths:
         trace = load_trace(path)
@@ -919,6 +921,17 @@ def learn_files(paths: Sequence[str | Path], *, max_degree: int = MAX_DEGREE) ->
     if len(pools) > 1:
         raise InputError(f"the recordings come from different pools: {sorted(map(str, pools))}")
     return learn(recordings, pool=next(iter(pools)) if pools else None, max_degree=max_degree)
+
+
+def _refuse_repeats(names: Sequence[str], shown: Sequence[str] | None = None) -> None:
+    """A recording named twice would merge its steps and free orders into one process's."""
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        j = first.setdefault(name, i)
+        if j != i:
+            label = shown or names
+            raise InputError(f"recording given twice (as {label[j]} and {label[i]}): each calibration process "
+                             "counts once", source=label[i])
 
 
 # --- generating ---------------------------------------------------------------------------
