@@ -155,6 +155,19 @@ def test_steps_that_do_not_line_up_are_an_error_naming_recording_and_step():
         learn([("nomarks", [Event("alloc", id=1, size=8), Event("step", step=1)])])
 
 
+def test_a_recording_given_twice_is_refused_with_its_name(tmp_path, capsys):
+    """Two recordings under one name merged their steps and free orders silently; the same file
+    named twice on the command line is the common way to get there."""
+    events = record([(8, 2), (8, 2), (16, 2)])
+    with pytest.raises(InputError, match=r"rec\.jsonl.*given twice"):
+        learn([("rec.jsonl", events), ("other.jsonl", events), ("rec.jsonl", events)])
+    path = tmp_path / "rec.jsonl"
+    write_jsonl(path, events)
+    assert main(["learn", str(path), str(tmp_path / "." / "rec.jsonl"), "--out",
+                 str(tmp_path / "t.template.json")]) == 2
+    assert "rec.jsonl" in capsys.readouterr().err
+
+
 def test_template_json_round_trip_and_validation(tmp_path):
     template = learned()
     path = tmp_path / "toy.template.json"
@@ -579,3 +592,40 @@ def test_a_process_free_order_is_read_from_its_first_step(tmp_path, capsys):
         "offset_match"] == 1.0
     assert main(["simulate", str(path), "--schedule", str(csv), "--free-order-from", str(rec)]) == 2
     assert "--export-events" in capsys.readouterr().err
+
+
+def test_every_free_order_gives_the_layouts_a_process_can_get(tmp_path, capsys):
+    """simulate --free-order all: the template's prediction of addresses as a set. The six
+    orders of a, b, c give two layouts (a before c, or c before a: the next tensor of their size
+    takes the hole freed first), and every process, whatever it drew, is one of them exactly;
+    each layout is written, with the orders that give it."""
+    calib = [("p0", drawn_record([8, 8, 12, 12], "abc")), ("p1", drawn_record([12, 8, 8], "abc")),
+             ("p2", drawn_record([8, 12, 12], "bac"))]
+    path = tmp_path / "m.template.json"
+    save_template(learn(calib), path)
+    held = [16, 16, 8, 16]
+    csv = tmp_path / "s.csv"
+    csv.write_text("seq\n" + "".join(f"{s}\n" for s in held))
+    out = tmp_path / "sim.jsonl"
+    assert main(["simulate", str(path), "--schedule", str(csv), "--free-order", "all", "--export-events", str(out),
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    layouts = result["layouts"]
+    assert len(layouts) == 2 and layouts[0]["export_events"] == str(out)
+    assert layouts[1]["export_events"] == str(tmp_path / "sim.layout1.jsonl")
+    assert layouts[0]["free_orders"][0] is None           # the default order's layout comes first
+    assert sorted(k for layout in layouts for k in layout["free_orders"] if k is not None) == \
+        list(range(result["free_orders"]))
+    written = [read_jsonl(layout["export_events"]) for layout in layouts]
+    assert [t.meta["free_orders"] for t in written] == [layout["free_orders"] for layout in layouts]
+    for order in ("".join(p) for p in permutations("abc")):
+        recorded = _placed(drawn_record(held, order))
+        matches = [fidelity(recorded, t.events, until_last_step=False)["offset_match"] for t in written]
+        assert sorted(matches)[-1] == 1.0 and sorted(matches)[0] < 0.9, (order, matches)
+    # the human form lists both layouts; a bad value is refused by the parser
+    assert main(["simulate", str(path), "--schedule", str(csv), "--free-order", "all", "--export-events",
+                 str(out)]) == 0
+    assert f"layouts          2 distinct over {result['free_orders'] + 1} free order(s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", str(path), "--schedule", str(csv), "--free-order", "some", "--export-events", str(out)])
+    assert info.value.code == 2 and "expected an entry number or all" in capsys.readouterr().err

@@ -20,6 +20,7 @@ with ``--fail-on-oom`` when a policy lets the job OOM.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -48,12 +49,23 @@ def add_parser(parser) -> None:
     parser.add_argument("--export-events", default=None, metavar="OUT.jsonl",
                         help="template only: write the events with the model's addresses (JSONL)")
     parser.add_argument("--capacity", default=None, metavar="SIZE", help="template only: the device capacity")
-    parser.add_argument("--free-order", type=int, default=None, metavar="K",
+    parser.add_argument("--free-order", type=_free_order, default=None, metavar="K|all",
                         help="template only: simulate in the free order of entry K of the template's free_orders "
-                             "(a calibration process's own; default: the most common)")
+                             "(a calibration process's own; default: the most common); all: every order, one "
+                             "result per distinct layout (the addresses a process can get)")
     parser.add_argument("--free-order-from", default=None, metavar="REC.jsonl",
                         help="template only: simulate in the free order the recorded process drew, read from its "
                              "first step (MindSpore draws it once per process on CPU)")
+
+
+def _free_order(text: str) -> int | str:
+    """``--free-order``'s value: an entry of the template's ``free_orders``, or ``all``."""
+    if text == "all":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an entry number or all, got {text!r}") from None
 
 
 def add_job_arguments(parser) -> None:

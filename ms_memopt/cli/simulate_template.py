@@ -17,9 +17,11 @@ fragmentation (``--json``: one object, bytes); ``--export-events OUT.jsonl`` wri
 with the model's addresses and its blocks as ``segment_alloc`` events (our JSONL,
 docs/events.md). Exit code 0, or 1 with ``--fail-on-oom`` after an OOM. ``args.free_order``
 (when the parser gives one): generate in that calibration recording's free order
-(``template.free_orders``, :func:`~ms_memopt.engine.template.generate`); ``args.free_order_from``
-(a recording): in the order that process drew, read from its first step
-(:func:`~ms_memopt.engine.template.free_order_of`).
+(``template.free_orders``, :func:`~ms_memopt.engine.template.generate`), or ``"all"``: every
+order, one file per distinct layout (``OUT.jsonl`` the default order's, ``OUT.layoutN.jsonl``
+the others; :func:`~ms_memopt.engine.template_draws.draw_outcomes`), the addresses a process can
+get; ``args.free_order_from`` (a recording): in the order that process drew, read from its first
+step (:func:`~ms_memopt.engine.template.free_order_of`).
 """
 from __future__ import annotations
 
@@ -35,10 +37,9 @@ __all__ = ["run"]
 def run(args) -> int:
     from ms_memopt.allocators import create
     from ms_memopt.allocators.options import parse_allocator_options
-    from ms_memopt.core.events import Trace, write_jsonl
-    from ms_memopt.engine.replay import replay
-    from ms_memopt.engine.template import generate, load_template, read_schedule
-    from ms_memopt.engine.replay import placed_events
+    from ms_memopt.core.events import write_jsonl
+    from ms_memopt.engine.template import load_template, read_schedule
+    from ms_memopt.engine.template_draws import draw_outcomes
 
     template = load_template(args.recipe)
     if not getattr(args, "schedule", None):
@@ -70,23 +71,27 @@ def run(args) -> int:
         from ms_memopt.io.traces import load_trace
 
         free_order, order_match = free_order_of(template, schedule, load_trace(args.free_order_from).events)
-    events = generate(template, schedule, warnings=warnings, free_order=free_order)
-    trace = Trace(events, source=str(args.recipe), format="template")
-    if args.export_events:    # one replay gives the figures and the placed events
-        placed, result = placed_events(trace, create(name, capacity, **options), segments=True, sample_every=None)
-        meta = {"source": "ms-memopt simulate", "template": str(args.recipe), "schedule": str(args.schedule),
-                "allocator": name}
-        if name == template.allocator and template.pool:
-            meta["pool"] = template.pool
-        write_jsonl(args.export_events, placed, meta=meta)
-    else:
-        result = replay(trace, create(name, capacity, **options))
+    one = None if free_order == "all" else free_order
+    layouts = draw_outcomes(template, schedule, lambda: create(name, capacity, **options), warnings=warnings,
+                            orders=None if free_order == "all" else [one])
+    meta = {"source": "ms-memopt simulate", "template": str(args.recipe), "schedule": str(args.schedule),
+            "allocator": name}
+    if name == template.allocator and template.pool:
+        meta["pool"] = template.pool
+    paths = [_layout_path(args.export_events, i) for i in range(len(layouts))]
+    for path, layout in zip(paths, layouts):
+        write_jsonl(path, layout.placed, meta={**meta, "free_orders": layout.free_orders})
+    result = layouts[0].result
     out = {"template": str(args.recipe), "schedule": str(args.schedule), "steps": len(schedule),
            "dims": template.dims, "capacity": capacity, "warnings": warnings,
            "classes": _class_counts(template, schedule), "export_events": args.export_events,
            "free_order": free_order, "free_orders": len(template.free_orders),
            "free_order_from": getattr(args, "free_order_from", None), "free_order_match": order_match,
            **{k: v for k, v in result.to_dict().items() if k not in ("address_match", "policy")}}
+    if free_order == "all":
+        out["layouts"] = [{"free_orders": layout.free_orders, "export_events": path,
+                           **{k: layout.result.to_dict()[k] for k in _LAYOUT_FIGURES}}
+                          for path, layout in zip(paths, layouts)]
     if args.json:
         print(json.dumps(out))
     else:
@@ -110,13 +115,41 @@ def run(args) -> int:
             first = result.ooms[0]
             print(f"  first OOM      {format_size(first.size)} at event {first.event_index}: "
                   f"{format_size(first.free_total)} free, largest hole {format_size(first.largest_free)}")
-        ratio = lambda r: "-" if r is None else f"{r:.3f}"
         print(f"free at end      {format_size(result.free_total_end)}, largest hole "
               f"{format_size(result.largest_free_end)}")
-        print(f"frag ratio       {ratio(result.frag_ratio_end)} at end, max {ratio(result.frag_ratio_max)}")
-        if args.export_events:
-            print(f"events written   {args.export_events}")
-    return 1 if (getattr(args, "fail_on_oom", False) and result.ooms) else 0
+        print(f"frag ratio       {_ratio(result.frag_ratio_end)} at end, max {_ratio(result.frag_ratio_max)}")
+        print(f"events written   {args.export_events}")
+        if free_order == "all":
+            _print_layouts(layouts, paths, len(template.free_orders) + 1)
+    return 1 if (getattr(args, "fail_on_oom", False) and any(layout.result.ooms for layout in layouts)) else 0
+
+
+#: what ``--free-order all`` reports of each layout (bytes; ratios)
+_LAYOUT_FIGURES = ("peak_reserved", "segment_allocs", "largest_free_end", "frag_ratio_max", "ooms")
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _layout_path(path: str, index: int) -> str:
+    """Where layout ``index`` of ``--free-order all`` is written: ``OUT.jsonl`` for the default
+    order's, ``OUT.layoutN.jsonl`` for the others."""
+    if index == 0:
+        return path
+    stem, dot, suffix = path.rpartition(".")
+    return f"{stem}.layout{index}.{suffix}" if dot and "/" not in suffix else f"{path}.layout{index}"
+
+
+def _print_layouts(layouts, paths: list[str], orders: int) -> None:
+    print(f"layouts          {len(layouts)} distinct over {orders} free order(s) (MindSpore on CPU draws one "
+          "per process; a run's first step shows which: --free-order-from)")
+    for i, (layout, path) in enumerate(zip(layouts, paths)):
+        names = ", ".join("default" if k is None else str(k) for k in layout.free_orders)
+        r = layout.result
+        print(f"  layout {i:<3}     orders {names}: peak reserved {format_size(r.peak_reserved)}, largest hole at "
+              f"end {format_size(r.largest_free_end)}, frag max {_ratio(r.frag_ratio_max)}, OOMs {len(r.ooms)}; "
+              f"{path}")
 
 
 #: the job route's options (they do not combine with --export-events)
