@@ -101,25 +101,25 @@ def _allocs_per_step(path: Path) -> dict[str, int]:
 
 
 def layers_part(work: Path, counts: list[int], heldout_counts: list[int], calib: list[int], patterns: list[str],
-                hidden: int, steps: int, max_len: int, seed: int) -> list[dict]:
-    """Record each layer count (one run per pattern), learn them together, show what a layer
-    adds; when ``learn`` makes a template, one row per held-out layer count never recorded."""
+                hidden: int, steps: int, max_len: int, seed: int, model: str = "gpt") -> list[dict]:
+    """Record each layer count of ``model`` (one run per pattern), learn them together, show what
+    a layer adds; when ``learn`` makes a template, one row per held-out layer count never recorded."""
     dims = ["--dims", "seq,batch,layers", "--hidden", str(hidden)]
     recs, per_count, seconds = [], {}, 0.0
     for layers in counts:
         for j, seqs in enumerate(tf.calibration_runs(calib, patterns)):
-            path = work / f"layers{layers}_h{hidden}_calib{j}.jsonl"
-            seconds += tf._record(path, "gpt", seqs, dims + ["--layers", str(layers)])
+            path = work / f"{model}_layers{layers}_h{hidden}_calib{j}.jsonl"
+            seconds += tf._record(path, model, seqs, dims + ["--layers", str(layers)])
             recs.append(str(path))
             if j == 0:
                 per_count[layers] = _allocs_per_step(path)
-    template = work / "gpt_layers.template.json"
+    template = work / f"{model}_layers.template.json"
     out = subprocess.run([sys.executable, "-m", "ms_memopt", "learn", *recs, "--out", str(template), "--json"],
                          capture_output=True, text=True, env=tf._env(), cwd=tf._REPO)
     added = {}
     for a, b in zip(counts, counts[1:]):
         added[f"{a}->{b}"] = {k: per_count[b][k] - per_count[a][k] for k in per_count[a] if k in per_count[b]}
-    head = {"part": "layers", "layer_counts": counts, "allocs": per_count, "added_per_layer": added,
+    head = {"part": "layers", "model": model, "layer_counts": counts, "allocs": per_count, "added_per_layer": added,
             "learn_exit": out.returncode, "learn_message": (out.stderr if out.returncode else "").strip()[-900:]}
     if out.returncode != 0:
         return [head]
@@ -129,10 +129,10 @@ def layers_part(work: Path, counts: list[int], heldout_counts: list[int], calib:
     rng = np.random.default_rng(seed)
     held = [int(x) * 4 for x in rng.integers(2, max_len // 4 + 1, steps)]
     for layers in heldout_counts:
-        checked, took = tf.held_out_check(template, t, work, f"layers{layers}_h{hidden}_{seed}", "gpt", held,
+        checked, took = tf.held_out_check(template, t, work, f"{model}_layers{layers}_h{hidden}_{seed}", model, held,
                                           {"batch": 4, "layers": layers}, dims + ["--layers", str(layers)])
         seconds += took
-        rows.append({"part": "layers_heldout", "layer_counts": counts, "heldout_layers": layers,
+        rows.append({"part": "layers_heldout", "model": model, "layer_counts": counts, "heldout_layers": layers,
                      "heldout_seed": seed, "heldout_steps": steps, "heldout_lengths": sorted(set(held)),
                      "positions": learned["positions"], "exact": learned["exact"], **checked,
                      "record_seconds": round(seconds, 1)})
@@ -157,7 +157,9 @@ def main() -> None:
     ap.add_argument("--layer-counts", default="2,3,4,5",
                     help="the layers part's layer counts (one run per pattern each)")
     ap.add_argument("--heldout-layers", default="6,7", help="held-out layer counts (never recorded)")
-    ap.add_argument("--layers-hidden", type=int, default=32, help="hidden size of the layers part's GPT")
+    ap.add_argument("--layers-hidden", type=int, default=32, help="hidden size of the layers part's model")
+    ap.add_argument("--layers-model", default="gpt",
+                    help="comma-separated models of the layers part: gpt, gqa, llama (bench/workloads/template_run.py)")
     ap.add_argument("--keep", default=None, help="directory for the recordings, templates and schedules")
     ap.add_argument("--reuse", action="store_true", help="with --keep: do not record again what is there")
     args = ap.parse_args()
@@ -176,10 +178,11 @@ def main() -> None:
                 results += hidden_part(work, [int(h) for h in args.hiddens.split(",")], args.heldout_hidden, calib,
                                        args.patterns.split(","), args.steps, args.max_len,
                                        [int(s) for s in args.seed.split(",")], args.layers, args.warmup)
-        if "layers" in parts:
+        for model in (args.layers_model.split(",") if "layers" in parts else []):
             results += layers_part(work, [int(n) for n in args.layer_counts.split(",")],
                                    [int(n) for n in args.heldout_layers.split(",")], calib, args.patterns.split(","),
-                                   args.layers_hidden, args.steps, args.max_len, int(str(args.seed).split(",")[0]))
+                                   args.layers_hidden, args.steps, args.max_len, int(str(args.seed).split(",")[0]),
+                                   model)
     rows = [r for r in results if r["part"] == "hidden"]
     if rows:
         print(f"{'hidden':<19} {'seed':>4} {'steps':>5} {'lengths':<7} {'exact fits':>11} {'allocs':>7} "
@@ -201,10 +204,11 @@ def main() -> None:
                     print(f"{what}: simulate: {text}")
     for r in results:
         if r["part"] == "layers":
-            print(f"layers {r['layer_counts']}: allocations {r['allocs']}; a layer adds {r['added_per_layer']}")
-            print(f"layers: learn exit {r['learn_exit']}{': ' + r['learn_message'] if r['learn_message'] else ''}")
+            print(f"{r['model']} layers {r['layer_counts']}: allocations {r['allocs']}; a layer adds "
+                  f"{r['added_per_layer']}")
+            print(f"{r['model']} layers: learn exit {r['learn_exit']}{': ' + r['learn_message'] if r['learn_message'] else ''}")
         elif r["part"] == "layers_heldout":
-            print(f"layers {r['layer_counts']}->{r['heldout_layers']} seed {r['heldout_seed']}: "
+            print(f"{r['model']} layers {r['layer_counts']}->{r['heldout_layers']} seed {r['heldout_seed']}: "
                   f"{r['allocs_recorded']} allocations, size {r['size_match']:.2%}, offset {r['offset_match']:.2%}, "
                   f"layout {r['layout_match']:.2%}, drawn {r['offset_match_draw']:.2%}, peak "
                   f"{r['peak_allocated_recorded'] / 2**20:.2f}/{r['peak_allocated_simulated'] / 2**20:.2f} MiB")

@@ -17,6 +17,10 @@ recording (``template.free_orders``): ``offset_match_draw`` is the offset match 
 whose *first step* matches the held-out's first step best (the draw is visible there; the
 template itself is learned from the calibration runs only), ``draw_seen`` whether that first
 step then matched exactly (the held-out process drew an order some calibration process drew).
+``offset_match_layouts`` needs no look at the held-out run: the template's prediction as a set,
+``simulate --free-order all`` (every free order it knows, merged into the ``layouts`` distinct
+layouts they give), and the best offset match among them. ``--repeat N`` records each held-out
+command N times: the same command, N processes, each its own draw.
 
 Usage:
     python bench/template_fidelity.py                         # the demo GPT
@@ -127,9 +131,14 @@ def held_out_check(template_path: Path, template, work: Path, name: str, model: 
                                                            for s in held))
     sim_path = work / f"{name}_simulated.jsonl"
     sim = json.loads(_cli("simulate", str(template_path), "--schedule", str(schedule), "--export-events",
-                          str(sim_path), "--json"))
+                          str(sim_path), "--free-order", "all", "--json"))
     recorded = read_jsonl(held_path).events
-    figures = fidelity(recorded, read_jsonl(sim_path).events)
+    figures = fidelity(recorded, read_jsonl(sim_path).events)      # layout 0: the default order's
+    # the template's prediction as a set: every layout its free orders give (a process draws one)
+    matches = [fidelity(recorded, read_jsonl(layout["export_events"]).events)["offset_match"]
+               for layout in sim["layouts"]]
+    figures.update(layouts=len(matches), offset_match_layouts=max(matches),
+                   matched_layout=matches.index(max(matches)))
     figures.update(draw_matched(template, [{"seq": x, **dims} for x in held], recorded))
     figures.update(peak_allocated_recorded=json.loads(_cli("replay", str(held_path), "--json"))["peak_allocated"],
                    peak_allocated_simulated=sim["peak_allocated"], warnings=sim["warnings"])
@@ -137,8 +146,9 @@ def held_out_check(template_path: Path, template, work: Path, name: str, model: 
 
 
 def run_model(model: str, work: Path, calib: list[int], patterns: list[str], steps: int, max_len: int,
-              seeds: list[int], extra: list[str]) -> list[dict]:
-    """Calibrate and learn once, then one row per held-out run (seed: its random lengths)."""
+              seeds: list[int], extra: list[str], repeat: int = 1) -> list[dict]:
+    """Calibrate and learn once, then one row per held-out run (seed: its random lengths;
+    ``repeat``: that many processes of the same command per seed, each its own draw)."""
     recs = []
     seconds = 0.0
     for r, seqs in enumerate(calibration_runs(calib, patterns)):
@@ -149,12 +159,14 @@ def run_model(model: str, work: Path, calib: list[int], patterns: list[str], ste
     learned = json.loads(_cli("learn", *recs, "--out", str(template), "--json"))
     t = load_template(template)
     rows = []
-    for seed in seeds:
+    for seed, again in [(seed, again) for seed in seeds for again in range(repeat)]:
         rng = np.random.default_rng(seed)
         held = [int(x) * 4 for x in rng.integers(2, max_len // 4 + 1, steps)]
-        checked, took = held_out_check(template, t, work, f"{model}_{seed}", model, held, {"batch": 4}, extra)
+        name = f"{model}_{seed}" + (f"_again{again}" if again else "")
+        checked, took = held_out_check(template, t, work, name, model, held, {"batch": 4}, extra)
         seconds += took
-        rows.append({"model": model, "heldout_seed": seed, "hash_seed": HASH_SEED, "calibration": calib,
+        rows.append({"model": model, "heldout_seed": seed, "again": again, "hash_seed": HASH_SEED,
+                     "calibration": calib,
                      "patterns": patterns, "heldout_steps": steps, "heldout_lengths": sorted(set(held)),
                      "beyond_calibration": sorted({s for s in held if s > max(calib)}),
                      "positions": learned["positions"], "exact": learned["exact"],
@@ -176,6 +188,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="held-out steps")
     ap.add_argument("--max-len", type=int, default=48, help="longest held-out length")
     ap.add_argument("--seed", default="5,6,7", help="held-out runs: one per seed (its random lengths)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="held-out processes per seed, the same command each time (how often each draw comes)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--hash-seed", default="0",
@@ -193,15 +207,17 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         for model in args.model.split(","):
             results.extend(run_model(model, work, calib, args.patterns.split(","), args.steps, args.max_len,
-                                     [int(x) for x in str(args.seed).split(",")], extra))
-    print(f"{'model':<9} {'seed':>4} {'steps':>5} {'lengths':<7} {'exact fits':>11} {'allocs':>7} "
-          f"{'size':>7} {'offset':>7} {'layout':>7} {'drawn':>7} {'seen':>5} {'peak rec/sim':>16}")
+                                     [int(x) for x in str(args.seed).split(",")], extra, args.repeat))
+    print(f"{'model':<9} {'seed':>6} {'steps':>5} {'lengths':<7} {'exact fits':>11} {'allocs':>7} "
+          f"{'size':>7} {'offset':>7} {'layout':>7} {'drawn':>7} {'seen':>5} {'one of N':>12} {'peak rec/sim':>16}")
     for r in results:
         lengths = f"{min(r['heldout_lengths'])}-{max(r['heldout_lengths'])}"
-        print(f"{r['model']:<9} {r['heldout_seed']:>4} {r['heldout_steps']:>5} {lengths:<7} "
+        seed = f"{r['heldout_seed']}" + (f"/{r['again']}" if r["again"] else "")
+        print(f"{r['model']:<9} {seed:>6} {r['heldout_steps']:>5} {lengths:<7} "
               f"{r['exact']:>5}/{r['positions']:<5} {r['allocs_recorded']:>7} {r['size_match']:>7.2%} "
               f"{r['offset_match']:>7.2%} {r['layout_match']:>7.2%} {r['offset_match_draw']:>7.2%} "
-              f"{'yes' if r['draw_seen'] else 'no':>5} {r['peak_allocated_recorded'] / 2**20:>6.2f}/"
+              f"{'yes' if r['draw_seen'] else 'no':>5} {r['offset_match_layouts']:>7.2%} of {r['layouts']:<2} "
+              f"{r['peak_allocated_recorded'] / 2**20:>6.2f}/"
               f"{r['peak_allocated_simulated'] / 2**20:.2f} MiB")
     for model in dict.fromkeys(r["model"] for r in results):
         first = next(r for r in results if r["model"] == model)
@@ -210,7 +226,8 @@ def main() -> None:
         for text in first["warnings"]:
             print(f"{model}: simulate: {text}")
     for r in results:
-        print(f"{r['model']} seed {r['heldout_seed']}: the held-out process freed in {r['heldout_draw']}")
+        again = f" (again, {r['again']})" if r["again"] else ""
+        print(f"{r['model']} seed {r['heldout_seed']}{again}: the held-out process freed in {r['heldout_draw']}")
     print(json.dumps({"bench": "template_fidelity", "results": results}))
 
 

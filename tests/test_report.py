@@ -174,6 +174,17 @@ def test_scan_record_of_the_wrong_type_names_file_and_line(tmp_path, capsys):
     assert f"{log}:2:" in capsys.readouterr().err
 
 
+def test_a_byte_count_beyond_int64_in_a_scan_record_is_bad_input(tmp_path, capsys):
+    """A reserved of 10**400 bytes (a fuzz case) raised OverflowError inside math.isfinite."""
+    (tmp_path / "rank_0").mkdir()
+    log = tmp_path / "rank_0" / "scan.jsonl"
+    log.write_text(json.dumps({"kind": "scan", "step": 1, "reserved": 4096}) + "\n"
+                   + '{"kind": "scan", "step": 2, "reserved": 1' + "0" * 400 + '}\n')
+    assert main(["report", str(tmp_path), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert f"{log}:2:" in err and "'reserved'" in err and "2**63 - 1" in err
+
+
 def test_report_bad_input_exits_2(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "not a directory" in capsys.readouterr().err

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.jsontext import read_json_lines
+from ms_memopt.core.units import MAX_VALUE
 
 __all__ = ["StepSummary", "MergedRun", "find_scan_logs", "read_scan_records", "check_scan_record",
            "merge_ranks"]
@@ -123,9 +124,10 @@ def check_scan_record(record: dict, *, source: str, line: int | None = None) -> 
         raise bad("step", "an integer")
     for key in _NUMBERS:
         value = record.get(key)
-        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+        # an int is checked as an int: math.isfinite overflows past a float's range
+        if value is not None and not (_is_int(value) and 0 <= value <= MAX_VALUE or isinstance(value, float)
                                       and math.isfinite(value) and value >= 0):
-            raise bad(key, "a finite number >= 0")
+            raise bad(key, f"a finite number >= 0 (an integer at most {MAX_VALUE} = 2**63 - 1)")
     watch = record.get("watch")
     if watch is not None:
         if not isinstance(watch, dict) or not all(
