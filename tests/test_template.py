@@ -504,6 +504,90 @@ def test_a_repeated_block_count_is_learned_and_generated_at_counts_never_recorde
         generate(again, [{"seq": 12, "hidden": 32, "layers": 6}, {"seq": 12, "hidden": 32, "layers": 7}])
 
 
+def irregular_layers_record(seqs: list[int], *, layers: int) -> list[Event]:
+    """A toy model with what the GQA decoder and MindFormers' LLaMA showed: the first layer's
+    forward and backward and the last layer's backward make one tensor more (a rotary cache
+    and its gradient, the loss's gradient), so they are not copies of the others; the backward
+    before the first layer's frees its two equal scores tensors the other way round; each
+    layer's optimizer update (D, O, M) frees that layer's gradient, and the updates end in two
+    more M-sized tensors (difflib splits one inserted update around them)."""
+    rec = Rec(setup=0)
+    rec.events.pop()
+    for _ in range(layers):
+        rec.alloc(4096, pool="persistent")
+    rec.events.append(Event("step", step=0))
+    for seq in seqs:
+        x = rec.alloc(128 * seq)
+        saved, grads = {}, {}
+        for k in range(layers):                                  # forward
+            if k == 0:
+                rope = rec.alloc(8 * seq + 8)
+            saved[k] = rec.alloc(512 * seq)
+        loss = rec.alloc(256)
+        for k in reversed(range(layers)):                        # backward
+            extra = rec.alloc(8 * seq + 8 if k == 0 else 4 * seq + 64) if k in (0, layers - 1) else None
+            twins = [rec.alloc(4 * seq * seq), rec.alloc(4 * seq * seq)]
+            grads[k] = rec.alloc(128)
+            rec.free(saved[k])
+            for ident in (twins[::-1] if k == 1 else twins):
+                rec.free(ident)
+            if extra is not None:
+                rec.free(extra)
+        rec.free(rope)
+        for k in range(layers):                                  # optimizer, layer by layer
+            d, o = rec.alloc(4096), rec.alloc(1024)
+            rec.free(grads[k])
+            rec.free(o)
+            m = rec.alloc(96)
+            rec.free(d)
+            rec.free(m)
+        tail = [rec.alloc(96), rec.alloc(96)]
+        for ident in tail + [x, loss]:
+            rec.free(ident)
+        rec.mark(seq=seq, layers=layers)
+    return rec.events
+
+
+def test_layers_that_are_not_all_alike_are_learned_and_generated():
+    """GQA and LLaMA at 2..5 layers were refused before (bench/template_dims.py --layers-model):
+    one layer's optimizer update came out of difflib as two runs, the first layer (not a copy of
+    the others) sat in a piece that the optimizer's copies free beyond the stretch, and the last
+    backward freed the other of two equal tensors. Learned from 2 to 5 layers, generated at
+    6, 7 and 9 event for event as the model makes them."""
+    from ms_memopt.engine.template import _inserted_runs
+    # one inserted update, D O M, before the tail M M: one run, not two
+    short = ["x", "D", "O", "M", "D", "O", "M", "M", "M"]
+    assert _inserted_runs(short, short[:7] + ["D", "O", "M"] + short[7:]) in ([(1, 3)], [(4, 3)], [(7, 3)])
+    recs = [(f"L{n}_{i}", irregular_layers_record(seqs, layers=n)) for n in (2, 3, 4, 5)
+            for i, seqs in enumerate(LAYER_RUNS)]
+    template = learn(recs)
+    assert template.layered["dim"] == "layers"
+    schedule = [12, 12, 20, 40, 20]
+    for layers in (6, 7, 9):
+        generated = generate(template, [{"seq": s, "layers": layers} for s in schedule])
+        assert _stream(generated) == _stream(irregular_layers_record(schedule, layers=layers)), layers
+
+
+def test_free_rules_of_layers_that_are_not_all_alike_as_recorded_from_llama():
+    """The samples (copy r, m layers more than 2, target, the unit's last copy) of two frees of
+    MindFormers' LLaMA at 2..5 layers (bench/template_dims.py --layers-model llama), refused
+    before. (1) An optimizer update frees the gradient of its layer's backward: copy m-1-r of a
+    stretch of 1+m copies; the two updates whose layer falls off it (the first layer is not a
+    copy of the others) free two places of a piece, one per distance. (2) Every backward copy
+    frees a tensor at offset 142 of its own copy, the last at 148 (the other of two equal ones)."""
+    from ms_memopt.engine.template_layers import _rule
+    off_stretch = [(0, 1, ("X", 1, 0, 103), 2), (1, 1, ("F", 1, 0, 169), 2), (2, 1, ("F", 1, 0, 113), 2),
+                   (0, 2, ("X", 1, 1, 103), 3), (1, 2, ("X", 1, 0, 103), 3), (2, 2, ("F", 1, 0, 169), 3),
+                   (3, 2, ("F", 1, 0, 113), 3)]
+    rule = _rule(off_stretch, lambda block, m: 1 + m)
+    assert rule == {"beyond": {"-1": ["F", 1, 0, 169], "-2": ["F", 1, 0, 113]}, "block": [1, 103, -1, 1, -1]}
+    assert _rule(off_stretch) is None                      # without the stretch's length: no rule
+    assert _rule(off_stretch[:-1] + [(3, 2, ("F", 1, 0, 169), 3)], lambda block, m: 1 + m) is None
+    last_differs = [(r, m, ("X", 1, r, 148 if r == m + 1 else 142), m + 1) for m in (1, 2, 3) for r in range(m + 2)]
+    assert _rule(last_differs) == {"last_offset": 148, "block": [1, 142, 1, 0, 0]}
+    assert _rule(last_differs[:-1] + [(3, 3, ("X", 1, 3, 150), 4)]) is None
+
+
 def test_layer_counts_that_do_not_show_one_repeated_block_are_refused_with_what_a_layer_adds():
     """Two layer counts cannot fix a free's rule: learn refuses (never a wrong template), says
     why and names the block one more layer inserts, found by aligning the steps."""

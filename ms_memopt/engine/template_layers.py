@@ -152,6 +152,12 @@ def _targets(op: list) -> list[tuple[str, str | None, int]]:
     return [(op[1], None, op[2])]
 
 
+def _target_part(label: str, target: tuple) -> str:
+    """The part a free's target (``(kind, class, ...)``, :func:`_targets`) lies in."""
+    kind, cls = target[0], target[1]
+    return label if kind == "same" else ("prologue" if kind == "prologue" else cls)
+
+
 def _described(part_label: str, ops: list, m: int, layouts: dict, tokens_at: dict) -> list[tuple]:
     """Per non-allocation op: ``(its unit, its key in the unit, target descriptors)``; a target
     descriptor is ``(kind, unit index, copy, offset)`` in its part's layout at ``m``."""
@@ -170,7 +176,7 @@ def _described(part_label: str, ops: list, m: int, layouts: dict, tokens_at: dic
         else:
             targets, what = [], []
             for kind, cls, pos in _targets(op):
-                target_part = part_label if kind == "same" else ("prologue" if kind == "prologue" else cls)
+                target_part = _target_part(part_label, (kind, cls))
                 where = layouts[target_part].locate(m, pos)
                 targets.append(where)
                 what.append((kind, cls, tokens_at[target_part][pos]))
@@ -185,46 +191,95 @@ def _described(part_label: str, ops: list, m: int, layouts: dict, tokens_at: dic
 _RULES = [(a, b, c) for a in (1, -1, 0) for b in ((0, 1) if a != -1 else (1, 0)) for c in (0, -1, 1, -2, 2, -3, 3)]
 
 
-def _rule(samples: list[tuple[int, int, tuple, int]]) -> dict | None:
+def _rule(samples: list[tuple[int, int, tuple, int]], copies_of=None) -> dict | None:
     """The simplest rule reproducing every ``(copy, m, target, last copy)`` sample: a fixed
     piece, or copy ``a*r + b*m + c`` of a block at an offset (the first or the last copy may
-    free a piece instead)."""
+    free a piece instead; or the copies whose ``a*r + b*m + c`` falls off the block's stretch,
+    ``copies_of(block, m)`` copies long, free a piece place per distance off it: layers that
+    are not periodic, such as a first layer that makes a few more tensors, sit in the pieces)."""
     fixed = {t for r, m, t, _ in samples if t[0] == "F"}
     blocks = [(r, m, t, last) for r, m, t, last in samples if t[0] == "X"]
+    rule: dict | None = _piece_rule(samples, fixed, bool(blocks)) if fixed else {}
+    if not blocks:
+        return rule
+    if len({t[1] for _, _, t, _ in blocks}) > 1:
+        return None
+    top = max(m for _, m, _, _ in blocks)
+    at_top = [(r, t[3], last) for r, m, t, last in blocks if m == top]
+    offsets = {offset for _, offset, _ in at_top}
+    last_offset = None
+    if len(offsets) > 1:
+        # the last copy may free the other of two equal tensors (what follows the blocks differs)
+        inner = {offset for r, offset, last in at_top if r != last}
+        at_last = {offset for r, offset, last in at_top if r == last}
+        if len(inner) != 1 or len(at_last) != 1:
+            return None
+        offsets, last_offset = inner, next(iter(at_last))
+    offset = next(iter(offsets))
+    block = blocks[0][2][1]
+    for a, b, c in _RULES:
+        if not all(a * r + b * m + c == t[2] for r, m, t, _ in blocks):
+            continue
+        found = dict(rule) if rule is not None else None
+        if found is None:           # the pieces freed are not the first's or the last's
+            beyond = _beyond([(r, m, t) for r, m, t, _ in samples if t[0] == "F"], (a, b, c), block, copies_of)
+            if beyond is None:
+                continue
+            found = {"beyond": beyond}
+        if any(t[3] != (last_offset if last_offset is not None and r == last else offset)
+               for r, _, t, last in blocks):
+            found["varies"] = True          # as for a piece: the largest count's place
+        if last_offset is not None:
+            found["last_offset"] = last_offset
+        found["block"] = [block, offset, a, b, c]
+        return found
+    return None
+
+
+def _piece_rule(samples: list[tuple[int, int, tuple, int]], fixed: set, blocks: bool) -> dict | None:
+    """The piece part of :func:`_rule`: one piece place (the largest count's when a scalar's
+    place varies) and, beside blocks, whether the first or the last copy frees it."""
     rule: dict = {}
-    if fixed:
-        if len(fixed) > 1:
-            # another place in a piece at another count: a tensor allocated in an order the
-            # process draws (scalars); the largest count's, the one the expansion starts from
-            if len({t[1] for t in fixed}) > 1:
-                return None
-            rule["varies"] = True
-            fixed = {max(((m, r), t) for r, m, t, _ in samples if t[0] == "F")[1]}
-        rule["piece"] = list(next(iter(fixed)))
-        if blocks:       # then only the first copy frees the piece (what comes before), or the last (after)
-            pieces = [(r, last) for r, m, t, last in samples if t[0] == "F"]
-            if all(r == 0 for r, _ in pieces) and not any(r == 0 for r, _, _, _ in blocks):
-                rule["piece_copy"] = "first"
-            elif all(r == last for r, last in pieces) and not any(r == last for r, _, _, last in blocks):
-                rule["piece_copy"] = "last"
-            else:
-                return None
-    if blocks:
-        if len({t[1] for _, _, t, _ in blocks}) > 1:
+    if len(fixed) > 1:
+        # another place in a piece at another count: a tensor allocated in an order the
+        # process draws (scalars); the largest count's, the one the expansion starts from
+        if len({t[1] for t in fixed}) > 1:
             return None
-        top = max(m for _, m, _, _ in blocks)
-        offsets = {t[3] for _, m, t, _ in blocks if m == top}
-        if len(offsets) > 1:
-            return None
-        if len({t[3] for _, _, t, _ in blocks}) > 1:
-            rule["varies"] = True          # as for a piece: the largest count's place
-        for a, b, c in _RULES:
-            if all(a * r + b * m + c == t[2] for r, m, t, _ in blocks):
-                rule["block"] = [blocks[0][2][1], next(iter(offsets)), a, b, c]
-                break
+        rule["varies"] = True
+        fixed = {max(((m, r), t) for r, m, t, _ in samples if t[0] == "F")[1]}
+    rule["piece"] = list(next(iter(fixed)))
+    if blocks:       # then only the first copy frees the piece (what comes before), or the last (after)
+        pieces = [(r, last) for r, m, t, last in samples if t[0] == "F"]
+        in_blocks = [(r, last) for r, m, t, last in samples if t[0] == "X"]
+        if all(r == 0 for r, _ in pieces) and not any(r == 0 for r, _ in in_blocks):
+            rule["piece_copy"] = "first"
+        elif all(r == last for r, last in pieces) and not any(r == last for r, last in in_blocks):
+            rule["piece_copy"] = "last"
         else:
             return None
     return rule
+
+
+def _beyond(pieces: list[tuple[int, int, tuple]], abc: tuple[int, int, int], block: int, copies_of) -> dict | None:
+    """``{distance: piece place}`` when every piece freed is where copy ``a*r + b*m + c`` falls
+    off the block's stretch (``"-1"``: one before its first copy, ``"+0"``: just after its last),
+    one place per distance; else ``None``."""
+    if copies_of is None:
+        return None
+    a, b, c = abc
+    out: dict[str, list] = {}
+    for r, m, t in pieces:
+        key = _off_stretch(a * r + b * m + c, copies_of(block, m))
+        if key is None or out.setdefault(key, list(t)) != list(t):
+            return None
+    return out
+
+
+def _off_stretch(copy: int, copies: int) -> str | None:
+    """How far ``copy`` lies off a stretch of ``copies`` copies (``None``: on it)."""
+    if copy < 0:
+        return str(copy)
+    return f"+{copy - copies}" if copy >= copies else None
 
 
 def learn_layered(dim: str, groups: dict[int, list], learn_one) -> dict:
@@ -271,16 +326,18 @@ def _analyse(dim: str, base: int, counts: dict[int, dict]):
                 samples.setdefault((label, unit[0], unit[1], key), []).append((unit[2], m, targets, last))
     rules = {}
     for where, found in samples.items():
+        label, kind, s, key = where
         per_target = []
         for j in range(max(len(t) for _, _, t, _ in found)):
-            got = _rule([(r, m, targets[j], last) for r, m, targets, last in found if j < len(targets)])
+            target_part = _target_part(label, key[1][2][j]) if key[1][0] != "e" else None
+            got = _rule([(r, m, targets[j], last) for r, m, targets, last in found if j < len(targets)],
+                        layouts[target_part].copies if target_part in layouts else None)
             if got is None:
-                label, kind, s, key = where
                 what = key[1][2][j][2][0] if key[1][0] != "e" else "?"
                 raise InputError(f"{label}: a free in {'piece' if kind == 'F' else 'block'} {s} (after {key[0]} of its "
                                  f"allocations, of a {what} B tensor) frees, from one {dim} count to the next, "
                                  "allocations no rule follows "
-                                 f"({[(r, m, t[j]) for r, m, t, _ in found if j < len(t)][:6]})")
+                                 f"({[(r, m, t[j]) for r, m, t, _ in found if j < len(t)][:30]})")
             per_target.append(got)
         rules[where] = per_target
     return labels, layouts, rules, keyed, tokens
@@ -359,16 +416,20 @@ def _expand_ops(label: str, source_ops: list, described: list, m: int, m_src: in
             made = []
             for j, (tkind, cls, _pos) in enumerate(_targets(op)):
                 rule = rules[(label, kind, s, key)][j]
-                target_part = label if tkind == "same" else ("prologue" if tkind == "prologue" else cls)
+                target_part = _target_part(label, (tkind, cls))
                 boundary = None if kind != "X" else \
                     {"first": 0, "last": layout.copies(s, m) - 1}.get(rule.get("piece_copy"))
                 if "block" not in rule or (kind == "X" and r == boundary):
                     made.append(layouts[target_part].index(m, "F", rule["piece"][1], 0, rule["piece"][3]))
                     continue
                 bs, off, a, b, c = rule["block"]
+                if kind == "X" and r == layout.copies(s, m) - 1:
+                    off = rule.get("last_offset", off)
                 copy = a * r + b * m + c
-                made.append(layouts[target_part].index(m, "X", bs, copy, off)
-                            if 0 <= copy < layouts[target_part].copies(bs, m) else None)
+                beyond = _off_stretch(copy, layouts[target_part].copies(bs, m))
+                piece = rule.get("beyond", {}).get(beyond) if beyond is not None else None
+                made.append(layouts[target_part].index(m, "X", bs, copy, off) if beyond is None else
+                            layouts[target_part].index(m, "F", piece[1], 0, piece[3]) if piece else None)
             if any(x is None for x in made):
                 continue        # a layer that does not exist at this count
             if op[1] == "back":
