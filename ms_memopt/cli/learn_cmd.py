@@ -74,6 +74,11 @@ def run(args) -> int:
     if len(template.not_exact) > 10:
         print(f"  ... and {len(template.not_exact) - 10} more (--json lists all)")
     for k, variant in enumerate(template.free_orders):
-        print(f"free order {k}: {variant['recording']} freed in another order ({', '.join(variant['parts'])}); "
-              "MindSpore draws some free orders once per process")
+        who = (f"{variant['recording']} freed in another order" if variant["recording"] is not None else
+               "the frees whose order differed between processes, each run of them freed as "
+               + "".join("abcd"[r] for r in variant["permutation"]))
+        print(f"free order {k}: {who} ({', '.join(variant['parts'])})")
+    if template.free_orders:
+        print("MindSpore draws some free orders once per process (CPU): simulate --free-order all shows the layouts "
+              "they give")
     return 0
