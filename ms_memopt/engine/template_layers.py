@@ -6,8 +6,10 @@ of allocations a step. :func:`learn_layered` learns one flat template per record
 (prologue, each class), the structure the counts share: the sequence at count ``base + m`` is
 ``F0 X1^(c1+m) F1 X2^(c2+m) ... FK``, pieces ``F`` around stretches of copies of a block ``X``
 (a layer's forward, its backward, its optimizer updates): the runs :mod:`difflib` finds
-inserted from ``base`` to ``base + 1`` (allocations as their sizes at one point), each widened
-to the whole periodic stretch it lies in, every count checked against that expansion.
+inserted from ``base`` to ``base + 1`` (allocations as their sizes at one point; a run slid left
+as far as it goes, so that one block split around tokens equal to its end is one run again),
+each widened to the whole periodic stretch it lies in, every count checked against that
+expansion.
 
 Every free and ``empty_cache`` belongs to the unit (a piece, or copy ``r`` of a block) of the
 allocation before it, and is keyed there by how many of the unit's allocations precede it and
@@ -15,7 +17,10 @@ the size of what it frees. What it frees is a rule over the recorded counts: a p
 (fixed), or copy ``r' = a*r + b*m + c`` of a block (``a`` in 1, -1, 0: the same layer, the
 reversed order of a backward pass, a fixed one), the simplest rule that holds at every
 recorded count, with the first or the last copy of a block allowed to free a piece instead
-(what comes before or after the layers). A tensor whose place in its unit moves between counts
+(what comes before or after the layers), the copies whose ``r'`` falls off the stretch freeing a
+piece place per distance off it (layers that are not copies of the others, such as a first
+layer that makes a few more tensors, sit in the pieces), and the last copy allowed another
+offset (the other of two equal tensors). A tensor whose place in its unit moves between counts
 (scalars MindSpore allocates in an order it draws per process) is taken at the largest count's
 place. :func:`expand` builds the flat template at any count above the largest recorded from its op
 lists (the first, a middle and the last copy of each block as there) and those rules.
