@@ -71,9 +71,8 @@ def run(args) -> int:
         from ms_memopt.io.traces import load_trace
 
         free_order, order_match = free_order_of(template, schedule, load_trace(args.free_order_from).events)
-    one = None if free_order == "all" else free_order
     layouts = draw_outcomes(template, schedule, lambda: create(name, capacity, **options), warnings=warnings,
-                            orders=None if free_order == "all" else [one])
+                            orders=None if free_order == "all" else [free_order])
     meta = {"source": "ms-memopt simulate", "template": str(args.recipe), "schedule": str(args.schedule),
             "allocator": name}
     if name == template.allocator and template.pool:

@@ -342,7 +342,7 @@ def _analyse(dim: str, base: int, counts: dict[int, dict]):
                 raise InputError(f"{label}: a free in {'piece' if kind == 'F' else 'block'} {s} (after {key[0]} of its "
                                  f"allocations, of a {what} B tensor) frees, from one {dim} count to the next, "
                                  "allocations no rule follows "
-                                 f"({[(r, m, t[j]) for r, m, t, _ in found if j < len(t)][:30]})")
+                                 f"({[(r, m, t[j]) for r, m, t, _ in found if j < len(t)][:6]})")
             per_target.append(got)
         rules[where] = per_target
     return labels, layouts, rules, keyed, tokens
