@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from ms_memopt.allocators import create  # noqa: E402
 from ms_memopt.core.events import Trace, read_jsonl  # noqa: E402
 from ms_memopt.engine.replay import placed_events  # noqa: E402
-from ms_memopt.engine.template import fidelity, free_order_of, generate, load_template  # noqa: E402
+from ms_memopt.engine.template import fidelity, flat_template, free_order_of, generate, load_template  # noqa: E402
 
 WORKLOAD = str(_REPO / "bench/workloads/template_run.py")
 
@@ -101,6 +101,7 @@ def draw_matched(template, schedule: list[dict], recorded: list) -> dict:
     in the default one; keep the order whose first step frees in the order closest to
     ``recorded``'s first step (ties: the default). Only the held-out's first step is looked at:
     it shows the process's draw; the template is the calibration's."""
+    template = flat_template(template, schedule)        # a layered template's orders are its count's
     k, score = free_order_of(template, schedule, recorded)
     same = score == 1.0
     events = generate(template, schedule, free_order=k)

@@ -568,6 +568,56 @@ def test_layers_that_are_not_all_alike_are_learned_and_generated():
         assert _stream(generated) == _stream(irregular_layers_record(schedule, layers=layers)), layers
 
 
+def layered_drawn_record(seqs: list[int], *, layers: int, order: str) -> list[Event]:
+    """:func:`drawn_record`'s group (a, b, c freed in a per-process ``order``) in every layer's
+    backward of a model with ``layers`` layers."""
+    rec = Rec()
+    for seq in seqs:
+        x = rec.alloc(128 * seq)
+        saved = [rec.alloc(512 * seq) for _ in range(layers)]
+        loss = rec.alloc(256)
+        for k in reversed(range(layers)):
+            ids, keep = {}, []
+            for name in "abc":
+                ids[name] = rec.alloc(4096 * seq if name != "b" else 64 * seq)
+                keep.append(rec.alloc(32 * seq))
+            for name in order:
+                rec.free(ids[name])
+            big = [rec.alloc(4096 * seq), rec.alloc(4096 * seq)]
+            for ident in keep + big + [saved[k]]:
+                rec.free(ident)
+        rec.free(loss)
+        rec.free(x)
+        rec.mark(seq=seq, layers=layers)
+    return rec.events
+
+
+def test_a_free_order_seen_at_one_layer_count_holds_at_counts_never_recorded():
+    """The processes at 2 and 4 layers all freed a, b, c in one order, one of those at 3 layers
+    in another (bench/template_dims.py: the demo GPT's 6- and 7-layer held-out runs fell in no
+    layout before, 26.6 / 31.4% of their offsets). A process draws one order for every layer,
+    so the orders seen at any count are built at 6 layers too, and a 6-layer process that drew
+    c, b, a is one of the layouts exactly; the default order is not it."""
+    from ms_memopt.allocators import create
+    from ms_memopt.engine.template_draws import draw_outcomes
+
+    orders = {2: "abc" * 3, 3: "abc" + "abc" + "bac", 4: "abc" * 3}
+    recs = [(f"L{n}_{i}", layered_drawn_record(seqs, layers=n, order=orders[n][3 * i:3 * i + 3]))
+            for n in (2, 3, 4) for i, seqs in enumerate(LAYER_RUNS)]
+    template = learn(recs)
+    assert template.layered and not template.free_orders        # the largest count's processes agree
+    held = [12, 12, 20, 12]
+    schedule = [{"seq": s, "layers": 6} for s in held]
+    recorded = _placed(layered_drawn_record(held, layers=6, order="cba"))
+    assert _stream(generate(template, schedule)) != _stream(recorded)     # frees in another order
+    layouts = draw_outcomes(template, schedule, lambda: create("mindspore-bestfit"))
+    matches = [fidelity(recorded, layout.placed, until_last_step=False)["offset_match"] for layout in layouts]
+    assert len(layouts) >= 2 and max(matches) == 1.0 and matches[0] < 1.0, matches
+    # at a recorded count the orders are that count's own (3 layers: two layouts; 4: one)
+    assert [len(draw_outcomes(template, [{"seq": 12, "layers": n}] * 2, lambda: create("mindspore-bestfit")))
+            for n in (3, 4)] == [2, 1]
+
+
 def test_free_rules_of_layers_that_are_not_all_alike_as_recorded_from_llama():
     """The samples (copy r, m layers more than 2, target, the unit's last copy) of two frees of
     MindFormers' LLaMA at 2..5 layers (bench/template_dims.py --layers-model llama), refused

@@ -38,7 +38,7 @@ def run(args) -> int:
     from ms_memopt.allocators import create
     from ms_memopt.allocators.options import parse_allocator_options
     from ms_memopt.core.events import write_jsonl
-    from ms_memopt.engine.template import load_template, read_schedule
+    from ms_memopt.engine.template import flat_template, load_template, read_schedule
     from ms_memopt.engine.template_draws import draw_outcomes
 
     template = load_template(args.recipe)
@@ -61,7 +61,8 @@ def run(args) -> int:
     options = parse_allocator_options(name, args.allocator_option)
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
     warnings: list[str] = []
-    # which calibration process's free order (template.free_orders); None: the most common one
+    flat = flat_template(template, schedule, warnings=warnings)      # a layered template at the schedule's count
+    # which calibration process's free order (flat.free_orders); None: the most common one
     free_order = getattr(args, "free_order", None)
     order_match = None
     if getattr(args, "free_order_from", None):
@@ -70,8 +71,8 @@ def run(args) -> int:
         from ms_memopt.engine.template import free_order_of
         from ms_memopt.io.traces import load_trace
 
-        free_order, order_match = free_order_of(template, schedule, load_trace(args.free_order_from).events)
-    layouts = draw_outcomes(template, schedule, lambda: create(name, capacity, **options), warnings=warnings,
+        free_order, order_match = free_order_of(flat, schedule, load_trace(args.free_order_from).events)
+    layouts = draw_outcomes(flat, schedule, lambda: create(name, capacity, **options), warnings=warnings,
                             orders=None if free_order == "all" else [free_order])
     meta = {"source": "ms-memopt simulate", "template": str(args.recipe), "schedule": str(args.schedule),
             "allocator": name}
@@ -84,7 +85,7 @@ def run(args) -> int:
     out = {"template": str(args.recipe), "schedule": str(args.schedule), "steps": len(schedule),
            "dims": template.dims, "capacity": capacity, "warnings": warnings,
            "classes": _class_counts(template, schedule), "export_events": args.export_events,
-           "free_order": free_order, "free_orders": len(template.free_orders),
+           "free_order": free_order, "free_orders": len(flat.free_orders),
            "free_order_from": getattr(args, "free_order_from", None), "free_order_match": order_match,
            **{k: v for k, v in result.to_dict().items() if k not in ("address_match", "policy")}}
     if free_order == "all":
@@ -119,7 +120,7 @@ def run(args) -> int:
         print(f"frag ratio       {_ratio(result.frag_ratio_end)} at end, max {_ratio(result.frag_ratio_max)}")
         print(f"events written   {args.export_events}")
         if free_order == "all":
-            _print_layouts(layouts, paths, len(template.free_orders) + 1)
+            _print_layouts(layouts, paths, len(flat.free_orders) + 1)
     return 1 if (getattr(args, "fail_on_oom", False) and any(layout.result.ooms for layout in layouts)) else 0
 
 

@@ -63,7 +63,7 @@ from typing import Iterable, Sequence
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event
 
-__all__ = ["Template", "learn", "learn_files", "generate", "free_order_of", "load_template", "save_template", "fidelity",
+__all__ = ["Template", "learn", "learn_files", "generate", "flat_template", "free_order_of", "load_template", "save_template", "fidelity",
            "parse_dims_tag", "dims_tag", "read_schedule", "CLASSES", "FORMAT", "VERSION"]
 
 FORMAT = "ms-memopt-template"
@@ -809,8 +809,9 @@ def _learn_layered(dim: str, recordings: list, steps: list[_Step], prologues: li
     largest = max(int(c) for c in layered["counts"])
     out = template_from_dict(layered["counts"][str(largest)], f"{dim}={largest}")
     out.layered = layered
-    # free_orders: the largest count's, which a count never recorded is expanded with; a recorded
-    # count keeps its own (inside ``layered``)
+    # free_orders: the largest count's; a count never recorded gets every recorded count's,
+    # expanded (template_layers.expand), and a recorded count keeps its own (inside ``layered``):
+    # flat_template gives the orders at a schedule's count
     out.recordings = [r for c in sorted(layered["counts"], key=int) for r in layered["counts"][c]["recordings"]]
     return out
 
@@ -964,8 +965,8 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
 
     A template over a repeated block count (:attr:`Template.layered`) generates at the
     schedule's count (one for the whole schedule): a recorded count's own template (its own
-    ``free_orders``), or one built from the largest recorded count (whose ``free_orders``
-    :attr:`Template.free_orders` lists).
+    ``free_orders``), or one built from the largest recorded count with every recorded count's
+    free orders (:func:`flat_template` gives it).
 
     Raises:
         InputError: a schedule step whose dims differ from the template's, or a class the
@@ -1087,8 +1088,9 @@ def free_order_of(template: Template, schedule: Sequence[dict[str, int]],
     """
     want = _free_sequence(_first_step(list(recorded)))
     best: tuple[float, int, int | None] | None = None
-    for rank, k in enumerate([None, *range(len(template.free_orders))]):
-        got = _free_sequence(_first_step(generate(template, list(schedule[:1]), free_order=k))) if schedule else []
+    flat = flat_template(template, schedule[:1]) if schedule else template
+    for rank, k in enumerate([None, *range(len(flat.free_orders))]):
+        got = _free_sequence(_first_step(generate(flat, list(schedule[:1]), free_order=k))) if schedule else []
         match = sum(1 for a, b in zip(want, got) if a == b) / len(want) if want else 1.0
         if best is None or match > best[0]:
             best = (match, rank, k)
@@ -1117,8 +1119,23 @@ def _free_sequence(events: list[Event]) -> list[int]:
 
 def _generate_layered(template: Template, schedule: Sequence[dict[str, int]], *, warnings: list[str] | None,
                       first_id: int, free_order: int | None, prologue_only: bool = False) -> list[Event]:
-    """:func:`generate` over a repeated block count: the flat template at the schedule's count
-    (recorded, or built from the largest recorded one: :func:`ms_memopt.engine.template_layers.expand`)."""
+    """:func:`generate` over a repeated block count: on :func:`flat_template`'s template."""
+    return generate(flat_template(template, schedule, warnings=warnings), schedule, warnings=warnings,
+                    first_id=first_id, free_order=free_order, prologue_only=prologue_only)
+
+
+def flat_template(template: Template, schedule: Sequence[dict[str, int]], *,
+                  warnings: list[str] | None = None) -> Template:
+    """The flat template ``schedule`` runs on: ``template`` itself, or for a template over a
+    repeated block count (:attr:`Template.layered`) the schedule's count's (recorded, or built
+    from the recorded ones: :func:`ms_memopt.engine.template_layers.expand`), with the free
+    orders (:attr:`Template.free_orders`) it has at that count.
+
+    Raises:
+        InputError: a schedule that changes the count, or has none.
+    """
+    if not template.layered:
+        return template
     from ms_memopt.engine.template_layers import expand
 
     dim = template.layered["dim"]
@@ -1137,8 +1154,7 @@ def _generate_layered(template: Template, schedule: Sequence[dict[str, int]], *,
     if count not in recorded and warnings is not None:
         warnings.append(f"{dim}={count} was never recorded (recorded: {recorded}): its steps are built from "
                         f"{dim}={recorded[-1]}'s with the repeated blocks {dim} adds")
-    return generate(flat, schedule, warnings=warnings, first_id=first_id, free_order=free_order,
-                    prologue_only=prologue_only)
+    return flat
 
 
 def _most_seen(seen: list[dict]) -> dict:

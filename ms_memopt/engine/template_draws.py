@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.engine.replay import ReplayResult, placed_events
-from ms_memopt.engine.template import Template, generate
+from ms_memopt.engine.template import Template, flat_template, generate
 
 __all__ = ["DrawOutcome", "draw_outcomes"]
 
@@ -47,9 +47,10 @@ def draw_outcomes(template: Template, schedule: Sequence[dict[str, int]], make_m
     entries only; ``None`` in it is the default order), the default order's first.
     ``make_model()`` returns a fresh allocator model for each replay; ``warnings`` receives
     :func:`~ms_memopt.engine.template.generate`'s (once)."""
+    flat = flat_template(template, schedule, warnings=warnings)     # once: a layered template's count
     by_addresses: dict[tuple, DrawOutcome] = {}
-    for n, k in enumerate([None, *range(len(template.free_orders))] if orders is None else orders):
-        events = generate(template, schedule, free_order=k, warnings=warnings if n == 0 else None)
+    for n, k in enumerate([None, *range(len(flat.free_orders))] if orders is None else orders):
+        events = generate(flat, schedule, free_order=k, warnings=warnings if n == 0 else None)
         placed, result = placed_events(Trace(events, source="template", format="template"), make_model(),
                                        segments=True, sample_every=None)
         # the allocations come in one order whatever the frees do, so their addresses name a layout

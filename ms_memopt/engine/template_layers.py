@@ -32,11 +32,14 @@ Example (``recordings``: ``(name, events)`` pairs at 2, 3 and 4 layers, marked `
 
 Three recorded counts determine a rule, a fourth checks it (each recorded count but the
 smallest and the largest, where every stretch has 2 copies or more, is rebuilt and must free
-what it freed). The largest count's per-process free orders (``free_orders``) are expanded
-too; the orders after another class (``ops_after``) are not kept at counts never recorded.
+what it freed). Every recorded count's per-process free orders (``free_orders``) are expanded
+too, the largest count's first (a process draws one order for all its layers, so an order seen
+at 3 layers holds at 6); the orders after another class (``ops_after``) are not kept at counts
+never recorded.
 """
 from __future__ import annotations
 
+import json
 from bisect import bisect_right
 from dataclasses import dataclass
 
@@ -459,26 +462,43 @@ def _expand_from(dim: str, base: int, counts: dict[int, dict], count: int, analy
             out["prologue"] = new
         else:
             out["classes"][label] = new
-    # the largest count's per-process free orders, each expanded the same way (a part whose
-    # frees no rule covers keeps the default order)
+    # every recorded count's per-process free orders, each expanded the same way (a part whose
+    # frees no rule covers keeps the default order): the largest count's first, then those the
+    # others showed (one process draws one order for every layer, so an order seen at 3 layers
+    # holds at 6 too); an order that adds nothing new is kept once
     out["free_orders"] = []
-    for variant in source.get("free_orders") or []:
-        parts = {}
-        for label, order in variant["parts"].items():
-            if label not in labels:
-                continue
-            # each free named as the default's free of the same allocation (equal-size frees in
-            # one unit are told apart by their order there, which is what the variant changes)
-            default_ops = _parts(source)[label]["ops"]
-            named = {_canonical(op): item for op, item in
-                     zip((op for op in default_ops if op[0] != "a"), keyed[largest][label])}
-            try:
-                described = [named[_canonical(op)] for op in order["ops"] if op[0] != "a"]
-                parts[label] = {"ops": _expand_ops(label, order["ops"], described, m, m_src, layouts, rules)}
-            except (KeyError, IndexError, StopIteration):
-                continue
-        out["free_orders"].append({**{k: v for k, v in variant.items() if k != "parts"}, "parts": parts})
+    kept = set()
+    for k in sorted(counts, reverse=True):
+        if k != largest and any(layout.copies(s_, k - base) < 2 for layout in layouts.values()
+                                for s_ in range(len(layout.blocks))):
+            continue        # a single copy is both the first and the last: nothing to expand from
+        for variant in counts[k].get("free_orders") or []:
+            parts = _expanded_order(variant, counts[k], keyed[k], labels, m, k - base, layouts, rules)
+            parts = {label: order for label, order in parts.items() if order["ops"] != _parts(out)[label]["ops"]}
+            seen = json.dumps(parts, sort_keys=True)
+            if parts and seen not in kept:
+                kept.add(seen)
+                out["free_orders"].append({**{key: v for key, v in variant.items() if key != "parts"}, "parts": parts})
     return out
+
+
+def _expanded_order(variant: dict, source: dict, keyed: dict, labels: list, m: int, m_src: int, layouts: dict,
+                    rules: dict) -> dict:
+    """One free order of ``source`` (at ``m_src`` copies more than the base) at ``m``: per part."""
+    parts = {}
+    for label, order in variant["parts"].items():
+        if label not in labels:
+            continue
+        # each free named as the default's free of the same allocation (equal-size frees in
+        # one unit are told apart by their order there, which is what the variant changes)
+        default_ops = _parts(source)[label]["ops"]
+        named = {_canonical(op): item for op, item in zip((op for op in default_ops if op[0] != "a"), keyed[label])}
+        try:
+            described = [named[_canonical(op)] for op in order["ops"] if op[0] != "a"]
+            parts[label] = {"ops": _expand_ops(label, order["ops"], described, m, m_src, layouts, rules)}
+        except (KeyError, IndexError, StopIteration):
+            continue
+    return parts
 
 
 def expand(layered: dict, count: int) -> dict:
