@@ -367,7 +367,7 @@ def _check_structure(dim: str, base: int, counts: dict[int, dict]) -> None:
                                        for s in range(len(layout.blocks))):
             continue          # a single copy is both the first and the last: recorded, never built
         # a count rebuilt from the largest's op lists must free what the recorded one frees
-        got = _expand_from(dim, base, counts, c, analysed)
+        got = _expand_from(dim, base, counts, c, analysed, free_orders=False)
         for label in labels:
             mine = sorted(_canonical(op) for op in _parts(got)[label]["ops"] if op[0] != "a")
             theirs = sorted(_canonical(op) for op in _parts(counts[c])[label]["ops"] if op[0] != "a")
@@ -447,7 +447,10 @@ def _expand_ops(label: str, source_ops: list, described: list, m: int, m_src: in
     return ops
 
 
-def _expand_from(dim: str, base: int, counts: dict[int, dict], count: int, analysed) -> dict:
+def _expand_from(dim: str, base: int, counts: dict[int, dict], count: int, analysed, *,
+                 free_orders: bool = True) -> dict:
+    """The flat template dict at ``count`` from the recorded counts (``free_orders``: with every
+    recorded count's orders expanded too; the structure check compares default frees only)."""
     labels, layouts, rules, keyed, tokens = analysed
     largest = max(counts)
     source = counts[largest]
@@ -468,7 +471,7 @@ def _expand_from(dim: str, base: int, counts: dict[int, dict], count: int, analy
     # holds at 6 too); an order that adds nothing new is kept once
     out["free_orders"] = []
     kept = set()
-    for k in sorted(counts, reverse=True):
+    for k in sorted(counts, reverse=True) if free_orders else []:
         if k != largest and any(layout.copies(s_, k - base) < 2 for layout in layouts.values()
                                 for s_ in range(len(layout.blocks))):
             continue        # a single copy is both the first and the last: nothing to expand from
