@@ -89,9 +89,10 @@ def run(args) -> int:
            "free_order_from": getattr(args, "free_order_from", None), "free_order_match": order_match,
            **{k: v for k, v in result.to_dict().items() if k not in ("address_match", "policy")}}
     if free_order == "all":
+        figures = [layout.result.to_dict() for layout in layouts]
         out["layouts"] = [{"free_orders": layout.free_orders, "export_events": path,
-                           **{k: layout.result.to_dict()[k] for k in _LAYOUT_FIGURES}}
-                          for path, layout in zip(paths, layouts)]
+                           **{k: got[k] for k in _LAYOUT_FIGURES}}
+                          for path, layout, got in zip(paths, layouts, figures)]
     if args.json:
         print(json.dumps(out))
     else:
