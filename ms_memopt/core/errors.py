@@ -49,16 +49,15 @@ def open_input(path: str | os.PathLike, *, expected: str) -> Iterator[IO[str]]:
     """Open a UTF-8 text input; failing to open or decode it, inside the ``with`` block too, is
     an :class:`InputError` naming the file (``expected`` says what the file should be).
 
+    Lines are bounded (:func:`ms_memopt.core.lines.open_text`: a line over 1 MiB is an error
+    naming it, gzip is read as a stream, a pipe is not hung on).
+
     Example:
         >>> with open_input("/no/such.csv", expected="an instance CSV") as f:   # doctest: +SKIP
         ...     f.read()
         InputError: /no/such.csv: cannot read: No such file or directory
     """
-    source = str(path)
-    try:
-        with open(path, encoding="utf-8", newline="") as handle:
-            yield handle
-    except UnicodeDecodeError:
-        raise InputError(f"not UTF-8 text; expected {expected}", source=source) from None
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", source=source) from None
+    from ms_memopt.core.lines import open_text   # lines imports this module
+
+    with open_text(path, expected=expected) as handle:
+        yield handle
