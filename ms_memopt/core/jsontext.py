@@ -9,12 +9,21 @@ raises :class:`RecursionError`, an integer of more than 4300 digits a plain
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.lines import iter_lines
 
-__all__ = ["parse_json", "read_json_lines"]
+__all__ = ["MAX_DEPTH", "parse_json", "read_json_lines", "json_depth"]
+
+#: deepest JSON nesting accepted (our own files nest under 8; MindFormers' config.json under 5).
+#: Bounded explicitly because the recursion limit is not ours: MindSpore raises it to 10000, and
+#: a value nested that deep would then pass ``json.loads`` and exhaust the stack of whatever
+#: walks it next.
+MAX_DEPTH = 100
+_BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]')
 
 
 def _no_constant(name: str) -> object:
@@ -32,6 +41,15 @@ def parse_json(text: str | bytes, *, source: str | None = None, line: int | None
         >>> parse_json('{"size": 4096}')
         {'size': 4096}
     """
+    if isinstance(text, bytes):
+        opens = text.count(b"[") + text.count(b"{")
+    else:
+        opens = text.count("[") + text.count("{")
+    if opens > MAX_DEPTH:       # a cheap count first: only text with many brackets is scanned
+        depth = json_depth(text if isinstance(text, str) else text.decode("utf-8", "replace"))
+        if depth > MAX_DEPTH:
+            raise InputError(f"not a JSON value we read: nested more than {MAX_DEPTH} levels deep",
+                             source=source, line=line)
     try:
         return json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
@@ -40,6 +58,28 @@ def parse_json(text: str | bytes, *, source: str | None = None, line: int | None
         raise InputError("not a JSON value we read: nested too deeply", source=source, line=line) from None
     except ValueError as exc:   # int digit limit, NaN/Infinity, bad UTF-8 in bytes
         raise InputError(f"not a JSON value we read ({exc})", source=source, line=line) from None
+
+
+def json_depth(text: str) -> int:
+    """The deepest bracket nesting of JSON ``text`` (brackets inside strings not counted), in one
+    linear pass that stops once past :data:`MAX_DEPTH`.
+
+    Example:
+        >>> json_depth('{"a": [1, {"b": "[[["}]}')
+        3
+    """
+    depth = deepest = 0
+    for match in _BRACKETS.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_DEPTH:
+                    break
+        elif token in "]}":
+            depth -= 1
+    return deepest
 
 
 def read_json_lines(path: str | Path) -> Iterator[tuple[int, dict]]:
@@ -53,12 +93,7 @@ def read_json_lines(path: str | Path) -> Iterator[tuple[int, dict]]:
             file and line).
     """
     source = str(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", source=source) from None
-    text = data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace")
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in iter_lines(path, expected="a JSONL file", keep_torn=False):
         if not line.strip():
             continue
         obj = parse_json(line, source=source, line=number)

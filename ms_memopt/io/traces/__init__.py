@@ -31,6 +31,7 @@ from typing import Callable
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import JSONL_FORMAT, Trace
 from ms_memopt.core.jsontext import parse_json
+from ms_memopt.core.lines import read_head
 
 __all__ = ["FORMATS", "load_trace", "detect_format"]
 
@@ -59,21 +60,17 @@ def detect_format(path: str | Path) -> str:
         InputError: unreadable, empty, binary or of no known format.
     """
     source = str(path)
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(_SNIFF_BYTES)
-    except IsADirectoryError:
-        raise InputError("is a directory; expected a trace file", source=source) from None
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", source=source) from None
+    # a pipe's head is kept (core.lines): the reader opened next still starts at its first byte
+    head = read_head(path, _SNIFF_BYTES, expected="a trace file")
     if not head.strip():
         raise InputError(f"empty file; expected {_EXPECTED}", source=source)
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
         return "torch-snapshot"
     if head[:2] == b"\x1f\x8b":
-        from ms_memopt.io.traces.ms_pool_log import looks_like_pool_log, read_head
+        from ms_memopt.io.traces.ms_pool_log import looks_like_pool_log
 
-        if looks_like_pool_log(read_head(path, _SNIFF_BYTES)):
+        unzipped = read_head(path, _SNIFF_BYTES, expected="a trace file", gunzip=True)
+        if looks_like_pool_log(unzipped.decode("utf-8", errors="replace")):
             return "mindspore-pool-log"
         raise InputError(f"gzip data of no known format; expected {_EXPECTED}", source=source)
     text = head.decode("utf-8", errors="replace")

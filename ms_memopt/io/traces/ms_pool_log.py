@@ -92,9 +92,8 @@ Example:
 """
 from __future__ import annotations
 
-import gzip
+import bisect
 import re
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -102,6 +101,8 @@ from typing import Iterable, Iterator
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import Block, Layout, Segment
+from ms_memopt.core.lines import is_regular_file, iter_lines
+from ms_memopt.core.lines import read_head as lines_read_head
 
 __all__ = ["FORMAT", "LOG_NAME", "POOL_NAME", "ASCEND_POOL_NAME", "PoolLogParser", "looks_like_pool_log", "read_pool_log", "read_head",
            "recorded_final_layout", "STEP_LINE"]
@@ -169,6 +170,8 @@ _MARK = re.compile(r"ms-memopt mark (?P<tag>[\w.:-]+)\s*$")
 # or a marker glued to the front of a pool log line (the marker's newline written after it)
 _GLUED = re.compile(r"(?P<marker>ms-memopt (?:step \d{1,20}(?: [A-Za-z_][A-Za-z0-9_]{0,63}=-?\d{1,20}){0,32}|mark [\w.:-]+))(?P<rest>\[(?:V12906|DEBUG)\] .*)$", re.S)
 _MAX_NOTED = 20             # line numbers of skipped lines kept for the report
+_MAX_PIDS = 1024            # other processes counted one by one (a hostile log could name millions)
+_EXPECTED = "a stderr capture of a run with VLOG_v=12906"
 _SNIFF_LINES = 2000
 
 
@@ -317,7 +320,8 @@ class PoolLogParser:
         if self.pid is None:
             self.pid = pid
         if pid != self.pid:
-            self._other_pids[pid] = self._other_pids.get(pid, 0) + 1
+            if pid in self._other_pids or len(self._other_pids) < _MAX_PIDS:
+                self._other_pids[pid] = self._other_pids.get(pid, 0) + 1
             self.counts.other_pid_lines += 1
             return False
         self.counts.pool_lines += 1
@@ -444,10 +448,10 @@ class PoolLogParser:
 def _tile(segments: dict[int, tuple[int, str]], live: Iterable[tuple[int, int, int | None]]) -> Layout:
     by_segment: dict[int, list[tuple[int, int, int | None]]] = {base: [] for base in segments}
     bases = sorted(segments)
-    for addr, size, ident in live:
-        owner = next((b for b in bases if b <= addr < b + segments[b][0]), None)
-        if owner is not None:
-            by_segment[owner].append((addr, size, ident))
+    for addr, size, ident in live:     # the block holding addr: the last base at or below it
+        at = bisect.bisect_right(bases, addr) - 1
+        if at >= 0 and addr < bases[at] + segments[bases[at]][0]:
+            by_segment[bases[at]].append((addr, size, ident))
     out = []
     for base in bases:
         seg_size, pool = segments[base]
@@ -493,20 +497,25 @@ def recorded_final_layout(events: Iterable[Event]) -> Layout | None:
 def read_pool_log(path: str | Path, *, pid: int | None = None) -> Trace:
     """Read a stderr capture holding MindSpore's ``VLOG_v=12906`` pool lines.
 
+    The file is read as a stream (gzip too), line by line with each line bounded
+    (:func:`ms_memopt.core.lines.iter_lines`), so memory holds the events and the parser's state,
+    never the file's text: lines of other output cost nothing.
+
     Args:
-        path: the capture (any other lines in it are ignored).
-        pid: the process to read; default: the one with the most pool lines.
+        path: the capture (any other lines in it are ignored); a pipe or ``/dev/stdin`` is read once.
+        pid: the process to read; default: the one with the most pool lines. A regular file is
+            read again in the rare case that a process other than the first one seen is busier; a
+            pipe keeps the first process (``meta["pool_log"]["pids"]`` shows the others).
 
     Raises:
-        InputError: unreadable, or no complete pool line in it (names the file).
+        InputError: unreadable, a line over 1 MiB, or no complete pool line in it (names the file).
     """
     source = str(path)
-    text = _read_text(path)
-    lines = text.splitlines()
-    if pid is None:
-        pid = _busiest_pid(lines)
-    parser = PoolLogParser(pid=pid, source=source)
-    events = list(parser.feed_all(lines))
+    parser, events = _parse(path, pid)
+    if pid is None and parser._other_pids and is_regular_file(path):
+        busiest = max(parser._other_pids, key=parser._other_pids.get)
+        if parser._other_pids[busiest] > parser.counts.pool_lines:
+            parser, events = _parse(path, busiest)
     if not any(e.action == "alloc" for e in events):
         raise InputError("no complete MindSpore pool line (\"Alloc memory details, ...\" or \"Allocate tensor "
                          "mem, return : ...\"); expected a stderr capture of a run with VLOG_v=12906", source=source)
@@ -514,34 +523,18 @@ def read_pool_log(path: str | Path, *, pid: int | None = None) -> Trace:
     return Trace(events, source=source, format=FORMAT, final=parser.layout(), meta=meta)
 
 
-def _read_text(path: str | Path, limit: int = -1) -> str:
-    """The file's text (gunzipped when it is gzip), undecodable bytes replaced."""
-    source = str(path)
-    try:
-        with open(path, "rb") as raw:
-            gzipped = raw.read(2) == b"\x1f\x8b"
-        with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as handle:
-            data = handle.read(limit)
-    except OSError as exc:    # gzip.BadGzipFile is an OSError
-        raise InputError(f"cannot read: {exc.strerror or exc}", source=source) from None
-    except (EOFError, zlib.error) as exc:
-        if limit < 0:
-            raise InputError(f"truncated or corrupt gzip data ({exc})", source=source) from None
-        data = b""
-    return data.decode("utf-8", errors="replace")
+def _parse(path: str | Path, pid: int | None) -> tuple["PoolLogParser", list[Event]]:
+    parser = PoolLogParser(pid=pid, source=str(path))
+    events: list[Event] = []
+    feed, extend = parser.feed, events.extend
+    for _, line in iter_lines(path, expected=_EXPECTED):
+        found = feed(line)
+        if found:
+            extend(found)
+    return parser, events
 
 
 def read_head(path: str | Path, size: int) -> str:
-    """The first ``size`` bytes of the (possibly gzipped) file as text, for format detection."""
-    return _read_text(path, size)
-
-
-def _busiest_pid(lines: list[str]) -> int | None:
-    counts: dict[int, int] = {}
-    for line in lines:
-        if _ALLOC_MARK in line or _ASCEND_RETURN_MARK in line:
-            match = _ALLOC.search(line) or _ASCEND_RETURN.search(line)
-            if match:
-                pid = int(match.group("pid"))
-                counts[pid] = counts.get(pid, 0) + 1
-    return max(counts, key=counts.get) if counts else None
+    """The first ``size`` bytes of the (possibly gzipped) file as text, for format detection
+    (a pipe's head is kept for the reader: :func:`ms_memopt.core.lines.read_head`)."""
+    return lines_read_head(path, size, expected=_EXPECTED, gunzip=True).decode("utf-8", errors="replace")
