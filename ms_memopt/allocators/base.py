@@ -20,8 +20,9 @@ from ms_memopt.core.metrics import LayoutMetrics, measure
 __all__ = ["AllocatorModel", "OOMRecord", "oom_kind"]
 
 
-def oom_kind(size: int, free_total: int, device_free: int | None = None) -> str:
-    """What kind of OOM a failed request of ``size`` bytes is: ``"fragmentation"`` or ``"capacity"``.
+def oom_kind(size: int, free_total: int, device_free: int | None = None, held_elsewhere: int | None = None) -> str:
+    """What kind of OOM a failed request of ``size`` bytes is: ``"fragmentation"`` or ``"capacity"``
+    (or ``"outside"``, only when ``held_elsewhere`` is given).
 
     The one rule every OOM label comes from (:attr:`OOMRecord.kind`, the simulator's
     ``oom_kind``): ``"fragmentation"`` when ``size <= free_total + device_free``, else
@@ -48,8 +49,24 @@ def oom_kind(size: int, free_total: int, device_free: int | None = None) -> str:
         'capacity'
         >>> oom_kind(4 * GiB, free_total=2 * GiB, device_free=2 * GiB)  # exactly all that is free
         'fragmentation'
+
+    ``held_elsewhere``: device memory neither this pool nor its free device memory could use
+    (other processes, a memory fraction or ``max_device_memory`` withholding it), as a crash log
+    prints it. A request beyond ``free_total + device_free`` that the card would have held
+    without that memory is ``"outside"`` the allocator: the card had the room, something else
+    kept it. Without the argument the answer is one of the two kinds above, as before.
+
+        >>> oom_kind(5 * GiB, free_total=2 * GiB, device_free=2 * GiB, held_elsewhere=3 * GiB)
+        'outside'
+        >>> oom_kind(8 * GiB, free_total=2 * GiB, device_free=2 * GiB, held_elsewhere=3 * GiB)
+        'capacity'
     """
-    return "fragmentation" if size <= free_total + (device_free or 0) else "capacity"
+    free = free_total + (device_free or 0)
+    if size <= free:
+        return "fragmentation"
+    if held_elsewhere and size <= free + held_elsewhere:
+        return "outside"
+    return "capacity"
 
 
 @dataclass(slots=True)
@@ -135,6 +152,15 @@ class AllocatorModel(ABC):
 
     def release_segment(self, addr: int, size: int, stream: int = 0) -> None:
         """The recording released the segment at ``addr``; models release it if it is idle."""
+
+    def note_segment_map(self, addr: int, size: int, stream: int = 0) -> None:
+        """The recording mapped pages ``[addr, addr + size)`` into a virtual range it reserved
+        (an expandable segment's ``segment_map``); models with such ranges may start the next
+        range there. Default: nothing."""
+
+    def unmap_range(self, addr: int, size: int, stream: int = 0) -> None:
+        """The recording unmapped ``[addr, addr + size)`` (``segment_unmap``); models with
+        virtual ranges unmap their idle pages there. Default: nothing."""
 
     def note_mark(self, tag: str | None, size: int = 0) -> None:
         """A named moment inside a step (``forward:3``, ``optimizer_end``; ``size`` in bytes

@@ -1,0 +1,739 @@
+"""Out-of-memory reports in a failed job's text logs: MindSpore, torch_npu and PyTorch, as printed.
+
+A 1024-card job that died of an OOM leaves logs, not recordings: msrun's ``worker_N.log``,
+MindFormers' ``output/log/rank_N/``, a launcher's stdout, each tens or hundreds of MB. What the
+framework printed when the allocation failed is in there. :func:`read_oom_log` streams one log
+(plain or gzip, any size, lines bounded) and returns every OOM report in it as an
+:class:`OOMReport`: the framework and allocator that printed it, the request, every figure in
+bytes with the text it was printed as and the range of bytes that text stands for, and the step,
+time and rank where the log has them.
+
+The wordings, each from the source or the binary that prints it (docs/doctor.md lists them):
+
+* **MindSpore 2.x, Ascend two-pointer adapter** (``ascend_two_pointer_mem_adapter.cc``, in the 2.10
+  wheel's ``lib/plugin/ascend/libmindspore_ascend_res_manager.so``): ``Out of Memory!!! Request
+  memory size: <N>B, Memory Statistic:`` then ``Device MOC memory size: <M>M`` (``Device HBM
+  memory size`` before 2.5), ``MindSpore Used memory size``, ``MindSpore memory base address``,
+  ``Total Static Memory size``, ``Total Dynamic memory size``, ``Actual peak memory usage`` or,
+  kernel by kernel, ``Used peak memory usage (without fragments)`` and ``Actual peak memory usage
+  (with fragments)``, ``Dynamic memory size of this graph``; then "Please try to reduce
+  'batch_size'...". ``M`` is the byte count divided by 2**20, rounded down.
+* **MindSpore dynamic pool** (``abstract_dynamic_mem_pool.cc`` / ``mem_dynamic_allocator.cc``, in
+  ``lib/libmindspore_memory_pool.so``): ``Memory not enough: current free memory size[<D>] is smaller
+  than required size[<R>].`` (the device memory the pool could still reserve, and the request);
+  ``TotalUsedMemStatistics : <U> plus TotalUsedByEventMemStatistics : <E> and plus alloc size : <R>
+  is more than total mem size : <T>.`` (the eager-free/VMM path); and, at ``GLOG_v=1``, the pool's
+  state at the failure: ``The dynamic memory pool[<type>] stat info : {"in used mem":...MB, ...,
+  "idle mem":...MB, ...}`` (two decimals, truncated) or, from the best-fit pool, ``Common mem pool
+  info: Total allocated mem:<M>M, ..., total idle mem:<M>M. Block unit size:<M>M, block
+  counts:<n>, block[0] stream id:0 block size:<M>M idle size:<M>M actual size: <M>M.``
+* **MindSpore runtime** (``libmindspore_ms_backend.so``, ``libmindspore_ge_backend.so``):
+  ``Device(id:<d>) memory isn't enough and alloc failed, kernel name: <k>, alloc size: <R>B.``
+* **MindSpore GPU** (``libmindspore_gpu.so``): ``Memory not enough:Current free memory size[<D>]
+  is smaller than required size[<R>].``
+* **PyTorch CUDA** (``c10/cuda/CUDACachingAllocator.cpp``; sizes by ``format_size``: bytes up to
+  1 KiB, else KiB/MiB/GiB with two decimals, rounded): up to 2.0 ``CUDA out of memory. Tried to
+  allocate <S> (GPU <d>; <S> total capacity; <S> already allocated; <S> free; [<S> allowed; ]<S>
+  reserved in total by PyTorch)`` (``<S> cached`` before 1.4); from 2.1 ``Tried to allocate <S>.
+  GPU <d> has a total capacity of <S> of which <S> is free. [<S> allowed; ]Process <pid> has <S>
+  memory in use. | Including non-PyTorch memory, this process has <S> memory in use. Of the
+  allocated memory <S> is allocated by PyTorch, [with <S> allocated in private pools (e.g., CUDA
+  Graphs), ]and <S> is reserved by PyTorch but unallocated.`` (2.1.0 printed "total capacty").
+* **torch_npu** (``torch_npu/csrc/core/npu/NPUCachingAllocator.cpp``): ``NPU out of memory. Tried to
+  allocate <S> (NPU <d>; <S> total capacity; <S> already allocated; <S> current active; <S> free;
+  [<S> allowed; ]<S> reserved in total by PyTorch)`` followed by "If reserved memory is >>
+  allocated memory..." (some releases with no space before "If").
+
+Damaged text is expected: messages cut short, wrapped in tracebacks or in ``[rank3]:`` prefixes,
+re-wrapped or commented by a user, repeated by every layer that re-raises them. A report keeps
+what could be read and says what was missing; repeats of one message a few lines apart are one
+report.
+
+Speed: the log is read in chunks; a chunk is searched for a few trigger byte strings before any
+regular expression runs, and only the lines around a trigger are parsed. Steps come from the last
+step line before each report (MindSpore's ``LossMonitor`` "epoch: 1 step: 437, loss is", MindFormers'
+"step:[  437/ 1000]", Megatron/MindSpeed-LLM's "iteration      437/   10000 |"), found by
+searching each chunk backwards, so the cost stays that of a byte scan.
+
+Example:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "worker_3.log")
+    >>> _ = open(path, "w").write(
+    ...     "epoch: 1 step: 436, loss is 2.5\\n"
+    ...     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.20 GiB. GPU 0 has a total "
+    ...     "capacity of 79.15 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process has "
+    ...     "78.07 GiB memory in use. Of the allocated memory 63.61 GiB is allocated by PyTorch, and 13.96 GiB "
+    ...     "is reserved by PyTorch but unallocated.\\n")
+    >>> log = read_oom_log(path)
+    >>> r = log.reports[0]
+    >>> r.framework, r.rank, r.step, r.request.printed, r.figures["reserved_unallocated"].value
+    ('pytorch', 3, 437, '4.20 GiB', 14989435863)
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ms_memopt.core.lines import open_binary
+
+__all__ = ["Figure", "OOMReport", "LogScan", "read_oom_log", "scan_bytes", "rank_of_path", "TRIGGERS"]
+
+MiB = 1 << 20
+#: bytes read at a time (a window spanning two chunks is completed from the next)
+CHUNK_BYTES = 4 << 20
+#: a line longer than this is cut for parsing (progress bars redrawn with \r make megabyte lines)
+MAX_LINE = 1 << 16
+#: lines after a trigger that may still belong to its message (MindSpore's statistic block, a
+#: wrapped PyTorch message)
+WINDOW_LINES = 14
+#: a message repeated within this many lines (re-raised, logged twice, error.log + info.log) is one report
+REPEAT_LINES = 400
+#: two requests this close are one (MindSpore's pool aligns the kernel's size up to 512 B; PyTorch rounds)
+_SAME_REQUEST = 4096
+#: the byte strings one of which every OOM message contains (checked before any regex)
+TRIGGERS = (b"out of memory", b"Out of Memory", b"Tried to allocate", b"emory not enough", b"memory isn't enough",
+            b"Memory isn't enough", b"is more than total mem size", b"stat info :", b"pool info: Total allocated mem",
+            b"OutOfMemoryError")
+#: a rank's other failure (a timeout of a collective, another exception), looked for until found
+ERROR_TRIGGERS = (b"HCCL", b"hccl", b"Traceback (most recent call last)", b"[ERROR]", b"Error:", b"EI00",
+                  b"NCCL", b"timed out", b"Timeout")
+_STEP_TOKENS = (b"step: ", b"step:[", b"iteration ")
+
+
+@dataclass
+class Figure:
+    """One printed figure: ``value`` in bytes as printed, ``low``/``high`` the bytes the printed text
+    can stand for (MindSpore's ``M`` is rounded down: ``[v, v + 1 MiB)``; PyTorch's two decimals are
+    rounded: ``v ± 0.005`` of the unit), ``printed`` the text itself."""
+
+    value: int
+    low: int
+    high: int
+    printed: str
+
+    @property
+    def exact(self) -> bool:
+        return self.low == self.high
+
+
+@dataclass
+class OOMReport:
+    """One out-of-memory report as a log holds it; every size in bytes (:class:`Figure`).
+
+    ``framework``: ``"mindspore"``, ``"torch_npu"`` or ``"pytorch"``. ``allocator``: what printed it
+    (``"ascend-two-pointer"``, ``"dynamic-pool"``, ``"dynamic-pool-vmm"``, ``"gpu-pool"``,
+    ``"npu-caching"``, ``"cuda-caching"``). ``wording``: the message version read. ``figures``: name
+    -> :class:`Figure` (``capacity``, ``device_free``, ``allocated``, ``reserved``,
+    ``reserved_unallocated``, ``pool_idle``, ``ms_used``, ``static``, ``dynamic_graph`` ...).
+    ``step``: the step that failed (the last logged step + 1) and ``last_step_line`` the line it was
+    read from; ``time``: the logger's timestamp nearest before the report; ``line``: its first line
+    (1-based). ``blocks_idle``: per pool block idle bytes when the best-fit pool's state was
+    printed. ``cut``: the message ended before its last figure. ``notes``: what was odd.
+    """
+
+    framework: str
+    allocator: str
+    wording: str
+    line: int
+    request: Figure | None = None
+    figures: dict[str, Figure] = field(default_factory=dict)
+    device: int | None = None
+    rank: int | None = None
+    step: int | None = None
+    last_step_line: str | None = None
+    time: str | None = None
+    kernel: str | None = None
+    blocks_idle: list[int] = field(default_factory=list)
+    vmm: bool | None = None
+    cut: bool = False
+    notes: list[str] = field(default_factory=list)
+    text: str = ""
+    source: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LogScan:
+    """What one log (or the logs of one rank) holds: its OOM reports in order, the first other
+    failure line (an HCCL timeout, another traceback) with its line number and time, the last
+    step logged, and the bytes read."""
+
+    source: str
+    rank: int | None
+    reports: list[OOMReport] = field(default_factory=list)
+    first_error: str | None = None
+    first_error_line: int | None = None
+    first_error_time: str | None = None
+    last_step: int | None = None
+    bytes_read: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- sizes as printed ------------------------------------------------------------------------------
+_UNITS = {"bytes": 1, "byte": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_SIZE = r"(\d{1,15}(?:\.\d{1,6})?)\s?(bytes|byte|KiB|MiB|GiB|TiB|KB|MB|GB|TB|B)\b"
+
+
+def _torch_size(number: str, unit: str) -> Figure:
+    """A size printed by PyTorch's ``format_size`` (fixed, two decimals, rounded to nearest)."""
+    scale = _UNITS[unit.lower()]
+    value = float(number)
+    decimals = len(number.split(".")[1]) if "." in number else 0
+    half = 0 if scale == 1 else 0.5 * 10 ** -decimals * scale
+    exact = round(value * scale)
+    return Figure(exact, max(0, int(exact - half)), int(exact + half), f"{number} {unit}")
+
+
+def _mib_floor(number: str) -> Figure:
+    """MindSpore's ``size / kMBToByte`` followed by ``M``: MiB rounded down."""
+    v = int(number)
+    return Figure(v * MiB, v * MiB, (v + 1) * MiB - 1, f"{number}M")
+
+
+def _mb_truncated(number: str) -> Figure:
+    """MindSpore's ``MemStat::Format``: MiB with the decimals cut (not rounded), then ``MB``."""
+    decimals = len(number.split(".")[1]) if "." in number else 0
+    low = round(float(number) * MiB)
+    return Figure(low, low, low + int(10 ** -decimals * MiB) - 1, f"{number}MB")
+
+
+def _bytes(number: str) -> Figure:
+    v = int(number)
+    return Figure(v, v, v, f"{number}B")
+
+
+# --- where a report sits -----------------------------------------------------------------------------
+_RANK_PATH = (re.compile(r"worker_(\d{1,6})\.log"), re.compile(r"rank_?(\d{1,6})(?![\d])"),
+              re.compile(r"(?:^|[/_.-])(\d{1,6})\.log$"))
+_RANK_LINE = re.compile(r"\[(?:rank|Rank|RANK)\s?(\d{1,6})\]|\brank[= ](\d{1,6})\b")
+_TIME = (re.compile(r"(\d{4}-\d{2}-\d{2})-(\d{2}:\d{2}:\d{2})\.(\d{3})\.\d{3}"),     # MindSpore's glog
+         re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}:\d{2}:\d{2})(?:[.,](\d{1,6}))?"))   # Python logging, ISO
+_STEP = (re.compile(rb"epoch:\s*\d+\s+step:\s*(\d+)"),                   # MindSpore LossMonitor
+         re.compile(rb"step:\[\s*(\d+)\s*/\s*\d+\]"),                      # MindFormers
+         re.compile(rb"iteration\s+(\d+)\s*/\s*\d+\s*\|"))                 # Megatron, MindSpeed-LLM
+
+
+def rank_of_path(path: str | os.PathLike) -> int | None:
+    """The rank a log's path names: msrun's ``worker_N.log``, ``rank_N/``, ``rankN``, ``N.log``.
+
+    Example:
+        >>> rank_of_path("job/output/log/rank_104/info.log"), rank_of_path("msrun/worker_7.log")
+        (104, 7)
+    """
+    text = str(path).replace("\\", "/")
+    for pattern in _RANK_PATH:
+        found = pattern.findall(text)
+        if found:
+            return int(found[-1])
+    return None
+
+
+def _time_of(text: str) -> str | None:
+    for pattern in _TIME:
+        m = pattern.search(text)
+        if m:
+            frac = m.group(3) or "000"
+            return f"{m.group(1)} {m.group(2)}.{frac[:3].ljust(3, '0')}"
+    return None
+
+
+def _last_step(data: bytes, end: int | None = None) -> tuple[int, str] | None:
+    """The last step line in ``data[:end]``: searched backwards from each step token (no regex over
+    the whole chunk)."""
+    end = len(data) if end is None else end
+    best = None
+    for token in _STEP_TOKENS:
+        pos = end
+        for _ in range(64):              # a token inside a non-step line: look a little further back
+            pos = data.rfind(token, 0, pos)
+            if pos < 0 or (best is not None and pos < best[0]):
+                break
+            start = data.rfind(b"\n", 0, pos) + 1
+            stop = data.find(b"\n", pos)
+            stop = len(data) if stop < 0 else stop
+            line = data[start:min(stop, start + 4096)]
+            for pattern in _STEP:
+                m = pattern.search(line)
+                if m:
+                    best = (pos, int(m.group(1)), line.decode("utf-8", "replace").strip())
+                    break
+            else:
+                continue
+            break
+    return None if best is None else (best[1], best[2])
+
+
+# --- the messages ---------------------------------------------------------------------------------------
+_CLEAN = re.compile(r"\s+")
+_PREFIX = re.compile(r"(?m)^\s*(?:#+|//|>+|\[rank\d+\]:|\(\w+ rank=\d+ pid=\d+\))\s?")
+_MS_OOM = re.compile(r"Out of Memory!!! Request memory size: (\d{1,20})\s?B?")
+_MS_STAT = {
+    "capacity": re.compile(r"Device (?:HBM|MOC) memory size: (\d{1,15})M"),
+    "ms_used": re.compile(r"MindSpore Used memory size: (\d{1,15})M"),
+    "static": re.compile(r"Total Static Memory size: (\d{1,15})M"),
+    "dynamic_total": re.compile(r"Total Dynamic memory size: (\d{1,15})M"),
+    "dynamic_graph": re.compile(r"Dynamic memory size of this graph: (\d{1,15})M"),
+    "used_peak": re.compile(r"Used peak memory usage \(without fragments\): (\d{1,15})M"),
+    "actual_peak": re.compile(r"Actual peak memory usage(?: \(with fragments\))?: (\d{1,15})M"),
+}
+_MS_GROW = re.compile(r"[Mm]emory not enough:\s?([Cc])urrent free memory size\[(\d{1,20})\] is smaller than "
+                      r"required size\[(\d{1,20})B?\]")
+_MS_KERNEL = re.compile(r"(?:Device\(id:(\d{1,6})\) m|M)emory isn't enough and alloc failed(?: in output actor)?, "
+                        r"(?:kernel name: (.*?), )?alloc size: (\d{1,20})B")
+_MS_VMM = re.compile(r"TotalUsedMemStatistics : (\d{1,20})(?: plus TotalUsedByEventMemStatistics : (\d{1,20}))? "
+                     r"(?:and )?plus alloc size : (\d{1,20}) is more than total mem size : (\d{1,20})")
+_MS_POOL_STAT = re.compile(r"The dynamic memory pool(?:\[([^\]]*)\])? stat info : (\{.*?\})")
+_MS_POOL_KV = re.compile(r'"([a-z ]+)":"?(\d{1,15}(?:\.\d{1,6})?)MB')
+_MS_BESTFIT = re.compile(r"(Common|Persistent) mem pool info: Total allocated mem:(\d{1,15})M, peak used mem:(\d{1,15})M, "
+                         r"in used mem:(\d{1,15})M,(?: total use by event mem:(\d{1,15})M,)? total idle mem:(\d{1,15})M")
+_MS_BLOCK = re.compile(r"block\[\d{1,6}\](?: stream id:\d{1,6})? block size:(\d{1,15})M idle size:(\d{1,15})M")
+_MS_BESTFIT_TOTAL = re.compile(r"The dynamic memory pool total allocated mem:(\d{1,15})M.*?in used mem:(\d{1,15})M, "
+                               r"total idle mem:(\d{1,15})M(?:, total eager free mem:(\d{1,15})M)?")
+_MS_VMM_ON = re.compile(r"enable vmm : 1")
+
+_T_REQ = re.compile(r"(CUDA|NPU|XPU|GPU)?\s?out of memory\.?\s*Tried to allocate " + _SIZE, re.I)
+_T_REQ_BARE = re.compile(r"Tried to allocate " + _SIZE)
+_T_NEW_CAP = re.compile(r"(GPU|NPU|XPU) (\d{1,4}) has a total capac?i?ty of " + _SIZE + r" of which " + _SIZE + r" is free")
+_T_OLD_DEV = re.compile(r"\((GPU|NPU|XPU) (\d{1,4});")
+_T_OLD = {
+    "capacity": re.compile(_SIZE + r" total capac?i?ty"),
+    "allocated": re.compile(_SIZE + r" already allocated"),
+    "active": re.compile(_SIZE + r" current active"),
+    "device_free": re.compile(_SIZE + r" free[;)]"),
+    "reserved": re.compile(_SIZE + r" (?:reserved in total by PyTorch|cached)"),
+}
+_T_ALLOWED = re.compile(_SIZE + r" allowed;")
+_T_PROCESS = re.compile(r"Process (\d{1,10}) has " + _SIZE + r" memory in use")
+_T_THIS = re.compile(r"this process has " + _SIZE + r" memory in use", re.I)
+_T_ALLOC = re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch,"
+                      r"(?: with " + _SIZE + r" allocated in private pools \(e\.g\., CUDA Graphs\),)?"
+                      r"(?: and " + _SIZE + r" is reserved by PyTorch but unallocated)?")
+
+
+def _normalise(text: str) -> str:
+    return _CLEAN.sub(" ", _PREFIX.sub(" ", text)).strip()
+
+
+def _torch_report(text: str, line: int) -> OOMReport | None:
+    m = _T_REQ.search(text) or _T_REQ_BARE.search(text)
+    if m is None:
+        return None
+    groups = m.groups()
+    number, unit = groups[-2], groups[-1]
+    dev_word = (groups[0] or "").upper() if len(groups) == 3 else ""
+    rest = text[m.end():]
+    report = OOMReport(framework="pytorch", allocator="cuda-caching", wording="", line=line,
+                       request=_torch_size(number, unit))
+    new = _T_NEW_CAP.search(rest)
+    old = _T_OLD_DEV.search(rest)
+    figures = report.figures
+    if new:
+        dev_word = dev_word or new.group(1)
+        report.device = int(new.group(2))
+        figures["capacity"] = _torch_size(new.group(3), new.group(4))
+        figures["device_free"] = _torch_size(new.group(5), new.group(6))
+        report.wording = "pytorch>=2.1"
+        if "capacty" in rest[:new.end()]:
+            report.notes.append('"total capacty" (the 2.1.0 misspelling)')
+        alloc = _T_ALLOC.search(rest)
+        if alloc:
+            figures["allocated"] = _torch_size(alloc.group(1), alloc.group(2))
+            if alloc.group(3):
+                figures["private_pools"] = _torch_size(alloc.group(3), alloc.group(4))
+            if alloc.group(5):
+                figures["reserved_unallocated"] = _torch_size(alloc.group(5), alloc.group(6))
+        this = _T_THIS.search(rest)
+        if this:
+            figures["process_in_use"] = _torch_size(this.group(1), this.group(2))
+        processes = _T_PROCESS.findall(rest)
+        if processes:
+            sizes = [_torch_size(n, u) for _, n, u in processes]
+            figures["processes_in_use"] = Figure(sum(s.value for s in sizes), sum(s.low for s in sizes),
+                                                 sum(s.high for s in sizes),
+                                                 " + ".join(s.printed for s in sizes))
+            if len(processes) > 1:
+                report.notes.append(f"{len(processes)} processes hold memory on the device")
+        if "reserved_unallocated" not in figures:
+            report.cut = True
+    elif old:
+        dev_word = dev_word or old.group(1)
+        report.device = int(old.group(2))
+        report.wording = "pytorch<=2.0" if dev_word != "NPU" else "torch_npu"
+        for name, pattern in _T_OLD.items():
+            found = pattern.search(rest)
+            if found:
+                figures[name] = _torch_size(found.group(1), found.group(2))
+        if " cached)" in rest or " cached;" in rest:
+            report.wording = "pytorch<1.4 (cached)"
+        if "reserved" not in figures:
+            report.cut = True
+        elif "allocated" in figures:
+            r, a = figures["reserved"], figures["allocated"]
+            figures["reserved_unallocated"] = Figure(max(0, r.value - a.value), max(0, r.low - a.high),
+                                                     max(0, r.high - a.low), f"{r.printed} - {a.printed}")
+        if "If reserved memory is >> allocated" in rest and ")If reserved" in rest.replace(" ", ""):
+            pass
+        if re.search(r"\)\.?If reserved", rest):
+            report.notes.append('no space before "If reserved"')
+    else:
+        report.wording = "cut"
+        report.cut = True
+    allowed = _T_ALLOWED.search(rest)
+    if allowed:
+        figures["allowed"] = _torch_size(allowed.group(1), allowed.group(2))
+    if dev_word == "NPU" or "PYTORCH_NPU_ALLOC_CONF" in text or "(NPU " in rest[:40]:
+        report.framework, report.allocator = "torch_npu", "npu-caching"
+        if report.wording == "pytorch<=2.0":
+            report.wording = "torch_npu"
+    elif dev_word == "XPU":
+        report.allocator = "xpu-caching"
+    if "capacity" in figures and "allocated" in figures and figures["allocated"].low > figures["capacity"].high:
+        report.notes.append("allocated exceeds the total capacity (Windows counts shared system memory)")
+    return report
+
+
+def _ms_fill_state(report: OOMReport, text: str) -> None:
+    """The pool's state dump (``GLOG_v=1``) into the report's figures."""
+    stat = _MS_POOL_STAT.search(text)
+    if stat:
+        values = {k: _mb_truncated(v) for k, v in _MS_POOL_KV.findall(stat.group(2))}
+        for key, name in (("idle mem", "pool_idle"), ("in used mem", "pool_in_use"), ("alloc mem", "reserved"),
+                          ("used by event mem", "pool_used_by_event"), ("eager free mem", "pool_eager_free"),
+                          ("peak used mem", "pool_peak")):
+            if key in values:
+                report.figures[name] = values[key]
+    idle_total = report.figures.get("pool_idle")
+    for m in _MS_BESTFIT.finditer(text):
+        which = m.group(1).lower()
+        report.figures[f"{which}_reserved"] = _mib_floor(m.group(2))
+        report.figures[f"{which}_idle"] = _mib_floor(m.group(6))
+        tail = text[m.end():m.end() + 20000]
+        nxt = _MS_BESTFIT.search(tail)
+        tail = tail[:nxt.start()] if nxt else tail
+        report.blocks_idle += [int(idle) * MiB for _, idle in _MS_BLOCK.findall(tail)]
+    total = _MS_BESTFIT_TOTAL.search(text)
+    if total:
+        report.figures["reserved"] = _mib_floor(total.group(1))
+        report.figures["pool_in_use"] = _mib_floor(total.group(2))
+        report.figures["pool_idle"] = _mib_floor(total.group(3))
+        if total.group(4):
+            report.figures["pool_eager_free"] = _mib_floor(total.group(4))
+    elif idle_total is None and "common_idle" in report.figures:
+        parts = [report.figures[k] for k in ("common_idle", "persistent_idle") if k in report.figures]
+        report.figures["pool_idle"] = Figure(sum(p.value for p in parts), sum(p.low for p in parts),
+                                             sum(p.high for p in parts), " + ".join(p.printed for p in parts))
+    if _MS_VMM_ON.search(text):
+        report.vmm = True
+        report.allocator = "dynamic-pool-vmm"
+
+
+def _mindspore_report(text: str, line: int) -> OOMReport | None:
+    oom = _MS_OOM.search(text)
+    if oom:
+        report = OOMReport(framework="mindspore", allocator="ascend-two-pointer", wording="mindspore-two-pointer",
+                           line=line, request=_bytes(oom.group(1)))
+        for name, pattern in _MS_STAT.items():
+            m = pattern.search(text, oom.end())
+            if m:
+                report.figures[name] = _mib_floor(m.group(1))
+        if "Device HBM memory size" in text:
+            report.wording = "mindspore-two-pointer (HBM, <2.5)"
+        if "ms_used" not in report.figures:
+            report.cut = True
+        if "used_peak" in report.figures:
+            report.notes.append("kernel-by-kernel mode: the pool's free memory at the failure is not printed")
+        return report
+    vmm = _MS_VMM.search(text)
+    if vmm:
+        report = OOMReport(framework="mindspore", allocator="dynamic-pool-vmm", wording="mindspore-used-statistics",
+                           line=line, request=_bytes(vmm.group(3)), vmm=True)
+        report.figures["pool_in_use"] = _bytes(vmm.group(1))
+        if vmm.group(2):
+            report.figures["pool_used_by_event"] = _bytes(vmm.group(2))
+        report.figures["ms_total"] = _bytes(vmm.group(4))
+        return report
+    grow = _MS_GROW.search(text)
+    kernel = _MS_KERNEL.search(text)
+    if grow or kernel:
+        gpu = grow is not None and grow.group(1) == "C"
+        report = OOMReport(framework="mindspore", allocator="gpu-pool" if gpu else "dynamic-pool",
+                           wording="mindspore-pool-grow" if grow else "mindspore-alloc-failed", line=line)
+        if grow:
+            report.figures["device_free"] = _bytes(grow.group(2))
+            report.request = _bytes(grow.group(3))
+        if kernel:
+            if kernel.group(1):
+                report.device = int(kernel.group(1))
+            report.kernel = (kernel.group(2) or "").strip() or None
+            report.request = report.request or _bytes(kernel.group(3))
+            if grow and int(kernel.group(3)) != report.request.value:
+                report.notes.append(f"the kernel asked for {kernel.group(3)}B; the pool for {grow.group(3)}B")
+        _ms_fill_state(report, text)
+        return report
+    return None
+
+
+def parse_message(text: str, line: int = 1) -> OOMReport | None:
+    """The OOM report in one message's text (several lines joined), or ``None``.
+
+    Example:
+        >>> r = parse_message("Out of Memory!!! Request memory size: 1088627200B, Memory Statistic:\\n"
+        ...                   "Device HBM memory size: 32768M\\nMindSpore Used memory size: 1024M\\n")
+        >>> r.allocator, r.request.value, r.figures["ms_used"].high
+        ('ascend-two-pointer', 1088627200, 1074790399)
+    """
+    flat = _normalise(text)
+    return _mindspore_report(flat, line) or _torch_report(flat, line)
+
+
+# --- the stream ------------------------------------------------------------------------------------------
+class _Scanner:
+    """Line windows around triggers, carried across chunks; one per log."""
+
+    def __init__(self, source: str, rank: int | None) -> None:
+        self.scan = LogScan(source=source, rank=rank)
+        self.line_no = 0                 # lines consumed so far
+        self.window: list[str] = []      # lines of the message being collected
+        self.window_line = 0
+        self.window_left = 0
+        self.step: tuple[int, str] | None = None
+        self.time: str | None = None
+        self.recent: list[tuple[int, str]] = []     # (line, text) of the last few lines, for the time before
+        self.window_text_head = ""
+        self.errors_wanted = True
+
+    # a MindSpore report gathers its pieces: the pool's grow failure, its state dump, the runtime line
+    def _add(self, report: OOMReport) -> None:
+        report.source = self.scan.source
+        report.rank = report.rank if report.rank is not None else self.scan.rank
+        if self.step is not None:
+            report.step, report.last_step_line = self.step[0] + 1, self.step[1]
+        report.time = report.time or self.time
+        reports = self.scan.reports
+        if reports:
+            last = reports[-1]
+            if (report.line - last.line <= REPEAT_LINES and last.framework == report.framework
+                    and last.request is not None and report.request is not None
+                    and abs(last.request.value - report.request.value) <= _SAME_REQUEST):
+                # the same failure again: re-raised, logged twice, or MindSpore's pieces in turn
+                for name, fig in report.figures.items():
+                    last.figures.setdefault(name, fig)
+                last.blocks_idle = last.blocks_idle or report.blocks_idle
+                last.kernel = last.kernel or report.kernel
+                last.device = last.device if last.device is not None else report.device
+                if last.allocator == "dynamic-pool" and report.allocator != "dynamic-pool":
+                    last.allocator = report.allocator
+                if last.cut and not report.cut:
+                    last.cut, last.wording, last.text = False, report.wording, report.text
+                return
+        reports.append(report)
+
+    def _close_window(self) -> None:
+        text = "\n".join(self.window)
+        self.window = []
+        report = parse_message(text, self.window_line)
+        if report is None:
+            return
+        report.text = _normalise(text)[:2000]
+        head = self.window_text_head
+        report.time = _time_of(head) or self.time
+        rank = _RANK_LINE.search(head)
+        if rank:
+            report.rank = int(rank.group(1) or rank.group(2))
+        self._add(report)
+
+    def feed_line(self, raw: bytes) -> None:
+        self.line_no += 1
+        if self.window:
+            text = raw[:MAX_LINE].decode("utf-8", "replace")
+            self.window.append(text)
+            self.window_left -= 1
+            if self._is_state_line(text) or text.lstrip().startswith(("Dump state info", "In used mem buf", "Mem block", "Free mem buf", "Eager free mem buf", "{", "stream id")):
+                self.window_left = max(self.window_left, 3)     # a pool state dump: read it to its end
+            if self.window_left <= 0 or _ends_message(text):
+                self._close_window()
+            return
+        if any(t in raw for t in TRIGGERS):
+            text = raw[:MAX_LINE].decode("utf-8", "replace")
+            if self._is_state_line(text) and self.scan.reports and self.line_no - self.scan.reports[-1].line < 60:
+                _ms_fill_state(self.scan.reports[-1], _normalise(text))
+                return
+            self.window = [text]
+            self.window_line = self.line_no
+            self.window_text_head = text
+            self.window_left = WINDOW_LINES
+            t = _time_of(text)
+            if t:
+                self.time = t
+            if _ends_message(text):
+                self._close_window()
+            return
+        if self.errors_wanted and any(t in raw for t in ERROR_TRIGGERS):
+            text = raw[:2000].decode("utf-8", "replace").strip()
+            if _is_failure(text):
+                self.scan.first_error = text[:500]
+                self.scan.first_error_line = self.line_no
+                self.scan.first_error_time = _time_of(text)
+                self.errors_wanted = False
+
+    @staticmethod
+    def _is_state_line(text: str) -> bool:
+        return "stat info :" in text or "pool info: Total allocated mem" in text
+
+    def flush(self) -> None:
+        if self.window:
+            self._close_window()
+
+
+_ERROR_WORDS = re.compile(r"HCCL|hccl|NCCL|[Tt]imeout|timed out|EI00\d\d|Error|ERROR|Traceback")
+
+
+def _is_failure(text: str) -> bool:
+    return bool(_ERROR_WORDS.search(text)) and "WARNING" not in text[:40]
+
+
+def _ends_message(text: str) -> bool:
+    return ("Please try to reduce" in text or "PYTORCH_CUDA_ALLOC_CONF" in text or "to avoid fragmentation" in text
+            or "PYTORCH_NPU_ALLOC_CONF" in text or "Memory Management" in text or "alloc size:" in text
+            or "is more than total mem size" in text or "is reserved by PyTorch but unallocated" in text
+            or "reserved in total by PyTorch)" in text or "empty_cache" in text)
+
+
+def _triggers_in(data: bytes, wanted_errors: bool) -> bool:
+    if any(t in data for t in TRIGGERS):
+        return True
+    return wanted_errors and any(t in data for t in ERROR_TRIGGERS)
+
+
+def scan_bytes(chunks, *, source: str = "<log>", rank: int | None = None) -> LogScan:
+    """Every OOM report in a stream of byte chunks (any split); :func:`read_oom_log` on a file."""
+    scanner = _Scanner(source, rank)
+    carry = b""
+    total = 0
+    for chunk in chunks:
+        total += len(chunk)
+        data = carry + chunk if carry else chunk
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            carry = data[-MAX_LINE:] if len(data) > MAX_LINE else data
+            continue
+        body, carry = data[:cut], data[cut + 1:]
+        if len(carry) > MAX_LINE:
+            carry = carry[:MAX_LINE]
+        _feed(scanner, body)
+    if carry:
+        _feed(scanner, carry)
+    scanner.flush()
+    scanner.scan.bytes_read = total
+    scanner.scan.last_step = None if scanner.step is None else scanner.step[0]
+    return scanner.scan
+
+
+def _feed(scanner: _Scanner, body: bytes) -> None:
+    """One run of whole lines: the fast path skips it when no trigger is in it."""
+    if not scanner.window and not _triggers_in(body, scanner.errors_wanted):
+        scanner.line_no += body.count(b"\n") + 1
+        step = _last_step(body)
+        if step is not None:
+            scanner.step = step
+        t = _last_time(body)
+        if t:
+            scanner.time = t
+        return
+    start = 0
+    n = len(body)
+    while start <= n:
+        if not scanner.window:
+            # skip ahead to the next line holding a trigger, counting lines and steps on the way
+            nxt = _next_trigger(body, start, scanner.errors_wanted)
+            if nxt < 0:
+                scanner.line_no += body.count(b"\n", start) + 1
+                step = _last_step(body[start:])
+                if step is not None:
+                    scanner.step = step
+                t = _last_time(body[start:])
+                if t:
+                    scanner.time = t
+                return
+            line_start = body.rfind(b"\n", start, nxt) + 1
+            if line_start > start:
+                scanner.line_no += body.count(b"\n", start, line_start)
+                step = _last_step(body[start:line_start])
+                if step is not None:
+                    scanner.step = step
+                t = _last_time(body[max(start, line_start - 65536):line_start])
+                if t:
+                    scanner.time = t
+                start = line_start
+        end = body.find(b"\n", start)
+        end = n if end < 0 else end
+        scanner.feed_line(body[start:end])
+        start = end + 1
+
+
+def _next_trigger(body: bytes, start: int, errors: bool) -> int:
+    best = -1
+    for t in TRIGGERS + (ERROR_TRIGGERS if errors else ()):
+        pos = body.find(t, start)
+        if pos >= 0 and (best < 0 or pos < best):
+            best = pos
+    return best
+
+
+_TIME_B = re.compile(rb"\d{4}-\d{2}-\d{2}[- T]\d{2}:\d{2}:\d{2}[.,]\d{3}")
+
+
+def _last_time(data: bytes) -> str | None:
+    """The last timestamp in the last 64 KiB of ``data`` (a logger's line header)."""
+    tail = data[-65536:]
+    pos = len(tail)
+    for _ in range(200):
+        pos = tail.rfind(b":", 0, pos)
+        if pos < 0:
+            return None
+        start = tail.rfind(b"\n", 0, pos) + 1
+        stop = tail.find(b"\n", pos)
+        line = tail[start:stop if stop >= 0 else len(tail)][:300]
+        if _TIME_B.search(line):
+            return _time_of(line.decode("utf-8", "replace"))
+        pos = start - 1 if start > 0 else -1
+        if pos < 0:
+            return None
+    return None
+
+
+def read_oom_log(path: str | os.PathLike, *, rank: int | None = None) -> LogScan:
+    """Every OOM report in the text log at ``path`` (plain or gzip), read as a stream.
+
+    Args:
+        path: the log.
+        rank: the rank it belongs to (default: read from the path, :func:`rank_of_path`).
+
+    Returns:
+        a :class:`LogScan`; ``reports`` empty when the log holds no OOM message.
+
+    Raises:
+        InputError: the file cannot be read (or its gzip data is corrupt).
+    """
+    source = str(path)
+    rank = rank_of_path(path) if rank is None else rank
+    with open_binary(path, expected="a text log") as stream:
+        def chunks():
+            while True:
+                chunk = stream.read(CHUNK_BYTES)
+                if not chunk:
+                    return
+                yield chunk
+        return scan_bytes(chunks(), source=source, rank=rank)
+
+
+def looks_like_oom_log(head: bytes) -> bool:
+    """True when ``head`` (a log's first bytes) holds an OOM message a report can be read from."""
+    return any(t in head for t in TRIGGERS)
