@@ -12,6 +12,11 @@
 ``mindspore-pool-log``      a stderr capture of a run with ``VLOG_v=12906`` (MindSpore's pool
                             log; unrelated lines allowed; ``.gz`` too), read by
                             :mod:`ms_memopt.io.traces.ms_pool_log`
+``ascend-profiler``         the Ascend profiler's memory output (torch_npu or MindSpore,
+                            ``profile_memory=True``): a rank's folder, ``ASCEND_PROFILER_OUTPUT/``,
+                            ``operator_memory.csv``, ``memory_record.csv``, ``npu_module_mem.csv``
+                            or ``ascend_*_profiler_N.db``, read by
+                            :mod:`ms_memopt.io.traces.ascend_profiler`
 ==========================  =================================================================
 
 Empty, binary, unreadable and unknown files raise :class:`~ms_memopt.core.errors.InputError` naming
@@ -46,10 +51,13 @@ FORMATS: dict[str, tuple[str, str]] = {
     "instances": ("placement instances id,lower,upper,size", "ms_memopt.io.traces.instances_events:read_instances_trace"),
     "mindspore-pool-log": ("stderr of a MindSpore run with VLOG_v=12906 (the pool's log)",
                            "ms_memopt.io.traces.ms_pool_log:read_pool_log"),
+    "ascend-profiler": ("the Ascend profiler's memory output (a rank's folder, ASCEND_PROFILER_OUTPUT/, "
+                        "operator_memory.csv, memory_record.csv, npu_module_mem.csv or the .db)",
+                        "ms_memopt.io.traces.ascend_profiler:read_ascend_profiler"),
 }
 _EXPECTED = ("a PyTorch snapshot pickle, an ms-memopt JSONL log, a MindSpore memory_block.csv, "
-             "an msMemScope CSV, an id,lower,upper,size instance CSV or the stderr of a MindSpore "
-             "run with VLOG_v=12906")
+             "an msMemScope CSV, an id,lower,upper,size instance CSV, the stderr of a MindSpore "
+             "run with VLOG_v=12906 or the Ascend profiler's memory output (folder, CSV or .db)")
 _SNIFF_BYTES = 65536
 
 
@@ -60,6 +68,13 @@ def detect_format(path: str | Path) -> str:
         InputError: unreadable, empty, binary or of no known format.
     """
     source = str(path)
+    if Path(path).is_dir():
+        from ms_memopt.io.traces.ascend_profiler import is_profiler_dir
+
+        if is_profiler_dir(path):
+            return "ascend-profiler"
+        raise InputError("is a directory; expected a trace file or the Ascend profiler's output of one rank "
+                         "(a folder holding ASCEND_PROFILER_OUTPUT/)", source=source)
     # a pipe's head is kept (core.lines): the reader opened next still starts at its first byte
     head = read_head(path, _SNIFF_BYTES, expected="a trace file")
     if not head.strip():
@@ -73,6 +88,10 @@ def detect_format(path: str | Path) -> str:
         if looks_like_pool_log(unzipped.decode("utf-8", errors="replace")):
             return "mindspore-pool-log"
         raise InputError(f"gzip data of no known format; expected {_EXPECTED}", source=source)
+    from ms_memopt.io.traces.ascend_profiler import is_sqlite, profiler_file_kind
+
+    if is_sqlite(head):
+        return "ascend-profiler"      # the reader names the tables it needs when they are absent
     text = head.decode("utf-8", errors="replace")
     if b"\x00" in head or text.count("\ufffd") > max(2, len(text) // 100):
         raise InputError(f"binary data of no known format; expected {_EXPECTED}", source=source)
@@ -92,6 +111,8 @@ def detect_format(path: str | Path) -> str:
             return "jsonl"
         raise InputError(f'a JSON line that is not the ms-memopt header {{"format": "{JSONL_FORMAT}", ...}}; '
                          f"expected {_EXPECTED}", source=source, line=1)
+    if profiler_file_kind(first_line) is not None:
+        return "ascend-profiler"
     if looks_like_memory_block(first_line):
         return "mindspore-memory-block"
     if looks_like_msmemscope(first_line):

@@ -1,0 +1,1089 @@
+"""The Ascend profiler's memory output -> :class:`~ms_memopt.core.events.Trace`.
+
+``torch_npu.profiler`` and MindSpore's profiler, run with ``profile_memory=True``, write under a
+rank's folder (``*_ascend_pt`` for torch_npu, ``*_ascend_ms`` for MindSpore) the folder
+``ASCEND_PROFILER_OUTPUT/`` with (text export) ``operator_memory.csv``, ``memory_record.csv`` and
+``npu_module_mem.csv``, or (db export) the SQLite file ``ascend_pytorch_profiler_N.db`` whose
+tables ``OP_MEMORY``, ``MEMORY_RECORD``, ``NPU_MODULE_MEM`` and ``NPU_OP_MEM`` hold the same data.
+:func:`read_ascend_profiler` takes the rank's folder, ``ASCEND_PROFILER_OUTPUT/``, any one of
+the CSV files, or the ``.db``. Facts from the writers' sources (docs/traces.md):
+
+* ``operator_memory.csv``: one row per tensor: ``Size(KB)`` (block bytes / 1024), allocation and
+  release time (us), and the pool's total allocated / reserved / active (MB = bytes / 2**20)
+  just after the allocation and at the release. torch_npu (``MemoryPrepareParser``) writes every
+  time as ns with the decimal point moved, plus a literal TAB (``"1736408883694624.810\\t"``),
+  so it is read as integer ns, never as a float. Rows whose name starts with ``cann::`` are the
+  graph engine's (GE) memory, copied from CANN's own file: a separate pool with its own
+  reserved figure, and its release totals are taken *before* the release (torch_npu's after).
+  MindSpore 2.10 (``ascend_op_memory_viewer.py``) writes float microseconds with no TAB and
+  ``N/A`` for an empty field.
+* A tensor allocated before the capture and released in it has no row in either writer (the
+  release alone is dropped); it shows only as a fall of the recorded totals. The reader finds
+  each such fall between two rows and makes it the release of a tensor of the initial state. A
+  row with an empty allocation time is also a tensor of the initial state; one with an empty
+  release time is live at the end. What the first row's totals say was allocated before it,
+  and no release accounts for, is one more initial tensor held all through.
+* Rows are not sorted by release time (nor, in some files, by allocation time). Allocations and
+  releases are merged by time as a stream (memory bounded by the live tensors), the whole
+  component sorted only when a row comes out of order. Equal times are ordered by the recorded
+  totals (the event whose "before" total is the running total goes first), else releases first.
+* ``memory_record.csv``: the totals over time per component (torch_npu: ``PTA``, ``GE``,
+  ``PTA+GE``, ``APP``; db also ``WORKSPACE``; MindSpore: ``MindSpore``, ``GE``,
+  ``MindSpore+GE``, ``APP``). MindSpore's "MB" there is KB / 1000 (``MemoryRecordBean``).
+  On its own it gives the recorded curves and events made from the allocated deltas.
+* ``npu_module_mem.csv``: reserved memory per CANN module over time (figures only).
+* The db: bytes and ns as integers; names are ``STRING_IDS`` ids. ``NPU_OP_MEM`` holds GE's
+  allocate/release records with device addresses: used for the GE component (``addr``).
+
+Each component is one event stream; the Trace holds the framework's (``PTA`` or ``MindSpore``;
+``component=`` picks another) and ``meta["components"]`` the recorded figures of all:
+``peak_allocated``, ``peak_reserved``, ``allocated_max_diff`` (the largest difference between
+the recorded allocated total and the events' own at any row: 0 when the reader is right), and
+how the initial state was made. ``meta["allocator"]`` lists the models that fit, best first.
+
+Example:
+    >>> trace = read_ascend_profiler("rank0_ascend_pt")                    # doctest: +SKIP
+    >>> trace.meta["recorded"]["allocated_max_diff"]                        # doctest: +SKIP
+    0
+"""
+from __future__ import annotations
+
+import csv
+import heapq
+import json
+import os
+import re
+import sqlite3
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Event, Trace
+from ms_memopt.core.lines import iter_lines
+from ms_memopt.io.traces.fields import parse_int
+
+__all__ = ["FORMAT", "OUTPUT_DIR", "OPERATOR_MEMORY", "MEMORY_RECORD", "NPU_MODULE_MEM", "profiler_file_kind",
+           "is_profiler_dir", "is_sqlite", "read_ascend_profiler"]
+
+FORMAT = "ascend-profiler"
+OUTPUT_DIR = "ASCEND_PROFILER_OUTPUT"
+OPERATOR_MEMORY = "operator_memory.csv"
+MEMORY_RECORD = "memory_record.csv"
+NPU_MODULE_MEM = "npu_module_mem.csv"
+_DB_NAME = re.compile(r"^ascend_(pytorch|mindspore)_profiler(_\d+)?\.db$")
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+_OPERATOR_COLUMNS = ("Name", "Size(KB)", "Allocation Time(us)", "Release Time(us)",
+                     "Allocation Total Allocated(MB)", "Allocation Total Reserved(MB)",
+                     "Release Total Allocated(MB)", "Release Total Reserved(MB)")
+_RECORD_COLUMNS = ("Component", "Timestamp(us)", "Total Allocated(MB)", "Total Reserved(MB)")
+_MODULE_COLUMNS = ("Component", "Timestamp(us)", "Total Reserved(MB)")
+
+TORCH_NPU, MINDSPORE = "torch_npu", "mindspore"
+GE = "GE"
+_FRAMEWORK = {TORCH_NPU: "PTA", MINDSPORE: "MindSpore"}
+_GE_PREFIX = "cann::"
+_KB, _MB = 1024, 1 << 20
+# torch_npu's NPUCachingAllocator::round_size adds 32 bytes before rounding up to 512: a block of
+# S bytes is what a request of S - 32 becomes (and PyTorch's own rule rounds S - 32 up to S too)
+_NPU_PAD = 32
+_MIN_BLOCK = 512
+_SYNTHETIC_ID = 1 << 40     # ids of initial tensors no row names (rows use their line number)
+_MAX_TIE_SEARCH = 64        # equal-time groups larger than this keep the default order
+
+
+# --------------------------------------------------------------------------- detection
+
+def profiler_file_kind(first_line: str) -> str | None:
+    """Which profiler file a CSV header line is: ``operator_memory``, ``memory_record``,
+    ``npu_module_mem``, or ``None``.
+
+    Example:
+        >>> profiler_file_kind("Component,Timestamp(us),Total Reserved(MB),Device")
+        'npu_module_mem'
+    """
+    columns = [c.strip() for c in first_line.lstrip("\ufeff").strip().split(",")]
+    if all(c in columns for c in _OPERATOR_COLUMNS):
+        return "operator_memory"
+    if all(c in columns for c in _RECORD_COLUMNS):
+        return "memory_record"
+    if all(c in columns for c in _MODULE_COLUMNS):
+        return "npu_module_mem"
+    return None
+
+
+def is_sqlite(head: bytes) -> bool:
+    """True when ``head`` (a file's first bytes) starts an SQLite database."""
+    return head.startswith(_SQLITE_MAGIC)
+
+
+def is_profiler_dir(path: str | Path) -> bool:
+    """True when ``path`` is ``ASCEND_PROFILER_OUTPUT/`` or a rank's folder holding it."""
+    path = Path(path)
+    return path.is_dir() and (_output_dir(path) is not None)
+
+
+def _output_dir(path: Path) -> Path | None:
+    if (path / OUTPUT_DIR).is_dir():
+        return path / OUTPUT_DIR
+    if path.name == OUTPUT_DIR or any((path / name).is_file() for name in (OPERATOR_MEMORY, MEMORY_RECORD)) \
+            or any(_DB_NAME.match(p.name) for p in _list(path)):
+        return path
+    return None
+
+
+def _list(path: Path) -> list[Path]:
+    try:
+        return sorted(path.iterdir())
+    except OSError:
+        return []
+
+
+# --------------------------------------------------------------------------- fields
+
+def _empty(text: str | None) -> bool:
+    return text is None or text.strip() in ("", "N/A", "None", "NULL")
+
+
+def _ns(text: str | None, what: str, source: str, line: int) -> int | None:
+    """A microseconds field (``"1736408883694624.810\\t"``, ``1.7364e15``) as integer ns; None when empty."""
+    if _empty(text):
+        return None
+    text = text.strip()
+    whole, dot, frac = text.partition(".")
+    if whole.lstrip("-").isdigit() and (not frac or frac.isdigit()):
+        value = int(whole) * 1000
+        digits = (frac + "000")[:3]
+        if digits:
+            value += (-1 if whole.startswith("-") else 1) * int(digits)
+        return value
+    try:
+        value = Decimal(text) * 1000
+    except InvalidOperation:
+        raise InputError(f"{what}: expected a time in microseconds, got {text[:40]!r}", source=source, line=line) from None
+    if not value.is_finite():
+        raise InputError(f"{what}: expected a finite time, got {text[:40]!r}", source=source, line=line)
+    return int(value.to_integral_value())
+
+
+def _bytes(text: str | None, unit: int, what: str, source: str, line: int) -> int | None:
+    """A size in ``unit`` bytes (KB, MB; floats as Python prints them) as an integer byte count."""
+    if _empty(text):
+        return None
+    text = text.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(f"{what}: expected a number, got {text[:40]!r}", source=source, line=line) from None
+    if not (value == value and abs(value) < 1e18):
+        raise InputError(f"{what}: expected a finite number, got {text[:40]!r}", source=source, line=line)
+    if value < 0:
+        raise InputError(f"{what}: expected a non-negative size, got {text[:40]!r}", source=source, line=line)
+    return round(value * unit)
+
+
+# --------------------------------------------------------------------------- one component's timeline
+
+@dataclass
+class _Figures:
+    """What the recording says of one component, and how the events matched it (bytes)."""
+
+    rows: int = 0
+    events: int = 0
+    checked: int = 0                  # events with a recorded total to compare against
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    reserved_first: int | None = None
+    reserved_last: int | None = None
+    allocated_first: int | None = None    # before the first event: the initial state
+    allocated_last: int | None = None
+    allocated_max_diff: int = 0
+    first_diff_line: int | None = None
+    unseen_releases: int = 0
+    unseen_release_bytes: int = 0
+    initial_rows: int = 0             # rows with no allocation time
+    held_initial_bytes: int = 0       # allocated before the capture and never released in it
+    live_at_end: int = 0
+    unsorted: bool = False
+    release_totals: str = "after"     # the recorded total of a release: "after" it or "before"
+    ties_ordered_by_totals: int = 0
+    events_peak_allocated: int = 0    # the events' own curve's peak (equal to peak_allocated when it matches)
+    initial_unexplained: int = 0      # rows and falls before the capture exceed what the first totals say
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class _Timeline:
+    """One component's time-sorted events -> :class:`Event` list, checked against the totals.
+
+    Events come in as tuples ``(time, kind, id, size, total_alloc, total_reserved, line, name,
+    addr, stream)``, ``kind`` 0 = release, 1 = allocation, sorted by time; equal times are held
+    as a group and ordered by the recorded totals.
+    """
+
+    def __init__(self, name: str, *, release_after: bool, size_pad: int) -> None:
+        self.name = name
+        self.release_after = release_after
+        self.size_pad = size_pad
+        self.fig = _Figures(release_totals="after" if release_after else "before")
+        self.events: list[Event] = []
+        self.initial: list[tuple[int, int, str | None]] = []   # (id, size, name) allocated before the capture
+        self.running: int | None = None
+        self._group: list[tuple] = []
+        self._group_time: int | None = None
+        self._synthetic = _SYNTHETIC_ID
+        self._sizes: dict[int, int] = {}      # live id -> recorded size
+        self._names: dict[str, str] = {}
+
+    # -- input
+    def add_initial(self, ident: int, size: int, name: str | None) -> None:
+        """A tensor allocated before the capture (a row without an allocation time)."""
+        self.initial.append((ident, size, name))
+        self._sizes[ident] = size
+        self.fig.initial_rows += 1
+
+    def feed(self, item: tuple) -> None:
+        time = item[0]
+        if self._group_time is not None and time != self._group_time:
+            if time < self._group_time:
+                raise _OutOfOrder()
+            self._flush()
+        self._group_time = time
+        self._group.append(item)
+
+    def finish(self) -> None:
+        self._flush()
+        fig = self.fig
+        if self.running is not None:
+            fig.allocated_last = self.running
+        first = fig.allocated_first
+        explicit = sum(size for _, size, _ in self.initial)
+        if first is not None:
+            # what the first totals say was allocated, less what rows and falls account for
+            held = first - explicit
+            if held > 0:
+                ident = self._next_id()
+                self.initial.insert(0, (ident, held, "before capture"))
+                fig.held_initial_bytes = held
+            elif held < 0:
+                fig.initial_unexplained = -held
+        fig.live_at_end = len(self._sizes)
+
+    # -- ordering
+    def _before(self, item: tuple) -> int | None:
+        total = item[4]
+        if total is None:
+            return None
+        if item[1] == 1:
+            return total - item[3]
+        return total + item[3] if self.release_after else total
+
+    def _flush(self) -> None:
+        group, self._group = self._group, []
+        if not group:
+            return
+        if len(group) == 1:
+            self._apply(group[0])
+            return
+        group.sort(key=lambda it: (it[1], it[6]))    # releases first, then file order
+        allocating = {it[2] for it in group if it[1] == 1}
+        if len(group) > _MAX_TIE_SEARCH:
+            # too many to search: releases of tensors live before, allocations, then the rest
+            early = [it for it in group if it[1] == 0 and it[2] not in allocating]
+            late = [it for it in group if it[1] == 0 and it[2] in allocating]
+            for item in early + [it for it in group if it[1] == 1] + late:
+                self._apply(item)
+            return
+        while group:
+            eligible = [i for i, it in enumerate(group) if it[1] == 1 or it[2] not in allocating]
+            pick = eligible[0] if eligible else 0
+            if self.running is not None:
+                for index in eligible:
+                    if self._before(group[index]) == self.running:
+                        if index != pick:
+                            self.fig.ties_ordered_by_totals += 1
+                        pick = index
+                        break
+            item = group.pop(pick)
+            if item[1] == 1:
+                allocating.discard(item[2])
+            self._apply(item)
+
+    def _next_id(self) -> int:
+        self._synthetic += 1
+        return self._synthetic
+
+    def _apply(self, item: tuple) -> None:
+        time, kind, ident, size, total, reserved, line, name, addr, stream = item
+        fig = self.fig
+        fig.events += 1
+        before = self._before(item)
+        if before is not None:
+            if self.running is None:
+                self.running = before
+                fig.allocated_first = before
+            elif before < self.running:
+                # the totals fell with no row: a tensor allocated before the capture was released
+                gap = self.running - before
+                unseen = self._next_id()
+                self.initial.append((unseen, gap, "before capture (released unseen)"))
+                self.events.append(Event("free", id=unseen, time=time))
+                fig.unseen_releases += 1
+                fig.unseen_release_bytes += gap
+                self.running = before
+            fig.checked += 1
+            diff = abs(before - self.running)
+            if diff > fig.allocated_max_diff:
+                fig.allocated_max_diff = diff
+                fig.first_diff_line = line
+        elif self.running is None:
+            self.running = sum(s for _, s, _ in self.initial)
+            fig.allocated_first = self.running
+        if total is not None:
+            recorded = total if (kind == 1 or self.release_after) else total - size
+            for value in (total, recorded):
+                if fig.peak_allocated is None or value > fig.peak_allocated:
+                    fig.peak_allocated = value
+        if reserved is not None:
+            if fig.reserved_first is None:
+                fig.reserved_first = reserved
+            fig.reserved_last = reserved
+            if fig.peak_reserved is None or reserved > fig.peak_reserved:
+                fig.peak_reserved = reserved
+        tag = self._names.setdefault(name, name) if name is not None else None
+        if kind == 1:
+            self.running += size
+            self._sizes[ident] = size
+            model_size = size - self.size_pad if size >= _MIN_BLOCK else size
+            self.events.append(Event("alloc", id=ident, size=model_size, addr=addr, stream=stream, time=time, tag=tag))
+        else:
+            if self._sizes.pop(ident, None) is None:
+                return
+            self.running -= size
+            self.events.append(Event("free", id=ident, addr=addr, stream=stream, time=time, tag=tag))
+        if self.running > fig.events_peak_allocated:
+            fig.events_peak_allocated = self.running
+
+    def initial_events(self, time: int | None) -> list[Event]:
+        """The initial state as allocations before the first event (the profiler records no addresses of it)."""
+        return [Event("alloc", id=ident, size=size - self.size_pad if size >= _MIN_BLOCK else size, time=time,
+                      tag=name) for ident, size, name in self.initial]
+
+
+class _OutOfOrder(Exception):
+    """A row's time lies before what was already emitted: the component is read again, sorted."""
+
+
+class _RowMerge:
+    """Rows (tensor with allocation and release) -> time-sorted events, merging releases from a heap.
+
+    Rows must come sorted by allocation time; memory is the live tensors' releases.
+    """
+
+    def __init__(self, timeline: _Timeline, source: str) -> None:
+        self.timeline = timeline
+        self.source = source
+        self.heap: list[tuple] = []
+        self.last_alloc: int | None = None
+
+    def push(self, row: tuple) -> None:
+        # row: (alloc_ns, release_ns, size, a_total, a_reserved, r_total, r_reserved, line, name, addr, stream)
+        alloc_ns, release_ns, size, a_total, a_res, r_total, r_res, line, name, addr, stream = row
+        timeline = self.timeline
+        timeline.fig.rows += 1
+        if alloc_ns is None:
+            if release_ns is None:
+                timeline.add_initial(line, size, name)
+                return
+            if timeline._group_time is not None and release_ns < timeline._group_time:
+                raise _OutOfOrder()
+            timeline.add_initial(line, size, name)
+            heapq.heappush(self.heap, (release_ns, line, (release_ns, 0, line, size, r_total, r_res, line, name, addr,
+                                                          stream)))
+            return
+        if self.last_alloc is not None and alloc_ns < self.last_alloc:
+            raise _OutOfOrder()
+        self.last_alloc = alloc_ns
+        heap = self.heap
+        while heap and heap[0][0] <= alloc_ns:
+            timeline.feed(heapq.heappop(heap)[2])
+        timeline.feed((alloc_ns, 1, line, size, a_total, a_res, line, name, addr, stream))
+        if release_ns is not None:
+            if release_ns < alloc_ns:
+                raise InputError(f"release time before allocation time ({release_ns / 1000:.3f} < "
+                                 f"{alloc_ns / 1000:.3f} us)", source=self.source, line=line)
+            heapq.heappush(heap, (release_ns, line, (release_ns, 0, line, size, r_total, r_res, line, name, addr,
+                                                     stream)))
+
+    def finish(self) -> None:
+        heap = self.heap
+        while heap:
+            self.timeline.feed(heapq.heappop(heap)[2])
+        self.timeline.finish()
+
+
+# --------------------------------------------------------------------------- inputs
+
+@dataclass
+class _Inputs:
+    """The files of one rank's profiler output."""
+
+    operator_memory: Path | None = None
+    memory_record: Path | None = None
+    npu_module_mem: Path | None = None
+    db: Path | None = None
+    rank_dir: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _locate(path: Path) -> _Inputs:
+    source = str(path)
+    if path.is_dir():
+        out_dir = _output_dir(path)
+        if out_dir is None:
+            ranks = [p.name for p in _list(path) if p.is_dir() and _output_dir(p) is not None]
+            if ranks:
+                shown = ", ".join(ranks[:6]) + (" ..." if len(ranks) > 6 else "")
+                raise InputError(f"holds the profiler output of {len(ranks)} ranks ({shown}); give one rank's "
+                                 f"folder", source=source)
+            raise InputError(f"is a directory without {OUTPUT_DIR}/, {OPERATOR_MEMORY}, {MEMORY_RECORD} or an "
+                             f"ascend_*_profiler_N.db; expected the Ascend profiler's output of one rank",
+                             source=source)
+        found = _Inputs(rank_dir=out_dir.parent if out_dir.name == OUTPUT_DIR else path)
+        for name, attr in ((OPERATOR_MEMORY, "operator_memory"), (MEMORY_RECORD, "memory_record"),
+                           (NPU_MODULE_MEM, "npu_module_mem")):
+            if (out_dir / name).is_file():
+                setattr(found, attr, out_dir / name)
+        dbs = [p for p in _list(out_dir) if _DB_NAME.match(p.name)]
+        if dbs:
+            found.db = dbs[0]
+        if found.operator_memory is None and found.memory_record is None and found.db is None:
+            raise InputError(f"{out_dir.name}/ holds no memory files ({OPERATOR_MEMORY}, {MEMORY_RECORD} or "
+                             f"ascend_*_profiler_N.db); the profiler writes them with profile_memory=True",
+                             source=source)
+        if found.operator_memory is not None or found.memory_record is not None:
+            found.db = None         # the text export is the one read; the db holds the same data
+        return found
+    head = _head(path)
+    found = _Inputs(rank_dir=path.parent.parent if path.parent.name == OUTPUT_DIR else None)
+    if is_sqlite(head):
+        found.db = path
+        return found
+    kind = profiler_file_kind(head.decode("utf-8", errors="replace").split("\n", 1)[0])
+    if kind is None:
+        raise InputError("not an Ascend profiler memory file; expected operator_memory.csv, memory_record.csv, "
+                         "npu_module_mem.csv or ascend_*_profiler_N.db", source=source, line=1)
+    setattr(found, kind, path)
+    if kind == "operator_memory" and (path.parent / MEMORY_RECORD).is_file():
+        found.notes.append(f"recorded curves also from {MEMORY_RECORD} beside it")
+        found.memory_record = path.parent / MEMORY_RECORD
+    return found
+
+
+def _head(path: Path, size: int = 4096) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(size)
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror}", source=str(path)) from None
+
+
+def _csv_rows(path: Path, expected: str) -> Iterator[tuple[int, list[str]]]:
+    """``(line, cells)`` of a CSV file: lines bounded (core.lines), CRLF or LF, a BOM dropped."""
+    numbers: list[int] = [0]
+
+    def texts() -> Iterator[str]:
+        for number, text in iter_lines(path, expected=expected):
+            numbers[0] = number
+            yield text
+    reader = csv.reader(texts())
+    try:
+        for cells in reader:
+            yield numbers[0], cells
+    except csv.Error as exc:
+        raise InputError(f"malformed CSV: {exc}", source=str(path), line=numbers[0]) from None
+
+
+def _columns(header: list[str], needed: Iterable[str], source: str) -> dict[str, int]:
+    names = [c.strip().lstrip("\ufeff") for c in header]
+    index = {name: i for i, name in enumerate(names)}
+    missing = [c for c in needed if c not in index]
+    if missing:
+        raise InputError(f"missing column(s) {', '.join(missing)}; header is {','.join(names)[:200]!r}",
+                         source=source, line=1)
+    return index
+
+
+# --------------------------------------------------------------------------- writer and model
+
+def _profiler_info(rank_dir: Path | None) -> tuple[dict, dict]:
+    """``profiler_info_N.json`` and ``profiler_metadata.json`` of the rank (empty when absent or bad)."""
+    info: dict = {}
+    metadata: dict = {}
+    if rank_dir is None:
+        return info, metadata
+    for candidate in _list(rank_dir):
+        if candidate.name.startswith("profiler_info") and candidate.suffix == ".json":
+            info = _json(candidate)
+            break
+    if (rank_dir / "profiler_metadata.json").is_file():
+        metadata = _json(rank_dir / "profiler_metadata.json")
+    return info, metadata
+
+
+def _json(path: Path) -> dict:
+    from ms_memopt.core.jsontext import parse_json
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        value = parse_json(text, source=str(path))
+    except (OSError, InputError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _writer(inputs: _Inputs, info: dict, hints: dict[str, str]) -> tuple[str, str]:
+    """Which profiler wrote the files (``torch_npu`` or ``mindspore``) and what said so."""
+    if inputs.db is not None:
+        match = _DB_NAME.match(inputs.db.name)
+        if match:
+            return (TORCH_NPU if match.group(1) == "pytorch" else MINDSPORE), f"the db's name {inputs.db.name}"
+    if inputs.rank_dir is not None:
+        if inputs.rank_dir.name.endswith("_ascend_pt"):
+            return TORCH_NPU, f"the folder's name {inputs.rank_dir.name} (*_ascend_pt)"
+        if inputs.rank_dir.name.endswith("_ascend_ms"):
+            return MINDSPORE, f"the folder's name {inputs.rank_dir.name} (*_ascend_ms)"
+    if "ms_version" in info or "ms_profiler_info" in info:
+        return MINDSPORE, "profiler_info_N.json (ms_version)"
+    if isinstance(info.get("config"), dict) and "common_config" in info["config"]:
+        return TORCH_NPU, "profiler_info_N.json (torch_npu's config)"
+    if hints:
+        writer, why = next(iter(hints.items()))
+        return writer, why
+    return TORCH_NPU, "nothing in the files (torch_npu assumed)"
+
+
+def _allocator(writer: str, metadata: dict, info: dict, reserved_steps: list[int]) -> tuple[list[str], str]:
+    """The models that fit, best first (replay takes the first one registered), and why."""
+    if writer == TORCH_NPU:
+        env = metadata.get("ENV_VARIABLES") if isinstance(metadata.get("ENV_VARIABLES"), dict) else {}
+        conf = str(env.get("PYTORCH_NPU_ALLOC_CONF") or "")
+        if re.search(r"expandable_segments\s*:\s*true", conf, re.IGNORECASE):
+            return (["torch-npu-expandable", "torch-expandable"],
+                    f"torch_npu's profiler; PYTORCH_NPU_ALLOC_CONF={conf!r} in profiler_metadata.json")
+        said = f"PYTORCH_NPU_ALLOC_CONF={conf!r}" if conf else "PYTORCH_NPU_ALLOC_CONF unset"
+        return ["torch-npu", "torch"], f"torch_npu's profiler; {said} in profiler_metadata.json" if metadata else \
+            "torch_npu's profiler (no profiler_metadata.json: default settings assumed)"
+    # MindSpore's pool grows by increase_size blocks (1 GiB default); VMM maps 2 MiB chunks
+    small = [step for step in reserved_steps if 0 < step < (1 << 30)]
+    if small:
+        return ["mindspore-vmm", "mindspore"], (f"MindSpore's profiler; its reserved total grew by less than 1 GiB "
+                                                f"({len(small)} times): VMM's 2 MiB chunks, not the pool's blocks")
+    return ["mindspore", "mindspore-vmm"], "MindSpore's profiler; reserved grew in blocks of 1 GiB or more"
+
+
+# --------------------------------------------------------------------------- readers
+
+def _operator_rows(path: Path, writer_hints: dict) -> Iterator[tuple[str, tuple]]:
+    """``(component, row)`` for each row of ``operator_memory.csv``."""
+    source = str(path)
+    rows = _csv_rows(path, "the Ascend profiler's operator_memory.csv")
+    try:
+        _, header = next(rows)
+    except StopIteration:
+        raise InputError("empty file; expected operator_memory.csv's header", source=source) from None
+    col = _columns(header, _OPERATOR_COLUMNS, source)
+    stream_col = col.get("Stream Ptr")
+    i_name, i_size, i_at, i_rt = col["Name"], col["Size(KB)"], col["Allocation Time(us)"], col["Release Time(us)"]
+    i_aa, i_ar = col["Allocation Total Allocated(MB)"], col["Allocation Total Reserved(MB)"]
+    i_ra, i_rr = col["Release Total Allocated(MB)"], col["Release Total Reserved(MB)"]
+    width = len(header)
+    for line, cells in rows:
+        if not cells or (len(cells) == 1 and not cells[0].strip()):
+            continue
+        if len(cells) < width:
+            raise InputError(f"{len(cells)} fields; expected {width} (the header's columns)", source=source, line=line)
+        if "N/A" in cells and not writer_hints:
+            writer_hints[MINDSPORE] = "operator_memory.csv's N/A fields (MindSpore's writer)"
+        elif cells[i_at].endswith("\t") and not writer_hints:
+            writer_hints[TORCH_NPU] = "operator_memory.csv's times ending in a TAB (torch_npu's writer)"
+        name = cells[i_name]
+        size = _bytes(cells[i_size], _KB, "Size(KB)", source, line)
+        if size is None:
+            raise InputError("Size(KB): empty; expected the block size in KB", source=source, line=line)
+        stream = cells[stream_col].strip() if stream_col is not None else ""
+        row = (_ns(cells[i_at], "Allocation Time(us)", source, line), _ns(cells[i_rt], "Release Time(us)", source, line),
+               size, _bytes(cells[i_aa], _MB, "Allocation Total Allocated(MB)", source, line),
+               _bytes(cells[i_ar], _MB, "Allocation Total Reserved(MB)", source, line),
+               _bytes(cells[i_ra], _MB, "Release Total Allocated(MB)", source, line),
+               _bytes(cells[i_rr], _MB, "Release Total Reserved(MB)", source, line), line,
+               name[len(_GE_PREFIX):] if name.startswith(_GE_PREFIX) else name, None, stream)
+        if row[0] is None and row[1] is None and row[3] is None:
+            raise InputError("neither an allocation nor a release time nor totals; expected a tensor's row",
+                             source=source, line=line)
+        yield (GE if name.startswith(_GE_PREFIX) else None), row
+
+
+def _record_series(path: Path, writer_hints: dict) -> dict[str, dict]:
+    """Per component of ``memory_record.csv``: rows, peaks, first and last (bytes), and the allocated deltas' rows."""
+    source = str(path)
+    rows = _csv_rows(path, "the Ascend profiler's memory_record.csv")
+    try:
+        _, header = next(rows)
+    except StopIteration:
+        raise InputError("empty file; expected memory_record.csv's header", source=source) from None
+    col = _columns(header, _RECORD_COLUMNS, source)
+    series: dict[str, dict] = {}
+    raw: list[tuple[str, int | None, int | None, int | None, int]] = []
+    for line, cells in rows:
+        if not cells or (len(cells) == 1 and not cells[0].strip()):
+            continue
+        if len(cells) < len(header):
+            raise InputError(f"{len(cells)} fields; expected {len(header)}", source=source, line=line)
+        component = cells[col["Component"]].strip()
+        if component.startswith("MindSpore") and not writer_hints:
+            writer_hints[MINDSPORE] = "memory_record.csv's MindSpore component"
+        elif component.startswith("PTA") and not writer_hints:
+            writer_hints[TORCH_NPU] = "memory_record.csv's PTA component"
+        time = _ns(cells[col["Timestamp(us)"]], "Timestamp(us)", source, line)
+        raw.append((component, time, cells[col["Total Allocated(MB)"]], cells[col["Total Reserved(MB)"]], line))
+    # MindSpore's MemoryRecordBean divides KB by 1000 and calls it MB
+    unit = 1000 * _KB if any(r[0].startswith("MindSpore") for r in raw) else _MB
+    for component, time, allocated, reserved, line in raw:
+        entry = series.setdefault(component, {"rows": 0, "peak_allocated": None, "peak_reserved": None,
+                                              "points": []})
+        entry["rows"] += 1
+        a = _bytes(allocated, unit, "Total Allocated(MB)", source, line)
+        r = _bytes(reserved, unit, "Total Reserved(MB)", source, line)
+        if a is not None and (entry["peak_allocated"] is None or a > entry["peak_allocated"]):
+            entry["peak_allocated"] = a
+        if r is not None and (entry["peak_reserved"] is None or r > entry["peak_reserved"]):
+            entry["peak_reserved"] = r
+        entry["points"].append((time, a, r, line))
+    return series
+
+
+def _module_series(path: Path) -> dict[str, int]:
+    """Peak reserved bytes per CANN module of ``npu_module_mem.csv`` (modules that held any)."""
+    source = str(path)
+    rows = _csv_rows(path, "the Ascend profiler's npu_module_mem.csv")
+    try:
+        _, header = next(rows)
+    except StopIteration:
+        raise InputError("empty file; expected npu_module_mem.csv's header", source=source) from None
+    col = _columns(header, _MODULE_COLUMNS, source)
+    peaks: dict[str, int] = {}
+    for line, cells in rows:
+        if not cells or (len(cells) == 1 and not cells[0].strip()):
+            continue
+        if len(cells) < len(header):
+            raise InputError(f"{len(cells)} fields; expected {len(header)}", source=source, line=line)
+        _ns(cells[col["Timestamp(us)"]], "Timestamp(us)", source, line)
+        value = _bytes(cells[col["Total Reserved(MB)"]], _MB, "Total Reserved(MB)", source, line) or 0
+        module = cells[col["Component"]].strip()
+        peaks[module] = max(peaks.get(module, 0), value)
+    return {m: v for m, v in sorted(peaks.items()) if v > 0}
+
+
+class _Strings:
+    """``STRING_IDS`` of a profiler db, looked up once per id."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.cache: dict[int, str] = {}
+        self.has = _has_table(db, "STRING_IDS")
+
+    def __call__(self, ident) -> str | None:
+        if ident is None or not isinstance(ident, int):
+            return None if ident is None else str(ident)
+        if ident not in self.cache:
+            value = None
+            if self.has:
+                got = self.db.execute("SELECT value FROM STRING_IDS WHERE id = ?", (ident,)).fetchone()
+                value = got[0] if got else None
+            self.cache[ident] = value if value is not None else str(ident)
+        return self.cache[ident]
+
+
+def _has_table(db: sqlite3.Connection, name: str) -> bool:
+    return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
+
+def _open_db(path: Path) -> sqlite3.Connection:
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.Error as exc:
+        raise InputError(f"not a readable SQLite database ({exc})", source=str(path)) from None
+    return db
+
+
+def _db_int(value, what: str, source: str, line: int) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, str):
+        return parse_int(value, what, source=source, line=line)
+    if not isinstance(value, int):
+        raise InputError(f"{what}: expected an integer, got {value!r}", source=source, line=line)
+    return value
+
+
+# --------------------------------------------------------------------------- the reader
+
+def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> Trace:
+    """Read the Ascend profiler's memory output of one rank (see the module docstring).
+
+    Args:
+        path: the rank's folder (``*_ascend_pt``, ``*_ascend_ms``), ``ASCEND_PROFILER_OUTPUT/``,
+            ``operator_memory.csv``, ``memory_record.csv``, ``npu_module_mem.csv`` or the ``.db``.
+        component: the component whose events the Trace holds (``"PTA"``, ``"MindSpore"``,
+            ``"GE"``); default the framework's, else the first with events.
+
+    Returns:
+        A :class:`Trace` of format ``ascend-profiler``; sizes in bytes, ``time`` in ns.
+        ``meta["recorded"]`` holds the chosen component's recorded figures (peak allocated and
+        reserved, ``allocated_max_diff``), ``meta["components"]`` every component's,
+        ``meta["allocator"]`` the models that fit, best first.
+
+    Raises:
+        InputError: an unreadable or malformed file, naming the file and line (or table and row).
+    """
+    path = Path(path)
+    source = str(path)
+    inputs = _locate(path)
+    info, metadata = _profiler_info(inputs.rank_dir)
+    hints: dict[str, str] = {}
+    record = _record_series(inputs.memory_record, hints) if inputs.memory_record is not None else {}
+    modules = _module_series(inputs.npu_module_mem) if inputs.npu_module_mem is not None else {}
+    timelines: dict[str, _Timeline] = {}
+    files: list[str] = []
+    if inputs.db is not None:
+        writer, why = _writer(inputs, info, hints)
+        timelines = _read_db(inputs.db, writer, record)
+        files.append(inputs.db.name)
+    elif inputs.operator_memory is not None:
+        timelines, writer, why = _read_operator_memory(inputs, info, hints)
+        files.append(OPERATOR_MEMORY)
+    else:
+        writer, why = _writer(inputs, info, hints)
+        if record:
+            timelines = _from_record(record, writer)
+    if inputs.memory_record is not None:
+        files.append(MEMORY_RECORD)
+    if inputs.npu_module_mem is not None:
+        files.append(NPU_MODULE_MEM)
+
+    framework = _FRAMEWORK[writer]
+    if component is None:
+        component = framework if framework in timelines else next(iter(timelines), framework)
+    elif component not in timelines and timelines:
+        raise InputError(f"no component {component!r} in the recording; it has {', '.join(timelines)}",
+                         source=source, key="component")
+    chosen = timelines.get(component)
+    events: list[Event] = []
+    if chosen is not None:
+        start = next((e.time for e in chosen.events if e.time is not None), None)
+        events = chosen.initial_events(start) + chosen.events
+
+    components = {}
+    for name, timeline in timelines.items():
+        figures = timeline.fig.to_dict()
+        figures["initial_tensors"] = len(timeline.initial)
+        components[name] = figures
+    for name, entry in record.items():
+        figures = components.setdefault(name, {})
+        figures["memory_record_rows"] = entry["rows"]
+        for key in ("peak_allocated", "peak_reserved"):
+            value = entry[key]
+            if value is not None and (figures.get(key) is None or value > figures[key]):
+                figures[key] = value
+    steps = _reserved_steps(record.get(framework, {}).get("points", [])) if record else []
+    if not steps and framework in timelines:
+        steps = []
+    allocator, allocator_why = _allocator(writer, metadata, info, steps)
+    if component != framework:
+        allocator, allocator_why = (["mindspore", "torch"],
+                                    f"the {component} component: no model of its own allocator (closest given)")
+    recorded = dict(components.get(component, {}))
+    recorded["component"] = component
+    meta = {
+        "writer": writer, "writer_evidence": why, "files": files,
+        "component": component, "components": components,
+        "recorded": recorded, "allocator": allocator, "allocator_evidence": allocator_why,
+        "time_unit": "ns",
+    }
+    if modules:
+        meta["modules_peak_reserved"] = modules
+    if inputs.notes:
+        meta["notes"] = inputs.notes
+    if writer == TORCH_NPU and component == framework:
+        meta["size_rule"] = (f"events ask for the recorded block size - {_NPU_PAD} B: torch_npu's round_size adds "
+                             f"{_NPU_PAD} B and rounds up to 512 B, so the model's block is the recorded one")
+    return Trace(events, source=source, format=FORMAT, meta=meta)
+
+
+def _reserved_steps(points: list[tuple]) -> list[int]:
+    steps, last = [], None
+    for _, _, reserved, _ in sorted((p for p in points if p[0] is not None), key=lambda p: p[0]):
+        if reserved is None:
+            continue
+        if last is not None and reserved != last:
+            steps.append(reserved - last)
+        last = reserved
+    return steps
+
+
+def _new_timeline(component: str, writer: str, release_after: bool | None = None) -> _Timeline:
+    if release_after is None:
+        release_after = component != GE       # CANN reports GE's release with the total before it
+    pad = _NPU_PAD if (writer == TORCH_NPU and component == _FRAMEWORK[TORCH_NPU]) else 0
+    return _Timeline(component, release_after=release_after, size_pad=pad)
+
+
+def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict) -> tuple[dict[str, _Timeline], str, str]:
+    """Stream ``operator_memory.csv`` into one timeline per component; read again where needed."""
+    path = inputs.operator_memory
+    # the writer decides the framework component's name; the file's first rows may say who wrote it
+    local_hints: dict[str, str] = {}
+    first = _operator_rows(path, local_hints)
+    next(first, None)
+    first.close()
+    for key, value in local_hints.items():
+        hints.setdefault(key, value)
+    writer, why = _writer(inputs, info, hints)
+    framework = _FRAMEWORK[writer]
+
+    def run(only: str | None, sort: bool, release_after: dict[str, bool]) -> dict[str, _Timeline]:
+        timelines: dict[str, _Timeline] = {}
+        merges: dict[str, _RowMerge] = {}
+        streams: dict[str, dict[str, int]] = {}
+        rows = _operator_rows(path, {})
+        if sort:
+            rows = sorted((r for r in rows if only is None or (r[0] or framework) == only),
+                          key=lambda r: (-1 if r[1][0] is None else r[1][0], r[1][7]))
+        for comp, row in rows:
+            comp = comp or framework
+            if only is not None and comp != only:
+                continue
+            merge = merges.get(comp)
+            if merge is None:
+                timelines[comp] = _new_timeline(comp, writer, release_after.get(comp))
+                merge = merges[comp] = _RowMerge(timelines[comp], str(path))
+                streams[comp] = {}
+            ids = streams[comp]
+            merge.push(row[:10] + (ids.setdefault(row[10], len(ids)),))
+        for comp, merge in merges.items():
+            merge.finish()
+            timelines[comp].fig.unsorted = sort
+        return timelines
+
+    try:
+        timelines = run(None, False, {})
+    except _OutOfOrder:
+        timelines = {}
+        names = {(comp or framework) for comp, _ in _operator_rows(path, {})}
+        for name in sorted(names):
+            try:
+                timelines.update(run(name, False, {}))
+            except _OutOfOrder:
+                timelines.update(run(name, True, {}))
+    for name in list(timelines):
+        if timelines[name].fig.allocated_max_diff:
+            # the release totals may be the other way round (taken before the release, as CANN's)
+            flipped = not timelines[name].release_after
+            again = run(name, timelines[name].fig.unsorted, {name: flipped})[name]
+            if _better(again.fig, timelines[name].fig):
+                timelines[name] = again
+    order = [framework] + sorted(n for n in timelines if n != framework)
+    return {n: timelines[n] for n in order if n in timelines}, writer, why
+
+
+def _better(new: _Figures, old: _Figures) -> bool:
+    return (new.allocated_max_diff, new.unseen_release_bytes) < (old.allocated_max_diff, old.unseen_release_bytes)
+
+
+def _read_db(path: Path, writer: str, record: dict) -> dict[str, _Timeline]:
+    """``OP_MEMORY`` (the framework's tensors) and ``NPU_OP_MEM`` (GE's records with addresses)."""
+    db = _open_db(path)
+    source = str(path)
+    strings = _Strings(db)
+    framework = _FRAMEWORK[writer]
+    timelines: dict[str, _Timeline] = {}
+    try:
+        if not _has_table(db, "OP_MEMORY") and not _has_table(db, "NPU_OP_MEM"):
+            tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+            raise InputError(f"no OP_MEMORY or NPU_OP_MEM table (tables: {', '.join(tables[:12]) or 'none'}); "
+                             f"the profiler writes them with profile_memory=True", source=source)
+        ge_from_op_mem = _has_table(db, "NPU_OP_MEM")
+        if _has_table(db, "OP_MEMORY"):
+            for sort in (False, True):
+                try:
+                    timelines = _db_op_memory(db, strings, writer, sort, skip_ge=ge_from_op_mem, source=source)
+                    break
+                except _OutOfOrder:
+                    continue
+            if any(t.fig.allocated_max_diff for t in timelines.values()):
+                for name, timeline in list(timelines.items()):
+                    if timeline.fig.allocated_max_diff:
+                        again = _db_op_memory(db, strings, writer, True, skip_ge=ge_from_op_mem, source=source,
+                                              only=name, release_after={name: not timeline.release_after})[name]
+                        if _better(again.fig, timeline.fig):
+                            timelines[name] = again
+        if ge_from_op_mem:
+            timeline = _db_npu_op_mem(db, strings, writer, source)
+            if timeline is not None:
+                timelines[GE] = timeline
+        record.update(_db_memory_record(db, strings, source))
+    except sqlite3.Error as exc:
+        raise InputError(f"SQLite error reading the memory tables: {exc}", source=source) from None
+    finally:
+        db.close()
+    order = [framework] + sorted(n for n in timelines if n != framework)
+    return {n: timelines[n] for n in order if n in timelines}
+
+
+_OP_MEMORY_SQL = ("SELECT rowid, name, size, allocationTime, releaseTime, allocationTotalAllocated, "
+                  "allocationTotalReserved, releaseTotalAllocated, releaseTotalReserved, streamPtr, "
+                  "allocationTotalActive FROM OP_MEMORY")
+
+
+def _db_op_memory(db, strings, writer, sort, *, skip_ge, source, only=None, release_after=None):
+    framework = _FRAMEWORK[writer]
+    sql = _OP_MEMORY_SQL + (" ORDER BY allocationTime IS NOT NULL, allocationTime, rowid" if sort else " ORDER BY rowid")
+    timelines: dict[str, _Timeline] = {}
+    merges: dict[str, _RowMerge] = {}
+    streams: dict[str, dict] = {}
+    for rowid, name, size, at, rt, aa, ar, ra, rr, stream, active in db.execute(sql):
+        where = f"OP_MEMORY row {rowid}"
+        # GE's rows carry no active totals and no stream (torch_npu's MemoryDbParser)
+        comp = GE if (active is None and stream is None and aa is not None) else framework
+        if comp == GE and skip_ge:
+            continue
+        if only is not None and comp != only:
+            continue
+        size = _db_int(size, "size", where, rowid)
+        if size is None or size < 0:
+            raise InputError(f"size: expected a non-negative integer, got {size!r}", source=source, key=where)
+        row = (_db_int(at, "allocationTime", where, rowid), _db_int(rt, "releaseTime", where, rowid), size,
+               _db_int(aa, "allocationTotalAllocated", where, rowid), _db_int(ar, "allocationTotalReserved", where, rowid),
+               _db_int(ra, "releaseTotalAllocated", where, rowid), _db_int(rr, "releaseTotalReserved", where, rowid),
+               rowid, strings(name), None)
+        merge = merges.get(comp)
+        if merge is None:
+            timelines[comp] = _new_timeline(comp, writer, (release_after or {}).get(comp))
+            merge = merges[comp] = _RowMerge(timelines[comp], source)
+            streams[comp] = {}
+        ids = streams[comp]
+        merge.push(row + (ids.setdefault(stream, len(ids)),))
+    for comp, merge in merges.items():
+        merge.finish()
+        timelines[comp].fig.unsorted = sort
+    return timelines
+
+
+def _db_npu_op_mem(db, strings, writer, source) -> _Timeline | None:
+    """GE's allocate/release records (``NPU_OP_MEM``, time-sorted) with their device addresses."""
+    timeline = _new_timeline(GE, writer)
+    open_ids: dict[tuple, int] = {}
+    sizes: dict[int, int] = {}
+    any_rows = False
+    pending: list[tuple] = []
+    for rowid, name, addr, kind, size, time, total, reserved in db.execute(
+            "SELECT rowid, operatorName, addr, type, size, timestampNs, totalAllocate, totalReserve FROM NPU_OP_MEM "
+            "ORDER BY timestampNs, rowid"):
+        any_rows = True
+        where = f"NPU_OP_MEM row {rowid}"
+        kind_name = strings(kind)
+        size = _db_int(size, "size", where, rowid)
+        time = _db_int(time, "timestampNs", where, rowid)
+        addr = _db_int(addr, "addr", where, rowid)
+        if size is None or time is None:
+            raise InputError("size and timestampNs must be integers", source=source, key=where)
+        size = abs(size)
+        total = _db_int(total, "totalAllocate", where, rowid)
+        reserved = _db_int(reserved, "totalReserve", where, rowid)
+        op = strings(name)
+        key = (op, addr)
+        if kind_name == "allocate":
+            timeline.fig.rows += 1
+            open_ids[key] = rowid
+            sizes[rowid] = size
+            pending.append((time, 1, rowid, size, total, reserved, rowid, op, addr, 0))
+        elif kind_name == "release":
+            ident = open_ids.pop(key, None)
+            if ident is None:
+                # released in the capture, allocated before it: a tensor of the initial state
+                ident = rowid
+                timeline.add_initial(ident, size, op)
+                timeline.fig.rows += 1
+            pending.append((time, 0, ident, size, total, reserved, rowid, op, addr, 0))
+        else:
+            raise InputError(f"type {kind_name!r}: expected allocate or release", source=source, key=where)
+    if not any_rows:
+        return None
+    for item in pending:
+        timeline.feed(item)
+    timeline.finish()
+    return timeline
+
+
+def _db_memory_record(db, strings, source) -> dict[str, dict]:
+    if not _has_table(db, "MEMORY_RECORD"):
+        return {}
+    series: dict[str, dict] = {}
+    for rowid, component, time, allocated, reserved in db.execute(
+            "SELECT rowid, component, timestamp, totalAllocated, totalReserved FROM MEMORY_RECORD ORDER BY rowid"):
+        where = f"MEMORY_RECORD row {rowid}"
+        name = strings(component) or "?"
+        entry = series.setdefault(name, {"rows": 0, "peak_allocated": None, "peak_reserved": None, "points": []})
+        entry["rows"] += 1
+        a = _db_int(allocated, "totalAllocated", where, rowid)
+        r = _db_int(reserved, "totalReserved", where, rowid)
+        if a is not None and (entry["peak_allocated"] is None or a > entry["peak_allocated"]):
+            entry["peak_allocated"] = a
+        if r is not None and (entry["peak_reserved"] is None or r > entry["peak_reserved"]):
+            entry["peak_reserved"] = r
+        entry["points"].append((_db_int(time, "timestamp", where, rowid), a, r, rowid))
+    return series
+
+
+def _from_record(record: dict[str, dict], writer: str) -> dict[str, _Timeline]:
+    """``memory_record.csv`` alone: each change of a component's allocated total is one event.
+
+    A rise is an allocation of its size; a fall frees the newest live tensor of that size, else
+    it is a tensor of the initial state released (the file names no tensor, so the pairing is a
+    guess; the curve is the recorded one by construction).
+    """
+    timelines: dict[str, _Timeline] = {}
+    for component, entry in record.items():
+        if "+" in component or component in ("APP", "WORKSPACE"):
+            continue        # sums of the others, and the whole process: not one pool's events
+        timeline = _new_timeline(component, writer, True)
+        live_by_size: dict[int, list[int]] = {}
+        points = sorted((p for p in entry["points"] if p[0] is not None and p[1] is not None),
+                        key=lambda p: (p[0], p[3]))
+        last = None
+        for time, allocated, reserved, line in points:
+            if last is None:
+                timeline.running = timeline.fig.allocated_first = last = allocated
+                continue
+            delta = allocated - last
+            if delta > 0:
+                live_by_size.setdefault(delta, []).append(line)
+                timeline.feed((time, 1, line, delta, allocated, reserved, line, None, None, 0))
+            elif delta < 0:
+                ids = live_by_size.get(-delta)
+                if ids:
+                    timeline.feed((time, 0, ids.pop(), -delta, allocated, reserved, line, None, None, 0))
+                else:
+                    # an unseen release: the timeline makes it one of the initial state
+                    timeline.feed((time, 0, -1, 0, allocated, reserved, line, None, None, 0))
+            last = allocated
+        timeline.finish()
+        timeline.fig.rows = len(points)
+        timelines[component] = timeline
+    return timelines
