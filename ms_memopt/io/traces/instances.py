@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Iterable, Iterator, Mapping
 
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.lines import open_text, read_head
 from ms_memopt.core.placement import Buffer, range_problem
 from ms_memopt.io.traces.fields import parse_int
 
@@ -37,10 +38,10 @@ def is_instance_header(first_line: str) -> bool:
 def looks_like_instance(path: str | os.PathLike) -> bool:
     """True when the file's first line is an instance header (:func:`is_instance_header`)."""
     try:
-        with open(path, newline="", encoding="utf-8") as handle:
-            return is_instance_header(handle.readline())
-    except (OSError, UnicodeDecodeError):
+        head = read_head(path, 65536)
+    except InputError:
         return False
+    return is_instance_header(head.decode("utf-8", errors="replace").split("\n", 1)[0])
 
 
 def read_instance(source: str | os.PathLike | IO[str]) -> list[Buffer]:
@@ -53,16 +54,11 @@ def read_instance(source: str | os.PathLike | IO[str]) -> list[Buffer]:
     """
     if isinstance(source, (str, os.PathLike)):
         name = str(source)
-        try:
-            with open(source, newline="", encoding="utf-8") as handle:
-                return _read(handle, name)
-        except FileNotFoundError:
-            raise InputError("no such file", source=name) from None
-        except IsADirectoryError:
-            raise InputError("is a directory, expected an id,lower,upper,size CSV file",
-                             source=name) from None
-        except UnicodeDecodeError as exc:
-            raise InputError(f"not UTF-8 text ({exc.reason})", source=name) from None
+        if not os.path.lexists(name):
+            raise InputError("no such file", source=name)
+        # bounded lines, gzip as a stream, a pipe read once (core.lines)
+        with open_text(source, expected="an id,lower,upper,size CSV file") as handle:
+            return _read(handle, name)
     return _read(source, getattr(source, "name", "<instance>"))
 
 

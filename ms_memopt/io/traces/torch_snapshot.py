@@ -17,8 +17,12 @@ Mapping to :class:`~ms_memopt.core.events.Event`:
 * ``free_completed`` (and the oldest files' ``free``) -> ``free`` of the latest live ``alloc``
   at that address: the block becomes reusable only once the stream has finished with it, so
   ``free_requested`` is left out;
-* ``segment_alloc`` / ``segment_free`` -> the same actions;
-* ``oom``, ``snapshot``, ``segment_map``, ``segment_unmap`` are skipped (counted in ``meta``).
+* ``segment_alloc`` / ``segment_free`` / ``segment_map`` / ``segment_unmap`` -> the same
+  actions (the last two: expandable segments' pages mapped and unmapped);
+* ``oom`` and ``snapshot`` are skipped (counted in ``meta``).
+
+``meta`` says who recorded it (:mod:`~ms_memopt.io.traces.torch_origin`): ``framework``
+(``torch_npu`` or ``torch``), ``expandable_segments``, each with its ``..._evidence``.
 
 Recording often starts after segments already exist. ``Trace.initial`` is the reconstructed
 start state (see :func:`reconstruct_initial`), ``Trace.final`` the recorded segments.
@@ -34,14 +38,17 @@ import bisect
 import io
 import math
 import pickle
+import pickletools
 from pathlib import Path
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import Block, Layout, Segment
+from ms_memopt.core.lines import open_binary
 from ms_memopt.core.units import short_repr
+from ms_memopt.io.traces.torch_origin import snapshot_origin
 
-__all__ = ["SafeUnpickler", "safe_load", "read_torch_snapshot", "looks_like_torch_snapshot",
+__all__ = ["SafeUnpickler", "safe_load", "pickle_nesting", "MAX_NESTING", "read_torch_snapshot", "looks_like_torch_snapshot",
            "reconstruct_initial", "LIVE_STATES", "round_request"]
 
 FORMAT = "torch-snapshot"
@@ -51,7 +58,8 @@ _ALL_STATES = LIVE_STATES | {"inactive"}
 _MIN_BLOCK = 512
 _SMALL_SIZE = 1 << 20          # requests <= 1 MiB go to the small pool
 _SMALL_SEGMENT = 2 << 20       # small-pool segments are exactly 2 MiB
-_SKIPPED_ACTIONS = ("oom", "snapshot", "segment_map", "segment_unmap", "free_requested")
+_SKIPPED_ACTIONS = ("oom", "snapshot", "free_requested")
+_LARGE_PAGE = 20 << 20         # expandable segments map the large pool in 20 MiB pages
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -74,15 +82,221 @@ class SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("refused a persistent id: snapshots may not reference external objects")
 
 
+#: deepest container nesting a snapshot may have (PyTorch's are 7 deep: dict, list, dict,
+#: list, dict of a frame...); checked on the opcodes before anything is built
+MAX_NESTING = 64
+#: largest snapshot read, in bytes (a pickle is read whole; the biggest public ones are ~100 MB)
+MAX_PICKLE_BYTES = 2 << 30
+
+
+# what each opcode does to the nesting, for pickle_nesting's scan
+(_SCALAR, _MARK, _EMPTY, _BUILD_MARK, _BUILD_N, _FILL_MARK, _FILL_N, _PUT, _MEMOIZE, _GET, _DUP, _POP, _POP_MARK,
+ _REFUSE_GLOBAL, _REFUSE_PERSISTENT, _NOTHING, _STOP, _OTHER) = range(18)
+_KIND_BY_NAME = {
+    "MARK": _MARK, "EMPTY_LIST": _EMPTY, "EMPTY_DICT": _EMPTY, "EMPTY_SET": _EMPTY, "EMPTY_TUPLE": _EMPTY,
+    "TUPLE": _BUILD_MARK, "LIST": _BUILD_MARK, "DICT": _BUILD_MARK, "FROZENSET": _BUILD_MARK,
+    "TUPLE1": _BUILD_N, "TUPLE2": _BUILD_N, "TUPLE3": _BUILD_N,
+    "APPENDS": _FILL_MARK, "SETITEMS": _FILL_MARK, "ADDITEMS": _FILL_MARK, "APPEND": _FILL_N, "SETITEM": _FILL_N,
+    "PUT": _PUT, "BINPUT": _PUT, "LONG_BINPUT": _PUT, "MEMOIZE": _MEMOIZE,
+    "GET": _GET, "BINGET": _GET, "LONG_BINGET": _GET, "DUP": _DUP, "POP": _POP, "POP_MARK": _POP_MARK,
+    "GLOBAL": _REFUSE_GLOBAL, "STACK_GLOBAL": _REFUSE_GLOBAL, "INST": _REFUSE_GLOBAL,
+    "EXT1": _REFUSE_GLOBAL, "EXT2": _REFUSE_GLOBAL, "EXT4": _REFUSE_GLOBAL,
+    "PERSID": _REFUSE_PERSISTENT, "BINPERSID": _REFUSE_PERSISTENT, "PROTO": _NOTHING, "FRAME": _NOTHING,
+    "STOP": _STOP,
+}
+_ITEMS_OF = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3, "APPEND": 1, "SETITEM": 2}
+
+
+def _opcode_table() -> list:
+    """Per opcode byte: (kind, argument: n > 0 fixed bytes, 0 none, -1 to a newline, -6 two
+    newlines, -2/-3/-4/-5 a 1/4/4/8-byte length first, items, pops, pushes, name)."""
+    table: list = [None] * 256
+    for op in pickletools.opcodes:
+        arg = 0 if op.arg is None else op.arg.n
+        if op.name in ("GLOBAL", "INST"):
+            arg = -6
+        kind = _KIND_BY_NAME.get(op.name, _SCALAR if not op.stack_before and len(op.stack_after) == 1 else _OTHER)
+        marked = pickletools.markobject in op.stack_before
+        table[ord(op.code)] = (kind, arg, _ITEMS_OF.get(op.name, 0), -1 if marked else len(op.stack_before),
+                               len(op.stack_after), op.name, "UNICODE" in op.name)
+    return table
+
+
+_OPCODES = _opcode_table()
+_LENGTH_BYTES = {-2: 1, -3: 4, -4: 4, -5: 8}
+
+
+def pickle_nesting(data: bytes, *, limit: int = MAX_NESTING) -> int:
+    """The deepest container nesting the pickle ``data`` would build, found from its opcodes
+    without building anything; the scan stops once past ``limit``.
+
+    Why before loading: the C unpickler builds a tuple nested a million deep without recursion
+    (one ``TUPLE1`` byte per level), and then hashing it as a dict key recurses in C without any
+    check and kills the process (SIGSEGV); printing or comparing it raises ``RecursionError``.
+    Each stack item carries its depth in a one-element list shared with the memo, so a list
+    filled after it was memoized (``EMPTY_LIST, MEMOIZE, ..., APPENDS``) counts its items. The
+    opcodes and their arguments are those :mod:`pickletools` documents, decoded here in one
+    loop (``pickletools.genops`` took ~1.7 us an opcode, 4x the unpickling itself).
+
+    Raises:
+        ValueError: ``data`` is not a complete pickle (the message says ``truncated`` when it ends early).
+        pickle.UnpicklingError: an opcode that loads a global or a persistent id (refused as
+            :class:`SafeUnpickler` refuses it, before anything is built).
+
+    Example:
+        >>> pickle_nesting(pickle.dumps({"a": [1, (2, [3])]}, protocol=4))
+        4
+    """
+    scalar = [0]
+    stack: list[list[int]] = []
+    marks: list[int] = []
+    memo: dict[int, list[int]] = {}
+    strings: list[tuple[int, int]] = [(0, 0), (0, 0)]    # the last two string arguments (STACK_GLOBAL's)
+    deepest = 0
+    pos, end = 0, len(data)
+    table, lengths = _OPCODES, _LENGTH_BYTES
+    append, from_bytes = stack.append, int.from_bytes
+    while pos < end:
+        entry = table[data[pos]]
+        if entry is None:
+            raise ValueError(f"malformed: unknown opcode {data[pos]:#x} at byte {pos}")
+        kind, arg, items, pops, pushes, name, text = entry
+        pos += 1
+        start = pos
+        if arg > 0:
+            pos += arg
+        elif arg == -1:
+            pos = data.find(b"\n", pos) + 1
+            if not pos:
+                raise ValueError(f"truncated: no newline after {name}")
+        elif arg == -6:
+            pos = data.find(b"\n", data.find(b"\n", pos) + 1) + 1
+            if not pos:
+                raise ValueError(f"truncated: no newline after {name}")
+        elif arg:
+            width = lengths[arg]
+            size = from_bytes(data[pos:pos + width], "little", signed=arg == -3)
+            if size < 0:
+                raise ValueError(f"malformed: negative length in {name}")
+            start = pos + width
+            pos = start + size
+            if text:
+                strings = [strings[1], (start, pos)]
+        if pos > end:
+            raise ValueError(f"truncated: {name} at byte {start - 1} runs past the end")
+        if kind == _SCALAR:
+            append(scalar)
+        elif kind == _MEMOIZE:
+            if stack:
+                memo[len(memo)] = stack[-1]
+        elif kind == _FILL_MARK or kind == _FILL_N:
+            if kind == _FILL_N:
+                cut = max(0, len(stack) - items)
+            else:
+                cut = marks.pop() if marks else 0
+            filled = stack[cut:]
+            del stack[cut:]
+            if stack and filled and stack[-1] is not scalar:
+                target = stack[-1]
+                depth = 1 + max(item[0] for item in filled)
+                if depth > target[0]:
+                    target[0] = depth
+                    if depth > deepest:
+                        deepest = depth
+        elif kind == _MARK:
+            marks.append(len(stack))
+        elif kind == _EMPTY:
+            append([1])
+            if not deepest:
+                deepest = 1
+        elif kind == _BUILD_MARK or kind == _BUILD_N:
+            if kind == _BUILD_N:
+                cut = max(0, len(stack) - items)
+            else:
+                cut = marks.pop() if marks else 0
+            depth = 1 + max((item[0] for item in stack[cut:]), default=0)
+            del stack[cut:]
+            append([depth])
+            if depth > deepest:
+                deepest = depth
+        elif kind == _PUT or kind == _GET:
+            if arg == -1:
+                index = int(data[start:pos - 1] or b"-1")
+            else:
+                index = from_bytes(data[start:pos], "little")
+            if kind == _PUT:
+                if stack:
+                    memo[index] = stack[-1]
+            else:
+                append(memo.get(index, scalar))
+        elif kind == _DUP:
+            if stack:
+                append(stack[-1])
+        elif kind == _POP:
+            if stack:
+                stack.pop()
+        elif kind == _POP_MARK:
+            del stack[marks.pop() if marks else 0:]
+        elif kind == _REFUSE_GLOBAL:
+            if name == "STACK_GLOBAL":
+                what = ".".join(data[a:b].decode("utf-8", "replace") for a, b in strings)
+            elif arg == -6:
+                what = data[start:pos].decode("utf-8", "replace").strip().replace("\n", ".")
+            else:
+                what = f"extension {from_bytes(data[start:pos], 'little')}"
+            raise pickle.UnpicklingError(f"refused to load global {what}: snapshots may only hold builtin "
+                                         "containers and scalars")
+        elif kind == _REFUSE_PERSISTENT:
+            raise pickle.UnpicklingError("refused a persistent id: snapshots may not reference external objects")
+        elif kind == _STOP:
+            return deepest
+        elif kind == _OTHER:   # REDUCE, BUILD, NEWOBJ & co.: nothing they need can exist without a global
+            if pops < 0:
+                del stack[marks.pop() if marks else 0:]
+            else:
+                del stack[max(0, len(stack) - pops):]
+            stack.extend([scalar] * pushes)
+        if deepest > limit:
+            return deepest
+    raise ValueError("truncated: the pickle ends before its STOP opcode")
+
+
 def safe_load(path: str | Path):
-    """Unpickle ``path`` with :class:`SafeUnpickler`; every failure is an :class:`InputError`."""
+    """Unpickle ``path`` with :class:`SafeUnpickler`; every failure is an :class:`InputError`.
+
+    The opcodes are scanned first (:func:`pickle_nesting`): nesting deeper than
+    :data:`MAX_NESTING` is refused before anything is built.
+    """
     source = str(path)
     try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror or exc}", source=source) from None
+        size = Path(path).stat().st_size
+    except OSError:
+        size = 0
+    if size > MAX_PICKLE_BYTES:
+        raise InputError(f"a {size}-byte pickle; snapshots are read whole and at most {MAX_PICKLE_BYTES} bytes",
+                         source=source)
+    with open_binary(path, expected="a PyTorch memory snapshot pickle", gunzip=False) as handle:
+        chunks, total = [], 0     # in chunks: read(n) would reserve n bytes up front
+        while total <= MAX_PICKLE_BYTES and (chunk := handle.read(1 << 20)):
+            chunks.append(chunk)
+            total += len(chunk)
+        data = b"".join(chunks)
+        del chunks
+    if len(data) > MAX_PICKLE_BYTES:
+        raise InputError(f"more than {MAX_PICKLE_BYTES} bytes; snapshots are read whole", source=source)
     if not data:
         raise InputError("empty file; expected a PyTorch memory snapshot pickle", source=source)
+    try:
+        depth = pickle_nesting(data)
+    except pickle.UnpicklingError as exc:
+        raise InputError(f"not a safe PyTorch memory snapshot: {exc}", source=source) from None
+    except ValueError as exc:
+        cut = ("exhausted", "truncated", "remain", "not enough data")
+        kind = "truncated" if any(word in str(exc) for word in cut) else "malformed"
+        raise InputError(f"{kind} pickle ({exc}); expected a PyTorch memory snapshot", source=source) from None
+    if depth > MAX_NESTING:
+        raise InputError(f"the pickle nests containers more than {MAX_NESTING} levels deep (a PyTorch memory "
+                         "snapshot nests about 7)", source=source)
     try:
         return SafeUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as exc:
@@ -201,7 +415,7 @@ def _final_layout(segments: list, device: int, source: str) -> Layout:
 
 
 def reconstruct_initial(events: list[Event], final: Layout, pre_live: dict[int, tuple[int, int]],
-                        ) -> Layout:
+                        *, expandable: bool = False) -> Layout:
     """The allocator state when recording began, from the final segments and the trace.
 
     Args:
@@ -215,9 +429,13 @@ def reconstruct_initial(events: list[Event], final: Layout, pre_live: dict[int, 
     trace backwards). Inside each, ``pre_live`` blocks are live; the rest is free, merged. A
     large-pool block's unsplit tail cannot be told apart from a free hole, except that the
     caching allocator never leaves a large free block of 1 MiB or less: such a gap right
-    after a live large-pool block is that block's tail.
+    after a live large-pool block is that block's tail. With ``expandable`` segments every
+    remainder of 512 B or more is split off, so there is no such tail; their segments are the
+    mapped runs, rebuilt from ``segment_map``/``segment_unmap`` (:func:`_mapped_before`).
     """
     segments = {s.addr: (s.size, s.stream, s.pool) for s in final.segments}
+    if any(e.action in ("segment_map", "segment_unmap") for e in events):
+        segments = _mapped_before(events, segments)
     for event in reversed(events):
         if event.action == "segment_alloc":
             segments.pop(event.addr, None)
@@ -244,13 +462,47 @@ def reconstruct_initial(events: list[Event], final: Layout, pre_live: dict[int, 
             blocks.append(Block(baddr, bsize, True, id=bid))
             cursor = baddr + bsize
             nxt = live[i][0] if i < len(live) and live[i][0] < end else end
-            if pool == "large" and 0 < nxt - cursor <= _SMALL_SIZE:
+            if pool == "large" and not expandable and 0 < nxt - cursor <= _SMALL_SIZE:
                 blocks[-1].size += nxt - cursor
                 cursor = nxt
         if cursor < end:
             blocks.append(Block(cursor, end - cursor, False))
         out.append(Segment(addr, size, blocks, stream=stream, pool=pool))
     return Layout(out)
+
+
+def _mapped_before(events: list[Event], segments: dict[int, tuple[int, int, str]]) -> dict[int, tuple[int, int, str]]:
+    """The mapped runs of expandable segments when recording began: the final runs
+    (``segments``: addr -> (size, stream, pool)) without what the trace mapped and with what it
+    unmapped, walking it backwards; adjacent pieces of one stream and pool joined. A piece the
+    trace unmapped takes the pool of a run it touches, else the large pool's when it is whole
+    20 MiB pages."""
+    runs = [[addr, addr + size, stream, pool] for addr, (size, stream, pool) in sorted(segments.items())]
+    for event in reversed(events):
+        start, end = event.addr, event.addr + event.size
+        if event.action == "segment_map":
+            kept = []
+            for run in runs:
+                if run[1] <= start or run[0] >= end:
+                    kept.append(run)
+                    continue
+                if run[0] < start:
+                    kept.append([run[0], start, run[2], run[3]])
+                if run[1] > end:
+                    kept.append([end, run[1], run[2], run[3]])
+            runs = kept
+        elif event.action == "segment_unmap":
+            touching = [r for r in runs if r[2] == event.stream and (r[1] == start or r[0] == end)]
+            pool = touching[0][3] if touching else ("large" if event.size % _LARGE_PAGE == 0 else "small")
+            runs.append([start, end, event.stream, pool])
+        runs.sort()
+    joined: list[list] = []
+    for run in runs:
+        if joined and joined[-1][1] == run[0] and joined[-1][2:] == run[2:]:
+            joined[-1][1] = run[1]
+        else:
+            joined.append(run)
+    return {start: (end - start, stream, pool) for start, end, stream, pool in joined}
 
 
 def _our_tag(entry: dict) -> str | None:
@@ -312,6 +564,9 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     pre_live: dict[int, tuple[int, int]] = {}
     skipped: dict[str, int] = {}
     frames: dict[int, list[str]] = {}     # alloc id -> its innermost frames, where recorded
+    # a frame list the pickle shares through its memo (one list object for many entries) is read
+    # once and its result shared: a 100k-frame list under 200k allocations was walked per allocation
+    stacks: dict[int, list[str]] = {}     # id(frame list) -> its innermost frames
     next_id = 1
     for i, entry in enumerate(raw_trace):
         where = f"device_traces[{device}][{i}]"
@@ -321,7 +576,8 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
         if action in _SKIPPED_ACTIONS:
             skipped[action] = skipped.get(action, 0) + 1
             continue
-        if action not in ("alloc", "free_completed", "free", "segment_alloc", "segment_free"):
+        if action not in ("alloc", "free_completed", "free", "segment_alloc", "segment_free", "segment_map",
+                          "segment_unmap"):
             raise InputError(f"{where}: unknown action {short_repr(action)}", source=source)
         addr = _int(entry, "addr", where, source)
         size = _int(entry, "size", where, source)
@@ -332,8 +588,14 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
         if action == "alloc":
             tag = _our_tag(entry)
             events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time, tag=tag))
-            if tag is None and (stack := _stack(entry)):
-                frames[next_id] = stack
+            if tag is None:
+                raw_frames = entry.get("frames")
+                key = id(raw_frames)
+                stack = stacks.get(key)
+                if stack is None:
+                    stack = stacks[key] = _stack(entry)
+                if stack:
+                    frames[next_id] = stack
             live_id[addr] = next_id
             live_size[addr] = size
             next_id += 1
@@ -358,8 +620,9 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
             block.id = next_id
             pre_live[block.addr] = (next_id, block.size)
             next_id += 1
-    initial = reconstruct_initial(events, final, pre_live)
+    origin = snapshot_origin(data, raw_trace)
+    initial = reconstruct_initial(events, final, pre_live, expandable=origin.expandable)
     meta = {"device": device, "skipped_actions": skipped, "frames": frames,
             "allocator_settings": data.get("allocator_settings") if isinstance(data.get("allocator_settings"), dict)
-            else None}
+            else None, **origin.to_meta()}
     return Trace(events, source=source, format=FORMAT, initial=initial, final=final, meta=meta)
