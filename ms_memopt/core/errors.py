@@ -6,11 +6,7 @@ they cannot use; the CLI prints its message and exits with code 2. The message a
 """
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-from typing import IO, Iterator
-
-__all__ = ["InputError", "open_input"]
+__all__ = ["InputError"]
 
 
 class InputError(ValueError):
@@ -42,22 +38,3 @@ class InputError(ValueError):
         if self.key:
             where = f"{where}: {self.key}" if where else self.key
         return f"{where}: {self.message}" if where else self.message
-
-
-@contextmanager
-def open_input(path: str | os.PathLike, *, expected: str) -> Iterator[IO[str]]:
-    """Open a UTF-8 text input; failing to open or decode it, inside the ``with`` block too, is
-    an :class:`InputError` naming the file (``expected`` says what the file should be).
-
-    Lines are bounded (:func:`ms_memopt.core.lines.open_text`: a line over 1 MiB is an error
-    naming it, gzip is read as a stream, a pipe is not hung on).
-
-    Example:
-        >>> with open_input("/no/such.csv", expected="an instance CSV") as f:   # doctest: +SKIP
-        ...     f.read()
-        InputError: /no/such.csv: cannot read: No such file or directory
-    """
-    from ms_memopt.core.lines import open_text   # lines imports this module
-
-    with open_text(path, expected=expected) as handle:
-        yield handle

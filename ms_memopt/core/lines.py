@@ -45,7 +45,7 @@ from typing import IO, BinaryIO, Iterator
 
 from ms_memopt.core.errors import InputError
 
-__all__ = ["MAX_LINE_BYTES", "SPOOL_BYTES", "PIPE_WAIT_SECONDS", "iter_lines", "open_text", "open_binary",
+__all__ = ["open_input", "MAX_LINE_BYTES", "SPOOL_BYTES", "PIPE_WAIT_SECONDS", "iter_lines", "open_text", "open_binary",
            "read_head", "bounded_lines", "BoundedText", "is_regular_file"]
 
 #: longest line accepted, in bytes (the longest real line seen, a pool log's Ascend return line
@@ -350,3 +350,15 @@ def open_text(path: str | os.PathLike, *, expected: str, max_line: int = MAX_LIN
     source = str(path)
     with open_binary(path, expected=expected, gunzip=gunzip) as stream:
         yield BoundedText(stream, source=source, expected=expected, max_line=max_line, strict_utf8=strict_utf8)
+
+
+def open_input(path: str | os.PathLike, *, expected: str):
+    """Open a UTF-8 text input (:func:`open_text`): failing to open or decode it, inside the ``with``
+    block too, is an :class:`InputError` naming the file (and line); ``expected`` says what it should be.
+
+    Example:
+        >>> with open_input("/no/such.csv", expected="an instance CSV") as f:   # doctest: +SKIP
+        ...     f.read()
+        InputError: /no/such.csv: cannot read: No such file or directory
+    """
+    return open_text(path, expected=expected)

@@ -39,7 +39,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ms_memopt.core.errors import InputError, open_input
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.lines import open_input
 from ms_memopt.core.events import Trace
 from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.io.traces.fields import parse_address

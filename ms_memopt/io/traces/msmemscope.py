@@ -36,7 +36,8 @@ import bisect
 import csv
 from pathlib import Path
 
-from ms_memopt.core.errors import InputError, open_input
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.lines import open_input
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.io.traces.fields import parse_address, parse_int
 
