@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from ms_memopt.core.errors import InputError, open_input
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.lines import open_input
 from ms_memopt.core.jsontext import parse_json
 from ms_memopt.core.layout import Layout
 from ms_memopt.core.units import short_repr
