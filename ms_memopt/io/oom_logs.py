@@ -295,7 +295,10 @@ _MS_BESTFIT = re.compile(r"(Common|Persistent) mem pool info: Total allocated me
                          r"in used mem:(\d{1,15})M,(?: total use by event mem:(\d{1,15})M,)? total idle mem:(\d{1,15})M")
 _MS_BLOCK = re.compile(r"block\[\d{1,6}\](?: stream id:\d{1,6})? block size:(\d{1,15})M idle size:(\d{1,15})M")
 _MS_BESTFIT_TOTAL = re.compile(r"The dynamic memory pool total allocated mem:(\d{1,15})M.*?in used mem:(\d{1,15})M, "
-                               r"total idle mem:(\d{1,15})M(?:, total eager free mem:(\d{1,15})M)?")
+                               r"(?:total used by event mem:\d{1,15}M, )?total idle mem:(\d{1,15})M"
+                               r"(?:, total eager free mem:(\d{1,15})M)?")
+_MS_REFUSED = re.compile(r"Memory not enough: alloc size\[(\d{1,20})\] is smaller than required size\[(\d{1,20})\]")
+_MS_ALLOC_FAILED = re.compile(r"Allocate memory failed for size: (\d{1,20})")
 _MS_VMM_ON = re.compile(r"enable vmm : 1")
 
 _T_REQ = re.compile(r"(CUDA|NPU|XPU|GPU)?\s?out of memory\.?\s*Tried to allocate " + _SIZE, re.I)
@@ -459,8 +462,19 @@ def _mindspore_report(text: str, line: int) -> OOMReport | None:
             report.figures["pool_used_by_event"] = _bytes(vmm.group(2))
         report.figures["ms_total"] = _bytes(vmm.group(4))
         return report
+    refused = _MS_REFUSED.search(text)
+    if refused:
+        # the best-fit pool (CPU; Ascend/GPU with older_pool) asked the device for a new block and got
+        # fewer bytes than the request: nothing more could be reserved at that moment
+        report = OOMReport(framework="mindspore", allocator="dynamic-pool", wording="mindspore-block-refused",
+                           line=line, request=_bytes(refused.group(2)))
+        report.figures["device_granted"] = _bytes(refused.group(1))
+        if "cpu_memory_pool" in text or "plugin/cpu/" in text:
+            report.allocator = "cpu-pool"
+        _ms_fill_state(report, text)
+        return report
     grow = _MS_GROW.search(text)
-    kernel = _MS_KERNEL.search(text)
+    kernel = _MS_KERNEL.search(text) or _MS_ALLOC_FAILED.search(text)
     if grow or kernel:
         gpu = grow is not None and grow.group(1) == "C"
         report = OOMReport(framework="mindspore", allocator="gpu-pool" if gpu else "dynamic-pool",
@@ -468,13 +482,15 @@ def _mindspore_report(text: str, line: int) -> OOMReport | None:
         if grow:
             report.figures["device_free"] = _bytes(grow.group(2))
             report.request = _bytes(grow.group(3))
-        if kernel:
+        if kernel is not None and kernel.re is _MS_KERNEL:
             if kernel.group(1):
                 report.device = int(kernel.group(1))
             report.kernel = (kernel.group(2) or "").strip() or None
             report.request = report.request or _bytes(kernel.group(3))
             if grow and int(kernel.group(3)) != report.request.value:
                 report.notes.append(f"the kernel asked for {kernel.group(3)}B; the pool for {grow.group(3)}B")
+        elif kernel is not None:
+            report.request = report.request or _bytes(kernel.group(1))
         _ms_fill_state(report, text)
         return report
     return None
@@ -603,7 +619,8 @@ def _ends_message(text: str) -> bool:
     return ("Please try to reduce" in text or "PYTORCH_CUDA_ALLOC_CONF" in text or "to avoid fragmentation" in text
             or "PYTORCH_NPU_ALLOC_CONF" in text or "Memory Management" in text or "alloc size:" in text
             or "is more than total mem size" in text or "is reserved by PyTorch but unallocated" in text
-            or "reserved in total by PyTorch)" in text or "empty_cache" in text)
+            or "reserved in total by PyTorch)" in text or "empty_cache" in text
+            or "Allocate memory failed for size" in text)
 
 
 def _triggers_in(data: bytes, wanted_errors: bool) -> bool:
