@@ -8,6 +8,10 @@ An :class:`Event` is one thing that happened to device memory, in order:
 ``free``           the tensor ``id`` was freed (and its memory may be reused from now on)
 ``segment_alloc``  the recording pool took a new segment ``[addr, addr + size)`` from the device
 ``segment_free``   the recording pool gave the segment at ``addr`` back to the device
+``segment_map``    the recording pool mapped device pages at ``[addr, addr + size)`` of a
+                   virtual range it reserved (PyTorch's and torch_npu's expandable segments):
+                   its memory grew there
+``segment_unmap``  the recording pool unmapped the pages ``[addr, addr + size)``: it shrank
 ``empty_cache``    the framework released every idle segment
 ``step``           a training step boundary (``step`` holds the new step number)
 ``mark``           a named moment inside a step (``tag``), e.g. ``"optimizer_end"``
@@ -34,9 +38,12 @@ from ms_memopt.core.jsontext import parse_json
 from ms_memopt.core.layout import Layout
 from ms_memopt.core.units import short_repr
 
-__all__ = ["Event", "Trace", "ACTIONS", "FIELDS", "ROW_INDEX", "JSONL_FORMAT", "EventWriter", "write_jsonl", "read_jsonl", "iter_jsonl"]
+__all__ = ["Event", "Trace", "ACTIONS", "SEGMENT_ACTIONS", "FIELDS", "ROW_INDEX", "JSONL_FORMAT", "EventWriter", "write_jsonl", "read_jsonl", "iter_jsonl"]
 
-ACTIONS = ("alloc", "free", "segment_alloc", "segment_free", "empty_cache", "step", "mark")
+ACTIONS = ("alloc", "free", "segment_alloc", "segment_free", "segment_map", "segment_unmap", "empty_cache", "step",
+           "mark")
+#: the actions that say where the pool's memory grew or shrank (an ``addr`` is required)
+SEGMENT_ACTIONS = ("segment_alloc", "segment_free", "segment_map", "segment_unmap")
 JSONL_FORMAT = "ms-memopt-events"
 JSONL_VERSION = 1
 
@@ -66,7 +73,7 @@ class Event:
         for name in _FIELDS:
             value = getattr(self, name)
             if value is None or (value == 0 and (name == "stream" or (name == "size" and self.action not in
-                                                                      ("alloc", "segment_alloc")))):
+                                                                      ("alloc", "segment_alloc", "segment_map")))):
                 continue    # an alloc keeps size 0: MindSpore's pool is asked for 0 bytes (and gives 512)
             out[name] = value
         return out
@@ -192,8 +199,9 @@ def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[Event]:
         if unknown:
             raise InputError(f"unknown keys {sorted(unknown)}; expected some of {', '.join(_FIELDS)}",
                              source=source, line=number)
-        size = _int_field(obj, "size", source, number, required=action in ("alloc", "segment_alloc")) or 0
-        addr = _int_field(obj, "addr", source, number, required=action in ("segment_alloc", "segment_free"))
+        size = _int_field(obj, "size", source, number,
+                          required=action in ("alloc", "segment_alloc", "segment_map", "segment_unmap")) or 0
+        addr = _int_field(obj, "addr", source, number, required=action in SEGMENT_ACTIONS)
         time = obj.get("time")
         if time is not None and not _finite_number(time):
             raise InputError(f"'time' must be a finite number, got {short_repr(time)}", source=source, line=number)
