@@ -5,8 +5,11 @@
 ``mindspore-bestfit`` MindSpore's older pool ``DynamicMemPoolBestFit`` (the CPU pool): same
                      rules, equal sizes taken in the order they became idle
 ``mindspore-vmm``    MindSpore's VMM pool (virtual range, 2 MB physical chunks on demand)
-``torch``            PyTorch's CUDA caching allocator (torch_npu's NPUCachingAllocator)
+``torch``            PyTorch's CUDA caching allocator
 ``torch-expandable`` PyTorch with ``expandable_segments:True``
+``torch-npu``        torch_npu's NPUCachingAllocator (Ascend): PyTorch's rules, requests padded
+                     by 32 B (:mod:`~ms_memopt.allocators.torch_npu`)
+``torch-npu-expandable`` torch_npu with ``expandable_segments:True`` (16 KiB-aligned large blocks)
 ``pool``             ms-memopt pool mode: fixed regions by purpose, activation ring
 ==================  ==========================================================================
 
@@ -35,6 +38,8 @@ MODELS: dict[str, tuple[str, str]] = {
     "mindspore-vmm": ("ms_memopt.allocators.mindspore_vmm", "MindSporeVMMPool"),
     "torch": ("ms_memopt.allocators.torch", "TorchCachingAllocator"),
     "torch-expandable": ("ms_memopt.allocators.torch_expandable", "TorchExpandableAllocator"),
+    "torch-npu": ("ms_memopt.allocators.torch_npu", "TorchNpuCachingAllocator"),
+    "torch-npu-expandable": ("ms_memopt.allocators.torch_npu", "TorchNpuExpandableAllocator"),
     "pool": ("ms_memopt.allocators.pool", "PoolModeAllocator"),
 }
 

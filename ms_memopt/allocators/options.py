@@ -78,6 +78,10 @@ OPTION_TYPES: dict[str, dict[str, OptionType]] = {
     "mindspore-vmm": {},
     "torch": _TORCH,
     "torch-expandable": {"roundup_power2_divisions": _INT},
+    # torch_npu's PYTORCH_NPU_ALLOC_CONF (CachingAllocatorConfig::parseArgs); page_size:1g is page_size_1g=true
+    "torch-npu": {**_TORCH, "page_size_1g": _BOOL},
+    "torch-npu-expandable": {"roundup_power2_divisions": _INT, "base_addr_aligned_kb": _INT,
+                             "segment_size_mb": _INT, "page_size_1g": _BOOL},
     "pool": {"chunked": _BOOL},
 }
 

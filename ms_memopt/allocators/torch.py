@@ -135,6 +135,8 @@ class TorchCachingAllocator(AllocatorModel):
     """
 
     name = "torch"
+    #: bytes added to a request before rounding (torch_npu's ``round_size`` pads 32; CUDA none)
+    pad = 0
 
     def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
                  roundup_power2_divisions: int | None = None,
@@ -169,12 +171,13 @@ class TorchCachingAllocator(AllocatorModel):
     # --- requests -----------------------------------------------------------------------
     def malloc(self, size: int, *, stream: int = 0, pool: str | None = None,
                tag: str | None = None) -> int | None:
+        padded = size + self.pad
         if self.divisions:
-            rsize = round_size(size, self.divisions)
-        elif size < MIN_BLOCK:
+            rsize = round_size(padded, self.divisions)
+        elif padded < MIN_BLOCK:
             rsize = MIN_BLOCK
         else:
-            rsize = (size + 511) & ~511
+            rsize = (padded + 511) & ~511
         small = rsize <= SMALL_SIZE
         free_list = self._pools.get((stream, small))
         if free_list is None:
@@ -256,7 +259,7 @@ class TorchCachingAllocator(AllocatorModel):
     # --- segments -------------------------------------------------------------------------
     def _grow(self, rsize: int, small: bool, stream: int, free_list: list[int]) -> int | None:
         """alloc_block with the caching allocator's two retries; the new segment's address."""
-        seg_size = allocation_size(rsize)
+        seg_size = self._segment_size(rsize, small)
         if self.gc_threshold is not None and self.capacity is not None:
             self._garbage_collect()
         addr = self._new_segment(seg_size, stream, small, free_list)
@@ -269,6 +272,10 @@ class TorchCachingAllocator(AllocatorModel):
             # the new block is handed out directly, not through the free list
             del free_list[bisect_left(free_list, seg_size << _SHIFT | addr)]
         return addr
+
+    def _segment_size(self, rsize: int, small: bool) -> int:
+        """The size of the segment asked for when nothing cached fits (:func:`allocation_size`)."""
+        return allocation_size(rsize)
 
     def _new_segment(self, size: int, stream: int, small: bool, free_list: list[int]) -> int | None:
         if self.capacity is not None and self.reserved + size > self.capacity:

@@ -13,7 +13,18 @@ Rules (c10/cuda/CUDACachingAllocator.cpp, ``ExpandableSegment``, ``find_expandab
   that free block, so pieces split off earlier re-merge into one hole;
 * a block is split whenever the remainder is >= 512 B (both pools);
 * ``empty_cache()`` / failing to map: the whole pages inside every free block are unmapped;
-  live blocks still pin the pages they touch.
+  live blocks still pin the pages they touch; a range left with no mapped page is given back
+  (``release_blocks``: ``release_expandable_segment`` once a block has no neighbours), so the
+  next range is reserved anew.
+
+Replaying a snapshot (its ``segment_map`` / ``segment_unmap`` entries):
+
+* :meth:`note_segment_map`: the recorded address of a mapping; when the request that follows
+  needs a new range, the range starts there (the recording's ``cuMemAddressReserve`` chose it),
+  shortening an earlier range whose unmapped tail reaches over it (the device's ranges do not
+  overlap);
+* :meth:`unmap_range`: the recording unmapped ``[addr, addr + size)``: the whole pages of the
+  free blocks there are unmapped, so the pool shrinks where the recording's did.
 
 Layout exported for the metrics: each maximal run of *mapped* blocks of a range is one
 :class:`~ms_memopt.core.layout.Segment`, so ``reserved`` is the mapped bytes and
@@ -42,6 +53,7 @@ __all__ = ["TorchExpandableAllocator"]
 
 VIRTUAL_BASE = 1 << 44
 UNBOUNDED_RANGE = 1 << 40       # virtual range size when the capacity is unknown
+GIB = 1 << 30
 _SHIFT = 64
 _MASK = (1 << _SHIFT) - 1
 _UNMAPPED, _FREE, _LIVE = 0, 1, 2
@@ -69,6 +81,8 @@ class TorchExpandableAllocator(AllocatorModel):
 
     name = "torch-expandable"
     virtual = True
+    #: bytes added to a request before rounding (as :attr:`TorchCachingAllocator.pad`)
+    pad = 0
 
     def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None) -> None:
         super().__init__(capacity)
@@ -84,7 +98,8 @@ class TorchExpandableAllocator(AllocatorModel):
         self._free: dict[tuple[int, bool], list[int]] = {}       # sorted size << 64 | addr
         self._unmapped: dict[tuple[int, bool], list[int]] = {}   # sorted addresses
         self._ranges: dict[int, _Range] = {}                     # base -> range
-        self._next_base = VIRTUAL_BASE
+        self._next_base = VIRTUAL_BASE     # new ranges go in the lowest gap from here
+        self._map_hints: list[tuple[int, int]] = []   # (addr, stream) of recorded mappings
 
     def _lists(self, stream: int, small: bool) -> tuple[list[int], list[int]]:
         key = (stream, small)
@@ -97,7 +112,7 @@ class TorchExpandableAllocator(AllocatorModel):
     # --- requests -----------------------------------------------------------------------
     def malloc(self, size: int, *, stream: int = 0, pool: str | None = None,
                tag: str | None = None) -> int | None:
-        rsize = round_size(size, self.divisions)
+        rsize = round_size(size + self.pad, self.divisions)
         small = rsize <= SMALL_SIZE
         free_list, unmapped = self._lists(stream, small)
         blocks = self._blocks
@@ -112,9 +127,13 @@ class TorchExpandableAllocator(AllocatorModel):
             if addr is None and self._unmap_all():
                 addr = self._map_for(rsize, stream, small, free_list, unmapped)
             if addr is None:
+                self._map_hints.clear()
                 self._record_oom(size, stream, tag)
                 return None
             del free_list[bisect_left(free_list, blocks[addr][_SIZE] << _SHIFT | addr)]
+        if self._map_hints:     # they announced this request's mappings, no later one's
+            self._map_hints.clear()
+        addr = self._place(addr, rsize)
         block = blocks[addr]
         block[_STATE] = _LIVE
         remaining = block[_SIZE] - rsize
@@ -139,6 +158,35 @@ class TorchExpandableAllocator(AllocatorModel):
         block[_STATE] = _FREE
         self.allocated -= block[_SIZE]
         self._merge_free(addr)
+
+    def _place(self, addr: int, rsize: int) -> int:
+        """Where in the free block at ``addr`` (out of its free list) the request goes; the
+        block is split there first when it is not its start. PyTorch: its start."""
+        return addr
+
+    def _split_front(self, addr: int, offset: int) -> int:
+        """Cut the first ``offset`` bytes of the block at ``addr`` (out of its free list) off as
+        a free block of their own, in the free list and not merged (the block's neighbour
+        before it is not free); the address of the rest."""
+        blocks = self._blocks
+        block = blocks[addr]
+        start = addr + offset
+        nxt = block[_NEXT]
+        blocks[start] = [block[_SIZE] - offset, addr, nxt, block[_STATE], block[_POOL], block[_RANGE]]
+        if nxt is not None:
+            blocks[nxt][_PREV] = start
+        block[_NEXT] = start
+        block[_SIZE] = offset
+        insort(block[_POOL], offset << _SHIFT | addr)
+        return start
+
+    def block_size(self, addr: int) -> int:
+        """The size of the block at ``addr`` in bytes (live, free or unmapped)."""
+        return self._blocks[addr][_SIZE]
+
+    def _page_size(self, small: bool) -> int:
+        """The range's page: ``ExpandableSegment``'s ``segment_size`` (2 MiB small, 20 MiB large)."""
+        return SMALL_BUFFER if small else LARGE_BUFFER
 
     def _expandable(self, key: int) -> int:
         block = self._blocks[key & _MASK]
@@ -208,17 +256,58 @@ class TorchExpandableAllocator(AllocatorModel):
                 cursor = blocks[cursor][_NEXT]
             if room >= rsize:
                 return start
-        page = SMALL_BUFFER if small else LARGE_BUFFER
+        page = self._page_size(small)
         size = max(self.range_size, rsize)
         size = (size + page - 1) // page * page
-        base = self._next_base
-        self._next_base += (size + (1 << 30) - 1) // (1 << 30) * (1 << 30) + (1 << 30)
+        base, size = self._range_place(size, stream)
         rng = _Range(base, size, page, stream, small, fixed=False)
         self._ranges[base] = rng
         free_list, _ = self._lists(stream, small)
         blocks[base] = [size, None, None, _UNMAPPED, free_list, rng]
         insort(unmapped, base)
         return base
+
+    def _range_place(self, size: int, stream: int) -> tuple[int, int]:
+        """A new range's base and size: at the recorded mapping that announced it (shortened to
+        the next range above), else in the lowest gap from ``_next_base`` (GiB-aligned, a GiB
+        apart)."""
+        for addr, hint_stream in self._map_hints:
+            if hint_stream == stream and self._claim(addr):
+                above = [b for b in self._ranges if b > addr]
+                return addr, min(size, min(above) - addr) if above else size
+        cursor = self._next_base
+        for base in sorted(self._ranges):
+            end = base + self._ranges[base].size
+            if end <= cursor:
+                continue
+            if base >= cursor + size:
+                break
+            cursor = (end + GIB - 1) // GIB * GIB + GIB
+        return cursor, size
+
+    def _claim(self, addr: int) -> bool:
+        """Whether a new range may start at ``addr``: outside every range, or inside the
+        unmapped tail of one (which then ends at ``addr``)."""
+        below = [b for b in self._ranges if b <= addr]
+        if not below:
+            return True
+        rng = self._ranges[max(below)]
+        if addr >= rng.base + rng.size:
+            return True
+        tail = self._tail(rng)
+        block = self._blocks[tail]
+        if block[_STATE] != _UNMAPPED or tail >= addr:
+            return False
+        block[_SIZE] = addr - tail
+        rng.size = addr - rng.base
+        return True
+
+    def _tail(self, rng: _Range) -> int:
+        """The address of a range's last block."""
+        addr = rng.base
+        while self._blocks[addr][_NEXT] is not None:
+            addr = self._blocks[addr][_NEXT]
+        return addr
 
     def _map(self, addr: int, want: int) -> int | None:
         """map_block: map whole pages covering ``want`` bytes at the start of unmapped ``addr``."""
@@ -256,7 +345,8 @@ class TorchExpandableAllocator(AllocatorModel):
                 released |= self._unmap(key & _MASK)
         return released
 
-    def _unmap(self, addr: int) -> bool:
+    def _unmap(self, addr: int, lo: int = 0, hi: int = 1 << 64) -> bool:
+        """unmap_block: the whole pages of the free block at ``addr`` (within ``[lo, hi)``)."""
         blocks = self._blocks
         block = blocks[addr]
         rng = block[_RANGE]
@@ -272,8 +362,8 @@ class TorchExpandableAllocator(AllocatorModel):
                 return True
             return False
         page, base = rng.page, rng.base
-        begin = base + (addr - base + page - 1) // page * page
-        end = base + (addr + size - base) // page * page
+        begin = base + (max(addr, lo) - base + page - 1) // page * page
+        end = base + (min(addr + size, hi) - base) // page * page
         if begin >= end:
             return False
         free_list = block[_POOL]
@@ -311,6 +401,11 @@ class TorchExpandableAllocator(AllocatorModel):
         if nxt is not None and blocks[nxt][_STATE] == _UNMAPPED:
             del unmapped[bisect_left(unmapped, nxt)]
             self._absorb_next(u)
+        if ublock[_PREV] is None and ublock[_NEXT] is None:
+            # release_expandable_segment: nothing mapped is left, the range goes back
+            del unmapped[bisect_left(unmapped, u)]
+            del blocks[u]
+            del self._ranges[rng.base]
         return True
 
     def empty_cache(self) -> None:
@@ -320,6 +415,21 @@ class TorchExpandableAllocator(AllocatorModel):
         """A recorded ``segment_free`` means the recording ran ``empty_cache()`` (or released
         cached memory before an OOM retry): unmap the free pages, as that would here."""
         self._unmap_all()
+
+    def note_segment_map(self, addr: int, size: int, stream: int = 0) -> None:
+        """A recorded ``segment_map`` at ``addr``: a new range the next request needs starts there."""
+        if addr is not None:
+            self._map_hints.append((addr, stream))
+
+    def unmap_range(self, addr: int, size: int, stream: int = 0) -> None:
+        """A recorded ``segment_unmap`` of ``[addr, addr + size)``: the free pages there go back."""
+        end = addr + size
+        for free_list in list(self._free.values()):
+            for key in list(free_list):
+                start = key & _MASK
+                if start < end and start + (key >> _SHIFT) > addr and start in self._blocks \
+                        and self._blocks[start][_STATE] == _FREE:
+                    self._unmap(start, addr, end)
 
     def restore(self, layout: Layout) -> None:
         self._reset()
