@@ -30,7 +30,7 @@ sys.path.insert(0, str(_REPO))
 
 from ms_memopt.allocators import create  # noqa: E402
 from ms_memopt.core.events import read_jsonl  # noqa: E402
-from ms_memopt.engine.replay import replay  # noqa: E402
+from ms_memopt.replay.replay import replay  # noqa: E402
 from ms_memopt.io.traces.ms_pool_log import recorded_final_layout  # noqa: E402
 
 # name -> (command after python, default steps); the steps give ~100k events in all

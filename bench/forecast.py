@@ -59,8 +59,9 @@ sys.path.insert(0, str(ROOT))
 
 from ms_memopt.analysis.forecast import Forecaster
 from ms_memopt.config.recipe import load_recipe
-from ms_memopt.engine.simulate import config_from_recipe, simulate
-from ms_memopt.engine.workload import spec_from_recipe
+from ms_memopt.simulation.spec import config_from_recipe
+from ms_memopt.simulation.simulate import simulate
+from ms_memopt.simulation.spec import spec_from_recipe
 
 GiB = 2**30
 FRAG_THRESHOLDS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0)

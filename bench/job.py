@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ms_memopt.config.recipe import load_recipe
-from ms_memopt.engine.job import JobSpec, job_from_recipe, median_job_oom_step, rank_streams, simulate_jobs
+from ms_memopt.simulation.spec import JobSpec, job_from_recipe, rank_streams
+from ms_memopt.simulation.job import median_job_oom_step, simulate_jobs
 
 GiB = 2**30
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ms_memopt.allocators import MODELS, create  # noqa: E402
 from ms_memopt.allocators.fast import AVAILABLE, FAST_MODELS  # noqa: E402
 from ms_memopt.core.errors import InputError  # noqa: E402
-from ms_memopt.engine.replay import replay  # noqa: E402
+from ms_memopt.replay.replay import replay  # noqa: E402
 from ms_memopt.io.traces import load_trace  # noqa: E402
 from ms_memopt.io.traces.synthetic import synthetic_trace  # noqa: E402
 

@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ms_memopt.config.recipe import load_recipe
-from ms_memopt.engine.executors import default_workers
-from ms_memopt.engine.job import job_from_recipe, reproducible_figures, simulate_jobs
+from ms_memopt.simulation.executors import default_workers
+from ms_memopt.simulation.spec import job_from_recipe
+from ms_memopt.simulation.job import reproducible_figures, simulate_jobs
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 if __name__ == "__main__" and "--pool-log-child" in sys.argv:
-    from ms_memopt import poolcapture  # noqa: E402
+    from ms_memopt.mindspore import poolcapture  # noqa: E402
 
     poolcapture.start(Path(tempfile.mkdtemp(prefix="scan-bench-")) / poolcapture.LOG_NAME)
 

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ms_memopt.config.recipe import load_recipe
-from ms_memopt.engine.simulate import POLICIES, config_from_recipe, simulate
-from ms_memopt.engine.workload import spec_from_recipe
+from ms_memopt.simulation.simulate import POLICIES, simulate
+from ms_memopt.simulation.spec import config_from_recipe
+from ms_memopt.simulation.spec import spec_from_recipe
 
 GiB = 2**30
 
@@ -147,8 +148,8 @@ def _run_jobs(jobs, args) -> None:
 
 def parts(args) -> None:
     """CPU seconds (this process) of one lock-step run: generation, each policy's feed."""
-    from ms_memopt.engine.simulate import _Run
-    from ms_memopt.engine.workload import StepWorkload
+    from ms_memopt.simulation.simulate import _Run
+    from ms_memopt.workload.step import StepWorkload
 
     recipe = load_recipe(args.recipe)
     spec = spec_from_recipe(recipe)

@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ms_memopt.config.recipe import load_recipe
-from ms_memopt.engine.simulate import config_from_recipe, simulate
-from ms_memopt.engine.workload import spec_from_recipe
+from ms_memopt.simulation.spec import config_from_recipe
+from ms_memopt.simulation.simulate import simulate
+from ms_memopt.simulation.spec import spec_from_recipe
 
 
 def _rss_mib(field: str = "VmRSS") -> float:

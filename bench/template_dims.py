@@ -14,7 +14,7 @@ the prologue, which ``learn`` fits in the dims each recording holds fixed (``hid
 
 ``layers``: the demo GPT (hidden ``--layers-hidden``) at ``--layer-counts`` (each its own
 process, the calibration runs at each, marked ``seq``, ``batch``, ``layers``), learned together
-(a template over the repeated block count, ms_memopt/engine/template_layers.py), then held-out
+(a template over the repeated block count, ms_memopt/templates/layers.py), then held-out
 runs at ``--heldout-layers`` never recorded, compared in the same way; also what one layer
 adds to each class of step (allocations a step at each count).
 
@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 
 import template_fidelity as tf  # noqa: E402
 from ms_memopt.core.events import read_jsonl  # noqa: E402
-from ms_memopt.engine.template import load_template  # noqa: E402
+from ms_memopt.templates.template import load_template  # noqa: E402
 
 
 def hidden_part(work: Path, hiddens: list[int], heldout_hidden: int, calib: list[int], patterns: list[str],
@@ -80,7 +80,7 @@ def hidden_part(work: Path, hiddens: list[int], heldout_hidden: int, calib: list
 
 def _allocs_per_step(path: Path) -> dict[str, int]:
     """Allocations of the prologue and of each step class's first sample in a recording."""
-    from ms_memopt.engine.template import parse_dims_tag
+    from ms_memopt.templates.template import parse_dims_tag
     events = read_jsonl(path).events
     out, count, seen, steps = {}, 0, set(), 0
     for e in events:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(_REPO))
 import numpy as np  # noqa: E402
 
 from ms_memopt.core.events import read_jsonl  # noqa: E402
-from ms_memopt.engine.template import fidelity, flat_template, free_order_of, load_template  # noqa: E402
+from ms_memopt.templates.template import fidelity, flat_template, free_order_of, load_template  # noqa: E402
 
 WORKLOAD = str(_REPO / "bench/workloads/template_run.py")
 

@@ -10,7 +10,7 @@ steps*, on models that are not the demo's, and then checked on the demo:
    derived from ``recipes/demo_cpu.yaml`` in a temporary folder), the real pool's log followed
    as ``run`` does by default (``VLOG_v=12906``, each step marked with its shape). Per step (the
    first 3 left out): host seconds = ``step_seconds`` minus the step's compute as the simulator
-   prices it (its FLOPs, :func:`ms_memopt.engine.timing.step_flops`, over ``peak_flops x
+   prices it (its FLOPs, :func:`ms_memopt.simulation.timing.step_flops`, over ``peak_flops x
    base_efficiency`` of step 2), divided by the step's pool requests (the ``alloc`` events between two step
    marks of its ``pool.log``). ``request_seconds`` = the median of that over both models' steps:
    **host seconds per pool request inside a training step** (a request stands for the ops
@@ -232,7 +232,7 @@ def variant_recipe(changes: dict, folder: Path) -> Path:
 
 def _step_requests(pool_log: Path) -> tuple[list[int], list[int]]:
     """Per marked step of a run's pool log: its ``alloc`` events and its ``seq`` dim."""
-    from ms_memopt.engine.template import parse_dims_tag
+    from ms_memopt.templates.template import parse_dims_tag
     from ms_memopt.io.traces.ms_pool_log import read_pool_log
 
     requests, lengths, count, started = [], [], 0, False
@@ -269,8 +269,8 @@ def measured_run(name: str, recipe_path: Path, steps: int, keep: Path) -> RunSte
 
 def _compute_seconds(recipe, length: int, rate: float) -> float:
     """A step's FLOPs at ``length`` tokens a sequence (the simulator's count) over ``rate``."""
-    from ms_memopt.engine.timing import step_flops
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.timing import step_flops
+    from ms_memopt.simulation.spec import spec_from_recipe
 
     spec = spec_from_recipe(recipe)
     return step_flops(spec, [length] * spec.micro_batches)[0] / rate
@@ -315,7 +315,7 @@ def requests_line(models: dict) -> tuple[float, float]:
 
 def learned_template(run_dir: Path) -> Path:
     """The demo GPT's step template, learned from the measured run's own pool log."""
-    from ms_memopt.engine.template import learn_files, save_template
+    from ms_memopt.templates.template import learn_files, save_template
 
     path = run_dir / "demo_gpt.template.json"
     save_template(learn_files([run_dir / "pool.log"]), path)
@@ -325,8 +325,9 @@ def learned_template(run_dir: Path) -> Path:
 def predicted_step(profile: dict, steps: int, template: Path | None = None) -> dict:
     """The simulator's prediction of the demo run's steps: the recipe's hand-made workload, or with
     ``template`` the run's own steps (a template learned from it) on the CPU pool's model;
-    ``result`` is the policy's :class:`~ms_memopt.engine.job.JobResult` (to re-price)."""
-    from ms_memopt.engine.job import job_from_recipe, simulate_jobs
+    ``result`` is the policy's :class:`~ms_memopt.simulation.job.JobResult` (to re-price)."""
+    from ms_memopt.simulation.spec import job_from_recipe
+    from ms_memopt.simulation.job import simulate_jobs
 
     data = copy.deepcopy(parse_yaml(DEMO.read_text(encoding="utf-8"), source=str(DEMO)))
     data["memopt"]["timing"] = profile
@@ -338,7 +339,7 @@ def predicted_step(profile: dict, steps: int, template: Path | None = None) -> d
     job = job_from_recipe(recipe, steps=steps, policies=("compact",))
     result = simulate_jobs([job], workers=1)[0]["compact"]
     figures = result.timing_figures()
-    from ms_memopt.engine.timing import StepCounts
+    from ms_memopt.simulation.timing import StepCounts
 
     counts = [StepCounts(*c) for c in result.outcomes[0].result.step_counts]
     return {"timing": figures[0], "step_seconds": figures[1]["step_seconds"], "result": result,

@@ -33,7 +33,8 @@ _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 
 from ms_memopt.config.recipe import load_recipe  # noqa: E402
-from ms_memopt.engine.job import job_from_recipe, simulate_jobs  # noqa: E402
+from ms_memopt.simulation.spec import job_from_recipe
+from ms_memopt.simulation.job import simulate_jobs  # noqa: E402
 
 RECIPE = _REPO / "recipes" / "dense_100b_1024x910c.yaml"
 FIELD = {"pool_step": 3.8, "baseline_step": 4.7, "pool_mfu": 0.42, "baseline_mfu": 0.31,
@@ -114,7 +115,7 @@ def main() -> int:
     table["pool_recompute_6"] = table.pop("pool, recompute every 6")
     # one compaction's pause, as priced: the compact policy's pause seconds over its compaction steps
     counts = [c for o in compact.outcomes for c in o.result.step_counts]
-    from ms_memopt.engine.timing import StepCounts, rank_step
+    from ms_memopt.simulation.timing import StepCounts, rank_step
     paused = [(StepCounts(*c), rank_step(c, calibrated)[2]) for c in counts if StepCounts(*c).compactions]
     one = max((p for _, p in paused), default=0.0)
     tensors = max((c.compaction_tensors for c, _ in paused), default=0)

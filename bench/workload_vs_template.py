@@ -8,10 +8,10 @@ For small GPTs built from ``recipes/demo_cpu.yaml`` (the demo: 2 layers, hidden 
    patterns ``abbccc``, ``abbccc``, ``abccca``, rotated per run, as bench/template_fidelity.py does)
    and one *shapes run* of ``--shapes`` lengths each new (to see whether per-shape tensors are
    ever evicted), ``PYTHONHASHSEED=0``;
-2. learns the step template (:func:`ms_memopt.engine.template.learn_files`) and generates the
+2. learns the step template (:func:`ms_memopt.templates.template.learn_files`) and generates the
    schedule 16, 24, 24, 32, 32, 16 (then two more 32s that are not reported: they let the last
    reported step's tensors freed by the next step be freed);
-3. generates the same schedule with the hand-made :class:`~ms_memopt.engine.workload.StepWorkload`
+3. generates the same schedule with the hand-made :class:`~ms_memopt.workload.step.StepWorkload`
    of ``spec_from_recipe`` of the same model (each step's length forced);
 4. measures both streams with one set of rules (:func:`step_figures`):
 
@@ -57,7 +57,7 @@ _REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_REPO))
 
 from ms_memopt.core.events import Event  # noqa: E402
-from ms_memopt.engine.template import parse_dims_tag  # noqa: E402
+from ms_memopt.templates.template import parse_dims_tag  # noqa: E402
 
 RECIPE = _REPO / "recipes/demo_cpu.yaml"
 CALIB = (16, 24, 32)
@@ -123,7 +123,7 @@ def split_marked(events: Iterable[Event], prologue_events: int = 0) -> tuple[lis
 
     A ``step`` event with dims (``dims:seq=S,...``) *ends* a step; one without dims ends the
     prologue (the setup mark); the first ``prologue_events`` events are the prologue too (what
-    :func:`~ms_memopt.engine.template.generate` emits before step 1). Events after the last step
+    :func:`~ms_memopt.templates.template.generate` emits before step 1). Events after the last step
     mark (the process exit) are dropped; only ``alloc`` and ``free`` are kept.
 
     Example:
@@ -306,7 +306,8 @@ def model_recipe(layers: int, hidden: int):
 
 def synthetic_run(recipe, lengths: Sequence[int], seed: int = 0) -> tuple[list[Event], list[tuple[int, list[Event]]]]:
     """StepWorkload(spec_from_recipe(recipe)) with step ``i``'s one micro-batch at ``lengths[i]``."""
-    from ms_memopt.engine.workload import StepWorkload, spec_from_recipe
+    from ms_memopt.workload.step import StepWorkload
+    from ms_memopt.simulation.spec import spec_from_recipe
     spec = spec_from_recipe(recipe)
     gen = StepWorkload(spec, seed)
     prologue = gen.prologue()
@@ -348,7 +349,7 @@ def calibration_runs() -> list[list[int]]:
 def measure_model(layers: int, hidden: int, work: Path, shapes: Sequence[int]) -> dict:
     """Record, learn, and measure one model both ways."""
     from ms_memopt.core.events import read_jsonl
-    from ms_memopt.engine.template import generate, learn_files
+    from ms_memopt.templates.template import generate, learn_files
     name = f"{layers}x{hidden}"
     max_len = max(max(CALIB), max(shapes))
     start = time.perf_counter()
@@ -371,7 +372,7 @@ def measure_model(layers: int, hidden: int, work: Path, shapes: Sequence[int]) -
     # the shapes run, straight from the recording: what each new shape keeps, and whether it stays
     sh_pro, sh_steps = split_marked(read_jsonl(shapes_path).events)
     sh = step_figures(sh_pro, sh_steps)
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.spec import spec_from_recipe
     spec = spec_from_recipe(recipe)
     return {"model": name, "layers": layers, "hidden": hidden, "ffn": recipe.model.intermediate_size,
             "record_seconds": round(record_s, 1),

@@ -6,7 +6,6 @@ estimator and the simulator. :mod:`ms_memopt.mindspore` is the only adapter to M
 """
 from __future__ import annotations
 
-from ms_memopt import _moved
 from ms_memopt.analysis.arena import Arena, Handle
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.layout import Block, Layout, Segment
@@ -14,8 +13,6 @@ from ms_memopt.core.metrics import LayoutMetrics, frag_ratio, measure
 from ms_memopt.core.units import format_size, parse_count, parse_size
 
 __version__ = "0.1.0"
-
-_moved.install()  # the flat layout's module paths still import, with a DeprecationWarning
 
 __all__ = ["Arena", "Handle", "InputError", "Block", "Layout", "Segment", "LayoutMetrics", "frag_ratio", "measure",
            "format_size", "parse_count", "parse_size", "__version__"]

@@ -30,9 +30,10 @@ from ms_memopt.analysis.estimate import estimate
 from ms_memopt.config.recipe import Recipe, load_recipe
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.units import format_size
-from ms_memopt.engine.simulate import POLICIES, config_from_recipe, simulate
-from ms_memopt.engine.snapshots import LayoutCollector
-from ms_memopt.engine.workload import spec_from_recipe
+from ms_memopt.simulation.simulate import POLICIES, simulate
+from ms_memopt.simulation.spec import config_from_recipe
+from ms_memopt.simulation.snapshots import LayoutCollector
+from ms_memopt.simulation.spec import spec_from_recipe
 from ms_memopt.io.layouts import write_layouts
 from ms_memopt.report.build import build_report
 
@@ -163,7 +164,7 @@ def _learned_model(run_dir: Path, out: Path, steps: int) -> Path | None:
     import copy
 
     from ms_memopt.config.recipe import recipe_from_dict
-    from ms_memopt.engine.template import learn_files, save_template
+    from ms_memopt.templates.template import learn_files, save_template
     from ms_memopt.io.traces.ms_pool_log import LOG_NAME
     from ms_memopt.io.yamltext import parse_yaml
 
@@ -243,7 +244,8 @@ def _peak_after(recipe: Recipe, steps: int) -> int:
 def _first_ranks(recipe: Recipe, steps: int, seeds: int) -> list:
     """Per job seed, the rank stream the job dies at (every OOM of the 100B job is on the first
     pipeline stage), or the closest call when it survives ``steps``."""
-    from ms_memopt.engine.job import job_from_recipe, simulate_jobs
+    from ms_memopt.simulation.spec import job_from_recipe
+    from ms_memopt.simulation.job import simulate_jobs
 
     jobs = [job_from_recipe(recipe, policies=("baseline",), seed=seed, stages=[0], steps=steps)
             for seed in range(seeds)]

@@ -1,4 +1,4 @@
-"""What the MindSpore models count for the time model (ms_memopt.engine.timing): requests on the
+"""What the MindSpore models count for the time model (ms_memopt.simulation.timing): requests on the
 slow path (``slow_path_events``) and idle blocks given back to the device (``segment_frees``),
 on small hand-made request sequences, pure-Python and compiled alike (MindSpore 2.10's
 ``AbstractDynamicMemPool::AllocMemBuf`` and ``MemBufAllocator::ReleaseFreeBlocks``; the rules

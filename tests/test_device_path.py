@@ -123,7 +123,7 @@ def _recorded_run(tmp_path, name: str, memopt: dict, steps: int) -> list[int]:
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from ms_memopt.allocators import create
-    from ms_memopt.engine.replay import replay
+    from ms_memopt.replay.replay import replay
 
     # the recording replays exactly through the CPU pool's model: its bytes in use at each mark
     samples: dict[int, int] = {}

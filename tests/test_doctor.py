@@ -14,7 +14,7 @@ from ms_memopt.allocators.torch import TorchCachingAllocator
 from ms_memopt.cli import main
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
-from ms_memopt.engine.doctor import compare, diagnose
+from ms_memopt.doctor.diagnose import compare, diagnose
 from ms_memopt.io.traces import load_trace
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -58,7 +58,7 @@ def test_doctor_cli_on_a_snapshot_the_project_wrote(tmp_path):
     """The same trace as a PyTorch snapshot pickle (our memory_viz writer), through the command,
     with --json and --out."""
     from ms_memopt.allocators import create
-    from ms_memopt.engine.replay import placed_events
+    from ms_memopt.replay.replay import placed_events
     from ms_memopt.io.traces.memory_viz import write_memory_viz
 
     events, replayed = placed_events(_fragmenting_trace(), create("torch"))     # unbounded: it lived

@@ -15,7 +15,7 @@ from ms_memopt.allocators import create
 from ms_memopt.allocators import fast
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
-from ms_memopt.engine.replay import replay
+from ms_memopt.replay.replay import replay
 from ms_memopt.io.traces import load_trace
 
 _NOT_BUILT = ("the compiled fast path is not built, or stale (a StaleBuildWarning says so: a .c or .h of "
@@ -212,7 +212,7 @@ def test_fast_model_errors_match_the_reference(name, options):
 def test_simulate_gives_identical_results(allocator, options):
     """The simulator's batch loop (stops at marks, watched requests and the OOM) and a
     compaction's restore, fast path against reference, all three policies."""
-    from ms_memopt.engine.simulate import POLICIES, simulate
+    from ms_memopt.simulation.simulate import POLICIES, simulate
     from test_simulate import small_cfg, small_spec
 
     results = []

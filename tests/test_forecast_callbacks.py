@@ -11,7 +11,7 @@ import pytest
 
 from ms_memopt.analysis.forecast import DEFAULT_RISK
 from ms_memopt.analysis.scan import Reading, ScanLog, Scanner, Source, read_scan_log
-from ms_memopt.engine.simulate import SimConfig, simulate_policy
+from ms_memopt.simulation.simulate import SimConfig, simulate_policy
 from test_simulate import small_spec
 
 MiB = 2**20

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ms_memopt.engine.job import (JobResult, JobSpec, RankStream, job_from_recipe, median_job_oom_step,
-                           rank_streams, reproducible_figures, simulate_jobs, stream_seed)
-from ms_memopt.engine.simulate import simulate_policy
+from ms_memopt.simulation.job import JobResult, median_job_oom_step, reproducible_figures, simulate_jobs
+from ms_memopt.simulation.spec import JobSpec, RankStream, job_from_recipe, rank_streams, stream_seed
+from ms_memopt.simulation.simulate import simulate_policy
 from test_simulate import MiB, small_cfg, small_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,8 +114,8 @@ def test_a_one_stream_job_is_the_one_card_simulation():
 def test_median_job_oom_step_counts_survivors_as_later():
     def job(step):
         r = JobResult("baseline", 0, 100)
-        from ms_memopt.engine.job import RankOutcome
-        from ms_memopt.engine.simulate import PolicyResult
+        from ms_memopt.simulation.job import RankOutcome
+        from ms_memopt.simulation.simulate import PolicyResult
         r.outcomes.append(RankOutcome(RankStream(0, 0, 0, 1, 0), PolicyResult("baseline", 0, 100, oom_step=step)))
         return r
 
@@ -144,7 +144,7 @@ def test_progress_counts_every_rank_stream():
 
 def test_unknown_executor_and_address_without_engine_are_input_errors():
     from ms_memopt.core.errors import InputError
-    from ms_memopt.engine.executors import run_tasks
+    from ms_memopt.simulation.executors import run_tasks
 
     with pytest.raises(InputError, match="--executor"):
         run_tasks(abs, [1], executor="spark")
@@ -238,7 +238,7 @@ def test_a_huge_job_must_be_sampled():
     from dataclasses import replace
 
     from ms_memopt.core.errors import InputError
-    from ms_memopt.engine.job import MAX_STREAMS
+    from ms_memopt.simulation.spec import MAX_STREAMS
 
     recipe = _recipe()
     huge = replace(recipe, parallel=replace(recipe.parallel, data_parallel=MAX_STREAMS))
@@ -290,7 +290,7 @@ def test_ray_runs_any_callable_and_raises_the_task_error_on_a_cluster_it_joined(
     and classes as task functions (``ray.remote`` alone refuses ``abs`` and makes ``int`` an
     actor), raises a failing task's own exception, and leaves the cluster running."""
     ray = pytest.importorskip("ray")
-    from ms_memopt.engine.executors import run_tasks
+    from ms_memopt.simulation.executors import run_tasks
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -310,7 +310,7 @@ def test_unreachable_ray_cluster_is_an_input_error_at_once(address):
     answers after one refused connection."""
     pytest.importorskip("ray")
     from ms_memopt.core.errors import InputError
-    from ms_memopt.engine.executors import run_tasks
+    from ms_memopt.simulation.executors import run_tasks
 
     with pytest.raises(InputError, match="--address: cannot reach the Ray cluster at .*refused"):
         run_tasks(abs, [1], executor="ray", address=address)
@@ -329,7 +329,7 @@ def test_ray_missing_is_an_input_error(monkeypatch):
     import sys
 
     from ms_memopt.core.errors import InputError
-    from ms_memopt.engine.executors import run_tasks
+    from ms_memopt.simulation.executors import run_tasks
 
     monkeypatch.setitem(sys.modules, "ray", None)     # import ray -> ImportError
     with pytest.raises(InputError, match="ray"):

@@ -1,4 +1,4 @@
-"""The one event loop (ms_memopt.engine.loop.drive): the compiled and the pure-Python paths give the
+"""The one event loop (ms_memopt.replay.loop.drive): the compiled and the pure-Python paths give the
 same results, the hooks see what they promise, and the job keeps its shown rank without a rerun."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from ms_memopt.allocators import create
 from ms_memopt.allocators.fast import AVAILABLE
 from ms_memopt.core.events import FIELDS, Event
-from ms_memopt.engine.loop import drive
+from ms_memopt.replay.loop import drive
 from ms_memopt.io.traces.synthetic import synthetic_trace
 
 MODELS = ["mindspore", "mindspore-bestfit", "mindspore-vmm", "torch", "torch-expandable"]
@@ -97,9 +97,10 @@ def test_stop_on_oom_stops_at_the_failed_request():
 
 def test_the_job_keeps_its_shown_rank_as_a_separate_run_would_see_it():
     from ms_memopt.config.recipe import load_recipe
-    from ms_memopt.engine.job import ShowRank, job_from_recipe, simulate_jobs
-    from ms_memopt.engine.simulate import PlacedRun, simulate
-    from ms_memopt.engine.snapshots import LayoutCollector
+    from ms_memopt.simulation.job import ShowRank, simulate_jobs
+    from ms_memopt.simulation.spec import job_from_recipe
+    from ms_memopt.simulation.simulate import PlacedRun, simulate
+    from ms_memopt.simulation.snapshots import LayoutCollector
 
     recipe = load_recipe("recipes/dense_100b_1024x910c.yaml")
     job = job_from_recipe(recipe, ranks=3, steps=4, policies=("baseline", "pool"))

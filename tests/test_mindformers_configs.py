@@ -315,7 +315,8 @@ def _moe_recipe(**workload):
 
 
 def _alltoall_sizes(recipe, steps: int, seed: int = 1, tags=("alltoall", "expert_activation")):
-    from ms_memopt.engine.workload import StepWorkload, spec_from_recipe
+    from ms_memopt.workload.step import StepWorkload
+    from ms_memopt.simulation.spec import spec_from_recipe
     gen = StepWorkload(spec_from_recipe(recipe), seed=seed)
     gen.prologue()
     return [[e.size for e in gen.step(i) if e.action == "alloc" and e.tag in tags] for i in range(1, steps + 1)]
@@ -323,7 +324,7 @@ def _alltoall_sizes(recipe, steps: int, seed: int = 1, tags=("alltoall", "expert
 
 def test_moe_buffers_vary_step_to_step_around_the_balanced_load():
     from ms_memopt.analysis.estimate import alltoall_bytes
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.spec import spec_from_recipe
     r = _moe_recipe()
     spec = spec_from_recipe(r)
     assert spec.moe_layers == (1, 2, 3) and spec.moe_local_experts == 4 and spec.moe_load_cv == 0.2
@@ -339,7 +340,7 @@ def test_moe_buffers_vary_step_to_step_around_the_balanced_load():
 
 
 def test_dense_recipes_get_no_moe_events():
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.spec import spec_from_recipe
     spec = spec_from_recipe(_recipe(_mc()))
     assert spec.moe_layers == () and _alltoall_sizes(_recipe(_mc()), 2) == [[], []]
 
@@ -414,8 +415,8 @@ def test_pool_mode_sizes_the_moe_buffers_from_the_routed_tokens(tmp_path, capsys
     """Pool mode's communication region holds the all-to-all buffers and its workspace the kept
     routed activations, at a load four deviations above the balanced one: a MoE job whose
     routing varies step to step (cv 0.5) runs 40 steps without a pool-mode OOM."""
-    from ms_memopt.engine.pool_sizing import moe_load_headroom, region_sizes_for_workload
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.pool_sizing import moe_load_headroom, region_sizes_for_workload
+    from ms_memopt.simulation.spec import spec_from_recipe
     mc = _mc(seq_length=1024, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
              first_k_dense_replace=1, use_flash_attention=True)
     data = {"model": {"model_config": mc}, "parallel_config": {"data_parallel": 4, "expert_parallel": 4},

@@ -17,7 +17,7 @@ from ms_memopt.allocators.mindspore_vmm import CHUNK, MindSporeVMMPool
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.metrics import measure
-from ms_memopt.engine.replay import replay
+from ms_memopt.replay.replay import replay
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -354,9 +354,9 @@ def test_vmm_restore_rejects_unaligned_segments():
        probe=st.tuples(st.integers(0, 50), st.integers(0, 10)))
 def test_vmm_chunk_set_behaves_like_a_set(ops, probe):
     """The VMM model's mapped chunks are runs, not one entry per chunk; they must act as a set."""
-    from ms_memopt.allocators.mindspore_vmm import _ChunkSet
+    from ms_memopt.allocators.mindspore_vmm import ChunkSet
 
-    chunks, ref = _ChunkSet(), set()
+    chunks, ref = ChunkSet(), set()
     for add, first, length in ops:
         if add:
             chunks.add(first, first + length)

@@ -13,9 +13,9 @@ import pytest
 from ms_memopt.allocators import base, create, oom_kind
 from ms_memopt.allocators.fast import AVAILABLE
 from ms_memopt.core.events import Event, Trace
-from ms_memopt.engine.replay import replay
-from ms_memopt.engine.simulate import SimConfig, _Run
-from ms_memopt.engine.workload import WorkloadSpec
+from ms_memopt.replay.replay import replay
+from ms_memopt.simulation.simulate import SimConfig, _Run
+from ms_memopt.workload.step import WorkloadSpec
 
 GiB = 2**30
 CAPACITY = 6 * GiB

@@ -13,7 +13,7 @@ from ms_memopt.allocators import create
 from ms_memopt.allocators.mindspore import MindSporeBestFitPool, MindSporePool
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import read_jsonl, write_jsonl
-from ms_memopt.engine.replay import replay
+from ms_memopt.replay.replay import replay
 from ms_memopt.io.traces import detect_format, load_trace
 from ms_memopt.io.traces.ms_pool_log import PoolLogParser, read_pool_log, recorded_final_layout
 

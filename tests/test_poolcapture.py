@@ -50,7 +50,7 @@ def test_scan_source_reads_the_real_pool_and_matches_a_replay_of_its_log(tmp_pat
     assert got["reserved"] == 1 << 30 and got["live"] >= 4 and got["allocated"] > 0
     # the log left behind is a complete pool log: replayed, it ends in the layout the scan saw
     from ms_memopt.allocators import create
-    from ms_memopt.engine.replay import replay
+    from ms_memopt.replay.replay import replay
     from ms_memopt.io.traces import load_trace
     trace = load_trace(log)
     result = replay(trace, create("mindspore-bestfit"))

@@ -1052,8 +1052,9 @@ def test_simulation_memory_does_not_grow_with_steps():
     10,000 steps and prints RSS against the step count.)"""
     import tracemalloc
 
-    from ms_memopt.engine.simulate import config_from_recipe, simulate
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.spec import config_from_recipe
+    from ms_memopt.simulation.simulate import simulate
+    from ms_memopt.simulation.spec import spec_from_recipe
 
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "demo_cpu.yaml")
     spec = spec_from_recipe(recipe)

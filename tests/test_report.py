@@ -197,13 +197,15 @@ def test_report_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_demo_memory_map_layouts_come_from_the_simulated_workload():
-    from ms_memopt.engine.snapshots import simulated_layouts
+    from ms_memopt.simulation.snapshots import simulated_layouts
+    from ms_memopt.simulation.spec import job_from_recipe
     from ms_memopt.core.metrics import measure
     from ms_memopt.config.recipe import load_recipe
 
     recipes = Path(__file__).resolve().parents[1] / "recipes"
-    snaps = simulated_layouts(load_recipe(recipes / "demo_cpu.yaml"), [1, 5], policies=("baseline",))
-    snaps += simulated_layouts(load_recipe(recipes / "dense_100b_1024x910c.yaml"), [1], policies=("pool",))
+    snaps = simulated_layouts(job_from_recipe(load_recipe(recipes / "demo_cpu.yaml")), [1, 5], policies=("baseline",))
+    snaps += simulated_layouts(job_from_recipe(load_recipe(recipes / "dense_100b_1024x910c.yaml")), [1],
+                               policies=("pool",))
     assert [s.label for s in snaps] == ["baseline step 1", "baseline step 5", "pool step 1"]
     for snap in snaps:
         snap.layout.check()
@@ -228,7 +230,7 @@ def test_a_run_whose_scans_never_change_says_plainly_that_nothing_fragmented(tmp
 def test_the_report_reads_the_pool_log_summary_the_run_wrote_and_never_replays(tmp_path, monkeypatch):
     import gzip
 
-    from ms_memopt.engine import pool_log_check, replay
+    from ms_memopt.replay import pool_log_check, replay
 
     (tmp_path / "rank_0").mkdir()
     (tmp_path / "rank_0" / "scan.jsonl").write_text("".join(json.dumps(_scan(0, s, 2 * MiB, MiB)) + "\n"

@@ -1,6 +1,6 @@
 """One schema for recipes and workloads (issue 25): every ``memopt.workload`` key has one
 default, written once in :class:`~ms_memopt.config.recipe.WorkloadConfig`; the simulator's
-:class:`~ms_memopt.engine.workload.WorkloadSpec`, the recipe loader, docs/recipes.md and
+:class:`~ms_memopt.workload.step.WorkloadSpec`, the recipe loader, docs/recipes.md and
 ``ms-memopt run``'s sequence lengths all follow it."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ms_memopt.engine import workload as wl
+from ms_memopt.workload import step as wl
 
 from ms_memopt.config.recipe import (
     ExtraAllocsConfig,
@@ -24,7 +24,8 @@ from ms_memopt.config.recipe import (
     seq_range,
 )
 from ms_memopt.core.units import parse_size
-from ms_memopt.engine.workload import RUN_KEYS, StepWorkload, WorkloadSpec, spec_from_recipe, spec_settings
+from ms_memopt.workload.step import RUN_KEYS, StepWorkload, WorkloadSpec, spec_settings
+from ms_memopt.simulation.spec import spec_from_recipe
 from docs_table import documented_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,7 +291,7 @@ def test_event_rows_have_one_definition():
     import re
 
     from ms_memopt.core.events import FIELDS, ROW_INDEX, Event
-    from ms_memopt.engine.workload import StepWorkload, WorkloadSpec
+    from ms_memopt.workload.step import StepWorkload, WorkloadSpec
 
     assert FIELDS == tuple(f.name for f in dataclasses.fields(Event))
     assert ROW_INDEX == {name: i for i, name in enumerate(FIELDS)}

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.engine.simulate import (
+from ms_memopt.simulation.simulate import (
     POLICIES,
     PlacedRun,
     PolicySummary,
@@ -19,7 +19,7 @@ from ms_memopt.engine.simulate import (
     simulate,
     simulate_policy,
 )
-from ms_memopt.engine.workload import WorkloadSpec
+from ms_memopt.workload.step import WorkloadSpec
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ def test_activation_chunk_ring_keeps_free_space_in_two_pieces(in_flight, extra, 
     the backward frees them last-saved first; the region's free space is never in more than two
     pieces and nothing falls outside the ring."""
     from ms_memopt.allocators.pool import PoolModeAllocator
-    from ms_memopt.engine.workload import _one_f_one_b
+    from ms_memopt.workload.step import _one_f_one_b
 
     unit = 4096
     sizes = {m: [n * unit * share for share in (3, 2, 1)] for m, n in enumerate(lengths)}
@@ -206,8 +206,8 @@ def test_pool_mode_regions_of_the_100b_recipe_stay_within_ratio_one():
     if not RECIPE.exists():
         pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
     from ms_memopt.config.recipe import load_recipe
-    from ms_memopt.engine.simulate import config_from_recipe
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.spec import config_from_recipe
+    from ms_memopt.simulation.spec import spec_from_recipe
 
     recipe = load_recipe(RECIPE)
     r = simulate_policy(spec_from_recipe(recipe), "pool", config_from_recipe(recipe, steps=60), seed=1)
@@ -266,8 +266,8 @@ def test_calibrated_100b_recipe_largest_free_trends_down():
     if not RECIPE.exists():
         pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
     from ms_memopt.config.recipe import load_recipe
-    from ms_memopt.engine.simulate import config_from_recipe
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.spec import config_from_recipe
+    from ms_memopt.simulation.spec import spec_from_recipe
 
     recipe = load_recipe(RECIPE)
     spec = spec_from_recipe(recipe)
@@ -385,7 +385,7 @@ def test_timeline_reader_drops_a_torn_line_and_names_a_bad_one(tmp_path):
 
 def test_recipe_compact_triggers_are_the_simulators():
     from ms_memopt.config import recipe as recipe_module
-    from ms_memopt.engine.simulate import COMPACT_TRIGGERS
+    from ms_memopt.simulation.simulate import COMPACT_TRIGGERS
 
     assert recipe_module._COMPACT_TRIGGERS == COMPACT_TRIGGERS
 
@@ -399,8 +399,8 @@ def test_every_recipe_allocator_name_simulates(tmp_path, name, model):
     if not RECIPE.exists():
         pytest.skip("recipes/dense_100b_1024x910c.yaml not in this tree")
     from ms_memopt.config.recipe import load_recipe
-    from ms_memopt.engine.simulate import config_from_recipe
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.spec import config_from_recipe
+    from ms_memopt.simulation.spec import spec_from_recipe
 
     path = tmp_path / "recipe.yaml"
     path.write_text(RECIPE.read_text().replace("    name: mindspore\n", f"    name: {name}\n", 1))

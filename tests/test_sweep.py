@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ms_memopt.core.errors import InputError
-from ms_memopt.engine.sweep import apply_setting, grid_points, parse_settings
+from ms_memopt.simulation.sweep import apply_setting, grid_points, parse_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "dense_100b_1024x910c.yaml"

@@ -13,7 +13,7 @@ import pytest
 from ms_memopt.cli import main
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, read_jsonl, write_jsonl
-from ms_memopt.engine.template import (dims_tag, fidelity, generate, learn, load_template, parse_dims_tag, read_schedule,
+from ms_memopt.templates.template import (dims_tag, fidelity, generate, learn, load_template, parse_dims_tag, read_schedule,
                                 save_template, template_from_dict)
 from ms_memopt.io.traces.ms_pool_log import PoolLogParser
 
@@ -280,7 +280,7 @@ def drawn_record(seqs: list[int], order: str) -> list[Event]:
 def _placed(events):
     from ms_memopt.allocators import create
     from ms_memopt.core.events import Trace
-    from ms_memopt.engine.replay import placed_events
+    from ms_memopt.replay.replay import placed_events
     return placed_events(Trace(events, source="t", format="template"), create("mindspore-bestfit"),
                          segments=True, sample_every=None)[0]
 
@@ -345,7 +345,7 @@ def test_real_model_template_predicts_a_held_out_run(tmp_path):
     assert figures["size_match"] >= 0.99, figures
     # the pool's peak follows from sizes and lifetimes: equal to the byte
     from ms_memopt.allocators import create
-    from ms_memopt.engine.replay import replay
+    from ms_memopt.replay.replay import replay
     peaks = [replay(read_jsonl(path), create("mindspore-bestfit")).peak_allocated for path in (heldout, simulated)]
     assert peaks[0] == peaks[1]
     # Offsets are not asserted: MindSpore 2.10 (CPU, PyNative) frees SoftmaxBackward's three
@@ -554,10 +554,10 @@ def test_layers_that_are_not_all_alike_are_learned_and_generated():
     the others) sat in a piece that the optimizer's copies free beyond the stretch, and the last
     backward freed the other of two equal tensors. Learned from 2 to 5 layers, generated at
     6, 7 and 9 event for event as the model makes them."""
-    from ms_memopt.engine.template import _inserted_runs
+    from ms_memopt.templates.alignment import inserted_runs
     # one inserted update, D O M, before the tail M M: one run, not two
     short = ["x", "D", "O", "M", "D", "O", "M", "M", "M"]
-    assert _inserted_runs(short, short[:7] + ["D", "O", "M"] + short[7:]) in ([(1, 3)], [(4, 3)], [(7, 3)])
+    assert inserted_runs(short, short[:7] + ["D", "O", "M"] + short[7:]) in ([(1, 3)], [(4, 3)], [(7, 3)])
     recs = [(f"L{n}_{i}", irregular_layers_record(seqs, layers=n)) for n in (2, 3, 4, 5)
             for i, seqs in enumerate(LAYER_RUNS)]
     template = learn(recs)
@@ -599,7 +599,7 @@ def test_a_free_order_seen_at_one_layer_count_holds_at_counts_never_recorded():
     so the orders seen at any count are built at 6 layers too, and a 6-layer process that drew
     c, b, a is one of the layouts exactly; the default order is not it."""
     from ms_memopt.allocators import create
-    from ms_memopt.engine.template_draws import draw_outcomes
+    from ms_memopt.templates.draws import draw_outcomes
 
     orders = {2: "abc" * 3, 3: "abc" + "abc" + "bac", 4: "abc" * 3}
     recs = [(f"L{n}_{i}", layered_drawn_record(seqs, layers=n, order=orders[n][3 * i:3 * i + 3]))
@@ -625,7 +625,7 @@ def test_free_rules_of_layers_that_are_not_all_alike_as_recorded_from_llama():
     stretch of 1+m copies; the two updates whose layer falls off it (the first layer is not a
     copy of the others) free two places of a piece, one per distance. (2) Every backward copy
     frees a tensor at offset 142 of its own copy, the last at 148 (the other of two equal ones)."""
-    from ms_memopt.engine.template_layers import _rule
+    from ms_memopt.templates.layers import _rule
     off_stretch = [(0, 1, ("X", 1, 0, 103), 2), (1, 1, ("F", 1, 0, 169), 2), (2, 1, ("F", 1, 0, 113), 2),
                    (0, 2, ("X", 1, 1, 103), 3), (1, 2, ("X", 1, 0, 103), 3), (2, 2, ("F", 1, 0, 169), 3),
                    (3, 2, ("F", 1, 0, 113), 3)]
@@ -677,7 +677,7 @@ def test_real_model_at_a_layer_count_never_recorded(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         return str(path)
 
-    from ms_memopt.engine.template import learn_files
+    from ms_memopt.templates.template import learn_files
     template = learn_files([record_at(n) for n in (1, 2, 3)])
     held = read_jsonl(record_at(4)).events
     simulated = _placed(generate(template, [{"seq": s, "batch": 4, "layers": 4} for s in (8, 12, 12)]))
@@ -686,7 +686,7 @@ def test_real_model_at_a_layer_count_never_recorded(tmp_path):
     assert figures["size_match"] >= 0.99, figures
     from ms_memopt.allocators import create
     from ms_memopt.core.events import Trace
-    from ms_memopt.engine.replay import replay
+    from ms_memopt.replay.replay import replay
     last = max(i for i, e in enumerate(held) if e.action == "step")
     peaks = [replay(Trace(events, source="t", format="t"), create("mindspore-bestfit")).peak_allocated
              for events in (held[:last + 1], simulated)]
@@ -697,7 +697,7 @@ def test_a_process_free_order_is_read_from_its_first_step(tmp_path, capsys):
     """free_order_of reads the order a process drew from its first step alone; simulate
     --free-order-from REC then predicts the rest of its run exactly (sizes and offsets)."""
     from ms_memopt.cli import main
-    from ms_memopt.engine.template import free_order_of
+    from ms_memopt.templates.template import free_order_of
 
     calib = [("p0", drawn_record([8, 8, 12, 12], "abc")), ("p1", drawn_record([12, 8, 8], "abc")),
              ("p2", drawn_record([8, 12, 12], "bac"))]

@@ -9,9 +9,9 @@ import pytest
 
 from ms_memopt.config.recipe import WorkloadConfig, load_recipe, recipe_from_dict
 from ms_memopt.core.errors import InputError
-from ms_memopt.engine.template import generate, save_template
-from ms_memopt.engine.template_workload import WATCH, TemplateWorkload, recorded_dims
-from ms_memopt.engine.workload import draw_sequence_length
+from ms_memopt.templates.template import generate, save_template
+from ms_memopt.templates.workload import WATCH, TemplateWorkload, recorded_dims
+from ms_memopt.workload.step import draw_sequence_length
 from tests.test_template import learned
 
 TINY = {"model": {"model_config": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_length": 32,
@@ -121,9 +121,10 @@ def test_a_recipe_naming_a_template_runs_the_job_under_every_policy(tmp_path, ca
 
 
 def test_template_steps_are_priced_per_request_and_per_new_shape():
-    from ms_memopt.engine.simulate import config_from_recipe, simulate_policy
-    from ms_memopt.engine.timing import StepCounts
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.spec import config_from_recipe
+    from ms_memopt.simulation.simulate import simulate_policy
+    from ms_memopt.simulation.timing import StepCounts
+    from ms_memopt.simulation.spec import spec_from_recipe
 
     import tempfile
     from pathlib import Path
@@ -180,8 +181,9 @@ def test_a_bare_template_runs_as_a_one_card_job_with_policies_report_and_memory_
 
 
 def test_a_recipe_takes_its_template_steps_from_a_schedule(tmp_path):
-    from ms_memopt.engine.simulate import config_from_recipe, simulate_policy
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.spec import config_from_recipe
+    from ms_memopt.simulation.simulate import simulate_policy
+    from ms_memopt.simulation.spec import spec_from_recipe
 
     _schedule(tmp_path, [32] * 30)
     recipe = load_recipe(_template_recipe(tmp_path, schedule="s.csv", steps=30))
@@ -207,7 +209,7 @@ def test_the_workload_runs_the_prologue_and_layer_count_of_its_schedule():
     recorded most often)."""
     from tests.test_template import LAYER_RUNS, hidden_record
 
-    from ms_memopt.engine.template import learn
+    from ms_memopt.templates.template import learn
 
     template = learn([(f"h{h}_L{n}_{i}", hidden_record(h, seqs, layers=n))
                       for h in (32, 48, 64) for n in (2, 3, 4) for i, seqs in enumerate(LAYER_RUNS)])

@@ -1,5 +1,5 @@
 """The time model (issue 26): step time, stragglers and MFU of the whole job, per policy
-(:mod:`ms_memopt.engine.timing`, ``memopt.timing`` recipe keys)."""
+(:mod:`ms_memopt.simulation.timing`, ``memopt.timing`` recipe keys)."""
 from __future__ import annotations
 
 import ast
@@ -12,10 +12,11 @@ import pytest
 
 from ms_memopt.config.recipe import TimingConfig, load_recipe, recipe_from_dict
 from ms_memopt.core.errors import InputError
-from ms_memopt.engine.job import JobResult, RankOutcome, RankStream, job_from_recipe, simulate_jobs
-from ms_memopt.engine.simulate import PolicyResult
-from ms_memopt.engine.timing import TIMING_KEYS, StepCounts, job_steps, rank_step, step_flops
-from ms_memopt.engine.workload import spec_from_recipe
+from ms_memopt.simulation.job import JobResult, RankOutcome, simulate_jobs
+from ms_memopt.simulation.spec import RankStream, job_from_recipe
+from ms_memopt.simulation.simulate import PolicyResult
+from ms_memopt.simulation.timing import TIMING_KEYS, StepCounts, job_steps, rank_step, step_flops
+from ms_memopt.simulation.spec import spec_from_recipe
 from docs_table import documented_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,7 +258,7 @@ def test_a_compaction_pays_host_work_per_live_tensor(demo_results):
 
 
 def test_every_card_draws_its_own_jitter_and_the_job_waits_for_the_slowest():
-    from ms_memopt.engine.timing import card_factors, job_timing
+    from ms_memopt.simulation.timing import card_factors, job_timing
 
     counts = [[StepCounts(flops=1e12, model_flops=1e12).as_tuple()] * 200 for _ in range(4)]
     timing = TimingConfig(peak_flops=1e12, base_efficiency=1.0)
@@ -298,7 +299,7 @@ def test_the_simulator_counts_the_idle_blocks_a_model_gave_back():
     """_stall_start/_stall_add: the model's segment_frees since the step began (a compaction's
     fresh model starts its own count), beside the slow-path events."""
     from ms_memopt.allocators import create
-    from ms_memopt.engine.simulate import _Run
+    from ms_memopt.simulation.simulate import _Run
 
     run = object.__new__(_Run)              # the counting lines only, no workload
     run.model = create("mindspore", capacity=64 * 2**20, increase_size=16 * 2**20)

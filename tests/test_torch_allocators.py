@@ -13,7 +13,7 @@ from ms_memopt.allocators.torch_expandable import TorchExpandableAllocator
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.metrics import measure
-from ms_memopt.engine.replay import replay
+from ms_memopt.replay.replay import replay
 
 MiB = 1 << 20
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "torch"

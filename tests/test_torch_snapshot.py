@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import Layout
-from ms_memopt.engine.replay import placed_events
+from ms_memopt.replay.replay import placed_events
 from ms_memopt.io.traces.memory_viz import snapshot_dict, write_memory_viz
 from ms_memopt.io.traces.torch_snapshot import (SafeUnpickler, looks_like_torch_snapshot, read_torch_snapshot,
                                              safe_load)

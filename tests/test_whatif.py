@@ -10,7 +10,7 @@ import pytest
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
-from ms_memopt.engine.whatif import lifetime_tags, pool_regions, replay_policy
+from ms_memopt.replay.whatif import lifetime_tags, pool_regions, replay_policy
 from ms_memopt.io.traces import load_trace
 
 # the demo GPT, 4 PyNative steps of 8..32 tokens, raw stderr with VLOG_v=12906 and step marks

@@ -7,13 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ms_memopt.engine.workload import (
-    WATCH_TAG,
-    StepWorkload,
-    WorkloadSpec,
-    iter_events,
-    spec_from_recipe,
-)
+from ms_memopt.workload.step import WATCH_TAG, StepWorkload, WorkloadSpec, iter_events
+from ms_memopt.simulation.spec import spec_from_recipe
 
 MiB = 2**20
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "dense_100b_1024x910c.yaml"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ms_memopt.core.events import Event
-from ms_memopt.engine.template import dims_tag
+from ms_memopt.templates.template import dims_tag
 
 _BENCH = Path(__file__).resolve().parents[1] / "bench" / "workload_vs_template.py"
 
@@ -103,7 +103,7 @@ def test_per_layer_differences_cancel_what_layers_do_not_scale(bench):
 def test_the_rules_read_stepworkload_constants_back(bench):
     """On the hand-made workload the rules give back its own constants: per layer, the saved
     set (4 tensors, 35/30/20/15 %) is ``activation_bytes`` scaled by the length."""
-    from ms_memopt.engine.workload import spec_from_recipe
+    from ms_memopt.simulation.spec import spec_from_recipe
     figs = {}
     for layers in (2, 4):
         recipe = bench.model_recipe(layers, 64)
@@ -136,7 +136,8 @@ def test_stepworkload_scales_saved_bytes_as_the_formula_does(bench):
     not only at ``seq_length``."""
     from ms_memopt.analysis import estimate as est
     from ms_memopt.config.recipe import load_recipe
-    from ms_memopt.engine.workload import StepWorkload, spec_from_recipe
+    from ms_memopt.workload.step import StepWorkload
+    from ms_memopt.simulation.spec import spec_from_recipe
     recipe = bench.model_recipe(2, 64)
     spec = spec_from_recipe(recipe)
     assert 0 < spec.activation_quadratic_share < 1

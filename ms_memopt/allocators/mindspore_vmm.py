@@ -53,7 +53,7 @@ with ``reserved`` = mapped physical bytes):
 
 Data structures: as :mod:`ms_memopt.allocators.mindspore` (sorted integer keys
 ``size << 64 | addr`` for idle and for eager-free buffers, linked buffer lists), plus the
-mapped chunk indices (``addr >> 21``) per model as sorted runs (:class:`_ChunkSet`), so a
+mapped chunk indices (``addr >> 21``) per model as sorted runs (:class:`ChunkSet`), so a
 mapping costs the same whatever its size (a 1 PiB request is one run, not 2**29 entries).
 
 Example:
@@ -70,7 +70,7 @@ from ms_memopt.allocators.base import AllocatorModel, OOMRecord
 from ms_memopt.allocators.mindspore import ALIGN, align_size
 from ms_memopt.core.layout import Block, Layout, Segment
 
-__all__ = ["MindSporeVMMPool", "CHUNK"]
+__all__ = ["MindSporeVMMPool", "CHUNK", "ChunkSet"]
 
 CHUNK = 2 << 20                 # kVmmAlignSize
 _CHUNK_SHIFT = 21
@@ -83,11 +83,11 @@ _ADDR, _SIZE, _STATE, _PREV, _NEXT, _RANGE = range(6)
 _USED, _IDLE, _EAGER = 0, 1, 2
 
 
-class _ChunkSet:
+class ChunkSet:
     """A set of chunk indices kept as sorted, disjoint, non-touching runs ``[start, end)``.
 
     Example:
-        >>> chunks = _ChunkSet()
+        >>> chunks = ChunkSet()
         >>> chunks.add(0, 4); chunks.add(4, 6); chunks.remove(1, 2)
         >>> len(chunks), list(chunks.runs(0, 10)), 1 in chunks
         (5, [(0, 1), (2, 6)], False)
@@ -199,7 +199,7 @@ class MindSporeVMMPool(AllocatorModel):
         super().__init__(capacity)
         self._allocators: dict[tuple[int, bool], _Allocator] = {}
         self._bufs: dict[int, list] = {}
-        self._mapped = _ChunkSet()
+        self._mapped = ChunkSet()
         self._max_chunks = None if capacity is None else capacity // CHUNK
         self._next_addr = _BASE_ADDR
         self.eager_frees = 0
@@ -490,7 +490,7 @@ def restore_pieces(segment: Segment, size: int) -> list[tuple[int, int, int]]:
     return [(addr, nbytes, state) for addr, nbytes, state in merged]
 
 
-def ranges_layout(ranges, mapped: _ChunkSet, capacity: int | None) -> Layout:
+def ranges_layout(ranges, mapped: ChunkSet, capacity: int | None) -> Layout:
     """:meth:`MindSporeVMMPool.layout` from its :meth:`~MindSporeVMMPool.range_pieces` and its
     mapped chunks."""
     segments = []
@@ -518,7 +518,7 @@ def ranges_layout(ranges, mapped: _ChunkSet, capacity: int | None) -> Layout:
 
 def ranges_largest_free(ranges, capacity: int | None) -> int:
     """:meth:`MindSporeVMMPool.largest_free` from its :meth:`~MindSporeVMMPool.range_pieces`."""
-    live_chunks = _ChunkSet()
+    live_chunks = ChunkSet()
     runs: list[int] = []
     for *_, states in ranges:
         run = 0

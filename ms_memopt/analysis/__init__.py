@@ -1,3 +1,3 @@
 """Decisions from layouts: the estimator, the forecast, scans, the static planner, compaction
-plans and the arena that applies them to real bytes, and the doctor's advice.
+plans and the arena that applies them to real bytes.
 """

@@ -33,6 +33,7 @@ from typing import Any
 from ms_memopt.config.recipe import DTYPE_BYTES, ModelConfig, Recipe, RecomputeConfig
 
 __all__ = [
+    "layer_split",
     "REGIONS", "NOTHING_FITS", "StageEstimate", "Estimate", "estimate", "zero_model_state_bytes",
     "korthikanti_layer_activation_bytes", "layer_activation_bytes", "layer_input_bytes",
     "layer_params", "attention_params", "expert_params", "embedding_params", "output_layer_params",
@@ -145,11 +146,11 @@ def layer_params(model: ModelConfig, layer: int | None = None) -> int:
         >>> layer_params(m)          # LLaMA-7B layer
         202383360
     """
-    dense, experts = _layer_split(model, _is_moe_layer(model, layer), 1, 1)
+    dense, experts = layer_split(model, _is_moe_layer(model, layer), 1, 1)
     return int(dense + experts)
 
 
-def _layer_split(model: ModelConfig, moe_layer: bool, t: int, ep: int) -> tuple[float, float]:
+def layer_split(model: ModelConfig, moe_layer: bool, t: int, ep: int) -> tuple[float, float]:
     """One card's share of one layer: (weights split by ``t`` + replicated norms, routed
     experts split by ``ep``)."""
     h = model.hidden_size
@@ -169,7 +170,7 @@ def _mtp_split(model: ModelConfig, t: int, ep: int) -> tuple[float, float]:
     """One multi-token-prediction layer, per card: a Transformer layer like the last one, the
     projection of [embedding; hidden] (``2h x h``, split by ``t``) and three norms."""
     h = model.hidden_size
-    dense, experts = _layer_split(model, _is_moe_layer(model, model.num_layers - 1), t, ep)
+    dense, experts = layer_split(model, _is_moe_layer(model, model.num_layers - 1), t, ep)
     return dense + 2 * h * h / t + 3 * h, experts
 
 
@@ -190,7 +191,7 @@ def model_params(model: ModelConfig) -> int:
     Example: MindFormers' LLaMA-2 70B config gives about 6.9e10; DeepSeek-V3 about 6.8e11.
     """
     moe_layers = 0 if model.moe is None else model.moe.moe_layers_below(model.num_layers)
-    dense, moe = sum(_layer_split(model, False, 1, 1)), sum(_layer_split(model, True, 1, 1)) if moe_layers else 0.0
+    dense, moe = sum(layer_split(model, False, 1, 1)), sum(layer_split(model, True, 1, 1)) if moe_layers else 0.0
     total = (model.num_layers - moe_layers) * dense + moe_layers * moe
     return int(total + model.mtp_layers * sum(_mtp_split(model, 1, 1))) + embedding_params(model) \
         + output_layer_params(model)
@@ -223,8 +224,8 @@ def stage_param_split(recipe: Recipe) -> list[StageParams]:
     t, ep, p = par.model_parallel, par.expert_parallel, par.pipeline_stage
     h = model.hidden_size
     moe = model.moe
-    dense_layer = _layer_split(model, False, t, ep)
-    moe_layer = _layer_split(model, True, t, ep) if moe is not None else dense_layer
+    dense_layer = layer_split(model, False, t, ep)
+    moe_layer = layer_split(model, True, t, ep) if moe is not None else dense_layer
     emb = embedding_params(model) / (1 if par.vocab_emb_dp else t)
     out = (output_layer_params(model) - h) / t + h
     chunks = recipe.chunk_layers()
@@ -654,9 +655,9 @@ def gathered_layer_bytes(recipe: Recipe) -> int:
     dense_ways, expert_ways = optimizer_shard_ways(recipe)
     t, ep = par.model_parallel, par.expert_parallel
     moe_layers = 0 if model.moe is None else model.moe.moe_layers_below(model.num_layers)
-    kinds = [_layer_split(model, False, t, ep)] if moe_layers < model.num_layers else []
+    kinds = [layer_split(model, False, t, ep)] if moe_layers < model.num_layers else []
     if moe_layers:
-        kinds.append(_layer_split(model, True, t, ep))
+        kinds.append(layer_split(model, True, t, ep))
     most = max((dense if dense_ways > 1 else 0.0) + (experts if expert_ways > 1 else 0.0) for dense, experts in kinds)
     width = DTYPE_BYTES[model.compute_dtype]
     if par.pipeline_stage == 1 and DTYPE_BYTES[model.param_init_type] != width:

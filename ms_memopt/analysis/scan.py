@@ -42,7 +42,7 @@ from ms_memopt.core.layout import Layout
 from ms_memopt.core.metrics import LayoutMetrics, frag_ratio, hole_histogram, measure
 from ms_memopt.core.units import format_size, parse_size
 
-__all__ = ["ScanRecord", "Reading", "Source", "LayoutSource", "ScanLog", "Scanner",
+__all__ = ["write_record_line", "ScanRecord", "Reading", "Source", "LayoutSource", "ScanLog", "Scanner",
            "parse_watch", "check_watch", "read_scan_log", "forecast_fields", "SCAN_LOG_NAME"]
 
 #: set by ``ms-memopt record``: each scanned run's step ends are printed for the recording
@@ -60,10 +60,10 @@ def record_mark(tag: str) -> None:
     """Under ``ms-memopt record``, put a ``mark`` event (``tag``) into the recording here, e.g.
     around a compaction; does nothing otherwise."""
     if _RECORDING:
-        _write_record_line(f"{RECORD_MARK} {tag}")
+        write_record_line(f"{RECORD_MARK} {tag}")
 
 
-def _write_record_line(text: str) -> None:
+def write_record_line(text: str) -> None:
     """``text`` and its newline in one write(2) to stderr. ``print`` issues two writes, and the
     pool's C++ log lines (other threads, same fd) landed between them: the marker was glued to
     the front of a pool line. One write of under PIPE_BUF bytes is never split on a pipe."""
@@ -379,7 +379,7 @@ class Scanner:
         Never raises for a failing source: the failure is logged once and the source skipped.
         """
         if _RECORDING:   # under `ms-memopt record`: a step event in the recorded pool log
-            _write_record_line(f"{RECORD_STEP} {step}")
+            write_record_line(f"{RECORD_STEP} {step}")
         try:
             if not force and not self.due(step):
                 return None

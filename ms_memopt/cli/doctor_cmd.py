@@ -2,7 +2,7 @@
 kill) a recorded run, the blocks in the way, and the settings that save it, measured.
 
 Reads every format ``replay`` reads. With one recording: the verdict, the blockers and the
-remedies ranked (:mod:`ms_memopt.engine.doctor`); ``--out DIR`` also writes ``report.md`` with the
+remedies ranked (:mod:`ms_memopt.doctor.diagnose`); ``--out DIR`` also writes ``report.md`` with the
 remedies' timelines and the memory map at the worst moment, the blockers outlined. With two:
 where they part and which fragments more. Exit codes: 0 ok, 1 with ``--fail-on-oom`` when the
 recording dies at ``--capacity``, 2 bad input.
@@ -30,7 +30,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``ms-memopt doctor``."""
     from ms_memopt.io.traces import FORMATS
 
-    parser.add_argument("trace", help="the recording (format detected from its content)")
+    parser.add_argument("trace", help="the recording (format detected from its content), or a failed job's log "
+                                      "(plain or .gz) or log folder (msrun's worker_N.log, rank_N/, MindFormers' output/log/)")
     parser.add_argument("other", nargs="?", default=None,
                         help="a second recording: compare the two (first divergence, which fragments more)")
     parser.add_argument("--capacity", metavar="SIZE", default=None,
@@ -41,14 +42,21 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default=None, help="write report.md and its plots here")
     parser.add_argument("--json", action="store_true", help="print one JSON object (sizes in bytes)")
     parser.add_argument("--fail-on-oom", action="store_true",
-                        help="exit 1 when the recording runs out of memory at --capacity")
+                        help="exit 1 when the recording runs out of memory at --capacity (a log: holds an OOM report)")
+    from ms_memopt.cli.doctor_logs_cmd import add_arguments
+
+    add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from ms_memopt.allocators import MODELS
-    from ms_memopt.engine.doctor import compare, diagnose
+    from ms_memopt.cli.doctor_logs_cmd import crash_route
+    from ms_memopt.doctor.diagnose import compare, diagnose
     from ms_memopt.io.traces import load_trace
 
+    routed = crash_route(args)     # a failed job's log or log folder, not a recording
+    if routed is not None:
+        return routed
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
     if args.allocator is not None and (args.allocator not in MODELS or args.allocator == "pool"):
         raise InputError(f"unknown allocator {args.allocator!r}; expected one of "
@@ -59,8 +67,15 @@ def run(args: argparse.Namespace) -> int:
         comparison = compare(trace, other, capacity=capacity)
         print(json.dumps(comparison.to_dict()) if args.json else _comparison_text(comparison))
         return 0
-    progress = None if args.json else (lambda name: print(f"  replaying: {name}", file=sys.stderr))
-    diagnosis = diagnose(trace, capacity=capacity, allocator=args.allocator, progress=progress)
+    from ms_memopt.core.progress import progress_bar
+
+    # one unit per setting replayed (the baseline's replays come first, before the first name)
+    with progress_bar(None, "doctor: replaying", "setting", enabled=not args.json) as bar:
+        def progress(name: str) -> None:
+            bar.set_postfix_str(name, refresh=False)
+            bar.update(1)
+
+        diagnosis = diagnose(trace, capacity=capacity, allocator=args.allocator, progress=progress)
     if args.out:
         write_report(diagnosis, Path(args.out), trace=trace)
     print(json.dumps(diagnosis.to_dict()) if args.json else _text(diagnosis, args.out))
@@ -200,7 +215,7 @@ def write_report(d, out: Path, *, trace=None) -> Path:
 def _memory_viz(d, trace, path: Path) -> Path | None:
     """The recording as the model placed it, up to the worst moment, blockers marked."""
     from ms_memopt.allocators import create
-    from ms_memopt.engine.replay import placed_events
+    from ms_memopt.replay.replay import placed_events
     from ms_memopt.io.traces.memory_viz import write_memory_viz
 
     stop = d.verdict.event if d.verdict.event is not None else len(trace.events)

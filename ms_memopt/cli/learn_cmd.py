@@ -2,14 +2,14 @@
 
 Learns, from recordings made with ``ms_memopt.mindspore.mark_step`` under ``ms-memopt record``,
 the model's prologue and its ``first``, ``new_shape`` and ``repeat`` steps, each allocation's
-size a polynomial in the step dims (:mod:`ms_memopt.engine.template`). ``ms-memopt simulate
+size a polynomial in the step dims (:mod:`ms_memopt.templates.template`). ``ms-memopt simulate
 MODEL.template.json --schedule FILE.csv`` then runs any sequence of shapes. Prints what was
 learned and which positions no polynomial reproduced exactly (``--json``: one object).
 The prologue is fitted in the dims each recording holds fixed (``hidden``: one process per
 width). Exit code 0; 2 for recordings that do not line up (the message names recording and
 step). Recordings at several values of a dim fixed per process that changes how many
 allocations a step makes (``layers``, 3 or more consecutive counts) give a template over that
-repeated block count (:mod:`ms_memopt.engine.template_layers`); counts whose steps do not show
+repeated block count (:mod:`ms_memopt.templates.layers`); counts whose steps do not show
 one repeated block are refused (exit 2; the message names what a layer adds and what does not
 hold).
 
@@ -35,7 +35,7 @@ def add_parser(parser) -> None:
 
 
 def run(args) -> int:
-    from ms_memopt.engine.template import learn_files, save_template
+    from ms_memopt.templates.template import learn_files, save_template
 
     if args.max_degree < 0:
         raise InputError(f"expected a degree >= 0, got {args.max_degree}", key="--max-degree")

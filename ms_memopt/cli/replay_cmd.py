@@ -1,7 +1,7 @@
 """``ms-memopt replay TRACE``: replay a recorded trace through an allocator model.
 
 Prints peaks, segments, OOMs and fragmentation in human units, or with ``--json`` one object in
-bytes (the fields of :class:`~ms_memopt.engine.replay.ReplayResult` plus ``trace``, ``format``,
+bytes (the fields of :class:`~ms_memopt.replay.replay.ReplayResult` plus ``trace``, ``format``,
 ``capacity`` and ``oom_count``). Exit codes: 0 ok, 1 OOMs happened and ``--fail-on-oom`` was
 given, 2 bad input.
 
@@ -16,7 +16,7 @@ import math
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.units import format_size, parse_size
-from ms_memopt.engine.replay import default_allocator
+from ms_memopt.replay.replay import default_allocator
 from ms_memopt.io.traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
 
 __all__ = ["add_parser", "run", "default_allocator"]
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the command; returns the exit code."""
     from ms_memopt.allocators import create
     from ms_memopt.allocators.options import parse_allocator_options
-    from ms_memopt.engine.replay import replay
+    from ms_memopt.replay.replay import replay
     from ms_memopt.io.traces import load_trace
 
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         if args.policy == "baseline":
             result = replay(trace, create(name, capacity, **options))
         else:
-            from ms_memopt.engine.whatif import replay_policy
+            from ms_memopt.replay.whatif import replay_policy
 
             result = replay_policy(trace, args.policy, allocator=name, capacity=capacity,
                                    compact_every=args.compact_every, options=options)

@@ -2,16 +2,16 @@
 
 Every distinct card stream of the recipe (pipeline stages x data-parallel groups; tensor-parallel
 peers share a stream), or a ``--ranks N`` sample, runs through the simulator
-(:mod:`ms_memopt.engine.job`) on local processes, or on a Dask or Ray cluster with ``--executor``.
+(:mod:`ms_memopt.simulation.job`) on local processes, or on a Dask or Ray cluster with ``--executor``.
 The job dies at its first rank. ``--compact-trigger forecast|margin`` (or the recipe's
 ``memopt.compact_trigger``) selects what makes the ``compact`` policy compact at a scan. Prints one line per policy (or, with ``--json``, one JSON
 object: per policy ``job_oom_step``, ``job_oom_rank``, ``job_oom_stage``, ``ranks``, the
 ``distribution`` across ranks, ``first_rank`` (the failing rank's
-:class:`ms_memopt.engine.simulate.PolicyResult` figures) and ``rank_results``; with ``--seeds N``,
+:class:`ms_memopt.simulation.simulate.PolicyResult` figures) and ``rank_results``; with ``--seeds N``,
 each policy holds ``seeds`` (one job each) and ``median_job_oom_step``). ``--out DIR``
 receives ``timeline.jsonl`` (every rank's samples, stamped with ``rank`` and ``stage``),
 and for the rank the job is judged by (its first failing rank, or the closest call, as the job
-itself ran it: :class:`ms_memopt.engine.job.ShowRank`) ``layouts.jsonl`` (its pool at each policy's OOM, or at its worst moment when
+itself ran it: :class:`ms_memopt.simulation.job.ShowRank`) ``layouts.jsonl`` (its pool at each policy's OOM, or at its worst moment when
 it survives) and ``report.md`` with ``fragmentation.png`` and ``memory_map.png``.
 ``--export-memory-viz FILE.pickle`` writes that rank's simulated events with the model's addresses and its final
 layout in PyTorch's memory snapshot format (pytorch.org/memory_viz): with one policy to
@@ -21,14 +21,11 @@ with ``--fail-on-oom`` when a policy lets the job OOM.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
+from ms_memopt.cli.simulate_job import add_job_arguments, run_jobs
 from ms_memopt.core.errors import InputError
-from ms_memopt.core.units import format_size
 
-__all__ = ["add_job_arguments", "add_parser", "configure_job", "parse_policies", "parse_stages", "run", "run_jobs"]
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(parser) -> None:
@@ -68,32 +65,6 @@ def _free_order(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an entry number or all, got {text!r}") from None
 
 
-def add_job_arguments(parser) -> None:
-    """The options of a job simulation, shared by ``simulate`` and ``sweep``."""
-    from ms_memopt.engine.executors import EXECUTORS
-
-    parser.add_argument("--steps", type=int, default=None, help="steps to simulate (default: memopt.workload.steps)")
-    parser.add_argument("--policy", default="baseline,compact,pool",
-                        help="comma-separated policies: baseline, compact, pool")
-    parser.add_argument("--allocator", default=None, help="allocator model (default: memopt.allocator.name)")
-    parser.add_argument("--allocator-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="allocator model option, e.g. pregrow=true or increase_size=8GiB (repeatable)")
-    parser.add_argument("--seed", type=int, default=None, help="the job seed (default: memopt.workload.seed)")
-    parser.add_argument("--ranks", type=int, default=None, metavar="N",
-                        help="simulate a sample of N rank streams (default: every stage x data-parallel group)")
-    parser.add_argument("--stages", default=None, metavar="S,S",
-                        help="only these pipeline stages, e.g. 0 or 0,1 (default: all)")
-    parser.add_argument("--executor", default="local", choices=EXECUTORS,
-                        help="where rank streams run: local processes (default), a Dask or a Ray cluster")
-    parser.add_argument("--address", default=None,
-                        help="the cluster for --executor dask|ray (default: the engine's local mode)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="worker processes for local runs (default: every core)")
-    parser.add_argument("--compact-trigger", default=None, metavar="forecast|margin",
-                        help="what makes the compact policy compact at a scan: the forecast warns within a scan "
-                             "interval (forecast), or the largest hole before the watched request falls below 1.5x "
-                             "it (margin); default: memopt.compact_trigger, else forecast")
-
 
 def run(args) -> int:
     if str(args.recipe).endswith(".template.json"):      # a learned step template (ms-memopt learn)
@@ -110,227 +81,4 @@ def run(args) -> int:
     return run_jobs(load_recipe(args.recipe), args)
 
 
-def _check_counts(args) -> None:
-    if args.steps is not None and args.steps < 1:
-        raise InputError(f"expected a positive number of steps, got {args.steps}", key="--steps")
-    if args.seeds is not None and args.seeds < 1:
-        raise InputError(f"expected a positive number of seeds, got {args.seeds}", key="--seeds")
 
-
-def run_jobs(recipe, args, *, priced: bool = True) -> int:
-    """Simulate ``recipe``'s job under ``args``' policies and print it (the recipe route; a bare
-    template's one-card recipe, :func:`~ms_memopt.engine.template_workload.recipe_for_template`,
-    comes here too with ``priced=False``: it has no model whose FLOPs the time model could price)."""
-    from ms_memopt.engine.job import ShowRank, job_from_recipe, median_job_oom_step, simulate_jobs
-    from ms_memopt.engine.simulate import POLICIES
-
-    policies = parse_policies(args.policy, POLICIES)
-    _check_counts(args)
-    seeds = list(range(args.seeds)) if args.seeds else [recipe.memopt.workload.seed if args.seed is None
-                                                          else args.seed]
-    jobs = [configure_job(job_from_recipe(recipe, policies=policies, seed=seed, ranks=args.ranks,
-                                          stages=parse_stages(args.stages), steps=args.steps),
-                          recipe, args) for seed in seeds]
-    cfg = jobs[0].cfg
-
-    out_dir = Path(args.out) if args.out else None
-    timeline = None
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        timeline = open(out_dir / "timeline.jsonl", "w", encoding="utf-8")
-    viz_paths = _viz_paths(args.export_memory_viz, jobs[0].policies) if args.export_memory_viz else {}
-    show = None
-    if out_dir is not None or viz_paths:
-        show = ShowRank(layouts=out_dir is not None, placed=tuple(viz_paths))
-    try:
-        results = simulate_jobs(jobs, executor=args.executor, address=args.address, workers=args.workers,
-                                progress=sys.stderr.isatty(), timeline=timeline, show=show)
-    finally:
-        if timeline is not None:
-            timeline.close()
-    first = next(iter(results[0].values()))
-    if out_dir is not None and priced:
-        _write_timing(out_dir / "timing.json", results[0])
-    if show is not None:
-        _write_shown_rank(jobs[0], first.view, out_dir, viz_paths, args)
-
-    if args.json:
-        out = {"recipe": str(args.recipe), "steps": cfg.steps, "allocator": cfg.allocator,
-               "allocator_options": cfg.allocator_options, "capacity": cfg.capacity,
-               "scan_every": cfg.scan_every, "compact_every": cfg.compact_every,
-               "compact_trigger": cfg.compact_trigger,
-               "executor": args.executor, "ranks": len(jobs[0].streams), "policies": {}}
-        for policy in policies:
-            per_seed = [job[policy] for job in results]
-            if args.seeds:
-                out["policies"][policy] = {"policy": policy, "median_job_oom_step": median_job_oom_step(per_seed),
-                                           "seeds": [r.to_dict() for r in per_seed]}
-            else:
-                out["policies"][policy] = per_seed[0].to_dict()
-            if not priced:
-                _unpriced(out["policies"][policy])
-        print(json.dumps(out))
-    else:
-        _print_table(results, policies, cfg, bool(args.seeds), priced=priced)
-    any_oom = any(job[p].job_oom_step is not None for job in results for p in policies)
-    return 1 if (args.fail_on_oom and any_oom) else 0
-
-
-def parse_policies(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
-    """``--policy a,b``: the named policies, or an :class:`InputError` naming ``--policy``."""
-    policies = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in policies if p not in known]
-    if bad or not policies:
-        raise InputError(f"unknown policy {', '.join(bad) or '(none)'}; expected some of {', '.join(known)}",
-                         key="--policy")
-    return policies
-
-
-def parse_stages(text: str | None) -> list[int] | None:
-    """``--stages 0,1``: pipeline stage numbers (checked against the recipe later)."""
-    if text is None:
-        return None
-    try:
-        return [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise InputError(f"expected comma-separated stage numbers, got {text!r}", key="--stages") from None
-
-
-def configure_job(job, recipe, args):
-    """Apply ``--allocator``, ``--allocator-option`` and ``--compact-trigger`` to a job's simulator settings."""
-    from ms_memopt.allocators import MODELS
-    from ms_memopt.allocators.options import parse_allocator_options
-    from ms_memopt.engine.simulate import COMPACT_TRIGGERS
-
-    cfg = job.cfg
-    trigger = getattr(args, "compact_trigger", None)
-    if trigger is not None:
-        if trigger not in COMPACT_TRIGGERS:
-            raise InputError(f"unknown compact trigger {trigger!r}; expected one of {', '.join(COMPACT_TRIGGERS)}",
-                             key="--compact-trigger")
-        cfg.compact_trigger = trigger
-    if args.allocator:
-        if args.allocator == "pool":
-            raise InputError("pool mode is the `pool` policy, with regions from the plan: use --policy pool; "
-                             "--allocator names the model of baseline and compact", key="--allocator")
-        if args.allocator not in MODELS:
-            raise InputError(f"unknown allocator {args.allocator!r}; expected one of {', '.join(MODELS)}",
-                             key="--allocator")
-        if args.allocator != recipe.memopt.allocator.name:
-            cfg.allocator_options = {}
-        cfg.allocator = args.allocator
-    cfg.allocator_options.update(parse_allocator_options(cfg.allocator, args.allocator_option))
-    return job
-
-
-def _write_shown_rank(job, view, out_dir: Path | None, viz_paths: dict[str, Path], args) -> None:
-    """What the job kept of the rank it is judged by (its first failing rank, or the closest call;
-    :class:`~ms_memopt.engine.job.ShowRank`): ``--out`` gets ``layouts.jsonl`` (its pool at each
-    policy's OOM or worst moment), ``report.md`` and ``fragmentation.png`` of that rank;
-    ``--export-memory-viz`` its placed events."""
-    stream = view.stream if view is not None else job.streams[0]
-    if out_dir is not None:
-        from ms_memopt.report.plots import plot_fragmentation_timeline
-        from ms_memopt.report.build import build_report
-        from ms_memopt.io.layouts import write_layouts
-        name = Path(args.recipe).name
-        where = f"rank {stream.rank} (stage {stream.stage}, seed {stream.seed})"
-        write_layouts(out_dir / "layouts.jsonl", view.snapshots if view is not None else [])
-        build_report(out_dir, title=f"Simulation of {name}: {job.cfg.steps} steps, {len(job.streams)} rank streams",
-                     memory_map_title=f"{name}, {where}: the pool at each policy's OOM, or its worst moment")
-        # the report draws the first stream in the file; show the rank the job is judged by
-        plot_fragmentation_timeline(out_dir / "timeline.jsonl", out_dir / "fragmentation.png",
-                                    seed=stream.seed, title=f"{name}, {where}")
-    from ms_memopt.io.traces.memory_viz import write_memory_viz
-    for policy, path in viz_paths.items():
-        run = view.placed.get(policy) if view is not None else None
-        if run is None:         # the policy never ran on this card (pool mode's regions do not fit)
-            print(f"memory viz ({policy}): not written, the policy did not run on rank {stream.rank}", file=sys.stderr)
-            continue
-        write_memory_viz(path, run.events, run.final)
-        print(f"memory viz ({policy}, rank {stream.rank}, seed {stream.seed}): {path}", file=sys.stderr)
-
-
-def _write_timing(path: Path, results) -> None:
-    """The first job seed's time model figures per policy (read by ``ms-memopt report``):
-    ``timing``, the job's ``step_seconds``, each rank's ``rank_step_median`` and the cards' CV at
-    a step (``card_cv``)."""
-    policies = {}
-    for policy, job in results.items():
-        figures = job.timing_figures()
-        policies[policy] = {"timing": None} if figures is None else {
-            "timing": figures[0], "step_seconds": figures[1]["step_seconds"],
-            "rank_step_median": figures[1]["rank_step_median"], "card_cv": figures[1]["card_cv"]}
-    path.write_text(json.dumps({"policies": policies}) + "\n", encoding="utf-8")
-
-
-def _viz_paths(path: str, policies: tuple[str, ...]) -> dict[str, Path]:
-    """Policy -> snapshot file: ``path`` itself for one policy, ``stem.<policy>.suffix`` for several."""
-    path = Path(path)
-    if len(policies) == 1:
-        return {policies[0]: path}
-    suffix = path.suffix or ".pickle"
-    return {policy: path.with_name(f"{path.stem if path.suffix else path.name}.{policy}{suffix}")
-            for policy in policies}
-
-
-def _dash(value) -> str:
-    """A table cell: ``-`` for ``None`` (0 is a step like any other)."""
-    return "-" if value is None else str(value)
-
-
-#: why a bare template's run has no time model (``simulate --json``'s ``timing_note``)
-UNPRICED = ("a template records no model FLOPs: name it in a recipe (memopt.workload.template) for the time model")
-
-
-def _unpriced(figures: dict) -> None:
-    """Drop the time model's figures from a policy's (or its seeds') ``--json`` object."""
-    for entry in [figures, *figures.get("seeds", [])]:
-        if "timing" in entry:
-            entry.pop("timing_detail", None)
-            entry["timing"] = None
-            entry["timing_note"] = UNPRICED
-
-
-def _print_table(results, policies, cfg, many: bool, *, priced: bool = True) -> None:
-    print(f"{cfg.steps} steps, allocator {cfg.allocator} {cfg.allocator_options or ''}, "
-          f"capacity {format_size(cfg.capacity)}, scan every {cfg.scan_every}, compact every {cfg.compact_every}")
-    print(f"{'policy':<9} {'seed':>4} {'ranks':>5} {'job_oom':>7} {'rank':>5} {'stage':>5} {'oom_kind':<13} "
-          f"{'free@oom':>10} {'oom_ranks':>9} {'median':>7} {'lf_min':>10} {'compactions':>11} {'peak':>10}")
-    for policy in policies:
-        for job in results:
-            r = job[policy]
-            d, first = r.distribution(), r.closest
-            fr = first.result if first else None
-            print(f"{policy:<9} {r.seed:>4} {d['ranks']:>5} {_dash(r.job_oom_step):>7} "
-                  f"{(first.stream.rank if r.first else '-')!s:>5} {(first.stream.stage if r.first else '-')!s:>5} "
-                  f"{((fr.oom_kind if fr else None) or '-'):<13} "
-                  f"{format_size(fr.free_total_at_oom if fr else None):>10} {d['oom_ranks']:>9} "
-                  f"{_dash(d['oom_step_median']):>7} {format_size(fr.largest_free_min if fr else None):>10} "
-                  f"{(fr.compactions if fr else 0):>11} {format_size(fr.peak_allocated if fr else None):>10}")
-        if many:
-            from ms_memopt.engine.job import median_job_oom_step
-            print(f"{policy:<9} median job_oom_step: {median_job_oom_step([job[policy] for job in results])}")
-    if priced:
-        _print_timing(results, policies)
-    else:
-        print(f"time model: not priced ({UNPRICED})")
-
-
-def _pct(value) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
-
-
-def _print_timing(results, policies) -> None:
-    """The time model's figures per policy (ms_memopt.engine.timing): the job's step, MFU, lost time."""
-    print(f"{'policy':<9} {'seed':>4} {'step_med':>9} {'step_p99':>9} {'step_cv':>8} {'mfu':>7} "
-          f"{'mem_stall':>9} {'compaction':>10}")
-    for policy in policies:
-        for job in results:
-            t = job[policy].timing()
-            if t is None:
-                print(f"{policy:<9} {job[policy].seed:>4} (no completed step)")
-                continue
-            print(f"{policy:<9} {job[policy].seed:>4} {t['step_seconds_median']:>8.4g}s {t['step_seconds_p99']:>8.4g}s "
-                  f"{_pct(t['step_cv']):>8} {_pct(t['mfu']):>7} {_pct(t['memory_stall_share']):>9} "
-                  f"{_pct(t['compaction_pause_share']):>10}")

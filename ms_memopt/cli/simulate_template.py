@@ -1,7 +1,7 @@
 """``ms-memopt simulate MODEL.template.json --schedule FILE.csv``: a learned step template run.
 
 Two routes. Without ``--export-events`` the template runs as a one-card job
-(:func:`~ms_memopt.engine.template_workload.recipe_for_template`): every policy of ``--policy``,
+(:func:`~ms_memopt.templates.workload.recipe_for_template`): every policy of ``--policy``,
 ``--steps``, ``--seeds``, ``--capacity``, ``--allocator``, ``--compact-trigger``, ``--out``'s
 timeline, report and memory map, ``--export-memory-viz``, the forecast and the executors, as a
 recipe naming it (``memopt.workload.template``) gets; the time model is not priced (a template
@@ -17,11 +17,11 @@ fragmentation (``--json``: one object, bytes); ``--export-events OUT.jsonl`` wri
 with the model's addresses and its blocks as ``segment_alloc`` events (our JSONL,
 docs/events.md). Exit code 0, or 1 with ``--fail-on-oom`` after an OOM. ``args.free_order``
 (when the parser gives one): generate in that calibration recording's free order
-(``template.free_orders``, :func:`~ms_memopt.engine.template.generate`), or ``"all"``: every
+(``template.free_orders``, :func:`~ms_memopt.templates.template.generate`), or ``"all"``: every
 order, one file per distinct layout (``OUT.jsonl`` the default order's, ``OUT.layoutN.jsonl``
-the others; :func:`~ms_memopt.engine.template_draws.draw_outcomes`), the addresses a process can
+the others; :func:`~ms_memopt.templates.draws.draw_outcomes`), the addresses a process can
 get; ``args.free_order_from`` (a recording): in the order that process drew, read from its first
-step (:func:`~ms_memopt.engine.template.free_order_of`).
+step (:func:`~ms_memopt.templates.template.free_order_of`).
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def run(args) -> int:
     from ms_memopt.allocators import create
     from ms_memopt.allocators.options import parse_allocator_options
     from ms_memopt.core.events import write_jsonl
-    from ms_memopt.engine.template import flat_template, load_template, read_schedule
-    from ms_memopt.engine.template_draws import draw_outcomes
+    from ms_memopt.templates.template import flat_template, load_template, read_schedule
+    from ms_memopt.templates.draws import draw_outcomes
 
     template = load_template(args.recipe)
     if not getattr(args, "schedule", None):
@@ -68,7 +68,7 @@ def run(args) -> int:
     if getattr(args, "free_order_from", None):
         if free_order is not None:
             raise InputError("give --free-order or --free-order-from, not both", key="--free-order-from")
-        from ms_memopt.engine.template import free_order_of
+        from ms_memopt.templates.template import free_order_of
         from ms_memopt.io.traces import load_trace
 
         free_order, order_match = free_order_of(flat, schedule, load_trace(args.free_order_from).events)
@@ -158,9 +158,9 @@ _JOB_ONLY = ("out", "seeds", "export_memory_viz", "compact_trigger", "ranks", "s
 
 
 def _run_job(args, template) -> int:
-    """The template as a one-card job (:func:`~ms_memopt.cli.simulate_cmd.run_jobs`)."""
-    from ms_memopt.cli.simulate_cmd import run_jobs
-    from ms_memopt.engine.template_workload import recipe_for_template
+    """The template as a one-card job (:func:`~ms_memopt.cli.simulate_job.run_jobs`)."""
+    from ms_memopt.cli.simulate_job import run_jobs
+    from ms_memopt.templates.workload import recipe_for_template
 
     for flag in ("ranks", "stages"):
         if getattr(args, flag, None) is not None:

@@ -267,9 +267,9 @@ class WorkloadConfig:
     """``memopt.workload``: the knobs of the synthetic per-step alloc/free pattern.
 
     The one schema of these keys: each field's default here is *the* default, read by the
-    recipe loader, by :class:`~ms_memopt.engine.workload.WorkloadSpec` (the simulator's form, whose
+    recipe loader, by :class:`~ms_memopt.workload.step.WorkloadSpec` (the simulator's form, whose
     fields take their defaults from these) and by ``ms-memopt run``'s sequence lengths
-    (:func:`~ms_memopt.engine.workload.draw_sequence_length`, the one rule for both). Every
+    (:func:`~ms_memopt.workload.step.draw_sequence_length`, the one rule for both). Every
     mechanism is off unless a recipe asks for it. ``seq_min``/``seq_max`` ``None``: derived
     from ``seq_length`` (:func:`seq_range`); ``seed``: the recipe's top-level ``seed``.
     """
@@ -330,7 +330,7 @@ def schema_keys(cls: type) -> dict[str, dataclasses.Field]:
 
 @dataclass(frozen=True)
 class TimingConfig:
-    """``memopt.timing``: the constants of the simulator's time model (:mod:`ms_memopt.engine.timing`).
+    """``memopt.timing``: the constants of the simulator's time model (:mod:`ms_memopt.simulation.timing`).
 
     The one schema of these keys: each default here is *the* default (the recipe loader reads
     them from here); docs/recipes.md gives each one's source. Rates are per card; the defaults
@@ -666,17 +666,22 @@ class _Reader:
             if isinstance(value, dict):
                 return True
             if isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) for v in value):
-                # one per-stage list per interleaved chunk (pp_interleave_num)
-                return tuple(conv(row, f"{path}[{c}]") for c, row in enumerate(value))
+                # one per-stage list per interleaved chunk (pp_interleave_num): exactly one level
+                # deeper, each row a list of counts (a deeper row, [[[1]]], is refused here by
+                # counts(), not found later as a tuple compared with an int)
+                return tuple(counts(row, f"{path}[{c}]") for c, row in enumerate(value))
             if isinstance(value, (list, tuple)):
-                counts = []
-                for i, item in enumerate(value):
-                    counts.append(self.integer(minimum=0)(item, f"{path}[{i}]"))
-                if len(counts) != stages:
-                    raise self.fail(path, value, f"a bool or a list of {stages} layer counts "
-                                    f"(one per pipeline stage)")
-                return tuple(counts)
+                return counts(value, path)
             raise self.fail(path, value, "a bool or a per-pipeline-stage list of layer counts")
+
+        def counts(value: Any, path: str) -> tuple[int, ...]:
+            if not isinstance(value, (list, tuple)):
+                raise self.fail(path, value, f"a list of {stages} layer counts (one per pipeline stage)")
+            out = tuple(self.integer(minimum=0)(item, f"{path}[{i}]") for i, item in enumerate(value))
+            if len(out) != stages:
+                raise self.fail(path, value, f"a bool or a list of {stages} layer counts "
+                                f"(one per pipeline stage)")
+            return out
         return conv
 
     def typos(self, data: dict, path: str, known: set[str], absent: set[str] | None = None) -> None:
@@ -988,7 +993,7 @@ _ALLOCATOR_KEYS = {f.name for f in dataclasses.fields(AllocatorConfig)}
 _RETIRED_ALLOCATOR_KEYS = {"align"}
 #: the one alignment every allocator model uses (``allocators/mindspore.ALIGN``, PyTorch's 512 B blocks)
 _MODEL_ALIGN = 512
-_COMPACT_TRIGGERS = ("forecast", "margin")    # = ms_memopt.engine.simulate.COMPACT_TRIGGERS (tests/test_simulate.py checks)
+_COMPACT_TRIGGERS = ("forecast", "margin")    # = ms_memopt.simulation.simulate.COMPACT_TRIGGERS (tests/test_simulate.py checks)
 _ALLOCATOR_NAMES = ("mindspore", "mindspore_bestfit", "mindspore_vmm", "torch", "torch_expandable", "pool")
 _WORKLOAD_KEYS = {f.name for f in dataclasses.fields(WorkloadConfig)}
 _SHAPE_CACHE_KEYS = {f.name for f in dataclasses.fields(ShapeCacheConfig)}

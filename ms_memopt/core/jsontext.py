@@ -48,7 +48,7 @@ def parse_json(text: str | bytes, *, source: str | None = None, line: int | None
     if opens > MAX_DEPTH:       # a cheap count first: only text with many brackets is scanned
         depth = json_depth(text if isinstance(text, str) else text.decode("utf-8", "replace"))
         if depth > MAX_DEPTH:
-            raise InputError(f"not a JSON value we read: nested more than {MAX_DEPTH} levels deep",
+            raise InputError(f"not a JSON value we read: nested too deeply (more than {MAX_DEPTH} levels)",
                              source=source, line=line)
     try:
         return json.loads(text, parse_constant=_no_constant)

@@ -14,7 +14,7 @@ import re
 
 from ms_memopt.core.errors import InputError
 
-__all__ = ["MAX_VALUE", "short_repr", "parse_size", "parse_count", "format_size"]
+__all__ = ["MAX_VALUE", "GRANULE", "short_repr", "parse_size", "parse_count", "format_size", "aligned"]
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -131,3 +131,18 @@ def format_size(nbytes: int | float | None, *, digits: int = 2) -> str:
     if unit == "GiB" and abs(value) >= 1024:
         return f"{value / 1024:.{digits}f} TiB"
     return f"{value:.{digits}f} {unit}"
+
+
+#: the granule every pool model rounds a request to (MindSpore's pools and PyTorch's caching allocator)
+GRANULE = 512
+
+
+def aligned(nbytes: int | float, granule: int = GRANULE) -> int:
+    """``nbytes`` rounded up to a multiple of ``granule`` bytes, at least one granule.
+
+    Example:
+        >>> aligned(1), aligned(512), aligned(513), aligned(0)
+        (512, 512, 1024, 512)
+    """
+    n = int(nbytes)
+    return max(granule, -(-n // granule) * granule)

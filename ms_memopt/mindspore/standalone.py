@@ -58,7 +58,7 @@ from ms_memopt.config.recipe import Recipe
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.jsontext import read_json_lines
 from ms_memopt.core.layout import Layout
-from ms_memopt.engine.workload import sequence_lengths as workload_sequence_lengths
+from ms_memopt.workload.step import sequence_lengths as workload_sequence_lengths
 from ms_memopt.io.layouts import LAYOUTS_NAME, layout_to_dict
 from ms_memopt.mindspore.compaction import CompactionCallback
 from ms_memopt.mindspore.fused_adamw import FusedAdamW
@@ -252,7 +252,7 @@ def sequence_lengths(recipe: Recipe, steps: int, seq_length: int) -> list[int] |
     """Per-step sequence lengths for a run whose recipe asks for dynamic shapes
     (``memopt.workload.dynamic_seq``), seeded by ``memopt.workload.seed``; ``None`` for fixed
     shapes. The rules are the simulator's, by the same function
-    (:func:`ms_memopt.engine.workload.draw_sequence_length`: ``seq_distribution``, ``long_tail``,
+    (:func:`ms_memopt.workload.step.draw_sequence_length`: ``seq_distribution``, ``long_tail``,
     ``seq_align`` rounding down, ``seq_buckets``), one draw per step (the simulator draws one
     per micro-batch).
 
@@ -516,8 +516,8 @@ def run_standalone(recipe: Recipe, out: str | Path, *, device: str = "auto", ste
     try:
         result = _train(recipe, out, device=device, steps=steps, resume_from=resume_from, progress=progress)
         # the run is over (its network freed): its own pool log (a CPU run's) is replayed once, here;
-        # the report reads the summary (ms_memopt.engine.pool_log_check)
-        from ms_memopt.engine.pool_log_check import write_summary
+        # the report reads the summary (ms_memopt.replay.pool_log_check)
+        from ms_memopt.replay.pool_log_check import write_summary
         write_summary(out)
         return result
     finally:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 
-from ms_memopt.analysis.scan import RECORD_STEP, _write_record_line
+from ms_memopt.analysis.scan import RECORD_STEP, write_record_line
 
 __all__ = ["mark_step", "StepMarkCallback", "format_step_line", "reset_step_count"]
 
@@ -79,7 +79,7 @@ def mark_step(**dims: int) -> int:
 
     wait_for_queued_ops()
     if os.environ.get("MS_MEMOPT_RECORD"):
-        _write_record_line(line)
+        write_record_line(line)
     elif _capturing():      # this process's own pool log (ms-memopt run): file descriptor 2 is its file
         os.write(2, (line + "\n").encode())
     return step

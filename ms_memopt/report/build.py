@@ -145,9 +145,9 @@ def _real_pool_note(scans: dict[int, list[dict]]) -> str | None:
 def _pool_log_replay(root: Path) -> str | None:
     """One sentence on the run's own pool log (``pool.log``, written when its scans followed the
     real pool): how many pool calls it holds and how exactly the model replays them, from the
-    summary the run wrote when it finished (:mod:`ms_memopt.engine.pool_log_check`; the report
+    summary the run wrote when it finished (:mod:`ms_memopt.replay.pool_log_check`; the report
     does not replay)."""
-    from ms_memopt.engine.pool_log_check import ALLOCATOR, SUMMARY_NAME, read_summary
+    from ms_memopt.replay.pool_log_check import ALLOCATOR, SUMMARY_NAME, read_summary
     from ms_memopt.io.traces.ms_pool_log import LOG_NAME
 
     if not (root / LOG_NAME).is_file():
@@ -371,7 +371,7 @@ TIMING_NAME = "timing.json"
 
 
 def _step_time_section(root: Path, title: str) -> list[str]:
-    """The time model's figures (:mod:`ms_memopt.engine.timing`) from ``timing.json``, when written."""
+    """The time model's figures (:mod:`ms_memopt.simulation.timing`) from ``timing.json``, when written."""
     path = root / TIMING_NAME
     if not path.is_file():
         return []

@@ -328,7 +328,7 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
 
 
 def plot_sweep(rows: list[dict], keys: list[str], path: str | Path, *, title: str = "Sweep") -> Path:
-    """The job OOM step per policy over a sweep's grid (:func:`ms_memopt.engine.sweep.sweep_rows`):
+    """The job OOM step per policy over a sweep's grid (:func:`ms_memopt.simulation.sweep.sweep_rows`):
     one group of bars per grid point, one bar per policy; a job that survives every step is a
     hatched bar to the last simulated step, marked "no OOM"; step 0 ("cannot start") is a
     pool-mode plan larger than the card.
@@ -374,7 +374,7 @@ def plot_sweep(rows: list[dict], keys: list[str], path: str | Path, *, title: st
 
 def plot_step_times(policies: dict[str, dict], path: str | Path, *, title: str = "Step time") -> Path:
     """The job's step time per policy (``{policy: {"step_seconds": [...], "rank_step_median": [...]}}``,
-    :mod:`ms_memopt.engine.timing`): a timeline (left) and each rank's median busy time (right: the
+    :mod:`ms_memopt.simulation.timing`): a timeline (left) and each rank's median busy time (right: the
     distribution across ranks, where a straggler shows)."""
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [3, 1]})

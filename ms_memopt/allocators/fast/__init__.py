@@ -36,7 +36,7 @@ from collections import OrderedDict
 
 from ms_memopt.allocators.base import AllocatorModel
 from ms_memopt.allocators.mindspore import check_options, initial_block, restore_pieces
-from ms_memopt.allocators.mindspore_vmm import CHUNK, MindSporeVMMPool, _ChunkSet, ranges_largest_free, ranges_layout
+from ms_memopt.allocators.mindspore_vmm import CHUNK, MindSporeVMMPool, ChunkSet, ranges_largest_free, ranges_layout
 from ms_memopt.allocators.mindspore_vmm import restore_pieces as vmm_restore_pieces
 from ms_memopt.allocators.pool import PoolModeAllocator
 from ms_memopt.allocators.torch import check_divisions, is_small_segment, merged_blocks
@@ -234,7 +234,7 @@ if ModelCore is not None:
 
         def layout(self) -> Layout:
             ranges, runs = self._vmm_state()
-            mapped = _ChunkSet()
+            mapped = ChunkSet()
             for start, end in runs:
                 mapped.add(start, end)
             return ranges_layout(sorted(ranges, key=lambda r: (r[0], r[1])), mapped, self.capacity)

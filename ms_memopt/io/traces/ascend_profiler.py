@@ -297,20 +297,99 @@ class _Timeline:
             for item in early + [it for it in group if it[1] == 1] + late:
                 self._apply(item)
             return
+        order = self._search(group)
+        if order is not None:
+            if order != group:
+                self.fig.ties_ordered_by_totals += 1
+            for item in order:
+                self._apply(item)
+            return
         while group:
-            eligible = [i for i, it in enumerate(group) if it[1] == 1 or it[2] not in allocating]
-            pick = eligible[0] if eligible else 0
+            eligible = [i for i, it in enumerate(group) if it[1] == 1 or it[2] not in allocating] or [0]
+            pick = eligible[0]
             if self.running is not None:
-                for index in eligible:
-                    if self._before(group[index]) == self.running:
-                        if index != pick:
-                            self.fig.ties_ordered_by_totals += 1
-                        pick = index
-                        break
+                match = next((i for i in eligible if self._before(group[i]) == self.running), None)
+                if match is None:
+                    match = self._best_start(group, eligible)
+                if match is not None and match != pick:
+                    self.fig.ties_ordered_by_totals += 1
+                    pick = match
             item = group.pop(pick)
             if item[1] == 1:
                 allocating.discard(item[2])
             self._apply(item)
+
+    def _search(self, group: list[tuple]) -> list[tuple] | None:
+        """An order of an equal-time group in which every event starts at the running total,
+        allowing the fewest unseen releases (falls with no row) between them; None when the
+        group has no totals or the search runs past its budget. Releases never precede their
+        own allocation; among equal choices the default order (releases first, file order) wins."""
+        befores = [self._before(it) for it in group]
+        if any(b is None for b in befores):
+            return None
+        n = len(group)
+        alloc_at = {it[2]: i for i, it in enumerate(group) if it[1] == 1}
+        budget = [4000]
+        used = [False] * n
+        order: list[int] = []
+
+        def dfs(running: int, gaps: int) -> bool:
+            if len(order) == n:
+                return True
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise _Budget()
+            for exact in (True, False):
+                if not exact and not gaps:
+                    break
+                for i in range(n):
+                    if used[i] or (group[i][1] == 0 and not used[alloc_at.get(group[i][2], i)]):
+                        continue
+                    if (befores[i] == running) if exact else (befores[i] < running):
+                        used[i] = True
+                        order.append(i)
+                        if dfs(self._after(group[i], befores[i]), gaps if exact else gaps - 1):
+                            return True
+                        used[i] = False
+                        order.pop()
+            return False
+
+        # the first group of a component starts from an unknown total: each event may open it
+        starts = [self.running] if self.running is not None else sorted(set(befores), key=befores.index)
+        try:
+            for gaps in range(n + 1):
+                for start in starts:
+                    if dfs(start, gaps):
+                        return [group[i] for i in order]
+        except _Budget:
+            return None
+        return None
+
+    def _after(self, item: tuple, before: int) -> int:
+        return before + item[3] if item[1] == 1 else before - item[3]
+
+    def _best_start(self, group: list[tuple], eligible: list[int]) -> int | None:
+        """No event of an equal-time group starts at the running total: a pre-capture tensor was
+        released unseen just before. The event to go first is the one after which the others
+        chain exactly on the recorded totals (most of them; the first such on a tie)."""
+        best, best_score = None, -1
+        for index in eligible:
+            before = self._before(group[index])
+            if before is None or before > self.running:
+                continue
+            running = self._after(group[index], before)
+            rest = group[:index] + group[index + 1:]
+            score = 0
+            while rest:
+                nxt = next((j for j, it in enumerate(rest) if self._before(it) == running), None)
+                if nxt is None:
+                    break
+                item = rest.pop(nxt)
+                running = self._after(item, running)
+                score += 1
+            if score > best_score:
+                best, best_score = index, score
+        return best
 
     def _next_id(self) -> int:
         self._synthetic += 1
@@ -371,6 +450,10 @@ class _Timeline:
         """The initial state as allocations before the first event (the profiler records no addresses of it)."""
         return [Event("alloc", id=ident, size=size - self.size_pad if size >= _MIN_BLOCK else size, time=time,
                       tag=name) for ident, size, name in self.initial]
+
+
+class _Budget(Exception):
+    """An equal-time group's search went on too long: the greedy order is taken."""
 
 
 class _OutOfOrder(Exception):

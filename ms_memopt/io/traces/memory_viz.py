@@ -21,8 +21,16 @@ one), the key PyTorch's viewer colours by and names in its legend (``torch.cuda.
 writes it for profiler categories). ``blockers``: ids of allocations to show in a category of
 their own, ``blocker: <tag>`` (``ms-memopt doctor`` marks the blocks in the way).
 
+Which allocator made the recording: ``allocator_settings`` (PyTorch's dict of its allocator's
+configuration, which neither its viewer ``MemoryViz.js`` nor ``torch.cuda._memory_viz`` reads)
+holds ``written_by: ms-memopt`` and, under the key ``ms_memopt`` (:data:`RECORDED_BY`), the
+allocator model that placed the blocks (``mindspore``, ``torch``, ...), its options, and what made the
+events (``ms-memopt simulate``: the recipe, policy, rank, stage, seed and capacity). The reader
+(:func:`~ms_memopt.io.traces.torch_snapshot.read_torch_snapshot`) puts it in ``Trace.meta``,
+and ``replay`` and ``doctor`` replay through that model by default.
+
 To view a model's placements rather than the recorded ones, give it the events of
-:func:`ms_memopt.engine.replay.placed_events` (a trace replayed through a model, with the model's
+:func:`ms_memopt.replay.replay.placed_events` (a trace replayed through a model, with the model's
 addresses).
 
 Example:
@@ -47,7 +55,10 @@ from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import Layout, Segment
 
-__all__ = ["write_memory_viz", "snapshot_dict"]
+__all__ = ["write_memory_viz", "snapshot_dict", "RECORDED_BY"]
+
+#: the key of ``allocator_settings`` that says which allocator model made the events (a dict)
+RECORDED_BY = "ms_memopt"
 
 _SMALL_SEGMENT = 2 << 20
 
@@ -97,11 +108,14 @@ def _segment_starts(events: list[Event], layout: Layout, initial: Layout | None)
 
 
 def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
-                  initial: Layout | None = None, blockers: Iterable[int] = ()) -> dict:
+                  initial: Layout | None = None, blockers: Iterable[int] = (),
+                  recorded_by: dict | None = None) -> dict:
     """The snapshot as a dict of builtin types (what :func:`write_memory_viz` pickles).
 
     ``initial`` is the layout before the first event (a snapshot taken mid-run): its segments
-    existed already and get no inferred ``segment_alloc``.
+    existed already and get no inferred ``segment_alloc``. ``recorded_by``: which allocator made
+    the events (``{"allocator": "mindspore", "allocator_options": {...}, ...}``, builtin types),
+    stored as ``allocator_settings[RECORDED_BY]``.
 
     Frees without ``addr`` get the address of their ``alloc`` (by ``id``); an ``alloc``
     without an address cannot be drawn and raises :class:`InputError`.
@@ -121,7 +135,7 @@ def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
         if action == "alloc":
             if event.addr is None:
                 raise InputError(f"event {index}: alloc of id {event.id} has no address; "
-                                 "use ms_memopt.engine.replay.placed_events() to take a model's placements", key="--export-memory-viz")
+                                 "use ms_memopt.replay.replay.placed_events() to take a model's placements", key="--export-memory-viz")
             if grow and event.addr in grow:
                 seg = grow.pop(event.addr)
                 trace.append({"action": "segment_alloc", "addr": seg.addr, "size": seg.size,
@@ -159,12 +173,15 @@ def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
             "stream": seg.stream, "segment_type": _segment_type(seg.pool, seg.size),
             "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": blocks,
         })
+    settings: dict = {"PYTORCH_CUDA_ALLOC_CONF": "", "written_by": "ms-memopt"}
+    if recorded_by:
+        settings[RECORDED_BY] = dict(recorded_by)
     return {"segments": segments, "device_traces": [trace] if device == 0 else [[]] * device + [trace],
-            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "written_by": "ms-memopt"}}
+            "allocator_settings": settings}
 
 
 def write_memory_viz(path: str | Path, trace_or_events: Trace | Iterable[Event], layout: Layout | None = None,
-                     *, device: int = 0, blockers: Iterable[int] = ()) -> None:
+                     *, device: int = 0, blockers: Iterable[int] = (), recorded_by: dict | None = None) -> None:
     """Write ``trace_or_events`` and ``layout`` as a PyTorch memory snapshot pickle.
 
     Args:
@@ -174,6 +191,9 @@ def write_memory_viz(path: str | Path, trace_or_events: Trace | Iterable[Event],
         layout: the segments and blocks at the end of the events.
         device: the device index the snapshot describes.
         blockers: allocation ids shown in a category of their own (``blocker: <tag>``).
+        recorded_by: the allocator model that placed the events and its options
+            (``{"allocator": "mindspore", "allocator_options": {"increase_size": 1073741824}}``),
+            plus what made them; read back as ``Trace.meta["allocator"]`` (module doc).
     """
     initial = None
     if isinstance(trace_or_events, Trace):
@@ -183,7 +203,8 @@ def write_memory_viz(path: str | Path, trace_or_events: Trace | Iterable[Event],
             layout = trace_or_events.final
     else:
         events = trace_or_events
-    data = snapshot_dict(events, layout or Layout(), device=device, initial=initial, blockers=blockers)
+    data = snapshot_dict(events, layout or Layout(), device=device, initial=initial, blockers=blockers,
+                         recorded_by=recorded_by)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as handle:

@@ -22,7 +22,9 @@ Mapping to :class:`~ms_memopt.core.events.Event`:
 * ``oom`` and ``snapshot`` are skipped (counted in ``meta``).
 
 ``meta`` says who recorded it (:mod:`~ms_memopt.io.traces.torch_origin`): ``framework``
-(``torch_npu`` or ``torch``), ``expandable_segments``, each with its ``..._evidence``.
+(``torch_npu`` or ``torch``), ``expandable_segments``, each with its ``..._evidence``; for a
+snapshot ms-memopt wrote (:mod:`~ms_memopt.io.traces.memory_viz`), ``allocator`` (the model that
+placed the blocks, e.g. ``mindspore``), ``allocator_options`` and ``recorded_by`` (what made it).
 
 Recording often starts after segments already exist. ``Trace.initial`` is the reconstructed
 start state (see :func:`reconstruct_initial`), ``Trace.final`` the recorded segments.
@@ -46,9 +48,10 @@ from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.lines import open_binary
 from ms_memopt.core.units import short_repr
+from ms_memopt.io.traces.memory_viz import RECORDED_BY
 from ms_memopt.io.traces.torch_origin import snapshot_origin
 
-__all__ = ["SafeUnpickler", "safe_load", "pickle_nesting", "MAX_NESTING", "read_torch_snapshot", "looks_like_torch_snapshot",
+__all__ = ["SafeUnpickler", "safe_load", "recorded_by", "pickle_nesting", "MAX_NESTING", "read_torch_snapshot", "looks_like_torch_snapshot",
            "reconstruct_initial", "LIVE_STATES", "round_request"]
 
 FORMAT = "torch-snapshot"
@@ -532,6 +535,28 @@ def _stack(entry: dict) -> list[str]:
     return [f"{f['name']} ({f['filename']}:{f.get('line')})" for f in (own or python)[:_STACK_DEPTH]]
 
 
+def recorded_by(data: dict) -> dict:
+    """What ms-memopt's export says made the snapshot (``allocator_settings["ms_memopt"]``,
+    :data:`~ms_memopt.io.traces.memory_viz.RECORDED_BY`) as ``Trace.meta`` keys: ``allocator``
+    (a model name), ``allocator_options`` (a dict) and ``recorded_by`` (the whole entry); an
+    empty dict for PyTorch's own snapshots. Values of the wrong type are left out (the model
+    name is checked where it is used: :func:`ms_memopt.replay.replay.recorded_allocator`).
+
+    Example:
+        >>> recorded_by({"allocator_settings": {"ms_memopt": {"allocator": "mindspore"}}})["allocator"]
+        'mindspore'
+        >>> recorded_by({"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": ""}})
+        {}
+    """
+    settings = data.get("allocator_settings")
+    entry = settings.get(RECORDED_BY) if isinstance(settings, dict) else None
+    if not isinstance(entry, dict) or not isinstance(entry.get("allocator"), str):
+        return {}
+    options = entry.get("allocator_options")
+    return {"allocator": entry["allocator"], "allocator_options": dict(options) if isinstance(options, dict) else {},
+            "recorded_by": dict(entry)}
+
+
 def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     """Read a PyTorch / torch_npu ``_dump_snapshot`` pickle as a :class:`Trace` for ``device``.
 
@@ -624,5 +649,5 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     initial = reconstruct_initial(events, final, pre_live, expandable=origin.expandable)
     meta = {"device": device, "skipped_actions": skipped, "frames": frames,
             "allocator_settings": data.get("allocator_settings") if isinstance(data.get("allocator_settings"), dict)
-            else None, **origin.to_meta()}
+            else None, **origin.to_meta(), **recorded_by(data)}
     return Trace(events, source=source, format=FORMAT, initial=initial, final=final, meta=meta)

@@ -1,11 +1,11 @@
 """Pool mode's region sizes for a simulated workload: the engine sizes, the allocator takes sizes.
 
 :class:`~ms_memopt.allocators.pool.PoolModeAllocator` is given region sizes (or a
-:class:`~ms_memopt.core.poolplan.PoolPlan`); what a :class:`~ms_memopt.engine.workload.WorkloadSpec`
+:class:`~ms_memopt.core.poolplan.PoolPlan`); what a :class:`~ms_memopt.workload.step.WorkloadSpec`
 needs in each region is decided here, from the workload's own figures.
 
 Example:
-    >>> from ms_memopt.engine.workload import WorkloadSpec
+    >>> from ms_memopt.workload.step import WorkloadSpec
     >>> pool = pool_for_workload(WorkloadSpec(enabled=False), capacity=96 * 2**30)   # doctest: +SKIP
     >>> sorted(pool.regions)[:2]                                                       # doctest: +SKIP
     ['activations', 'communication']
@@ -42,7 +42,7 @@ def region_sizes_for_template(spec, capacity: int | None = None, *, steps: int =
     (Parameters: ``parameters``, its peak over a dry run of the prologue and ``steps`` steps at
     seed 0, plus 10% and 4 KiB) apart from everything else (``workspace``: the rest of
     ``capacity``, or twice the dry run's common peak without one)."""
-    from ms_memopt.engine.template_workload import make_workload, peak_by_pool
+    from ms_memopt.templates.workload import make_workload, peak_by_pool
 
     work = make_workload(spec, 0)
     # a schedule ends: the dry run stays within it

@@ -1,8 +1,8 @@
 """The one event loop: every driver of an allocator model feeds its events through :func:`drive`.
 
-Replay (:func:`ms_memopt.engine.replay.replay`), its what-ifs (:mod:`ms_memopt.engine.whatif`,
-through replay), placed events (:func:`ms_memopt.engine.replay.placed_events`), the simulator
-(:class:`ms_memopt.engine.simulate` ``_Run.feed``) and so the job (:mod:`ms_memopt.engine.job`)
+Replay (:func:`ms_memopt.replay.replay.replay`), its what-ifs (:mod:`ms_memopt.replay.whatif`,
+through replay), placed events (:func:`ms_memopt.replay.replay.placed_events`), the simulator
+(:class:`ms_memopt.simulation.simulate` ``_Run.feed``) and so the job (:mod:`ms_memopt.simulation.job`)
 differ only in what they do *around* the model's calls; that is what the hooks are for:
 
 ==============  ==================================================================================

@@ -4,20 +4,20 @@ first rank.
 A 1024-card job stops when *any* card runs out of memory. Cards differ by
 
 * **pipeline stage**: each stage has its own workload (layers, micro-batches in flight under
-  1F1B, communication; :func:`ms_memopt.engine.workload.spec_from_recipe` with ``stage=``), and
+  1F1B, communication; :func:`ms_memopt.workload.step.spec_from_recipe` with ``stage=``), and
 * **data-parallel group**: each sees different data, so different sequence lengths and so a
   different layout; each (stage, data-parallel group) stream gets its own seed.
 
 Tensor-parallel peers see the same shapes and make the same requests, so one stream stands for
 the ``model_parallel`` cards of its group. A job of ``pipeline_stage x data_parallel`` streams
 (the 100B recipe: 8 x 16 = 128 streams for 1024 cards) is simulated stream by stream, each
-through :func:`ms_memopt.engine.simulate.simulate` under every policy in lock step, the streams in
-parallel on local processes or on a Dask or Ray cluster (:mod:`ms_memopt.engine.executors`). The
+through :func:`ms_memopt.simulation.simulate.simulate` under every policy in lock step, the streams in
+parallel on local processes or on a Dask or Ray cluster (:mod:`ms_memopt.simulation.executors`). The
 job's OOM step under a policy is the earliest OOM over its ranks; a policy saves the job only
 if every rank survives.
 
 Seeds: the stream of stage 0, data-parallel group 0 takes the job seed itself (so a one-card
-recipe simulates exactly as :func:`~ms_memopt.engine.simulate.simulate` does); every other stream
+recipe simulates exactly as :func:`~ms_memopt.simulation.simulate.simulate` does); every other stream
 takes ``numpy.random.SeedSequence([job_seed, stage, group])``'s first 32-bit word. A sample
 (``ranks=N``) is drawn deterministically from the job seed. Streams and seeds never depend on
 the executor or the number of workers, so results are identical on every executor.
@@ -38,154 +38,21 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ms_memopt.core.errors import InputError
-from ms_memopt.engine.simulate import POLICIES, PolicyResult, SimConfig, config_from_recipe, simulate
-from ms_memopt.engine.workload import WorkloadSpec, spec_from_recipe
+from ms_memopt.simulation.executors import report_progress
+from ms_memopt.simulation.simulate import PolicyResult, SimConfig, simulate
+from ms_memopt.simulation.spec import JobSpec, RankStream
+from ms_memopt.workload.step import WorkloadSpec
 
 __all__ = [
-    "MAX_STREAMS",
     "JobResult",
-    "JobSpec",
     "RankOutcome",
-    "RankStream",
     "RankView",
     "ShowRank",
-    "job_from_recipe",
     "median_job_oom_step",
-    "rank_streams",
     "reproducible_figures",
     "simulate_jobs",
-    "stream_seed",
 ]
 
-
-#: more distinct streams than this are refused unless sampled (``ranks=N``): a 1024-card job
-#: has 128 (a 16k-card job ~2,000); each stream is a full simulation
-MAX_STREAMS = 4096
-
-
-@dataclass(frozen=True)
-class RankStream:
-    """One distinct card stream of a job.
-
-    ``rank`` is the global rank of the first card of its tensor-parallel group (MindSpore's
-    order: stage-major, then data-parallel group, tensor-parallel peers innermost), which
-    stands for ranks ``rank .. rank + tensor_parallel - 1``.
-    """
-
-    stage: int
-    data_parallel: int
-    rank: int
-    tensor_parallel: int
-    seed: int
-
-    @property
-    def ranks(self) -> range:
-        """Every global rank that makes this stream's requests (its tensor-parallel peers)."""
-        return range(self.rank, self.rank + self.tensor_parallel)
-
-
-def stream_seed(job_seed: int, stage: int, data_parallel: int) -> int:
-    """The workload seed of one stream (see the module docstring).
-
-    Example:
-        >>> stream_seed(7, 0, 0)
-        7
-        >>> stream_seed(7, 0, 1) == stream_seed(7, 0, 1) != stream_seed(7, 1, 0)
-        True
-    """
-    if stage == 0 and data_parallel == 0:
-        return int(job_seed)
-    return int(np.random.SeedSequence([int(job_seed), stage, data_parallel]).generate_state(1)[0])
-
-
-def rank_streams(recipe, *, seed: int | None = None, ranks: int | None = None,
-                 stages: list[int] | None = None) -> list[RankStream]:
-    """The job's distinct card streams, stage-major (``stage x data_parallel``), or a sample.
-
-    Args:
-        recipe: a :class:`~ms_memopt.config.recipe.Recipe`.
-        seed: the job seed (default ``memopt.workload.seed``).
-        ranks: simulate only this many streams: a stratified sample, the stages taken in turn
-            from the first (the fullest under 1F1B), each stage's data-parallel groups in an
-            order drawn from the job seed. ``None``: every stream.
-        stages: only these pipeline stages (``None``: all).
-
-    Raises:
-        InputError: a stage outside the recipe, a sample size below 1, or more than
-            :data:`MAX_STREAMS` streams without a sample.
-    """
-    par = recipe.parallel
-    seed = recipe.memopt.workload.seed if seed is None else seed
-    all_stages = list(range(par.pipeline_stage))
-    if stages is not None:
-        bad = [s for s in stages if s not in all_stages]
-        if bad or not stages:
-            raise InputError(f"expected pipeline stages among 0..{par.pipeline_stage - 1}, got "
-                             f"{', '.join(map(str, bad)) or '(none)'}", key="--stages")
-        all_stages = sorted(set(stages))
-    if ranks is not None and ranks < 1:
-        raise InputError(f"expected a positive number of rank streams, got {ranks}", key="--ranks")
-    dp, tp = par.data_parallel, par.model_parallel
-
-    def stream(stage: int, group: int) -> RankStream:
-        return RankStream(stage=stage, data_parallel=group, rank=(stage * dp + group) * tp,
-                          tensor_parallel=tp, seed=stream_seed(seed, stage, group))
-
-    total = len(all_stages) * dp
-    if ranks is None or ranks >= total:
-        if total > MAX_STREAMS:
-            raise InputError(f"{len(all_stages)} pipeline stages x {dp} data-parallel groups are {total:,} distinct "
-                             f"card streams, more than {MAX_STREAMS:,} to simulate one by one; sample them with "
-                             f"--ranks N", key="parallel_config.data_parallel")
-        return [stream(s, g) for s in all_stages for g in range(dp)]
-    # stage i % S takes its (i // S)-th group of an order drawn from the job seed
-    rng = np.random.default_rng([int(seed), 0x5A4D])
-    per_stage = -(-ranks // len(all_stages))
-    orders = {s: [int(g) for g in rng.choice(dp, size=min(dp, per_stage), replace=False)] for s in all_stages}
-    picked = [stream(all_stages[i % len(all_stages)], orders[all_stages[i % len(all_stages)]][i // len(all_stages)])
-              for i in range(ranks)]
-    return sorted(picked, key=lambda s: s.rank)
-
-
-@dataclass
-class JobSpec:
-    """One job to simulate: a workload per pipeline stage, the simulator settings, its streams."""
-
-    specs: dict[int, WorkloadSpec]
-    cfg: SimConfig
-    streams: list[RankStream]
-    policies: tuple[str, ...] = POLICIES
-    seed: int = 0
-    label: str = ""
-    #: the job's cards (data x tensor x pipeline parallel); the time model's straggler draws
-    #: give every stream an equal share of them (0: one card a stream)
-    cards: int = 0
-    #: the ``pool`` policy's own workload per stage, when it recomputes where the others do not
-    #: (``memopt.pool_checkpoint_every``); ``None``: every policy runs ``specs``
-    pool_specs: dict[int, WorkloadSpec] | None = None
-
-
-def job_from_recipe(recipe, *, policies: tuple[str, ...] = POLICIES, seed: int | None = None,
-                    ranks: int | None = None, stages: list[int] | None = None, label: str = "",
-                    **overrides) -> JobSpec:
-    """The :class:`JobSpec` of a recipe: its streams (:func:`rank_streams`), each stage's
-    workload, and :func:`~ms_memopt.engine.simulate.config_from_recipe` with ``overrides``
-    (``steps=...``, ``capacity=...``)."""
-    seed = recipe.memopt.workload.seed if seed is None else seed
-    streams = rank_streams(recipe, seed=seed, ranks=ranks, stages=stages)
-    from ms_memopt.analysis.estimate import estimate
-
-    plan = estimate(recipe)     # once for every stage (it covers them all)
-    specs = {stage: spec_from_recipe(recipe, stage=stage, plan=plan) for stage in sorted({s.stage for s in streams})}
-    cfg = config_from_recipe(recipe, **overrides)
-    pool_specs = None
-    k = recipe.memopt.pool_checkpoint_every
-    if k is not None and "pool" in policies and k != recipe.memopt.checkpoint_every:
-        recomputing = replace(recipe, memopt=replace(recipe.memopt, checkpoint_every=k))
-        pool_plan = estimate(recomputing)
-        pool_specs = {stage: spec_from_recipe(recomputing, stage=stage, plan=pool_plan) for stage in specs}
-    return JobSpec(specs=specs, cfg=cfg, streams=streams, policies=tuple(policies), seed=seed, label=label,
-                   cards=recipe.parallel.cards, pool_specs=pool_specs)
 
 
 @dataclass
@@ -225,11 +92,11 @@ class JobResult:
     view: "RankView | None" = field(default=None, repr=False)
 
     def timing_figures(self, timing=None) -> tuple[dict, dict] | None:
-        """``(timing, detail)``: the policy's ``timing`` object (:data:`ms_memopt.engine.timing.TIMING_KEYS`)
+        """``(timing, detail)``: the policy's ``timing`` object (:data:`ms_memopt.simulation.timing.TIMING_KEYS`)
         and its detail (the job's step times, each rank's median busy time), priced with
         ``timing`` (default: the job's ``memopt.timing``); ``None`` when no step completed."""
         from ms_memopt.config.recipe import TimingConfig
-        from ms_memopt.engine.timing import job_timing
+        from ms_memopt.simulation.timing import job_timing
 
         timing = timing or self.timing_config or TimingConfig()
         return job_timing([o.result.step_counts for o in self.outcomes],
@@ -335,8 +202,8 @@ def median_job_oom_step(results: list[JobResult]) -> float | None:
 class ShowRank:
     """What to keep of the rank a job is judged by (:attr:`JobResult.closest`: its first failing
     rank, or the closest call), taken by the job's own run of it: ``layouts``, its pool at each
-    policy's OOM or worst moment (:class:`~ms_memopt.engine.snapshots.LayoutCollector`); ``placed``,
-    the policies whose events with the model's addresses to keep (:class:`~ms_memopt.engine.simulate.PlacedRun`).
+    policy's OOM or worst moment (:class:`~ms_memopt.simulation.snapshots.LayoutCollector`); ``placed``,
+    the policies whose events with the model's addresses to keep (:class:`~ms_memopt.simulation.simulate.PlacedRun`).
 
     Every rank of the job collects them (its run takes the loop's pure-Python path, which sees
     every call); only the shown rank's are kept.
@@ -379,7 +246,7 @@ class _RankTimeline(io.StringIO):
 
 def _pool_mode_misfit(spec: WorkloadSpec, cfg: SimConfig) -> str | None:
     """Why pool mode's regions cannot be reserved on this card, or ``None`` when they can."""
-    from ms_memopt.engine.pool_sizing import pool_for_workload
+    from ms_memopt.simulation.pool_sizing import pool_for_workload
 
     try:
         pool_for_workload(spec, capacity=cfg.capacity, fast=False)
@@ -406,8 +273,8 @@ def _run_stream(task: _Task) -> list:
         policies = tuple(p for p in policies if p != "pool")
     view = collector = None
     if task.show is not None:
-        from ms_memopt.engine.simulate import PlacedRun
-        from ms_memopt.engine.snapshots import LayoutCollector
+        from ms_memopt.simulation.simulate import PlacedRun
+        from ms_memopt.simulation.snapshots import LayoutCollector
 
         view = RankView(task.stream, placed={p: PlacedRun() for p in task.show.placed if p in policies})
         if task.show.layouts:
@@ -416,17 +283,41 @@ def _run_stream(task: _Task) -> list:
     groups = [(task.spec, policies)]
     if task.pool_spec is not None and "pool" in policies:
         groups = [(task.spec, tuple(p for p in policies if p != "pool")), (task.pool_spec, ("pool",))]
+    groups = [(spec, group) for spec, group in groups if group]
+    steps = _StepProgress(cfg.steps, len(groups))
     for spec, group in groups:
-        if not group:
-            continue
         placed = {p: run for p, run in view.placed.items() if p in group} if view is not None else None
         out = simulate(spec, cfg, policies=group, seeds=[task.stream.seed], timeline=sink,
-                       on_watch=collector, placed=placed or None)
+                       on_watch=collector, placed=placed or None, on_step=steps.step)
         results.update({policy: summary.seeds[0] for policy, summary in out.items()})
+    steps.finish()
     if collector is not None:
         view.snapshots = collector.snapshots()
     return [{policy: results[policy] for policy in task.policies}, (sink.getvalue() if sink is not None else None),
             view]
+
+
+class _StepProgress:
+    """A stream's steps as :func:`~ms_memopt.simulation.executors.report_progress` units: ``steps`` in
+    all, however many event loops (``runs``) the stream takes; a run that dies early is topped up
+    when the stream finishes, so the job's bar ends at its total."""
+
+    def __init__(self, steps: int, runs: int) -> None:
+        self.steps, self.runs = steps, max(1, runs)
+        self.done = 0.0
+        self.reported = 0
+
+    def step(self, _step: int) -> None:
+        self.done += 1 / self.runs
+        whole = min(self.steps, int(self.done))
+        if whole > self.reported:
+            report_progress(whole - self.reported)
+            self.reported = whole
+
+    def finish(self) -> None:
+        if self.steps > self.reported:
+            report_progress(self.steps - self.reported)
+            self.reported = self.steps
 
 
 def _shown_key(result: PolicyResult, stream: RankStream) -> tuple:
@@ -440,21 +331,25 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
                   workers: int | None = None, progress: bool = False,
                   timeline: io.TextIOBase | None = None,
                   on_stream: Callable[[int, int], None] | None = None,
-                  processes: bool = True, show: ShowRank | None = None) -> list[dict[str, JobResult]]:
+                  processes: bool = True, show: ShowRank | None = None,
+                  on_job: Callable[[int, dict[str, JobResult]], None] | None = None) -> list[dict[str, JobResult]]:
     """Simulate every stream of every job (all in one pool of tasks, so a sweep keeps every
     worker busy), and return per job ``{policy: JobResult}``.
 
     Args:
         jobs: from :func:`job_from_recipe`.
-        executor, address, workers, processes: see :func:`ms_memopt.engine.executors.run_tasks`.
-        progress: a tqdm bar over every rank stream of every job (on stderr).
+        executor, address, workers, processes: see :func:`ms_memopt.simulation.executors.run_tasks`.
+        progress: a bar on stderr (:func:`ms_memopt.core.progress.progress_bar`): steps done of every
+            stream of every job, the rank streams finished, and the time left.
         timeline: receives every stream's samples (JSON lines stamped with ``rank`` and
             ``stage``), job by job in stream order, after the runs.
         on_stream: called as ``on_stream(done, total)`` when a stream finishes.
         show: what the first job keeps of the rank it is judged by (:class:`ShowRank`), set as
             every policy's :attr:`JobResult.view`; the job's own runs take it, no second simulation.
+        on_job: called as ``on_job(index, {policy: JobResult})`` as soon as every stream of job
+            ``index`` has finished (a sweep writes each point as it goes).
     """
-    from ms_memopt.engine.executors import run_tasks
+    from ms_memopt.simulation.executors import run_tasks
 
     tasks, owner = [], []
     for j, job in enumerate(jobs):
@@ -463,12 +358,15 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
                                show if j == 0 else None,
                                job.pool_specs[stream.stage] if job.pool_specs is not None else None))
             owner.append(j)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(tasks), unit="rank", desc="rank streams", leave=False)
+    from ms_memopt.core.progress import progress_bar
+
+    total_steps = sum(task.cfg.steps for task in tasks)
+    bar = progress_bar(total_steps, "simulate", "step", enabled=progress,
+                       postfix=f"ranks 0/{len(tasks)}")
     finished = [0]
     shown: list = [None, None]          # (key, value) of the first job's shown rank so far
+    values: list = [None] * len(tasks)
+    left = [len(job.streams) for job in jobs]
 
     def keep_shown(index: int, value) -> None:
         """Keep only the view of the rank the first job is judged by (the others' are dropped)."""
@@ -485,28 +383,41 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
 
     def on_done(index: int, value) -> None:
         keep_shown(index, value)
+        values[index] = value
         finished[0] += 1
-        if bar is not None:
-            bar.update(1)
+        bar.set_postfix_str(f"ranks {finished[0]}/{len(tasks)}", refresh=False)
         if on_stream is not None:
             on_stream(finished[0], len(tasks))
+        j = owner[index]
+        left[j] -= 1
+        if on_job is not None and left[j] == 0:
+            on_job(j, _job_results(jobs[j], [(tasks[i], values[i]) for i in range(len(tasks)) if owner[i] == j]))
 
     try:
-        values = run_tasks(_run_stream, tasks, executor=executor, address=address, workers=workers,
-                           on_done=on_done, processes=processes)
+        run_tasks(_run_stream, tasks, executor=executor, address=address, workers=workers,
+                  on_done=on_done, processes=processes, on_progress=bar.update)
     finally:
-        if bar is not None:
-            bar.close()
-    out: list[dict[str, JobResult]] = [{p: JobResult(p, job.seed, job.cfg.steps, timing_config=job.cfg.timing,
-                                                  cards=job.cards)
-                                        for p in job.policies} for job in jobs]
-    for task, j, (results, text, view) in zip(tasks, owner, values):
+        bar.close()
+    out = []
+    for j, job in enumerate(jobs):
+        mine = [(task, value) for task, value, o in zip(tasks, values, owner) if o == j]
+        out.append(_job_results(job, mine))
+        if timeline is not None:
+            for _task, (_results, text, _view) in mine:
+                if text:
+                    timeline.write(text)
+    return out
+
+
+def _job_results(job: JobSpec, streams: list) -> dict[str, JobResult]:
+    """``{policy: JobResult}`` of one job from its streams' ``(task, [results, timeline, view])``."""
+    out = {p: JobResult(p, job.seed, job.cfg.steps, timing_config=job.cfg.timing, cards=job.cards)
+           for p in job.policies}
+    for task, (results, _text, view) in streams:
         for policy, result in results.items():
-            out[j][policy].outcomes.append(RankOutcome(task.stream, result))
+            out[policy].outcomes.append(RankOutcome(task.stream, result))
             if view is not None:
-                out[j][policy].view = view
-        if timeline is not None and text:
-            timeline.write(text)
+                out[policy].view = view
     return out
 
 

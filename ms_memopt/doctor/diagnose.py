@@ -55,7 +55,7 @@ from ms_memopt.core.events import Trace
 from ms_memopt.core.layout import Layout
 from ms_memopt.core.metrics import frag_ratio
 from ms_memopt.core.units import format_size
-from ms_memopt.engine.replay import ReplayResult, default_allocator, replay
+from ms_memopt.replay.replay import ReplayResult, default_allocator, replay
 
 __all__ = ["Verdict", "Blocker", "Remedy", "Diagnosis", "Comparison", "diagnose", "compare", "remedy_settings"]
 
@@ -255,7 +255,7 @@ class _GrowthWatch:
 def _run(trace: Trace, setting: _Setting, capacity: int | None) -> ReplayResult:
     options = dict(setting.options)
     if setting.policy in ("compact", "pool"):
-        from ms_memopt.engine.whatif import replay_policy
+        from ms_memopt.replay.whatif import replay_policy
 
         return replay_policy(trace, setting.policy, allocator=setting.allocator, capacity=capacity, options=options)
     timeline: list = []

@@ -24,7 +24,7 @@ process: the weights differ between recordings), at each recording's values; :fu
 evaluates it at the schedule's first step. Recordings whose steps of one class (or prologues)
 each make another number of allocations, decided by a dim fixed per recording (a layer count),
 give a template over that repeated block count (:attr:`Template.layered`,
-:mod:`ms_memopt.engine.template_layers`: 3 or more consecutive counts showing one repeated
+:mod:`ms_memopt.templates.layers`: 3 or more consecutive counts showing one repeated
 block), else are refused with an :class:`~ms_memopt.core.errors.InputError` that says why and
 names the block one more layer inserts. A free refers to the allocation it frees: one of
 the same step (``same``), of the prologue (``prologue``), or of the step ``k`` steps back
@@ -53,15 +53,17 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from fractions import Fraction
-from itertools import combinations_with_replacement
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event
+from ms_memopt.templates.alignment import inserted_runs
+from ms_memopt.templates.classes import CLASSES
+from ms_memopt.templates.layers import expand, learn_layered
+from ms_memopt.templates.polynomial import MAX_DEGREE, evaluate, fit_sizes
 
 __all__ = ["Template", "learn", "learn_files", "generate", "flat_template", "free_order_of", "load_template", "save_template", "fidelity",
            "parse_dims_tag", "dims_tag", "read_schedule", "CLASSES", "FORMAT", "VERSION"]
@@ -69,8 +71,6 @@ __all__ = ["Template", "learn", "learn_files", "generate", "flat_template", "fre
 FORMAT = "ms-memopt-template"
 VERSION = 1
 LAYERED_VERSION = 2         # a template over a repeated block count (``layered``); version 1 still reads
-CLASSES = ("first", "new_shape", "repeat")
-MAX_DEGREE = 3
 _DIMS_PREFIX = "dims:"
 
 
@@ -496,140 +496,6 @@ def _coherent_default(parts: dict[str, dict], synthesized: list[dict]) -> None:
             return
 
 
-def _basis(names: list[str], varying: list[int], degree: int) -> list[list[int]]:
-    out = []
-    for d in range(degree + 1):
-        for combo in combinations_with_replacement(varying, d):
-            exps = [0] * len(names)
-            for j in combo:
-                exps[j] += 1
-            out.append(exps)
-    return out
-
-
-def _monomial(exps: Sequence[int], point: Sequence[int]) -> int:
-    value = 1
-    for e, x in zip(exps, point):
-        if e:
-            value *= x ** e
-    return value
-
-
-def _solve_exact(matrix: list[list[int]], rhs: list[int]) -> list[Fraction] | None:
-    """Solve a square integer system in rationals (Gauss-Jordan); ``None`` when singular."""
-    n = len(matrix)
-    a = [[Fraction(v) for v in row] + [Fraction(r)] for row, r in zip(matrix, rhs)]
-    for col in range(n):
-        pivot = next((r for r in range(col, n) if a[r][col] != 0), None)
-        if pivot is None:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        p = a[col][col]
-        a[col] = [v / p for v in a[col]]
-        for r in range(n):
-            if r != col and a[r][col] != 0:
-                f = a[r][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
-    return [row[n] for row in a]
-
-
-def _inverse_exact(matrix: list[list[int]]) -> list[list[Fraction]] | None:
-    n = len(matrix)
-    cols = []
-    for j in range(n):
-        col = _solve_exact(matrix, [1 if i == j else 0 for i in range(n)])
-        if col is None:
-            return None
-        cols.append(col)
-    return [[cols[j][i] for j in range(n)] for i in range(n)]
-
-
-def _coef_text(c: Fraction) -> int | str:
-    return int(c) if c.denominator == 1 else f"{c.numerator}/{c.denominator}"
-
-
-def _coef_value(c: int | str) -> Fraction:
-    return Fraction(c) if isinstance(c, int) else Fraction(c)
-
-
-def _fit(names: list[str], points: list[dict[str, int]], sizes: list[list[int]],
-         max_degree: int = MAX_DEGREE, only: Iterable[str] | None = None
-         ) -> tuple[list[list[int]], list[list], list[bool]]:
-    """Per allocation position: the coefficients of the lowest-degree exact polynomial fit.
-
-    ``only``: the dims the polynomial may use (default: every dim that varies across the
-    samples); the prologue is fitted in the dims each recording holds constant.
-
-    Returns the basis, per position its coefficient list (ints / ``"p/q"``), and whether it is exact.
-    """
-    import numpy as np
-
-    grid = [[p.get(n, 0) for n in names] for p in points]
-    allowed = set(names if only is None else only)
-    varying = [j for j in range(len(names)) if names[j] in allowed and len({row[j] for row in grid}) > 1]
-    # only the allowed dims count: other dims are zeroed (the basis does not use them)
-    grid = [[v if names[j] in allowed else 0 for j, v in enumerate(row)] for row in grid]
-    unique: list[list[int]] = []
-    for row in grid:
-        if row not in unique:
-            unique.append(row)
-    positions = len(sizes[0]) if sizes else 0
-    y = np.array(sizes, dtype=np.float64).reshape(len(sizes), positions)
-    coefs: list[list | None] = [None] * positions
-    exact = [False] * positions
-    todo = list(range(positions))
-    best_basis: list[list[int]] = [[0] * len(names)]
-    for degree in range(max_degree + 1):
-        basis = _basis(names, varying, degree)
-        if len(basis) > len(unique):
-            break
-        a_unique = np.array([[_monomial(e, row) for e in basis] for row in unique], dtype=np.float64)
-        scale = np.abs(a_unique).max(axis=0)
-        scale[scale == 0] = 1
-        if np.linalg.matrix_rank(a_unique / scale) < len(basis):
-            break
-        best_basis = basis
-        # an invertible square subsystem on unique points, for the exact coefficients
-        chosen: list[int] = []
-        for r in range(len(unique)):
-            trial = chosen + [r]
-            if np.linalg.matrix_rank(a_unique[trial] / scale) == len(trial):
-                chosen = trial
-            if len(chosen) == len(basis):
-                break
-        sub = [[_monomial(e, unique[r]) for e in basis] for r in chosen]
-        inverse = _inverse_exact(sub)
-        if inverse is None or not todo:
-            continue
-        a_all = np.array([[_monomial(e, row) for e in basis] for row in grid], dtype=np.float64)
-        sol, *_ = np.linalg.lstsq(a_all / scale, y[:, todo], rcond=None)
-        pred = np.rint((a_all / scale) @ sol)
-        screen = np.all(pred == y[:, todo], axis=0)
-        rows_of = [grid.index(unique[r]) for r in chosen]
-        left = []
-        for col, pos in enumerate(todo):
-            values = [sizes[s][pos] for s in range(len(sizes))]
-            if screen[col]:
-                rhs = [values[r] for r in rows_of]
-                c = [sum(inv * v for inv, v in zip(row, rhs)) for row in inverse]
-                if all(sum(ci * _monomial(e, g) for ci, e in zip(c, basis)) == v for g, v in zip(grid, values)):
-                    coefs[pos] = [_coef_text(ci) for ci in c]
-                    exact[pos] = True
-                    continue
-            left.append(pos)
-        todo = left
-    for pos in todo:     # no polynomial reproduces it: the size recorded most often (a constant)
-        values = [s[pos] for s in sizes]
-        coefs[pos] = [max(sorted(set(values)), key=values.count)]
-    return best_basis, coefs, exact
-
-
-def _evaluate(coefs: list, basis: list[list[int]], point: list[int]) -> int:
-    total = Fraction(0)
-    for c, exps in zip(coefs, basis):
-        total += _coef_value(c) * _monomial(exps, point)
-    return max(0, math.floor(total + Fraction(1, 2)))
-
 
 def _constant_dims(names: list[str], steps: list[_Step]) -> dict[str, set[str]]:
     """Per recording, the dims all its steps share one value of; only dims constant in every
@@ -681,31 +547,6 @@ def _same_count_across_recordings(kind: str, samples: list[_Step], constant: dic
                      f"({kind if kind == 'prologue' else kind + ' steps'} of {a} and {b}: {why})")
 
 
-def _inserted_runs(short: list[tuple], long: list[tuple]) -> list[tuple[int, int]] | None:
-    """Where ``long`` is ``short`` with runs inserted: ``(position in short, run length)`` per
-    run (:mod:`difflib`, the leftmost place inside a repeated stretch); ``None`` when the two
-    also differ otherwise (an allocation replaced or dropped)."""
-    from difflib import SequenceMatcher
-
-    runs: list[list[int]] = []         # [position in short, start in long, length]
-    for tag, i1, _i2, j1, j2 in SequenceMatcher(None, short, long, autojunk=False).get_opcodes():
-        if tag == "equal":
-            continue
-        if tag != "insert":
-            return None
-        # one inserted block can come out as two runs around tokens equal to its end (a layer's
-        # optimizer updates D..O..M.. before a final M..M): a run inserted one place earlier,
-        # rotated, is the same insertion, so slide each as far left as the run before it, and
-        # join the two when they meet
-        floor = runs[-1][0] if runs else 0
-        while i1 > floor and short[i1 - 1] == long[j2 - 1]:
-            i1, j1, j2 = i1 - 1, j1 - 1, j2 - 1
-        if runs and runs[-1][0] == i1:
-            runs[-1][2] += j2 - j1
-        else:
-            runs.append([i1, j1, j2 - j1])
-    return [(at, n) for at, _start, n in runs]
-
 
 def _layer_blocks(samples: list[_Step], constant: dict[str, set[str]], differ: list[str]) -> tuple[str | None, bool]:
     """What a repeated block count adds to a step, for the error of recordings whose op counts
@@ -735,7 +576,7 @@ def _layer_blocks(samples: list[_Step], constant: dict[str, set[str]], differ: l
     for a, b in zip(range(len(chosen)), range(1, len(chosen))):
         if len(chosen[a].sizes) == len(chosen[b].sizes):
             continue
-        runs = _inserted_runs(tokens[a], tokens[b])
+        runs = inserted_runs(tokens[a], tokens[b])
         if runs is None:
             return (f"{show(chosen[b])}'s {chosen[b].kind} step is not {show(chosen[a])}'s with allocations "
                     "inserted: not a repeated block"), False
@@ -789,9 +630,9 @@ def _count_dim(parts: list[_Step], constant: dict[str, set[str]]) -> str | None:
 
 def _learn_layered(dim: str, recordings: list, steps: list[_Step], prologues: list[_Step],
                    constant: dict[str, set[str]], pool: str | None, max_degree: int) -> Template:
-    """A template over the repeated block count ``dim`` (:mod:`ms_memopt.engine.template_layers`),
+    """A template over the repeated block count ``dim`` (:mod:`ms_memopt.templates.layers`),
     or the refusal naming what does not hold."""
-    from ms_memopt.engine.template_layers import learn_layered
+
 
     value = {s.recording: s.dims[dim] for s in steps}
     groups: dict[int, list] = {}
@@ -865,7 +706,7 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
         ops, after, sizes, reordered, own = _align(label, samples)
         points = [s.dims for s in samples]
         only = [n for n in names if n in set().union(*constant.values())] if label == "prologue" else None
-        basis, coefs, exact = _fit(names, points, [list(x) for x in sizes], max_degree, only=only)
+        basis, coefs, exact = fit_sizes(names, points, [list(x) for x in sizes], max_degree, only=only)
 
         def with_sizes(ops: list) -> list:
             out_ops, pos = [], 0
@@ -881,7 +722,7 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
         grid = [[p.get(n, 0) for n in names] for p in points]
         for pos in range(len(coefs)):
             if not exact[pos]:
-                errors = [abs(_evaluate(coefs[pos], basis, g) - s[pos]) for g, s in zip(grid, sizes)]
+                errors = [abs(evaluate(coefs[pos], basis, g) - s[pos]) for g, s in zip(grid, sizes)]
                 not_exact.append({"class": label, "alloc": pos, "max_error": max(errors),
                                   "sizes": sorted({s[pos] for s in sizes})[:8]})
         positions += len(coefs)
@@ -1000,7 +841,7 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
         for op in order.get("ops_after", {}).get(prev, order["ops"]):
             what = op[0]
             if what == "a":
-                events.append(Event("alloc", id=next_id, size=_evaluate(op[1], basis, point), stream=op[3] or 0,
+                events.append(Event("alloc", id=next_id, size=evaluate(op[1], basis, point), stream=op[3] or 0,
                                     pool=op[2], tag=op[4]))
                 ids.append(next_id)
                 live.add(next_id)
@@ -1128,7 +969,7 @@ def flat_template(template: Template, schedule: Sequence[dict[str, int]], *,
                   warnings: list[str] | None = None) -> Template:
     """The flat template ``schedule`` runs on: ``template`` itself, or for a template over a
     repeated block count (:attr:`Template.layered`) the schedule's count's (recorded, or built
-    from the recorded ones: :func:`ms_memopt.engine.template_layers.expand`), with the free
+    from the recorded ones: :func:`ms_memopt.templates.layers.expand`), with the free
     orders (:attr:`Template.free_orders`) it has at that count.
 
     Raises:
@@ -1136,7 +977,7 @@ def flat_template(template: Template, schedule: Sequence[dict[str, int]], *,
     """
     if not template.layered:
         return template
-    from ms_memopt.engine.template_layers import expand
+
 
     dim = template.layered["dim"]
     values = {step.get(dim) for step in schedule}
@@ -1172,7 +1013,7 @@ def _mapped(template: Template, known: str, target: str, point: list[int], cache
 
         def sizes(name: str) -> list[tuple]:
             part = template.classes[name]
-            return [(_evaluate(op[1], part["basis"], point), op[2], op[3], op[4])
+            return [(evaluate(op[1], part["basis"], point), op[2], op[3], op[4])
                     for op in part["ops"] if op[0] == "a"]
         out: dict[int, int] = {}
         matcher = SequenceMatcher(None, sizes(known), sizes(target), autojunk=False)
@@ -1193,7 +1034,7 @@ def read_schedule(path: str | Path, dims: Sequence[str] | None = None) -> list[d
     """
     import csv
 
-    from ms_memopt.core.errors import open_input
+    from ms_memopt.core.lines import open_input
 
     source = str(path)
     with open_input(path, expected="a schedule CSV (a header of dim names, one row of integers per step)") as handle:
@@ -1368,7 +1209,7 @@ def load_template(path: str | Path) -> Template:
     Raises:
         InputError: not JSON, not our format, or a bad key (the message names its key path).
     """
-    from ms_memopt.core.errors import open_input
+    from ms_memopt.core.lines import open_input
     from ms_memopt.core.jsontext import parse_json
 
     source = str(path)

@@ -4,13 +4,13 @@ MindSpore on CPU draws the order in which it frees a few groups of tensors once 
 (docs/simulation.md, "Templates learned from recordings"): two processes of one command can
 place the same allocations at different addresses. No template can know a future process's
 draw, so its honest prediction of addresses is a set: the schedule simulated in every free
-order the template knows (:attr:`~ms_memopt.engine.template.Template.free_orders`, and the
+order the template knows (:attr:`~ms_memopt.templates.template.Template.free_orders`, and the
 default), orders that place every allocation alike merged into one layout. A run then matches
-one of them; which one its first step tells (:func:`~ms_memopt.engine.template.free_order_of`).
+one of them; which one its first step tells (:func:`~ms_memopt.templates.template.free_order_of`).
 
 Example:
     >>> from ms_memopt.allocators import create
-    >>> from ms_memopt.engine.template import Template
+    >>> from ms_memopt.templates.template import Template
     >>> t = Template(dims=["seq"], prologue={"samples": 1, "seen": [], "basis": [[0]], "ops": []},
     ...              classes={"first": {"samples": 1, "seen": [{"seq": 8}], "basis": [[0], [1]],
     ...                                 "ops": [["a", [0, 512], None, 0, None, True], ["f", "same", 0]]}})
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ms_memopt.core.events import Event, Trace
-from ms_memopt.engine.replay import ReplayResult, placed_events
-from ms_memopt.engine.template import Template, flat_template, generate
+from ms_memopt.replay.replay import ReplayResult, placed_events
+from ms_memopt.templates.template import Template, flat_template, generate
 
 __all__ = ["DrawOutcome", "draw_outcomes"]
 
@@ -46,7 +46,7 @@ def draw_outcomes(template: Template, schedule: Sequence[dict[str, int]], make_m
     """The distinct layouts of ``schedule`` over the template's free orders (``orders``: those
     entries only; ``None`` in it is the default order), the default order's first.
     ``make_model()`` returns a fresh allocator model for each replay; ``warnings`` receives
-    :func:`~ms_memopt.engine.template.generate`'s (once)."""
+    :func:`~ms_memopt.templates.template.generate`'s (once)."""
     flat = flat_template(template, schedule, warnings=warnings)     # once: a layered template's count
     by_addresses: dict[tuple, DrawOutcome] = {}
     for n, k in enumerate([None, *range(len(flat.free_orders))] if orders is None else orders):

@@ -2,7 +2,7 @@
 
 Recordings at several values of a dim fixed per process (``layers``) make a different number
 of allocations a step. :func:`learn_layered` learns one flat template per recorded count
-(:func:`ms_memopt.engine.template.learn` on that count's recordings) and finds, per part
+(:func:`ms_memopt.templates.template.learn` on that count's recordings) and finds, per part
 (prologue, each class), the structure the counts share: the sequence at count ``base + m`` is
 ``F0 X1^(c1+m) F1 X2^(c2+m) ... FK``, pieces ``F`` around stretches of copies of a block ``X``
 (a layer's forward, its backward, its optimizer updates): the runs :mod:`difflib` finds
@@ -44,6 +44,9 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from ms_memopt.core.errors import InputError
+from ms_memopt.templates.alignment import inserted_runs
+from ms_memopt.templates.classes import CLASSES
+from ms_memopt.templates.polynomial import evaluate
 
 __all__ = ["learn_layered", "expand"]
 
@@ -96,21 +99,19 @@ class _Layout:
 def _tokens(part: dict, point: list[int]) -> list[tuple]:
     """Each allocation as (size at ``point``, pool, stream, tag); scalars (<= 8 B, allocated
     in an order MindSpore draws per process) as one token."""
-    from ms_memopt.engine.template import _evaluate
     out = []
     for op in part["ops"]:
         if op[0] == "a":
-            size = _evaluate(op[1], part["basis"], point)
+            size = evaluate(op[1], part["basis"], point)
             out.append((size if size > 8 else "scalar", op[2], op[3], op[4]))
     return out
 
 
 def _layout(label: str, tokens: dict[int, list[tuple]], base: int) -> _Layout:
     """The pieces and blocks all counts share, or the error saying where they do not."""
-    from ms_memopt.engine.template import _inserted_runs
 
     counts = sorted(tokens)
-    runs = _inserted_runs(tokens[base], tokens[counts[1]]) if len(counts) > 1 else []
+    runs = inserted_runs(tokens[base], tokens[counts[1]]) if len(counts) > 1 else []
     if runs is None:
         raise InputError(f"{label}: the step at {counts[1]} is not the step at {base} with allocations inserted")
     # each run inserted into a stretch of copies of one block: the stretch (in the sequence
@@ -294,7 +295,6 @@ def learn_layered(dim: str, groups: dict[int, list], learn_one) -> dict:
     """``{"dim", "base", "counts": {count: template dict}, "rules": ...}`` from recordings
     grouped by their value of ``dim``; ``learn_one(recordings)`` learns one count's flat
     template. Raises the :class:`InputError` naming the part and what does not hold."""
-    from ms_memopt.engine.template import CLASSES
     counts = sorted(groups)
     if len(counts) < 3 or counts != list(range(counts[0], counts[0] + len(counts))):
         raise InputError(f"a repeated block count ({dim}) is learned from at least 3 consecutive counts; the "

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ms_memopt.allocators import create
 from ms_memopt.core.errors import InputError
-from ms_memopt.engine.replay import replay
+from ms_memopt.replay.replay import replay
 from ms_memopt.io.traces import load_trace
 from ms_memopt.io.traces.ms_pool_log import LOG_NAME
 

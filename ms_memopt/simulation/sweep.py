@@ -4,7 +4,7 @@ micro-batch count, keeps this job alive?").
 A grid is given as ``KEY=V1,V2,...`` settings on dotted recipe key paths
 (``memopt.device.hbm=64GB,96GB,128GB``, ``parallel_config.micro_batch_num=8,16``); every
 combination is a recipe, validated as any recipe is, and simulated as a job
-(:mod:`ms_memopt.engine.job`). All points' rank streams go to one executor run, so every worker stays
+(:mod:`ms_memopt.simulation.job`). All points' rank streams go to one executor run, so every worker stays
 busy. :func:`sweep_rows` flattens the results into one row per point and policy (the table
 written as CSV and JSON); :func:`ms_memopt.report.plots.plot_sweep` draws the job OOM step per policy
 over the grid.
@@ -26,7 +26,7 @@ import yaml
 
 from ms_memopt.config.recipe import Recipe, recipe_from_dict
 from ms_memopt.core.errors import InputError
-from ms_memopt.engine.timing import TIMING_KEYS
+from ms_memopt.simulation.timing import TIMING_KEYS
 from ms_memopt.io.yamltext import parse_yaml
 
 __all__ = ["SweepPoint", "apply_setting", "grid_points", "parse_settings", "sweep_recipes", "sweep_rows"]
@@ -167,7 +167,7 @@ def sweep_rows(points: list[SweepPoint], results: list[dict]) -> list[dict]:
                         "oom_ranks": dist["oom_ranks"], "oom_step_median": dist["oom_step_median"],
                         "largest_free_min": closest.result.largest_free_min if closest else None,
                         "capacity": point.recipe.capacity})
-            # the time model's figures (ms_memopt.engine.timing; empty when no step completed)
+            # the time model's figures (ms_memopt.simulation.timing; empty when no step completed)
             timing = job.timing() or {}
             row.update({key: timing.get(key) for key in TIMING_KEYS})
             rows.append(row)

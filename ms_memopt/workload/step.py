@@ -62,6 +62,7 @@ import numpy as np
 from ms_memopt.config.recipe import WorkloadConfig, schema_keys, seq_range
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event
+from ms_memopt.core.units import aligned
 
 __all__ = [
     "WATCH_TAG", "MAX_STEP_EVENTS", "events_per_step", "check_step_size",
@@ -71,7 +72,6 @@ __all__ = [
     "draw_sequence_length",
     "sequence_lengths",
     "iter_events",
-    "spec_from_recipe",
 ]
 
 #: The tag of the AllReduce buffer request (the default watched request).
@@ -82,11 +82,6 @@ WATCH_TAG = "allreduce"
 MAX_STEP_EVENTS = 1_000_000
 _ALIGN = 512
 
-
-def _aligned(nbytes: float) -> int:
-    """Bytes rounded up to the 512-byte granule every pool uses, at least one granule."""
-    n = int(nbytes)
-    return max(_ALIGN, (n + _ALIGN - 1) // _ALIGN * _ALIGN)
 
 
 # --- mechanism settings (the keys of ``memopt.workload``) --------------------------------------
@@ -192,11 +187,11 @@ class WorkloadSpec:
     moe_local_experts: int = 1
     moe_load_cv: float = _from_config("moe_load_cv")
     #: a learned step template's path: the simulator runs its steps instead of this class's
-    #: (:class:`~ms_memopt.engine.template_workload.TemplateWorkload`)
+    #: (:class:`~ms_memopt.templates.workload.TemplateWorkload`)
     template: str | None = _from_config("template")
     #: with a template, the steps' dims from a CSV (``simulate T.template.json --schedule``) instead of drawn
     schedule: str | None = _from_config("schedule")
-    # the time model's view of the step (ms_memopt.engine.timing; 0: no compute counted): forward FLOPs
+    # the time model's view of the step (ms_memopt.simulation.timing; 0: no compute counted): forward FLOPs
     # per token and per token squared of the stage's layers per card and sequence, sequences per
     # micro-batch, pipeline stages (the 1F1B bubble), data-parallel ways (the gradient AllReduce)
     flops_dense: float = 0.0
@@ -303,13 +298,13 @@ class StepWorkload:
 
     def prologue_rows(self) -> list[tuple]:
         """:meth:`prologue` as rows: tuples of the :class:`~ms_memopt.core.events.Event` fields in
-        their order (``Event(*row)`` is the event); what :mod:`ms_memopt.engine.simulate` consumes."""
+        their order (``Event(*row)`` is the event); what :mod:`ms_memopt.simulation.simulate` consumes."""
         s = self.spec
         self._events = []
         for total, tag in ((s.param_bytes, "parameter"), (s.grad_bytes, "gradient"),
                            (s.optimizer_bytes, "optimizer")):
             for _ in range(s.layers):
-                self._alloc(_aligned(total / s.layers), tag, pool="persistent")
+                self._alloc(aligned(total / s.layers), tag, pool="persistent")
         out, self._events = self._events, []
         return out
 
@@ -369,7 +364,7 @@ class StepWorkload:
             return None
         load = loads[micro_batch, index] * scale
         s = self.spec
-        return _aligned(s.alltoall_bytes / 2 * load), _aligned(s.expert_activation_bytes * load)
+        return aligned(s.alltoall_bytes / 2 * load), aligned(s.expert_activation_bytes * load)
 
     def _cache_shape(self, length: int, part: int) -> None:
         """``shape_cache``: a new shape allocates its cached tensors, which stay live; they are
@@ -388,7 +383,7 @@ class StepWorkload:
         if entry is None:
             entry = self._cache[length] = []
         n = max(1, s.cache_tensors)
-        entry.append(self._alloc(_aligned(s.cache_bytes_per_shape * length / s.seq_length / n), "shape_cache"))
+        entry.append(self._alloc(aligned(s.cache_bytes_per_shape * length / s.seq_length / n), "shape_cache"))
         if part == 0:
             while s.cache_max_shapes and len(self._cache) > s.cache_max_shapes:
                 for tid in self._cache.popitem(last=False)[1]:
@@ -415,7 +410,7 @@ class StepWorkload:
         if hooks["extra_at"] is not None and counters["pass"] == hooks["extra_at"]:
             s = self.spec
             kind = _EXTRA_KINDS[hooks["step"] % len(_EXTRA_KINDS)]
-            tid = self._alloc(_aligned(s.extra_size), kind)
+            tid = self._alloc(aligned(s.extra_size), kind)
             self._extras_due.setdefault(hooks["step"] + max(1, s.extra_lifetime_steps), []).append(tid)
         counters["pass"] += 1
 
@@ -445,8 +440,8 @@ class StepWorkload:
         """Bytes of one layer's saved tensors, and of a recompute segment's input."""
         s = self.spec
         scale = self._activation_scale(length)
-        return ([_aligned(s.activation_bytes * scale * share) for share in s.activation_split],
-                _aligned(s.input_bytes * (length / s.seq_length)))
+        return ([aligned(s.activation_bytes * scale * share) for share in s.activation_split],
+                aligned(s.input_bytes * (length / s.seq_length)))
 
     def _kept_bytes(self, length: int) -> int:
         """What one micro-batch's forward keeps for its backward (the ``forward:M`` mark's size)."""
@@ -459,8 +454,8 @@ class StepWorkload:
         s = self.spec
         scale = length / s.seq_length
         acts, inp = self._saved_sizes(length)
-        wss = [_aligned(s.workspace_bytes * scale * share) for share in s.workspace_split]
-        recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
+        wss = [aligned(s.workspace_bytes * scale * share) for share in s.workspace_split]
+        recv = self._alloc(aligned(s.p2p_bytes * scale), "p2p")
         saved: list[list[int]] = []
         k = s.recompute_every
         cache_at = self._cache_layers("forward")
@@ -487,7 +482,7 @@ class StepWorkload:
             self._frees(reversed(ws))
             if layer == 0:
                 self._free(recv)
-        self._free(self._alloc(_aligned(s.p2p_bytes * scale), "p2p"))
+        self._free(self._alloc(aligned(s.p2p_bytes * scale), "p2p"))
         return saved
 
     def _backward(self, saved: list[list[int]], length: int, counters: dict, hooks: dict,
@@ -495,11 +490,11 @@ class StepWorkload:
         """One micro-batch backward, last layer first; may request the AllReduce buffer."""
         s = self.spec
         scale = length / s.seq_length
-        act = _aligned(s.activation_bytes * self._activation_scale(length))
-        wss = [_aligned(s.workspace_bytes * scale * share) for share in s.workspace_split]
-        grad_size = _aligned(s.param_bytes / s.layers)
+        act = aligned(s.activation_bytes * self._activation_scale(length))
+        wss = [aligned(s.workspace_bytes * scale * share) for share in s.workspace_split]
+        grad_size = aligned(s.param_bytes / s.layers)
         k = s.recompute_every
-        recv = self._alloc(_aligned(s.p2p_bytes * scale), "p2p")
+        recv = self._alloc(aligned(s.p2p_bytes * scale), "p2p")
         recomputed: list[int] = []
         cache_at = self._cache_layers("backward")
         for back_index, layer in enumerate(reversed(range(s.layers))):
@@ -525,12 +520,12 @@ class StepWorkload:
             if layer == 0:
                 frees.append(recv)
             self._frees(frees)
-        self._free(self._alloc(_aligned(s.p2p_bytes * scale), "p2p"))
+        self._free(self._alloc(aligned(s.p2p_bytes * scale), "p2p"))
 
     def _communicate(self, allreduce_id: int) -> None:
         """ReduceScatter buckets allocated back to back, then the AllReduce completes."""
         s = self.spec
-        buckets = [self._alloc(_aligned(s.bucket_bytes), "reduce_scatter") for _ in range(s.buckets)]
+        buckets = [self._alloc(aligned(s.bucket_bytes), "reduce_scatter") for _ in range(s.buckets)]
         for tid in buckets:
             self._free(tid)
         self._free(allreduce_id)
@@ -540,7 +535,7 @@ class StepWorkload:
         temporary, two intermediate FP32 copies of the group."""
         s = self.spec
         groups = max(1, s.optimizer_groups)
-        temp = _aligned(s.param_bytes * 2 / groups)
+        temp = aligned(s.param_bytes * 2 / groups)
         for _ in range(groups):
             cast = self._alloc(temp, "optimizer_temp")
             update = self._alloc(temp, "optimizer_temp")
@@ -661,64 +656,6 @@ def iter_events(spec: WorkloadSpec, steps: int, seed: int = 0) -> Iterator[Event
         yield from gen.step(step)
 
 
-def spec_from_recipe(recipe, *, stage: int = 0, plan=None) -> WorkloadSpec:
-    """The :class:`WorkloadSpec` of one pipeline stage of a recipe (default: the first, which
-    holds the most micro-batches in flight), sizes from :mod:`ms_memopt.analysis.estimate` (``plan``:
-    the recipe's :func:`~ms_memopt.analysis.estimate.estimate`, when the caller has it already)."""
-    from ms_memopt.analysis import estimate as est
-    from ms_memopt.engine.timing import stage_flops_fields
-
-    model, par, mem = recipe.model, recipe.parallel, recipe.memopt
-    w = mem.workload
-    stage_est = (plan or est.estimate(recipe)).stages[stage]
-    regions = stage_est.regions
-    layers = stage_est.layers
-    shape = dict(seq=model.seq_length, micro_batch=recipe.train.batch_size,
-                 tensor_parallel=par.model_parallel, sequence_parallel=par.use_seq_parallel)
-    selective = bool(recipe.recompute.select_recompute)
-    factor = mem.activation_factor
-    activation = est.layer_activation_bytes(model, **shape, recompute="selective" if selective else "none",
-                                            comm_kept=not recipe.recompute.mp_comm_recompute)
-    k = mem.checkpoint_every or 0
-    if recipe.recompute.recompute is True:
-        k = layers
-    comm = stage_est.communication
-    buckets = [comm.get("reduce_scatter_bucket", 0), comm.get("allgather_bucket", 0)]
-    return WorkloadSpec(
-        layers=layers,
-        micro_batches=par.micro_batch_num,
-        in_flight=stage_est.in_flight,
-        seq_length=model.seq_length,
-        param_bytes=regions["parameters"],
-        grad_bytes=regions["gradients"],
-        optimizer_bytes=regions["optimizer"],
-        activation_bytes=int(activation * factor),
-        activation_quadratic_share=_quadratic_share(model, shape, selective, recipe),
-        workspace_bytes=regions.get("workspace", mem.workspace),
-        input_bytes=int(est.layer_input_bytes(model, **shape) * factor),
-        recompute_every=k if k and k < layers or k == layers else 0,
-        p2p_bytes=max(_ALIGN, comm.get("p2p_buffers", 0) // 2),
-        allreduce_bytes=comm.get("allreduce_bucket") or mem.watch.get(WATCH_TAG, 0) or _ALIGN,
-        bucket_bytes=max(buckets),
-        buckets=sum(1 for b in buckets if b),
-        **spec_settings(w),
-        **_moe_fields(recipe, stage, factor),
-        **stage_flops_fields(recipe, stage),
-    )
-
-
-def _quadratic_share(model, shape: dict, selective: bool, recipe) -> float:
-    """The share of a layer's activation bytes at ``seq`` that is quadratic in the length (the
-    attention probabilities; 0 with flash attention): from the formula ``A(s) = a s + b s^2`` at
-    ``seq`` and twice it, ``A(2s) - 2 A(s) = 2 b s^2``."""
-    from ms_memopt.analysis import estimate as est
-    if model.use_flash_attention or selective:
-        return 0.0
-    kept = dict(recompute="none", comm_kept=not recipe.recompute.mp_comm_recompute)
-    at_seq = est.layer_activation_bytes(model, **shape, **kept)
-    at_twice = est.layer_activation_bytes(model, **{**shape, "seq": 2 * shape["seq"]}, **kept)
-    return max(0.0, min(1.0, (at_twice - 2 * at_seq) / (2 * at_seq))) if at_seq else 0.0
-
 
 def spec_settings(config: WorkloadConfig) -> dict:
     """The :class:`WorkloadSpec` fields that are ``memopt.workload`` keys, from ``config``.
@@ -730,16 +667,3 @@ def spec_settings(config: WorkloadConfig) -> dict:
     return {f.name: _config_value(config, f.metadata["key"]) for f in fields(WorkloadSpec) if "key" in f.metadata}
 
 
-def _moe_fields(recipe, stage: int, factor: float) -> dict:
-    """The MoE routing part of a stage's spec (nothing for a dense model): its MoE layers,
-    all-to-all buffers and routed activations (:mod:`ms_memopt.analysis.estimate`) and the experts on
-    one card; the routing load variation is ``memopt.workload.moe_load_cv``."""
-    from ms_memopt.analysis import estimate as est
-    moe = recipe.model.moe
-    if moe is None:
-        return {}
-    return {"moe_layers": est.stage_moe_layers(recipe, stage),
-            "alltoall_bytes": est.alltoall_bytes(recipe),
-            "expert_activation_bytes": int(est.routed_activation_bytes(recipe) * factor),
-            "moe_experts": moe.num_experts,
-            "moe_local_experts": max(1, moe.num_experts // recipe.parallel.expert_parallel)}

@@ -25,14 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ms_memopt.allocators import MODELS, create
 from ms_memopt.allocators.base import AllocatorModel, OOMRecord
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import DEVICE_ADDRESS_LIMIT, Layout
 from ms_memopt.core.metrics import LayoutMetrics, measure
-from ms_memopt.engine.loop import drive
+from ms_memopt.replay.loop import drive
 
-__all__ = ["ReplayResult", "replay", "placed_events", "same_layout", "check_bounds", "default_allocator", "DEVICE_ADDRESS_LIMIT"]
+__all__ = ["ReplayResult", "replay", "placed_events", "same_layout", "check_bounds", "default_allocator", "recorded_allocator", "RecordedAllocator", "DEVICE_ADDRESS_LIMIT"]
 
 #: every size and address of a replayed trace ends below this (bytes)
 
@@ -63,7 +64,7 @@ class ReplayResult:
     #: True when the model ends with the recorded blocks and live buffers, address for address
     #: (``None``: the trace recorded no final state)
     final_layout_match: bool | None = None
-    #: what a what-if policy did (:mod:`ms_memopt.engine.whatif`): its name and figures
+    #: what a what-if policy did (:mod:`ms_memopt.replay.whatif`): its name and figures
     policy: dict | None = None
     #: the model's address of every tensor still live at the end -> its trace id
     live_ids: dict[int, int] = field(repr=False, default_factory=dict)
@@ -76,15 +77,58 @@ class ReplayResult:
         return out
 
 
-def default_allocator(trace: Trace) -> str:
-    """The model of the allocator that recorded ``trace``: PyTorch's for its snapshots (and
-    torch_npu's msMemScope files), ``DynamicMemPoolBestFit`` for MindSpore's CPU pool logs and
-    ``ms-memopt record`` files of them, else MindSpore's default pool."""
+@dataclass(frozen=True)
+class RecordedAllocator:
+    """The allocator model that recorded a trace, its options, and what decided it (``why``:
+    a phrase for the user, e.g. "the recording names it (ms-memopt simulate)")."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+    why: str = ""
+
+
+def recorded_allocator(trace: Trace) -> RecordedAllocator:
+    """The model of the allocator that recorded ``trace``, with its options and the reason.
+
+    In this order: the model the recording names (our exports write it: a memory-viz snapshot's
+    ``allocator_settings``, a JSONL header's ``meta``, read into ``trace.meta["allocator"]``);
+    PyTorch's for its snapshots (and torch_npu's msMemScope files); ``DynamicMemPoolBestFit``
+    for MindSpore's CPU pool logs and ``ms-memopt record`` files of them; else MindSpore's
+    default pool. A named model that does not exist, or options it does not take, are not
+    used, and ``why`` says so.
+
+    Example:
+        >>> recorded_allocator(Trace([], meta={"allocator": "mindspore"})).name
+        'mindspore'
+        >>> recorded_allocator(Trace([], format="torch-snapshot")).why
+        'a PyTorch snapshot'
+    """
+    named, note = trace.meta.get("allocator"), ""
+    if isinstance(named, str):
+        options = trace.meta.get("allocator_options")
+        options = dict(options) if isinstance(options, dict) else {}
+        by = trace.meta.get("recorded_by")
+        writer = (by.get("source") if isinstance(by, dict) else None) or trace.meta.get("source") or "its writer"
+        if named in MODELS and named != "pool":
+            try:
+                create(named, None, fast=False, **options)
+            except (InputError, TypeError, ValueError) as exc:
+                note = f"; it names {named} with options this model does not take ({exc})"
+            else:
+                return RecordedAllocator(named, options, f"the recording names it ({writer})")
+        else:
+            note = f"; it names {named!r}, which is no model to replay through"
     if trace.format in ("torch-snapshot", "msmemscope"):
-        return "torch"
+        return RecordedAllocator("torch", {}, ("a PyTorch snapshot" if trace.format == "torch-snapshot"
+                                               else "a torch_npu msMemScope file") + note)
     if trace.meta.get("pool") == "DynamicMemPoolBestFit":
-        return "mindspore-bestfit"
-    return "mindspore"
+        return RecordedAllocator("mindspore-bestfit", {}, "MindSpore's CPU pool (DynamicMemPoolBestFit) wrote it" + note)
+    return RecordedAllocator("mindspore", {}, "the recording names no allocator: MindSpore's default pool" + note)
+
+
+def default_allocator(trace: Trace) -> str:
+    """The name of the model of the allocator that recorded ``trace`` (:func:`recorded_allocator`)."""
+    return recorded_allocator(trace).name
 
 
 # streams are C int64 in the compiled models
@@ -140,7 +184,7 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
         on_sample: called with ``(event_index, metrics)`` at each sample.
         on_step: called at each ``step`` event with ``(step, model, addresses)`` (trace id ->
             the model's address; the hook may update it) and returns the model to go on with:
-            a policy such as compaction at step ends (:mod:`ms_memopt.engine.whatif`).
+            a policy such as compaction at step ends (:mod:`ms_memopt.replay.whatif`).
         stop: replay only the first ``stop`` events (the state just before event ``stop``).
 
     Returns:
@@ -157,7 +201,7 @@ def _replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = N
             on_step: Callable[[int, AllocatorModel, dict[int, int]], AllocatorModel] | None = None,
             stop: int | None = None, on_alloc: Callable | None = None,
             on_free: Callable | None = None) -> ReplayResult:
-    """:func:`replay`, with the loop's ``on_alloc``/``on_free`` hooks (:func:`~ms_memopt.engine.loop.drive`)."""
+    """:func:`replay`, with the loop's ``on_alloc``/``on_free`` hooks (:func:`~ms_memopt.replay.loop.drive`)."""
     check_bounds(trace)
     events = trace.events
     if sample_every is None:

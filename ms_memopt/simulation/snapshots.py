@@ -1,33 +1,35 @@
 """Which layouts of a simulation to draw as a memory map (the picture of "14 GB free and no
 4.2 GB piece").
 
-:class:`LayoutCollector` hooks into :func:`ms_memopt.engine.simulate.simulate` (``on_watch``) and keeps
+:class:`LayoutCollector` hooks into :func:`ms_memopt.simulation.simulate.simulate` (``on_watch``) and keeps
 the pool's layout at chosen steps, at an OOM, or, for a policy that survives, at its worst
 moment; ``ms-memopt simulate --out`` and ``make demo`` write them to ``layouts.jsonl``, which
 :func:`ms_memopt.report.build.build_report` draws with :func:`ms_memopt.report.memory_map.plot_memory_map`.
 """
 from __future__ import annotations
 
-from ms_memopt.config.recipe import Recipe
+from dataclasses import replace
+
 from ms_memopt.core.metrics import measure
 from ms_memopt.core.units import format_size
-from ms_memopt.engine.simulate import config_from_recipe, simulate
-from ms_memopt.engine.workload import WATCH_TAG, spec_from_recipe
+from ms_memopt.simulation.spec import JobSpec
+from ms_memopt.simulation.simulate import simulate
+from ms_memopt.workload.step import WATCH_TAG
 from ms_memopt.io.layouts import LayoutSnapshot
 
 __all__ = ["LayoutCollector", "simulated_layouts"]
 
 
 class LayoutCollector:
-    """An ``on_watch`` hook of :func:`ms_memopt.engine.simulate.simulate`: keeps the layout just before
+    """An ``on_watch`` hook of :func:`ms_memopt.simulation.simulate.simulate`: keeps the layout just before
     the first watched request (the AllReduce bucket) of each of ``steps``, per policy of
     ``policies`` and seed ``seed``, and the layout at an OOM whenever it happens. With ``worst``,
     a policy that never runs out of memory contributes its worst moment instead: the layout
     before the watched request that found the least room (largest hole minus request).
 
     Example:
-        >>> from ms_memopt.engine.simulate import SimConfig, simulate
-        >>> from ms_memopt.engine.workload import WorkloadSpec
+        >>> from ms_memopt.simulation.simulate import SimConfig, simulate
+        >>> from ms_memopt.workload.step import WorkloadSpec
         >>> collector = LayoutCollector([1, 2], policies=("baseline",), worst=False)
         >>> _ = simulate(WorkloadSpec(enabled=False), SimConfig(steps=2), policies=("baseline",), on_watch=collector)
         >>> [snap.label for snap in collector.snapshots()]
@@ -79,16 +81,16 @@ class LayoutCollector:
         return out
 
 
-def simulated_layouts(recipe: Recipe, steps: list[int], *, policies: tuple[str, ...] = ("baseline", "pool"),
+def simulated_layouts(job: JobSpec, steps: list[int], *, policies: tuple[str, ...] = ("baseline", "pool"),
                       seed: int = 0) -> list[LayoutSnapshot]:
     """The simulated pool just before the watched request (the AllReduce bucket) of each of
     ``steps``, per policy; a policy that runs out of memory first contributes its layout at the
-    OOM. One run of :func:`ms_memopt.engine.simulate.simulate` up to the last step, collected by a
+    OOM, on the job's first pipeline stage (``job``: :func:`~ms_memopt.simulation.spec.job_from_recipe`).
+    One run of :func:`ms_memopt.simulation.simulate.simulate` up to the last step, collected by a
     :class:`LayoutCollector` (``make demo`` hooks the collector into its main simulation instead).
     """
-
-    spec = spec_from_recipe(recipe)
-    cfg = config_from_recipe(recipe, steps=max(steps))
+    spec = job.specs[min(job.specs)]
+    cfg = replace(job.cfg, steps=max(steps), watch=dict(job.cfg.watch))
     # the workload tags its gradient bucket WATCH_TAG whatever the recipe calls its watched request
     cfg.watch.setdefault(WATCH_TAG, spec.allreduce_bytes)
     collector = LayoutCollector(steps, policies=policies, seed=seed, worst=False)

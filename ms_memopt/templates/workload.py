@@ -1,11 +1,11 @@
 """A learned step template as the simulator's workload: the user's own model, step by step.
 
-:class:`TemplateWorkload` has the interface :func:`ms_memopt.engine.simulate.simulate` drives
+:class:`TemplateWorkload` has the interface :func:`ms_memopt.simulation.simulate.simulate` drives
 (``prologue_rows``, ``step_rows``, ``lengths``, ``shapes_seen``), like the hand-made
-:class:`~ms_memopt.engine.workload.StepWorkload`, so every policy, the job of many ranks, the
+:class:`~ms_memopt.workload.step.StepWorkload`, so every policy, the job of many ranks, the
 executors, the forecast, the time model and the reports run on real steps. Each step's dims come
 from a schedule (``--schedule FILE.csv``: one row a step) or are drawn per step from the recipe's
-``memopt.workload`` sequence-length rules (:func:`~ms_memopt.engine.workload.draw_sequence_length`,
+``memopt.workload`` sequence-length rules (:func:`~ms_memopt.workload.step.draw_sequence_length`,
 the rule ``ms-memopt run`` trains with) with the card's own seed: the dim called ``seq`` takes the
 drawn length, every other dim keeps the value the template was recorded at most often.
 
@@ -20,7 +20,7 @@ What a template does not have, this class adds, and says so:
 * the ``optimizer_end`` mark that ends a step (where the ``compact`` policy compacts).
 
 Example:
-    >>> from ms_memopt.engine.template import Template
+    >>> from ms_memopt.templates.template import Template
     >>> part = {"samples": 2, "seen": [{"seq": 8}, {"seq": 16}], "basis": [[0], [1]],
     ...         "ops": [["a", [0, 64], "common", 0, None, True], ["f", "same", 0]]}
     >>> template = Template(dims=["seq"], prologue={"samples": 1, "seen": [], "basis": [[0]], "ops": []},
@@ -41,8 +41,8 @@ import numpy as np
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import FIELDS, ROW_INDEX, Event
-from ms_memopt.engine.template import Template, generate, load_template, read_schedule
-from ms_memopt.engine.workload import StepWorkload, draw_sequence_length
+from ms_memopt.templates.template import Template, generate, load_template, read_schedule
+from ms_memopt.workload.step import StepWorkload, draw_sequence_length
 
 __all__ = ["TemplateWorkload", "SEQ_DIM", "WATCH", "make_workload", "recorded_dims", "template_of",
            "watched_bytes", "peak_by_pool", "recipe_for_template", "UNBOUNDED"]
@@ -62,7 +62,7 @@ def _load(path: str, mtime: float) -> Template:
 
 
 def template_of(spec) -> Template | None:
-    """The template a :class:`~ms_memopt.engine.workload.WorkloadSpec` names (loaded once per
+    """The template a :class:`~ms_memopt.workload.step.WorkloadSpec` names (loaded once per
     process and file version), or None."""
     if not spec.template:
         return None
@@ -77,7 +77,7 @@ def template_of(spec) -> Template | None:
 def make_workload(spec, seed: int = 0):
     """The workload the simulator runs for ``spec`` and one card's ``seed``: the template's steps
     when ``spec.template`` names one (its ``seq`` drawn by the spec's length rules, or the steps
-    of ``spec.schedule``, a CSV), else the hand-made :class:`~ms_memopt.engine.workload.StepWorkload`."""
+    of ``spec.schedule``, a CSV), else the hand-made :class:`~ms_memopt.workload.step.StepWorkload`."""
     template = template_of(spec)
     if template is None:
         return StepWorkload(spec, seed)
@@ -102,7 +102,7 @@ def recipe_for_template(path: str, schedule: str, *, capacity: int | None = None
 
     Example:
         >>> import pathlib, tempfile
-        >>> from ms_memopt.engine.template import Template, save_template
+        >>> from ms_memopt.templates.template import Template, save_template
         >>> d = pathlib.Path(tempfile.mkdtemp())
         >>> part = {"samples": 1, "seen": [{"seq": 8}], "basis": [[0]], "ops": []}
         >>> save_template(Template(["seq"], part, {"first": part, "repeat": part}), d / "m.template.json")
@@ -169,7 +169,7 @@ def recorded_dims(template: Template) -> dict[str, int]:
     """Per dim, the value the template's steps were recorded at most often (ties: the larger).
 
     Example:
-        >>> from ms_memopt.engine.template import Template
+        >>> from ms_memopt.templates.template import Template
         >>> t = Template(dims=["seq", "batch"], prologue={}, classes={"repeat": {"seen": [
         ...     {"seq": 16, "batch": 4}, {"seq": 24, "batch": 4}, {"seq": 32, "batch": 2}]}})
         >>> recorded_dims(t)
@@ -199,11 +199,11 @@ class TemplateWorkload:
     """The steps of ``template`` for the simulator.
 
     Args:
-        template: a learned template (:func:`ms_memopt.engine.template.load_template`).
+        template: a learned template (:func:`ms_memopt.templates.template.load_template`).
         schedule: the dims of each step, in order (the run ends with it: asking for a step past
             its end is an error); or ``None`` to draw them.
         rules: the sequence-length rules (a :class:`~ms_memopt.config.recipe.WorkloadConfig` or
-            :class:`~ms_memopt.engine.workload.WorkloadSpec`) when drawing; ``None`` keeps every
+            :class:`~ms_memopt.workload.step.WorkloadSpec`) when drawing; ``None`` keeps every
             dim at its recorded value.
         seq_length: the recipe's sequence length (``seq_max`` defaults to it).
         seed: seeds the draws (one ``numpy`` generator, one draw sequence per step).

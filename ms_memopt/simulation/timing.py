@@ -54,8 +54,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ms_memopt.config.recipe import TimingConfig
+from ms_memopt.core.units import aligned
 
-__all__ = ["StepCounts", "TIMING_KEYS", "stage_flops_fields", "step_flops", "optimizer_extra_bytes",
+__all__ = ["StepCounts", "TIMING_KEYS", "step_flops", "optimizer_extra_bytes",
            "collective_bytes", "rank_step", "card_factors", "job_steps", "job_timing"]
 
 #: the keys of a policy's ``timing`` object (``simulate --json``), in order
@@ -108,26 +109,6 @@ class StepCounts:
         return real, real if self.new_shape_requests else 0
 
 
-def stage_flops_fields(recipe, stage: int) -> dict:
-    """The :class:`~ms_memopt.engine.workload.WorkloadSpec` fields of one stage's compute: forward
-    FLOPs per token of its layers (``flops_dense``, dense matmuls ``2 P``; the LM head on the
-    last stage) and per token squared (``flops_attention``, ``4 h_q`` per layer), per card
-    (split by tensor parallel), per sequence; sequences per micro-batch; pipeline stages and
-    data-parallel ways. MoE layers are counted as dense layers (every expert's weights): an
-    upper bound."""
-    from ms_memopt.analysis.estimate import _layer_split
-
-    model, par = recipe.model, recipe.parallel
-    t = par.model_parallel
-    layers = recipe.stage_layers()[stage]
-    dense_layer, _ = _layer_split(model, False, t, par.expert_parallel)
-    dense = 2.0 * dense_layer * layers
-    if stage == par.pipeline_stage - 1:
-        dense += 2.0 * model.vocab_size * model.hidden_size / t
-    attention = 4.0 * model.num_heads * model.head_dim * layers / t
-    return {"flops_dense": dense, "flops_attention": attention, "batch_size": recipe.train.batch_size,
-            "pipeline_stages": par.pipeline_stage, "data_parallel": par.data_parallel}
-
 
 def step_flops(spec, lengths: list[int]) -> tuple[float, float, float]:
     """(FLOPs executed, model FLOPs, bubble share) of one step whose micro-batches have
@@ -142,10 +123,9 @@ def step_flops(spec, lengths: list[int]) -> tuple[float, float, float]:
 def optimizer_extra_bytes(spec) -> int:
     """HBM traffic of the unfused AdamW's intermediate copies per step: the workload's two FP32
     copies per parameter group (``optimizer_temp``), each written once and read once."""
-    from ms_memopt.engine.workload import _aligned
 
     groups = max(1, spec.optimizer_groups)
-    return 2 * 2 * groups * _aligned(spec.param_bytes * 2 / groups)
+    return 2 * 2 * groups * aligned(spec.param_bytes * 2 / groups)
 
 
 def collective_bytes(spec) -> float:

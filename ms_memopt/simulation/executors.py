@@ -1,6 +1,6 @@
 """Run independent tasks on local processes or on an existing distributed engine.
 
-The job simulator (:mod:`ms_memopt.engine.job`) and sweeps hand every rank stream to one function,
+The job simulator (:mod:`ms_memopt.simulation.job`) and sweeps hand every rank stream to one function,
 :func:`run_tasks`, which runs them
 
 * ``"local"`` (the default): embedded worker processes on this machine, one per core
@@ -19,6 +19,12 @@ tasks finish in, so a run gives the same answer on every executor, and a failing
 its own exception on every executor. Task functions must be importable by the workers
 (module-level functions of an installed ``ms_memopt``, or builtins).
 
+A task may report how far it got with :func:`report_progress` (a step of a simulation): the
+counts reach ``run_tasks``' ``on_progress`` in this process while the tasks run (local processes
+and inline runs; Dask and Ray report finished tasks only). Ctrl-C stops a local run cleanly: the
+tasks not started are cancelled, the workers stopped and the pool shut down (no stray processes,
+no leaked semaphores), and ``KeyboardInterrupt`` reaches the caller.
+
 Example:
     >>> run_tasks(abs, [-2, 3, -5], executor="local", workers=1)
     [2, 3, 5]
@@ -27,15 +33,29 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ms_memopt.core.errors import InputError
 
-__all__ = ["EXECUTORS", "default_workers", "run_tasks"]
+__all__ = ["EXECUTORS", "default_workers", "report_progress", "run_tasks"]
 
 #: the ``--executor`` choices
 EXECUTORS = ("local", "dask", "ray")
+
+#: where :func:`report_progress` sends its counts in this process: a shared counter (a local
+#: worker process), the caller's ``on_progress`` (inline runs), or nowhere
+_progress_sink: Callable[[int], None] | None = None
+#: seconds between two reads of the workers' shared progress counter
+_POLL_SECONDS = 0.5
+
+
+def report_progress(units: int = 1) -> None:
+    """Called by a task: ``units`` more of its work are done (:func:`run_tasks`' ``on_progress``);
+    a no-op where nobody listens."""
+    if _progress_sink is not None:
+        _progress_sink(units)
 
 
 def default_workers() -> int:
@@ -48,7 +68,8 @@ def default_workers() -> int:
 
 def run_tasks(fn: Callable[[Any], Any], tasks: Sequence[Any], *, executor: str = "local",
               address: str | None = None, workers: int | None = None,
-              on_done: Callable[[int, Any], None] | None = None, processes: bool = True) -> list:
+              on_done: Callable[[int, Any], None] | None = None, processes: bool = True,
+              on_progress: Callable[[int], None] | None = None) -> list:
     """``[fn(task) for task in tasks]``, run in parallel on ``executor``.
 
     Args:
@@ -62,6 +83,8 @@ def run_tasks(fn: Callable[[Any], Any], tasks: Sequence[Any], *, executor: str =
         on_done: called as ``on_done(index, result)`` when a task finishes (in finishing order;
             progress bars).
         processes: ``False`` runs Dask's local cluster on threads of this process (tests).
+        on_progress: called in this process as ``on_progress(units)`` with the units the tasks
+            reported (:func:`report_progress`) since the last call (local and inline runs).
 
     Returns:
         the results in task order.
@@ -88,7 +111,7 @@ def run_tasks(fn: Callable[[Any], Any], tasks: Sequence[Any], *, executor: str =
     if not tasks:
         return results
     if executor == "local":
-        _run_local(fn, tasks, workers, done)
+        _run_local(fn, tasks, workers, done, on_progress)
     elif executor == "dask":
         _run_dask(fn, tasks, address, workers, processes, done)
     else:
@@ -96,20 +119,62 @@ def run_tasks(fn: Callable[[Any], Any], tasks: Sequence[Any], *, executor: str =
     return results
 
 
-def _run_local(fn, tasks: list, workers: int, done: Callable[[int, Any], None]) -> None:
+def _run_local(fn, tasks: list, workers: int, done: Callable[[int, Any], None],
+               on_progress: Callable[[int], None] | None = None) -> None:
+    global _progress_sink
     if workers == 1 or len(tasks) == 1:
-        for index, task in enumerate(tasks):
-            done(index, fn(task))
+        _progress_sink = on_progress
+        try:
+            for index, task in enumerate(tasks):
+                done(index, fn(task))
+        finally:
+            _progress_sink = None
         return
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     # forkserver: no fork of a parent that may hold threads (MindSpore, tqdm's monitor)
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)),
-                             mp_context=multiprocessing.get_context(method)) as pool:
+    context = multiprocessing.get_context(method)
+    counter = context.Value("q", 0)
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context,
+                               initializer=_init_worker, initargs=(counter,))
+    reported = 0
+
+    def poll() -> None:
+        nonlocal reported
+        value = counter.value
+        if on_progress is not None and value > reported:
+            on_progress(value - reported)
+        reported = value
+
+    try:
         futures = {pool.submit(fn, task): index for index, task in enumerate(tasks)}
-        for future in as_completed(futures):
-            done(futures[future], future.result())
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, timeout=_POLL_SECONDS, return_when=FIRST_COMPLETED)
+            poll()
+            for future in finished:
+                done(futures[future], future.result())
+    except BaseException:
+        # Ctrl-C or a failed task: stop the workers now rather than after their running tasks
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.terminate()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _init_worker(counter) -> None:
+    """A local worker: count :func:`report_progress` in the shared ``counter``; leave Ctrl-C to the
+    parent, which stops the workers itself (else every worker prints its own traceback)."""
+    global _progress_sink
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def add(units: int) -> None:
+        with counter.get_lock():
+            counter.value += units
+
+    _progress_sink = add
 
 
 def _run_dask(fn, tasks: list, address: str | None, workers: int, processes: bool,

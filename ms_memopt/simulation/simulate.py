@@ -1,6 +1,6 @@
 """Many training steps of one card through an allocator model, under a memory policy.
 
-The workload (:mod:`ms_memopt.engine.workload`) yields each step's events; the loop feeds them to
+The workload (:mod:`ms_memopt.workload.step`) yields each step's events; the loop feeds them to
 the allocator model, tracks tensor id -> address, and measures the layout
 
 * at every **scan** (the end of every ``scan_every``-th step, after the optimizer), and
@@ -38,7 +38,7 @@ The timeline (one JSON object per sample) streams to a file as it is measured, s
 stays constant however many steps run.
 
 Example:
-    >>> from ms_memopt.engine.workload import WorkloadSpec
+    >>> from ms_memopt.workload.step import WorkloadSpec
     >>> spec = WorkloadSpec(enabled=False)
     >>> r = simulate_policy(spec, "baseline", SimConfig(steps=3, capacity=96 * 2**30))
     >>> r.oom_step is None
@@ -61,11 +61,11 @@ from ms_memopt.config.recipe import TimingConfig
 from ms_memopt.core.events import ROW_INDEX, Event
 from ms_memopt.core.layout import Layout
 from ms_memopt.core.metrics import frag_ratio, measure
-from ms_memopt.engine.loop import drive
-from ms_memopt.engine.pool_sizing import pool_for_workload
-from ms_memopt.engine.timing import StepCounts, collective_bytes, optimizer_extra_bytes, step_flops
-from ms_memopt.engine.template_workload import WATCH, make_workload, watched_bytes
-from ms_memopt.engine.workload import WATCH_TAG, StepWorkload, WorkloadSpec
+from ms_memopt.replay.loop import drive
+from ms_memopt.simulation.pool_sizing import pool_for_workload
+from ms_memopt.simulation.timing import StepCounts, collective_bytes, optimizer_extra_bytes, step_flops
+from ms_memopt.templates.workload import make_workload
+from ms_memopt.workload.step import WATCH_TAG, StepWorkload, WorkloadSpec
 
 __all__ = [
     "POLICIES",
@@ -74,7 +74,6 @@ __all__ = [
     "PolicySummary",
     "SimConfig",
     "WatchPoint",
-    "config_from_recipe",
     "simulate",
     "simulate_policy",
 ]
@@ -110,7 +109,7 @@ class SimConfig:
     forecast_within: int | None = None
     forecast_window: int = 10
     seed: int = 0
-    #: the time model's constants (``memopt.timing``, :mod:`ms_memopt.engine.timing`)
+    #: the time model's constants (``memopt.timing``, :mod:`ms_memopt.simulation.timing`)
     timing: TimingConfig = field(default_factory=TimingConfig)
 
     def __post_init__(self) -> None:
@@ -173,10 +172,10 @@ class PolicyResult:
     shapes_seen: int = 0
     events: int = 0
     seconds: float = 0.0
-    #: per completed step (1..), what the time model prices (:meth:`ms_memopt.engine.timing.StepCounts.as_tuple`);
+    #: per completed step (1..), what the time model prices (:meth:`ms_memopt.simulation.timing.StepCounts.as_tuple`);
     #: not in :meth:`to_dict` (a run's worth of tuples)
     step_counts: list = field(default_factory=list, repr=False)
-    #: bytes this rank sends in its stage's gradient AllReduce (:func:`ms_memopt.engine.timing.collective_bytes`)
+    #: bytes this rank sends in its stage's gradient AllReduce (:func:`ms_memopt.simulation.timing.collective_bytes`)
     collective_bytes: float = 0.0
 
     def to_dict(self) -> dict:
@@ -210,47 +209,6 @@ class PolicySummary:
                 "oom_step_max": max(ooms, default=None),
                 "seeds": [r.to_dict() for r in self.seeds]}
 
-
-def _recipe_allocator(allocator) -> tuple[str, dict]:
-    """The model name and options of ``baseline`` and ``compact`` for a recipe's
-    ``memopt.allocator`` (recipe names use ``_``, model names ``-``).
-
-    ``increase_size``, ``pregrow`` and ``init_size`` set up MindSpore's pool and only reach its
-    models. ``pool`` (train in pool mode, for ``ms-memopt run``) simulates its baseline on
-    MindSpore's pool: pool mode itself is the ``pool`` policy, with regions from the plan."""
-    name = allocator.name.replace("_", "-")
-    if name == "pool":
-        name = "mindspore"
-    if name not in ("mindspore", "mindspore-bestfit"):
-        return name, {}
-    options = {"increase_size": allocator.increase_size}
-    if allocator.pregrow:
-        options["pregrow"] = True
-    elif allocator.init_size:
-        options["init_size"] = allocator.init_size
-    return name, options
-
-
-def config_from_recipe(recipe, **overrides) -> SimConfig:
-    """The :class:`SimConfig` a recipe asks for (``memopt.scan_every``, ``compact_every``,
-    ``compact_trigger``, ``watch``, ``allocator``; capacity = ``memopt.device.hbm``)."""
-    mem = recipe.memopt
-    name, options = _recipe_allocator(mem.allocator)
-    watch = dict(mem.watch) or {WATCH_TAG: 4_200_000_000}
-    if mem.workload.template:       # a template's watched request is each step's largest
-        from ms_memopt.engine.workload import spec_from_recipe
-
-        watch = {WATCH: watched_bytes(spec_from_recipe(recipe))}
-    cfg = SimConfig(steps=mem.workload.steps, capacity=recipe.capacity, allocator=name,
-                    allocator_options=options, scan_every=mem.scan_every,
-                    compact_every=mem.compact_every, watch=watch, seed=mem.workload.seed,
-                    timing=mem.timing)
-    if mem.compact_trigger is not None:
-        cfg.compact_trigger = mem.compact_trigger
-    for key, value in overrides.items():
-        if value is not None:
-            setattr(cfg, key, value)
-    return cfg
 
 
 @dataclass
@@ -378,7 +336,7 @@ class _Run:
         self.size_of: dict[int, int] = {}   # tensor id -> bytes, kept only when recording (evictions)
         self.dead = False
         self.seconds = 0.0
-        # the time model (ms_memopt.engine.timing): the step's lengths (set by the lock-step loop), the
+        # the time model (ms_memopt.simulation.timing): the step's lengths (set by the lock-step loop), the
         # unfused optimizer's extra traffic (pool mode runs the fused one), the collective
         self.spec = spec
         self.lengths: list[int] | None = None
@@ -407,7 +365,7 @@ class _Run:
         counts[4] += max(0, now[4] - start[4])
 
     def _note_step(self, step: int, moved: int, compactions: int) -> None:
-        """The completed step's :class:`~ms_memopt.engine.timing.StepCounts` (steps 1..)."""
+        """The completed step's :class:`~ms_memopt.simulation.timing.StepCounts` (steps 1..)."""
         if step < 1:
             return
         flops, model_flops, bubble = step_flops(self.spec, self.lengths or [self.spec.seq_length]
@@ -421,7 +379,7 @@ class _Run:
 
     def feed(self, step: int, batch: list[tuple]) -> bool:
         """Run one step's events, as rows (:meth:`StepWorkload.step_rows`: ``Event(*row)`` is
-        the event; no object per event) through :func:`~ms_memopt.engine.loop.drive`; ``False``
+        the event; no object per event) through :func:`~ms_memopt.replay.loop.drive`; ``False``
         once the job has died (OOM)."""
         if self.dead:
             return False
@@ -452,7 +410,7 @@ class _Run:
         self.seconds += time.perf_counter() - started
         return not self.dead
 
-    # --- the loop's hooks (ms_memopt.engine.loop) ---------------------------------------------
+    # --- the loop's hooks (ms_memopt.replay.loop) ---------------------------------------------
     def _at_watch(self, index: int, row: tuple, model: AllocatorModel) -> None:
         """Just before a watched request: the sample that matters (``largest_free`` against it)."""
         result, track, step = self.result, self.track, self.step

@@ -38,16 +38,13 @@ from ms_memopt.allocators.pool import REGION_OF_TAG, PoolModeAllocator
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Trace
 from ms_memopt.core.metrics import measure
-from ms_memopt.engine.replay import ReplayResult, replay
+from ms_memopt.core.units import aligned
+from ms_memopt.replay.replay import ReplayResult, replay
 
 __all__ = ["WHATIF_POLICIES", "lifetime_tags", "pool_regions", "replay_policy"]
 
 WHATIF_POLICIES = ("baseline", "compact", "pool")
 _LONG = "parameter"      # the tag pool mode sends to its fixed "parameters" region
-
-
-def _aligned(size: int) -> int:
-    return max(512, (size + 511) // 512 * 512)
 
 
 def lifetime_tags(trace: Trace) -> Trace:
@@ -80,7 +77,7 @@ def pool_regions(trace: Trace, capacity: int) -> dict[str, int]:
     current = peak = 0
     for event in trace.events:
         if event.action == "alloc" and event.tag == _LONG:
-            size_of[event.id] = _aligned(event.size)
+            size_of[event.id] = aligned(event.size)
             current += size_of[event.id]
             peak = max(peak, current)
         elif event.action == "free" and event.id in size_of:
