@@ -1,0 +1,404 @@
+"""``ms-memopt doctor LOG`` / ``LOGDIR``: OOM reports read from failed jobs' logs.
+
+Every message here is built the way the framework builds it: PyTorch's and torch_npu's
+``format_size`` and the operator<< chains of their caching allocators (each wording by version),
+MindSpore's strings from the 2.10 wheel (``libmindspore_ascend_res_manager.so``,
+``libmindspore_memory_pool.so``, ``libmindspore_ms_backend.so``) in the order its sources stream
+them. One log is real: a MindSpore 2.10 CPU run that died of fragmentation here
+(``tests/data/crash_logs/``, made by ``make_ms_cpu_oom.py`` in that folder).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ms_memopt.allocators.base import oom_kind
+from ms_memopt.cli import main
+from ms_memopt.doctor.crash_logs import crash_verdict, diagnose_log, diagnose_logdir, find_rank_logs
+from ms_memopt.io.oom_logs import parse_message, rank_of_path, read_oom_log, scan_bytes
+
+DATA = Path(__file__).parent / "data"
+CRASH = DATA / "crash_logs"
+MiB, GiB = 2**20, 2**30
+
+
+# --- the frameworks' own formatting ---------------------------------------------------------------------
+def fs(n: int) -> str:
+    """c10's and torch_npu's ``format_size``."""
+    if n <= 1024:
+        return f"{n} bytes"
+    if n <= 1048576:
+        return f"{n / 1024:.2f} KiB"
+    if n <= 1073741824:
+        return f"{n / 1048576:.2f} MiB"
+    return f"{n / 1073741824:.2f} GiB"
+
+
+def cuda_21plus(req, total, free, allocated, reserved, *, procs=None, this=None, allowed=None, private=None,
+                misspelt=False, old_tail=False, device=0):
+    """CUDACachingAllocator.cpp from 2.1 (2.1.0: "capacty" and the max_split_size_mb tail)."""
+    proc_info = "".join(f"Process {pid} has {fs(n)} memory in use. " for pid, n in (procs or []))
+    if this is not None:
+        proc_info += f"Including non-PyTorch memory, this process has {fs(this)} memory in use. "
+    allowed_info = f"{fs(allowed)} allowed; " if allowed is not None else ""
+    pools = f"with {fs(private)} allocated in private pools (e.g., CUDA Graphs), " if private else ""
+    tail = (" If reserved but unallocated memory is large try setting max_split_size_mb to avoid fragmentation.  "
+            "See documentation for Memory Management and PYTORCH_CUDA_ALLOC_CONF" if old_tail else
+            " If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+            "to avoid fragmentation.  See documentation for Memory Management  "
+            "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+    return (f"CUDA out of memory. Tried to allocate {fs(req)}. GPU {device} has a total "
+            f"{'capacty' if misspelt else 'capacity'} of {fs(total)} of which {fs(free)} is free. {proc_info}"
+            f"{allowed_info}Of the allocated memory {fs(allocated)} is allocated by PyTorch, {pools}and "
+            f"{fs(reserved - allocated - (private or 0))} is reserved by PyTorch but unallocated.{tail}")
+
+
+def cuda_old(req, total, allocated, free, reserved, *, allowed=None, cached=False, tail=True):
+    """Up to 2.0 (``cached`` before 1.4; the max_split_size_mb advice from 1.10)."""
+    allowed_info = f"{fs(allowed)} allowed; " if allowed is not None else ""
+    last = f"{fs(reserved)} cached)" if cached else f"{fs(reserved)} reserved in total by PyTorch)"
+    text = (f"CUDA out of memory. Tried to allocate {fs(req)} (GPU 0; {fs(total)} total capacity; {fs(allocated)} "
+            f"already allocated; {fs(free)} free; {allowed_info}{last}")
+    if tail:
+        text += (" If reserved memory is >> allocated memory try setting max_split_size_mb to avoid fragmentation.  "
+                 "See documentation for Memory Management and PYTORCH_CUDA_ALLOC_CONF")
+    return text
+
+
+def npu(req, total, allocated, active, free, reserved, *, allowed=None, glued=False):
+    """NPUCachingAllocator.cpp: AT_ERROR(...) and the newer retmsg (no space before "If")."""
+    allowed_info = f"{fs(allowed)} allowed; " if allowed is not None else ""
+    head = (f"NPU out of memory. Tried to allocate {fs(req)} (NPU 0; {fs(total)} total capacity; {fs(allocated)} "
+            f"already allocated; {fs(active)} current active; {fs(free)} free; {allowed_info}{fs(reserved)} "
+            "reserved in total by PyTorch)")
+    advice = "If reserved memory is >> allocated memory try setting max_split_size_mb to avoid fragmentation."
+    return head + ("." + advice if glued else " " + advice)
+
+
+def ms_header(level="ERROR", module="DEVICE", when="2026-03-01-10:23:45.123.456", where="x.cc:1 Fn"):
+    return f"[{level}] {module}(4242,ffff9c2b,python):{when} [mindspore/ccsrc/{where}] "
+
+
+def ms_two_pointer(req, device_mb, used_mb, static_mb, dyn_mb, graph_mb, *, hbm=False, kbk=False, peaks=(0, 0)):
+    """AscendTwoPointerMemAdapter: the exception text and DevMemStatistics (``M`` = bytes // 2**20)."""
+    stats = [f"Device {'HBM' if hbm else 'MOC'} memory size: {device_mb}M", f"MindSpore Used memory size: {used_mb}M",
+             "MindSpore memory base address: 0x124140000000"]
+    if not kbk:
+        stats += [f"Total Static Memory size: {static_mb}M", f"Total Dynamic memory size: {dyn_mb}M"]
+        stats += [f"Dynamic memory size of this graph: {graph_mb}M"]
+    else:
+        stats += [f"Used peak memory usage (without fragments): {peaks[0]}M",
+                  f"Actual peak memory usage (with fragments): {peaks[1]}M"]
+    return ("RuntimeError: \n----------------------------------------------------\n- Framework Error Message:\n"
+            "----------------------------------------------------\n"
+            f"Out of Memory!!! Request memory size: {req}B, Memory Statistic:\n" + "\n".join(stats) + "\n\n"
+            "Please try to reduce 'batch_size' or check whether exists extra large shape. For more details, please "
+            "refer to 'Out of Memory' at https://www.mindspore.cn .\n")
+
+
+def ms_pool_failure(req, device_free, *, state=None, kernel="Default/network-GPT/FlashAttentionScore-op0",
+                    when="2026-03-01-10:23:45.123.456"):
+    """AbstractDynamicMemPool's grow failure, its state dump at GLOG_v=1, then the runtime's line."""
+    lines = [ms_header("WARNING", "PRE_ACT", when, "runtime/memory/mem_pool/abstract_dynamic_mem_pool.cc:712 "
+                       "CalMemBlockAllocSize")
+             + f"Memory not enough: current free memory size[{device_free}] is smaller than required size[{req}]."]
+    if state is not None:
+        in_use, peak, alloc = state
+        idle = alloc - in_use
+        f2 = lambda n: f"{int(n / MiB * 100) / 100:.2f}MB"    # noqa: E731  MemStat::Format: two decimals, cut
+        info = ms_header("INFO", "PRE_ACT", when, "runtime/memory/mem_pool/abstract_dynamic_mem_pool.cc:1065 "
+                         "DumpDynamicMemPoolStateInfo")
+        lines += [info + "\tIn used mem buf info for Mem buf allocator, enable vmm : 0, is persistent : 0, stream id : 0, "
+                  "is small : 0, is customized : 0, mem_bufs size : 412",
+                  info + "stream id : 0, is persistent : 0", info + "Dump state info for Mem buf allocator, enable vmm : 0",
+                  info + "\tMem block info - total count : 3",
+                  info + f"\tMem block total size : {alloc}",
+                  info + f"\tFree mem buf total size : {idle}, total count : 9",
+                  info + "\tEager free mem buf total size : 0, total count : 0",
+                  info + f"The dynamic memory pool[Ascend] stat info : {{\"in used mem\":{f2(in_use)},\"peak used mem\":"
+                  f"{f2(peak)},\"alloc mem\":{f2(alloc)},\"idle mem\":{f2(idle)},\"used by event mem\":0.00MB,"
+                  f"\"eager free mem\":0.00MB}}, actual peak used mem:{peak // MiB}M. Weight used size:1200M, constant "
+                  f"value used size:0M, kernel output used size:{in_use // MiB - 1200}M, other used size:0M."]
+    lines.append(ms_header("ERROR", "ME", when, "runtime/graph_scheduler/actor/memory_manager_actor.cc:390 "
+                           "SetOpMemoryAllocFailedInfo")
+                 + f"Device(id:0) memory isn't enough and alloc failed, kernel name: {kernel}, alloc size: {req}B.")
+    return "\n".join(lines) + "\n"
+
+
+def ms_vmm(used, event, req, total):
+    return ms_header("ERROR", "PRE_ACT", where="runtime/memory/mem_pool/mem_dynamic_allocator.cc:500 "
+                     "AddMemBlockAndMemBufByEagerFree") + (
+        f"TotalUsedMemStatistics : {used} plus TotalUsedByEventMemStatistics : {event} and plus alloc size : {req} "
+        f"is more than total mem size : {total}.\n")
+
+
+def verdict_of(text: str):
+    report = parse_message(text)
+    assert report is not None, text
+    return report, crash_verdict(report)
+
+
+# --- wordings -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,kind", [
+    (dict(req=4509715660, total=85 * GiB, free=1 * GiB, allocated=63 * GiB, reserved=77 * GiB, this=78 * GiB),
+     "fragmentation"),
+    (dict(req=20 * GiB, total=80 * GiB, free=1 * GiB, allocated=75 * GiB, reserved=78 * GiB, procs=[(991, 79 * GiB)]),
+     "capacity"),
+    (dict(req=10 * GiB, total=80 * GiB, free=2 * GiB, allocated=20 * GiB, reserved=21 * GiB,
+          procs=[(11, 22 * GiB), (12, 55 * GiB)]), "outside"),
+    (dict(req=6 * GiB, total=80 * GiB, free=40 * GiB, allocated=10 * GiB, reserved=10 * GiB, this=11 * GiB,
+          allowed=12 * GiB), "outside"),     # a memory fraction refused it
+    (dict(req=256 * MiB, total=24 * GiB, free=100 * MiB, allocated=20 * GiB, reserved=23 * GiB, private=2 * GiB,
+          this=24 * GiB), "fragmentation"),
+])
+@pytest.mark.parametrize("misspelt", [False, True])
+def test_pytorch_21_plus(kwargs, kind, misspelt):
+    report, v = verdict_of("torch.OutOfMemoryError: " + cuda_21plus(**kwargs, misspelt=misspelt, old_tail=misspelt))
+    assert (report.framework, report.allocator, report.wording) == ("pytorch", "cuda-caching", "pytorch>=2.1")
+    assert v.kind == kind and v.request == pytest.approx(kwargs["req"], rel=0.003)
+    assert not report.cut
+    if misspelt:
+        assert any("capacty" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_pytorch_old_wordings(cached):
+    text = "RuntimeError: " + cuda_old(20 * MiB, 16 * GiB, 14 * GiB, 13 * MiB, 15 * GiB, cached=cached, tail=not cached)
+    report, v = verdict_of(text)
+    assert report.wording == ("pytorch<1.4 (cached)" if cached else "pytorch<=2.0")
+    assert report.figures["reserved_unallocated"].value == pytest.approx(GiB, rel=0.01)
+    assert v.kind == "fragmentation" and v.sure
+
+
+def test_pytorch_old_allowed_fraction():
+    report, v = verdict_of(cuda_old(3 * GiB, 16 * GiB, 3 * GiB, 11 * GiB, int(3.5 * GiB), allowed=4 * GiB))
+    assert report.figures["allowed"].value == 4 * GiB
+    assert v.kind == "outside" and "held elsewhere" in v.text
+
+
+@pytest.mark.parametrize("glued", [False, True])
+def test_torch_npu(glued):
+    report, v = verdict_of(npu(2 * GiB, int(60.97 * GiB), int(56.44 * GiB), int(56.44 * GiB), int(1.35 * GiB),
+                               int(58.92 * GiB), glued=glued))
+    assert (report.framework, report.allocator) == ("torch_npu", "npu-caching")
+    assert report.figures["active"].printed == "56.44 GiB"
+    assert v.kind == "fragmentation"
+    assert any("If reserved" in n for n in report.notes) == glued
+
+
+def test_torch_npu_capacity_and_remedies_in_its_terms():
+    d = _diagnosis_of_text(npu(8 * GiB, 61 * GiB, 58 * GiB, 58 * GiB, 1 * GiB, 59 * GiB))
+    assert d.verdict.kind == "capacity"
+    assert any("ms-memopt plan" in r.line for r in d.remedies)
+    assert "torch_npu.npu.memory._record_memory_history" in d.record
+
+
+def test_rounding_caveat():
+    # 1.00 GiB requested; 0.50 + 0.50 GiB free as printed: the exact bytes could be either side
+    report, v = verdict_of(cuda_21plus(GiB, 80 * GiB, GiB // 2, 70 * GiB, 70 * GiB + GiB // 2, this=79 * GiB))
+    assert v.kind == "fragmentation" and not v.sure and "rounding" in v.caveat
+
+
+def test_windows_allocated_beyond_capacity():
+    report, v = verdict_of(cuda_old(2 * GiB, 4 * GiB, 6 * GiB, 0, int(6.5 * GiB)))
+    assert any("Windows" in n for n in report.notes)
+    assert v.kind == "capacity" and "disagree" in v.caveat
+
+
+@pytest.mark.parametrize("hbm", [False, True])
+def test_mindspore_two_pointer(hbm):
+    # MindSpore's share is 1024M of a 32768M card: a 1.0 GiB request beyond the share is outside the allocator
+    report, v = verdict_of(ms_two_pointer(1088627200, 32768, 1024, 56, 0, 0, hbm=hbm))
+    assert report.allocator == "ascend-two-pointer" and report.request.value == 1088627200
+    assert report.figures["ms_used"].printed == "1024M" and report.figures["ms_used"].high == 1025 * MiB - 1
+    assert v.kind == "outside" and v.held_elsewhere == (32768 - 1024) * MiB
+    report, v = verdict_of(ms_two_pointer(40 * GiB, 32768, 30684, 496, 0, 0, hbm=hbm))
+    assert v.kind == "capacity"
+
+
+def test_mindspore_two_pointer_kernel_by_kernel_is_undecidable_inside_the_share():
+    report, v = verdict_of(ms_two_pointer(2 * GiB, 65536, 62000, 0, 0, 0, kbk=True, peaks=(60000, 61500)))
+    assert v.kind == "undecidable" and "GLOG_v=1" in v.setting
+
+
+def test_mindspore_pool_with_and_without_its_state():
+    text = ms_pool_failure(4509715660, 300 * MiB)
+    report, v = verdict_of(text)
+    assert (report.allocator, report.kernel) == ("dynamic-pool", "Default/network-GPT/FlashAttentionScore-op0")
+    assert v.kind == "undecidable" and "GLOG_v=1" in v.setting and "idle" in v.missing
+    report, v = verdict_of(ms_pool_failure(4509715660, 300 * MiB, state=(70 * GiB, 80 * GiB, 84 * GiB)))
+    assert report.figures["pool_idle"].printed == "14336.00MB"
+    assert v.kind == "fragmentation" and v.sure
+    report, v = verdict_of(ms_pool_failure(20 * GiB, 300 * MiB, state=(70 * GiB, 80 * GiB, 84 * GiB)))
+    assert v.kind == "capacity"
+
+
+def test_mindspore_vmm_path():
+    report, v = verdict_of(ms_vmm(60 * GiB, GiB, 4 * GiB, 62 * GiB))
+    assert report.allocator == "dynamic-pool-vmm" and v.kind == "capacity"
+    assert not any(r.setting == "enable_vmm:True" for r in _diagnosis_of_text(ms_vmm(60 * GiB, GiB, 4 * GiB, 62 * GiB)).remedies)
+
+
+def test_one_rule_with_oom_kind():
+    # the verdict is oom_kind on the printed figures, whatever the wording
+    for text in (cuda_21plus(3 * GiB, 80 * GiB, GiB, 70 * GiB, 72 * GiB, this=79 * GiB),
+                 npu(5 * GiB, 61 * GiB, 50 * GiB, 50 * GiB, GiB, 53 * GiB)):
+        report, v = verdict_of(text)
+        assert v.kind == oom_kind(v.request, v.free_total, v.device_free, v.held_elsewhere)
+
+
+# --- damaged text --------------------------------------------------------------------------------------------------
+def test_cut_message_says_what_is_missing():
+    full = cuda_21plus(4 * GiB, 80 * GiB, GiB, 63 * GiB, 77 * GiB, this=78 * GiB)
+    report, v = verdict_of(full[:full.index("Of the allocated")])
+    assert report.cut and v.kind == "undecidable" and v.missing == "reserved but unallocated memory"
+    report, v = verdict_of("CUDA out of memory. Tried to allocate 4.00 GiB")
+    assert v.kind == "undecidable"
+
+
+def test_reformatted_and_traceback_wrapped(tmp_path):
+    msg = cuda_21plus(4 * GiB, 80 * GiB, GiB, 63 * GiB, 77 * GiB, this=78 * GiB)
+    words = msg.split(" ")
+    wrapped = "\n".join("# " + " ".join(words[i:i + 9]) for i in range(0, len(words), 9))   # a user's comment block
+    tb = ("Traceback (most recent call last):\n  File \"train.py\", line 88, in <module>\n    loss.backward()\n"
+          f"torch.OutOfMemoryError: {msg}\n")
+    for text in (wrapped, tb, "\n".join(f"[rank3]: {line}" for line in tb.splitlines())):
+        log = tmp_path / "x.log"
+        log.write_text("some line\n" + text + "\nafter\n")
+        scan = read_oom_log(log)
+        assert len(scan.reports) == 1, text
+        assert crash_verdict(scan.reports[0]).kind == "fragmentation"
+    assert scan.reports[0].rank == 3
+
+
+def test_repeats_are_one_report_and_distinct_failures_are_two():
+    msg = "torch.OutOfMemoryError: " + cuda_21plus(4 * GiB, 80 * GiB, GiB, 63 * GiB, 77 * GiB, this=78 * GiB)
+    once = scan_bytes([f"{msg}\nre-raised:\n{msg}\n".encode()])
+    assert len(once.reports) == 1
+    other = cuda_21plus(8 * GiB, 80 * GiB, GiB, 63 * GiB, 77 * GiB, this=78 * GiB)
+    twice = scan_bytes([f"{msg}\n{other}\n".encode()])
+    assert [r.request.printed for r in twice.reports] == ["4.00 GiB", "8.00 GiB"]
+
+
+def test_chunk_boundaries_do_not_matter():
+    text = ("epoch: 1 step: 9, loss is 2.0\n" * 50 + ms_pool_failure(4509715660, 300 * MiB,
+                                                                     state=(70 * GiB, 80 * GiB, 84 * GiB))).encode()
+    whole = scan_bytes([text]).reports
+    for size in (7, 64, 1000):
+        parts = [text[i:i + size] for i in range(0, len(text), size)]
+        got = scan_bytes(parts).reports
+        assert [(r.line, r.step, r.request.value, sorted(r.figures)) for r in got] == \
+               [(r.line, r.step, r.request.value, sorted(r.figures)) for r in whole]
+    assert whole[0].step == 10 and whole[0].time == "2026-03-01 10:23:45.123"
+
+
+@pytest.mark.parametrize("step_line,step", [
+    ("epoch: 1 step: 436, loss is 1.98", 437),
+    ("2026-03-01 10:23:40,100 - mindformers[INFO] - { Epoch:[  1/  2], step:[  436/ 1000], loss: 2.1, lr: 1e-5 }", 437),
+    (" [2026-03-01 10:23:40] iteration      436/   10000 | consumed samples:  3488 | elapsed time per iteration (ms): "
+     "4700.1 |", 437),
+])
+def test_steps(step_line, step):
+    scan = scan_bytes([(step_line + "\n" + ms_pool_failure(GiB, 0)).encode()])
+    assert scan.reports[0].step == step and scan.reports[0].last_step_line == step_line.strip()
+
+
+def test_no_oom_and_binary_noise_and_long_lines():
+    scan = scan_bytes([b"\x00\xff" * 1000 + b"\n" + b"x" * (3 << 20) + b"\nHCCL timeout EI0002\n"])
+    assert scan.reports == [] and "EI0002" in scan.first_error
+
+
+def test_gzip_and_rank_from_path(tmp_path):
+    log = tmp_path / "rank_7" / "worker_7.log.gz"
+    log.parent.mkdir()
+    with gzip.open(log, "wt") as f:
+        f.write(ms_two_pointer(40 * GiB, 32768, 30684, 496, 0, 0))
+    scan = read_oom_log(log)
+    assert scan.rank == 7 and scan.reports[0].allocator == "ascend-two-pointer"
+    assert rank_of_path("output/log/rank_104/info.log") == 104
+
+
+# --- the real MindSpore CPU OOM -----------------------------------------------------------------------------------------
+def test_real_mindspore_cpu_fragmentation_oom():
+    d = diagnose_log(CRASH / "ms2.10_cpu_fragmentation_glog1.log")
+    (r,) = d.reports
+    assert r.request.value == 400 * MiB and r.figures["pool_idle"].printed == "1087M"
+    assert r.blocks_idle == [544 * MiB, 543 * MiB]
+    assert d.verdict.kind == "fragmentation" and d.verdict.sure
+    assert d.verdict.largest_free_bound == 544 * MiB
+    d2 = diagnose_log(CRASH / "ms2.10_cpu_fragmentation_glog2.log")
+    assert d2.verdict.kind == "undecidable" and "GLOG_v=1" in d2.verdict.setting
+
+
+def test_layout_beside_the_log_names_blockers(tmp_path):
+    shutil.copy(DATA / "MemoryDebugInfo0.txt", tmp_path / "MemoryDebugInfo0.txt")
+    log = tmp_path / "worker_0.log"
+    log.write_text(ms_pool_failure(2_000_000_000, 0, state=(121110528, 121110528, 5 * GiB)))
+    d = diagnose_log(log)
+    assert d.layout_file and d.verdict.largest_free == 1935671296
+    assert d.verdict.kind == "fragmentation"
+    assert [b["size"] for b in d.blockers] == [2 * MiB]     # slid into the 100 MiB hole before it
+
+
+# --- a job's folder ------------------------------------------------------------------------------------------------------
+def _write_job(root: Path, ranks: int, bad: int, step: int) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for rank in range(ranks):
+        lines = [f"2026-03-01 10:{s % 40:02d}:00,000 - mindformers[INFO] - {{ Epoch:[  1/  1], step:[{s:5d}/ 9999], "
+                 f"loss: 2.0 }}" for s in range(max(1, step - 40), step)]
+        if rank == bad:
+            body = ms_pool_failure(4509715660, 0, state=(70 * GiB, 80 * GiB, 84 * GiB), when="2026-03-01-10:41:05.000.000")
+        else:
+            body = (ms_header("ERROR", "DISTRIBUTED", "2026-03-01-10:51:07.000.000", "hccl_adapter.cc:1 Wait")
+                    + f"HCCL timeout: EI0002 The wait execution of the Notify register times out. rank {rank}\n"
+                    "RuntimeError: Call runtime rtStreamSynchronizeWithTimeout error.\n")
+        (root / f"worker_{rank}.log").write_text("\n".join(lines) + "\n" + body)
+    (root / "scheduler.log").write_text("scheduler up\n")
+
+
+def test_logdir_names_the_rank_among_1024(tmp_path):
+    _write_job(tmp_path / "msrun_log", 1024, bad=104, step=437)
+    job = diagnose_logdir(tmp_path / "msrun_log", workers=2)
+    assert job.first == [104]
+    r = job.first_diagnosis.reports[0]
+    assert r.step == 437 and job.first_diagnosis.verdict.kind == "fragmentation"
+    assert job.text.startswith("rank 104 died at step 437: needed 4.2 GiB in one piece; 14.0 GiB were free")
+    assert len(job.followers) == 1023 and job.counts == {"fragmentation": 1}
+    out = job.to_dict()
+    assert out["job"]["rank"] == 104 and out["job"]["step"] == 437 and out["job"]["verdict"]["kind"] == "fragmentation"
+
+
+def test_cli_exit_codes_json_and_report(tmp_path, capsys):
+    _write_job(tmp_path / "job", 8, bad=5, step=12)
+    assert main(["doctor", str(tmp_path / "job"), "--json", "--workers", "1", "--out", str(tmp_path / "rep")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["job"]["rank"] == 5 and out["job"]["step"] == 12 and out["counts"] == {"fragmentation": 1}
+    assert "rank 5 died at step 12" in (tmp_path / "rep" / "report.md").read_text()
+    log = tmp_path / "job" / "worker_5.log"
+    assert main(["doctor", str(log), "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["verdict"]["kind"] == "fragmentation" and len(one["reports"]) == 1
+    assert main(["doctor", str(log), "--fail-on-oom"]) == 1
+    capsys.readouterr()
+    plain = tmp_path / "notes.txt"
+    plain.write_text("nothing to see\n")
+    assert main(["doctor", str(plain)]) == 2
+    assert "nor a log holding an out-of-memory message" in capsys.readouterr().err
+    empty = tmp_path / "empty_dir"
+    empty.mkdir()
+    assert main(["doctor", str(empty)]) == 2
+    with pytest.raises(Exception):
+        find_rank_logs(empty)
+
+
+def _diagnosis_of_text(text: str):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "log.txt"
+        path.write_text(text)
+        return diagnose_log(path)
