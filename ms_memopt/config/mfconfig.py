@@ -27,11 +27,12 @@ Example:
 from __future__ import annotations
 
 import difflib
-import json
 from pathlib import Path
 from typing import Any
 
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.jsontext import parse_json
+from ms_memopt.core.lines import open_text
 
 __all__ = ["ALIASES", "MODEL_TYPE_DEFAULTS", "model_mapping", "pick", "close_key", "parallel_mapping",
            "not_a_training_config"]
@@ -142,10 +143,9 @@ def _read_hf_config(directory: Any, source: str) -> tuple[dict, str | None]:
         candidates.insert(0, Path(source).parent / directory / "config.json")
     for path in candidates:
         if path.is_file():
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, ValueError) as exc:
-                raise InputError(f"cannot read the model's config.json: {exc}", source=str(path)) from None
+            # bounded lines and size, JSON nesting bounded (a 5000-deep config.json raised RecursionError)
+            with open_text(path, expected="the model's config.json") as handle:
+                data = parse_json(handle.read(), source=str(path))
             if not isinstance(data, dict):
                 raise InputError("expected a JSON object", source=str(path))
             return data, None

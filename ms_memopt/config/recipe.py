@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from ms_memopt.config import mfconfig
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.lines import open_text
 from ms_memopt.core.units import MAX_VALUE, parse_count, parse_size, short_repr
 from ms_memopt.io.yamltext import parse_yaml
 
@@ -469,10 +470,9 @@ def load_recipe(path: str | Path) -> Recipe:
         64
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read the recipe: {exc}", source=str(path)) from None
+    # bounded: lines of at most 1 MiB, 64 MiB in all; a pipe or gzip read as a stream
+    with open_text(path, expected="a recipe (YAML)") as handle:
+        text = handle.read()
     data = parse_yaml(text, source=str(path))
     return recipe_from_dict(data, source=str(path))
 

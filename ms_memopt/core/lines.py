@@ -194,7 +194,6 @@ def read_head(path: str | os.PathLike, size: int, *, expected: str = "an input f
     A pipe's head is kept: the reader that opens it next still starts at its first byte.
     Truncated gzip data gives what could be decompressed (detection judges a head, not the file).
     """
-    source = str(path)
     with open_binary(path, expected=expected, gunzip=False) as raw:
         if not (gunzip and raw.peek(2)[:2] == _GZIP_MAGIC):
             return _read_up_to(raw, size)
