@@ -50,6 +50,10 @@ def add_parser(parser) -> None:
                         help="template only: simulate in the free order of entry K of the template's free_orders "
                              "(a calibration process's own; default: the most common); all: every order, one "
                              "result per distinct layout (the addresses a process can get)")
+    parser.add_argument("--keep-runtime-leak", action="store_true",
+                        help="template only: also simulate the allocations learn recognised as MindSpore's own "
+                             "leak (CPU PyNative op arguments never freed; left out by default); to compare with a "
+                             "recording of that runtime")
     parser.add_argument("--free-order-from", default=None, metavar="REC.jsonl",
                         help="template only: simulate in the free order the recorded process drew, read from its "
                              "first step (MindSpore draws it once per process on CPU)")
@@ -76,6 +80,8 @@ def run(args) -> int:
                              + ("; a recipe's capacity is memopt.device.hbm" if flag == "capacity" else
                                 "; a recipe names one as memopt.workload.schedule" if flag == "schedule" else ""),
                              key="--" + flag.replace("_", "-"))
+    if getattr(args, "keep_runtime_leak", False):
+        raise InputError("only for a step template (MODEL.template.json, ms-memopt learn)", key="--keep-runtime-leak")
     from ms_memopt.config.recipe import load_recipe
 
     return run_jobs(load_recipe(args.recipe), args)

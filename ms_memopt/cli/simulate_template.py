@@ -72,8 +72,9 @@ def run(args) -> int:
         from ms_memopt.io.traces import load_trace
 
         free_order, order_match = free_order_of(flat, schedule, load_trace(args.free_order_from).events)
+    keep = bool(getattr(args, "keep_runtime_leak", False))
     layouts = draw_outcomes(flat, schedule, lambda: create(name, capacity, **options), warnings=warnings,
-                            orders=None if free_order == "all" else [free_order])
+                            orders=None if free_order == "all" else [free_order], keep_runtime_leak=keep)
     meta = {"source": "ms-memopt simulate", "template": str(args.recipe), "schedule": str(args.schedule),
             "allocator": name}
     if name == template.allocator and template.pool:
@@ -87,6 +88,7 @@ def run(args) -> int:
            "classes": _class_counts(template, schedule), "export_events": args.export_events,
            "free_order": free_order, "free_orders": len(flat.free_orders),
            "free_order_from": getattr(args, "free_order_from", None), "free_order_match": order_match,
+           "runtime_leak": "kept" if keep else "left out",
            **{k: v for k, v in result.to_dict().items() if k not in ("address_match", "policy")}}
     if free_order == "all":
         figures = [layout.result.to_dict() for layout in layouts]
@@ -167,6 +169,9 @@ def _run_job(args, template) -> int:
             raise InputError("a bare template is one card; for a job of many ranks name it in a recipe "
                              "(memopt.workload.template, with its sequence-length rules or memopt.workload.schedule; "
                              "docs/simulation.md)", key="--" + flag)
+    if getattr(args, "keep_runtime_leak", False):
+        raise InputError("--keep-runtime-leak goes with --export-events (one replay to compare with a recording); "
+                         "the job simulates the model's own memory", key="--keep-runtime-leak")
     for flag in ("free_order", "free_order_from"):
         if getattr(args, flag, None) is not None:
             raise InputError(f"--{flag.replace('_', '-')} goes with --export-events (one replay in that "
@@ -178,9 +183,13 @@ def _run_job(args, template) -> int:
 
 
 def _class_counts(template, schedule) -> dict[str, int]:
-    seen, counts = set(), {"first": 0, "new_shape": 0, "repeat": 0}
-    for number, dims in enumerate(schedule):
-        key = tuple(sorted(dims.items()))
-        counts["first" if number == 0 else ("repeat" if key in seen else "new_shape")] += 1
-        seen.add(key)
+    """Steps of the schedule that are ``first``, ``repeat`` or have something new (``new_shape``),
+    and per novelty class (``new:...``, ms_memopt/templates/classes.py)."""
+    from ms_memopt.templates.classes import classify, is_new
+
+    counts = {"first": 0, "new_shape": 0, "repeat": 0}
+    for kind in classify(schedule):
+        counts["new_shape" if is_new(kind) else kind] += 1
+        if is_new(kind):
+            counts[kind] = counts.get(kind, 0) + 1
     return counts

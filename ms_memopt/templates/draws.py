@@ -42,15 +42,16 @@ class DrawOutcome:
 
 def draw_outcomes(template: Template, schedule: Sequence[dict[str, int]], make_model: Callable[[], object],
                   *, orders: Sequence[int | None] | None = None,
-                  warnings: list[str] | None = None) -> list[DrawOutcome]:
+                  warnings: list[str] | None = None, keep_runtime_leak: bool = False) -> list[DrawOutcome]:
     """The distinct layouts of ``schedule`` over the template's free orders (``orders``: those
     entries only; ``None`` in it is the default order), the default order's first.
     ``make_model()`` returns a fresh allocator model for each replay; ``warnings`` receives
-    :func:`~ms_memopt.templates.template.generate`'s (once)."""
+    :func:`~ms_memopt.templates.template.generate`'s (once); ``keep_runtime_leak``: generate's."""
     flat = flat_template(template, schedule, warnings=warnings)     # once: a layered template's count
     by_addresses: dict[tuple, DrawOutcome] = {}
     for n, k in enumerate([None, *range(len(flat.free_orders))] if orders is None else orders):
-        events = generate(flat, schedule, free_order=k, warnings=warnings if n == 0 else None)
+        events = generate(flat, schedule, free_order=k, warnings=warnings if n == 0 else None,
+                          keep_runtime_leak=keep_runtime_leak)
         placed, result = placed_events(Trace(events, source="template", format="template"), make_model(),
                                        segments=True, sample_every=None)
         # the allocations come in one order whatever the frees do, so their addresses name a layout

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.templates.alignment import inserted_runs
-from ms_memopt.templates.classes import CLASSES
 from ms_memopt.templates.polynomial import evaluate
 
 __all__ = ["learn_layered", "expand"]
@@ -303,7 +302,7 @@ def learn_layered(dim: str, groups: dict[int, list], learn_one) -> dict:
     learned = {c: t.to_dict() for c, t in flats.items()}
     _check_structure(dim, counts[0], learned)
     return {"dim": dim, "base": counts[0], "counts": {str(c): d for c, d in learned.items()},
-            "classes": [k for k in CLASSES if all(k in d["classes"] for d in learned.values())]}
+            "classes": [k for k in learned[counts[0]]["classes"] if all(k in d["classes"] for d in learned.values())]}
 
 
 def _parts(template: dict) -> dict[str, dict]:

@@ -61,9 +61,10 @@ from typing import Iterable, Sequence
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event
 from ms_memopt.templates.alignment import inserted_runs
-from ms_memopt.templates.classes import CLASSES
+from ms_memopt.templates.classes import (CLASSES, FEATURE_NAMES, FIRST, LEGACY_NEW, REPEAT, classify, features,
+                                         is_class_name, is_new, novelty_name, possible_novelties)
 from ms_memopt.templates.layers import expand, learn_layered
-from ms_memopt.templates.polynomial import MAX_DEGREE, evaluate, fit_sizes
+from ms_memopt.templates.polynomial import MAX_DEGREE, coef_value, evaluate, fit_sizes
 
 __all__ = ["Template", "learn", "learn_files", "generate", "flat_template", "free_order_of", "load_template", "save_template", "fidelity",
            "parse_dims_tag", "dims_tag", "read_schedule", "CLASSES", "FORMAT", "VERSION"]
@@ -143,6 +144,7 @@ class Template:
     positions: int = 0
     free_orders: list[dict] = field(default_factory=list)
     layered: dict | None = None
+    lacks: list[dict] = field(default_factory=list)
 
     @property
     def exact(self) -> int:
@@ -154,6 +156,7 @@ class Template:
                 "fit": {"positions": self.positions, "exact": self.exact, "not_exact": self.not_exact},
                 "prologue": self.prologue, "classes": self.classes,
                 **({"free_orders": self.free_orders} if self.free_orders else {}),
+                **({"lacks": self.lacks} if self.lacks else {}),
                 **({"version": LAYERED_VERSION, "layered": self.layered} if self.layered else {})}
 
     def summary(self) -> dict:
@@ -164,7 +167,10 @@ class Template:
                 "not_exact": len(self.not_exact), "prologue_allocs": allocs(self.prologue),
                 "free_orders": len(self.free_orders),
                 "classes": {name: {"samples": c["samples"], "allocs": allocs(c), "ops": len(c["ops"]),
-                                   "seen": c["seen"]} for name, c in self.classes.items()},
+                                   "seen": c["seen"], **({"covers": c["covers"]} if "covers" in c else {}),
+                                   **({"runtime_kept": c["runtime_kept"]} if "runtime_kept" in c else {})}
+                            for name, c in self.classes.items()},
+                "lacks": self.lacks,
                 **({"layered": {"dim": self.layered["dim"],
                                 "counts": sorted(int(c) for c in self.layered["counts"])}} if self.layered else {})}
 
@@ -180,6 +186,7 @@ class _Step:
     ops: list[tuple] = field(default_factory=list)     # ("a", size, pool, stream, tag) / ("f", ref) / ("e",)
     prev: str | None = None     # the class of the step before (None: the first step, the prologue)
     sizes: list[int] = field(default_factory=list)
+    kept: set[int] = field(default_factory=set)     # allocation positions the recording never frees
 
     def where(self) -> str:
         if self.index < 0:
@@ -207,7 +214,7 @@ def _split(name: str, events: Iterable[Event]) -> tuple[_Step, list[_Step]]:
     start = setup[-1] + 1 if setup else 0
     prologue = _Step(name, None, -1, {}, "prologue")
     steps: list[_Step] = []
-    seen: set = set()
+    seen: dict[str, set] = {}                       # feature -> the values the process has run
     where: dict[int, tuple[_Step, int]] = {}       # alloc id -> (its step, its alloc position)
 
     def fill(step: _Step, chunk: list[Event]) -> None:
@@ -234,13 +241,19 @@ def _split(name: str, events: Iterable[Event]) -> tuple[_Step, list[_Step]]:
     fill(prologue, events[:start] if setup else [])
     begin = start
     for index, (mark, dims) in enumerate(dims_marks):
-        key = _key(dims)
-        kind = "first" if index == 0 else ("repeat" if key in seen else "new_shape")
-        seen.add(key)
+        values = features(dims)
+        kind = FIRST if index == 0 else novelty_name(k for k, v in values.items() if v not in seen.get(k, ()))
+        for k, v in values.items():
+            seen.setdefault(k, set()).add(v)
         step = _Step(name, events[mark].step, index, dims, kind, prev=steps[-1].kind if steps else None)
         fill(step, events[begin:mark])
         steps.append(step)
         begin = mark + 1
+    for event in events[begin:]:        # the process's exit: frees there still free (not part of a step)
+        if event.action == "free":
+            where.pop(event.id, None)
+    for step, pos in where.values():
+        step.kept.add(pos)
     return prologue, steps
 
 
@@ -642,7 +655,7 @@ def _learn_layered(dim: str, recordings: list, steps: list[_Step], prologues: li
         layered = learn_layered(dim, groups, lambda recs: learn(recs, pool=pool, max_degree=max_degree))
     except InputError as exc:
         reason = str(exc)
-        for kind in CLASSES:
+        for kind in dict.fromkeys(s.kind for s in steps):
             _same_count_across_recordings(kind, [s for s in steps if s.kind == kind], constant, steps + prologues,
                                           reason)
         _same_count_across_recordings("prologue", prologues, constant, steps + prologues, reason)
@@ -654,6 +667,155 @@ def _learn_layered(dim: str, recordings: list, steps: list[_Step], prologues: li
     # expanded (template_layers.expand), and a recorded count keeps its own (inside ``layered``):
     # flat_template gives the orders at a schedule's count
     out.recordings = [r for c in sorted(layered["counts"], key=int) for r in layered["counts"][c]["recordings"]]
+    return out
+
+
+# --- classes keyed by what is new (ms_memopt/templates/classes.py) -------------------------
+def _lines_up(samples: list[_Step], names: list[str], max_degree: int) -> bool:
+    """Whether ``samples`` (of two novelty classes) make one class: the same allocations and
+    frees (:func:`_align`), sizes as exact as each class's own."""
+    try:
+        _align("merge", samples)
+    except InputError:
+        return False
+    groups: dict[str, list[_Step]] = {}
+    for step in samples:
+        groups.setdefault(step.kind, []).append(step)
+
+    def misses(group: list[_Step]) -> int:
+        exact = fit_sizes(names, [s.dims for s in group], [list(s.sizes) for s in group], max_degree)[2]
+        return exact.count(False)
+    return misses(samples) <= sum(misses(g) for g in groups.values())
+
+
+def _merge_novelties(steps: list[_Step], names: list[str], max_degree: int) -> dict[str, list[str]]:
+    """Merge the novelty classes whose steps make the same allocations (MindSpore's caches
+    that tell them apart are not in this model): ``class -> the novelties it covers``; the
+    steps, their previous classes and their frees of earlier steps renamed in place. A merged
+    class is named after its novelty with the most samples."""
+    groups: dict[str, list[_Step]] = {}
+    for step in steps:
+        groups.setdefault(step.kind, []).append(step)
+    merged: list[tuple[str, list[_Step], list[str]]] = []
+    for kind in sorted((k for k in groups if is_new(k)), key=lambda k: (-len(groups[k]), k)):
+        for _name, members, kinds in merged:
+            if len(members[0].sizes) == len(groups[kind][0].sizes) and \
+                    _lines_up(members + groups[kind], names, max_degree):
+                members.extend(groups[kind])
+                kinds.append(kind)
+                break
+        else:
+            merged.append((kind, list(groups[kind]), [kind]))
+    rename = {kind: name for name, _members, kinds in merged for kind in kinds}
+    for step in steps:
+        step.kind = rename.get(step.kind, step.kind)
+        step.prev = rename.get(step.prev, step.prev)
+        step.ops = [op if op[0] != "f" or op[1] != "back" else (op[0], op[1], op[2], rename.get(op[3], op[3]), op[4])
+                    for op in step.ops]
+    return {name: sorted(kinds) for name, _members, kinds in merged}
+
+
+#: sizes of the non-tensor inputs MindSpore 2.10's CPU PyNative ops never free: an empty axis
+#: tuple (0 B), a bool flag (1 B: ReduceSum's keep_dims and skip_mode, MatMul's transpose flags),
+#: an int64 scalar or axis tuple (8 B an element: ReduceSum's and Softmax's axis)
+RUNTIME_KEPT_SIZES = frozenset({0, 1, *range(8, 65, 8)})
+
+
+def _runtime_kept(samples: list[_Step]) -> set[int]:
+    """The allocation positions of a class that are MindSpore's own leak and nothing else: never
+    freed in any sample, one size in every sample, that size an op argument's (0 B, 1 B, 8 B an
+    int64: :data:`RUNTIME_KEPT_SIZES`). A tensor the model keeps (a loss appended to a list: 4 B,
+    or sizes that follow the dims) does not qualify."""
+    out = set()
+    for pos in range(len(samples[0].sizes)):
+        sizes = {s.sizes[pos] for s in samples}
+        if len(sizes) == 1 and next(iter(sizes)) in RUNTIME_KEPT_SIZES and all(pos in s.kept for s in samples):
+            out.add(pos)
+    return out
+
+
+def _runtime_summary(sample: _Step, runtime: set[int]) -> dict:
+    """``{"allocs", "bytes", "pool_bytes", "sizes"}`` of a class's runtime-kept allocations a step
+    (``pool_bytes``: as the pool holds them, 512 B each)."""
+    from ms_memopt.core.units import aligned
+
+    sizes = [sample.sizes[p] for p in sorted(runtime)]
+    counts: dict[int, int] = {}
+    for size in sizes:
+        counts[size] = counts.get(size, 0) + 1
+    return {"allocs": len(sizes), "bytes": sum(sizes), "pool_bytes": sum(aligned(max(1, x)) for x in sizes),
+            "sizes": {str(k): v for k, v in sorted(counts.items())}}
+
+
+def _rebased(coefs: list, basis: list[list[int]], target: list[list[int]]) -> list | None:
+    """``coefs`` over ``basis`` as coefficients over ``target`` (``None``: a monomial missing)."""
+    out: list = [0] * len(target)
+    for c, exps in zip(coefs, basis):
+        if exps not in target:
+            if coef_value(c) == 0:
+                continue
+            return None
+        out[target.index(exps)] = c
+    while len(out) > 1 and coef_value(out[-1]) == 0:
+        out.pop()
+    return out
+
+
+def _borrowed(samples: list[_Step], basis: list, coefs: list, exact: list, donor: dict,
+              names: list[str]) -> tuple[list, list, list]:
+    """A class's fit with the repeat steps' polynomials where its allocation is one of theirs:
+    a class seen at few shapes (a first step per process, a rare novelty) cannot fit a size in
+    two dims itself, the repeat steps (many shapes) can. An allocation takes the repeat
+    position it aligns with in every sample (:mod:`difflib` on size, pool, stream, tag at the
+    sample's dims) when that polynomial reproduces every sample's size."""
+    from difflib import SequenceMatcher
+
+    d_basis = donor["basis"]
+    d_allocs = [op for op in donor["ops"] if op[0] == "a"]
+    if any(_rebased(c, basis, d_basis) is None for c in coefs):
+        return basis, coefs, exact          # the donor's basis lacks a monomial this class uses
+    candidate: dict[int, int | None] = {}
+    points = []
+    for step in samples:
+        point = [step.dims.get(n, 0) for n in names]
+        points.append(point)
+        mine = [(size,) + tuple(op[1:4]) for op, size in zip((o for o in step.ops if o[0] == "a"), step.sizes)]
+        theirs = [(evaluate(op[1], d_basis, point),) + tuple(op[2:5]) for op in d_allocs]
+        mapping = {}
+        for block in SequenceMatcher(None, mine, theirs, autojunk=False).get_matching_blocks():
+            for i in range(block.size):
+                mapping[block.a + i] = block.b + i
+        for pos in range(len(mine)):
+            at = mapping.get(pos)
+            candidate[pos] = at if candidate.get(pos, at) == at else None
+    coefs = [_rebased(c, basis, d_basis) for c in coefs]
+    exact = list(exact)
+    for pos, at in candidate.items():
+        if at is None or not d_allocs[at][5]:
+            continue
+        theirs = d_allocs[at][1]
+        if all(evaluate(theirs, d_basis, point) == step.sizes[pos] for step, point in zip(samples, points)):
+            coefs[pos], exact[pos] = list(theirs), True
+    return d_basis, coefs, exact
+
+
+def _lacking(names: list[str], steps: list[_Step], constant: dict[str, set[str]], classes: dict) -> list[dict]:
+    """What the calibration still lacks: each class a step can fall in that no recorded step
+    did (and the shapes to record: a plan, ms_memopt.templates.classes.calibration_plan), and
+    each class recorded at one value only of a dim the recordings vary."""
+    fixed = set().union(*constant.values()) if constant else set()
+    varying = [n for n in names if n not in fixed and len({s.dims[n] for s in steps}) > 1]
+    covered = {c for name, part in classes.items() for c in part.get("covers", [name])}
+    out = []
+    if varying:
+        for kind in possible_novelties(varying):
+            if kind not in covered:
+                out.append({"class": kind, "why": "never recorded: no calibration step was new in exactly these"})
+    for name, part in classes.items():
+        for dim in varying:
+            values = sorted({s[dim] for s in part["seen"]})
+            if len(values) == 1:
+                out.append({"class": name, "dim": dim, "why": f"recorded at {dim}={values[0]} only"})
     return out
 
 
@@ -686,20 +848,26 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
         prologues.append(prologue)
         steps.extend(own)
         info.append({"path": name, "steps": len(own),
-                     "classes": {k: sum(1 for s in own if s.kind == k) for k in CLASSES}})
+                     "classes": {k: sum(1 for s in own if s.kind == k) for k in dict.fromkeys(s.kind for s in own)}})
     if not recordings:
         raise InputError("no recording to learn from")
     names = names or []
+    for name in FEATURE_NAMES:
+        if name in names:
+            raise InputError(f"a dim is named {name!r}, a name step classes use for a feature of every step "
+                             f"({', '.join(FEATURE_NAMES)}); rename it in mark_step")
     constant = _constant_dims(names, steps)
     count_dim = _count_dim(steps + prologues, constant)
     if count_dim is not None:
         return _learn_layered(count_dim, recordings, steps, prologues, constant, pool, max_degree)
-    for kind in CLASSES:
+    for kind in dict.fromkeys(s.kind for s in steps):
         _same_count_across_recordings(kind, [s for s in steps if s.kind == kind], constant, steps + prologues)
     _same_count_across_recordings("prologue", prologues, constant, steps + prologues)
+    covers = _merge_novelties(steps, names, max_degree)
     not_exact: list[dict] = []
     positions = 0
     per_recording: dict[str, dict[str, dict]] = {}     # recording -> {part: its own free order}
+    donor: dict | None = None       # the repeat steps' fit: sizes other classes' steps share with them
 
     def build(label: str, samples: list[_Step]) -> dict:
         nonlocal positions
@@ -707,12 +875,16 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
         points = [s.dims for s in samples]
         only = [n for n in names if n in set().union(*constant.values())] if label == "prologue" else None
         basis, coefs, exact = fit_sizes(names, points, [list(x) for x in sizes], max_degree, only=only)
+        runtime = _runtime_kept(samples) if label != "prologue" else set()
+        if donor is not None and label not in ("prologue", REPEAT):
+            basis, coefs, exact = _borrowed(samples, basis, coefs, exact, donor, names)
 
         def with_sizes(ops: list) -> list:
             out_ops, pos = [], 0
             for op in ops:
                 if op[0] == "a":
-                    out_ops.append(["a", coefs[pos], op[1], op[2], op[3], exact[pos]])
+                    out_ops.append(["a", coefs[pos], op[1], op[2], op[3], exact[pos]] +
+                                   (["runtime"] if pos in runtime else []))
                     pos += 1
                 else:
                     out_ops.append(op)
@@ -732,6 +904,10 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
                 seen.append(p)
         part = {"samples": len(samples), "seen": seen, "basis": basis, "ops": out_ops,
                 "free_order_variants": reordered}
+        if label in covers and covers[label] != [label]:
+            part["covers"] = covers[label]
+        if runtime:
+            part["runtime_kept"] = _runtime_summary(samples[0], runtime)
         if after:
             part["ops_after"] = {prev: with_sizes(o) for prev, o in after.items()}
         default = (part["ops"], part.get("ops_after", {}))
@@ -745,10 +921,12 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
 
     prologue = build("prologue", prologues)
     classes = {}
-    for kind in CLASSES:
+    kinds = sorted(dict.fromkeys(s.kind for s in steps), key=lambda k: (k != REPEAT, k != FIRST, k))
+    for kind in kinds:          # the repeat steps first: the others borrow their sizes (_borrowed)
         samples = [s for s in steps if s.kind == kind]
-        if samples:
-            classes[kind] = build(kind, samples)
+        classes[kind] = build(kind, samples)
+        if kind == REPEAT:
+            donor = classes[kind]
     from ms_memopt.io.traces.ms_pool_log import POOL_NAME
     # the model of the recorded pool: DynamicMemPoolBestFit (CPU) or, for Ascend's default pool, mindspore
     allocator = "mindspore-bestfit" if pool in (None, POOL_NAME) else "mindspore"
@@ -756,8 +934,9 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
     synthesized = _permuted_orders({"prologue": prologue, **classes}, per_recording)
     _coherent_default({"prologue": prologue, **classes}, synthesized)
     free_orders += synthesized
+    lacks = _lacking(names, steps, constant, classes)
     return Template(names, prologue, classes, pool=pool, allocator=allocator, recordings=info,
-                    not_exact=not_exact, positions=positions, free_orders=free_orders)
+                    not_exact=not_exact, positions=positions, free_orders=free_orders, lacks=lacks)
 
 
 def learn_files(paths: Sequence[str | Path], *, max_degree: int = MAX_DEGREE) -> Template:
@@ -788,7 +967,8 @@ def _refuse_repeats(names: Sequence[str], shown: Sequence[str] | None = None) ->
 
 # --- generating ---------------------------------------------------------------------------
 def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings: list[str] | None = None,
-             first_id: int = 1, free_order: int | None = None, prologue_only: bool = False) -> list[Event]:
+             first_id: int = 1, free_order: int | None = None, prologue_only: bool = False,
+             keep_runtime_leak: bool = False) -> list[Event]:
     """The events of ``schedule`` (one dims dict per step): the prologue, then each step's
     variant (``first``, ``new_shape``, ``repeat``) with its sizes evaluated at its dims, and a
     ``step`` event (tag ``dims:...``) at each step end.
@@ -800,6 +980,14 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
 
     ``prologue_only``: only the prologue, at the dims of the schedule's first step (those it was
     fitted in, such as ``hidden`` or ``layers``, are fixed per run).
+
+    ``keep_runtime_leak``: also make the allocations ``learn`` recognised as MindSpore's own leak
+    (op arguments its CPU PyNative ops never free, marked ``"runtime"``); by default they are
+    left out: the model's memory, not the runtime's.
+
+    A step's class is what is new in it (:func:`ms_memopt.templates.classes.classify`): the
+    class that covers that novelty, a version-1 template's ``new_shape``, else the recorded
+    novelty class nearest to it (a warning: the calibration lacks it, ``Template.lacks``).
 
     ``warnings`` (a list) receives what is extrapolated: a dim a class never saw vary, a
     free whose target step's class the template never saw there, a layer count never recorded.
@@ -815,7 +1003,7 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
     """
     if template.layered:
         return _generate_layered(template, schedule, warnings=warnings, first_id=first_id, free_order=free_order,
-                                 prologue_only=prologue_only)
+                                 prologue_only=prologue_only, keep_runtime_leak=keep_runtime_leak)
     names = template.dims
     events: list[Event] = []
     next_id = first_id
@@ -840,7 +1028,9 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
         order = own.get(kind, part)
         for op in order.get("ops_after", {}).get(prev, order["ops"]):
             what = op[0]
-            if what == "a":
+            if what == "a" and len(op) > 6 and not keep_runtime_leak:
+                ids.append(None)        # MindSpore's own leak, left out (never freed: no free refers to it)
+            elif what == "a":
                 events.append(Event("alloc", id=next_id, size=evaluate(op[1], basis, point), stream=op[3] or 0,
                                     pool=op[2], tag=op[4]))
                 ids.append(next_id)
@@ -880,17 +1070,16 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
     if prologue_only:
         return events
     history: list[tuple[str, list[int], list[int]]] = []
-    seen: set = set()
     for number, dims in enumerate(schedule, 1):
         if set(dims) != set(names):
             raise InputError(f"schedule step {number} has dims {sorted(dims)}; the template's are {sorted(names)}")
-        key = _key(dims)
-        kind = "first" if number == 1 else ("repeat" if key in seen else "new_shape")
-        seen.add(key)
-        part = template.classes.get(kind)
+    covering = _covering(template)
+    for number, (dims, novelty) in enumerate(zip(schedule, classify(schedule)), 1):
+        kind = covering.get(novelty) or _nearest(template, novelty, note)
+        part = template.classes.get(kind) if kind else None
         if part is None:
-            raise InputError(f"schedule step {number} ({_show(dims)}) is a {kind} step and the template has none: "
-                             + ("record runs that change shape mid-run" if kind == "new_shape" else
+            raise InputError(f"schedule step {number} ({_show(dims)}) is a {novelty} step and the template has none: "
+                             + ("record runs that change shape mid-run" if is_new(novelty) else
                                 "record runs with more steps"))
         point = [dims[n] for n in names]
         for name in fixed:
@@ -908,6 +1097,38 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
     if warnings is not None:
         warnings.extend(f"{text} (x{count})" if count > 1 else text for text, count in notes.items())
     return events
+
+
+def _covering(template: Template) -> dict[str, str]:
+    """Novelty -> the template's class for it (a merged class covers several)."""
+    out = {name: name for name in template.classes}
+    for name, part in template.classes.items():
+        for novelty in part.get("covers", []):
+            out[novelty] = name
+    return out
+
+
+def _features_of(name: str) -> set[str]:
+    return set(name.partition(":")[2].split("+")) if name.startswith("new:") else set()
+
+
+def _nearest(template: Template, novelty: str, note) -> str | None:
+    """The class for a novelty the calibration never recorded: a version-1 template's
+    ``new_shape``, else the novelty class sharing the most features (then the most samples)."""
+    if not is_new(novelty):
+        return None
+    if LEGACY_NEW in template.classes:
+        return LEGACY_NEW
+    want = _features_of(novelty)
+    options = [(name, c) for name, part in template.classes.items() if is_new(name)
+               for c in part.get("covers", [name])]
+    if not options:
+        return None
+    name, closest = max(options, key=lambda o: (len(want & _features_of(o[1])) - len(want ^ _features_of(o[1])),
+                                                template.classes[o[0]]["samples"]))
+    note(f"a {novelty} step was never recorded (ms-memopt learn lists what the calibration lacks): simulated as "
+         f"{closest}")
+    return name
 
 
 def free_order_of(template: Template, schedule: Sequence[dict[str, int]],
@@ -959,10 +1180,12 @@ def _free_sequence(events: list[Event]) -> list[int]:
 
 
 def _generate_layered(template: Template, schedule: Sequence[dict[str, int]], *, warnings: list[str] | None,
-                      first_id: int, free_order: int | None, prologue_only: bool = False) -> list[Event]:
+                      first_id: int, free_order: int | None, prologue_only: bool = False,
+                      keep_runtime_leak: bool = False) -> list[Event]:
     """:func:`generate` over a repeated block count: on :func:`flat_template`'s template."""
     return generate(flat_template(template, schedule, warnings=warnings), schedule, warnings=warnings,
-                    first_id=first_id, free_order=free_order, prologue_only=prologue_only)
+                    first_id=first_id, free_order=free_order, prologue_only=prologue_only,
+                    keep_runtime_leak=keep_runtime_leak)
 
 
 def flat_template(template: Template, schedule: Sequence[dict[str, int]], *,
@@ -1124,7 +1347,9 @@ def _check_ops(ops, where: str, basis: list, classes: set[str], source: str) -> 
         _need(isinstance(op, list) and op and op[0] in ("a", "f", "e"), at, "expected [\"a\", ...], [\"f\", ...] or "
               "[\"e\"]", source)
         if op[0] == "a":
-            _need(len(op) == 6, at, "an allocation is [\"a\", coefs, pool, stream, tag, exact]", source)
+            _need(len(op) == 6 or (len(op) == 7 and op[6] == "runtime"), at,
+                  "an allocation is [\"a\", coefs, pool, stream, tag, exact] (then \"runtime\": MindSpore's own, never "
+                  "freed)", source)
             _need(isinstance(op[1], list) and 1 <= len(op[1]) <= len(basis), f"{at}[1]",
                   f"expected 1..{len(basis)} coefficients", source)
             for j, c in enumerate(op[1]):
@@ -1172,12 +1397,18 @@ def template_from_dict(data, source: str = "template") -> Template:
     _need(isinstance(dims, list) and all(isinstance(d, str) and d.isidentifier() for d in dims)
           and len(set(dims)) == len(dims), "dims", "expected a list of distinct dim names", source)
     classes = data["classes"]
-    _need(isinstance(classes, dict) and classes, "classes", f"expected an object with some of {list(CLASSES)}", source)
+    _need(isinstance(classes, dict) and classes, "classes", "expected an object {class: part}", source)
     for name in classes:
-        _need(name in CLASSES, f"classes.{name}", f"unknown class; expected one of {list(CLASSES)}", source)
-    _check_part(data["prologue"], "prologue", dims, set(CLASSES), source)
+        _need(is_class_name(name), f"classes.{name}", "unknown class; expected first, repeat, new_shape or "
+              "new:FEATURE+... (ms_memopt/templates/classes.py)", source)
+    names = set(CLASSES) | set(classes)
+    _check_part(data["prologue"], "prologue", dims, names, source)
     for name, part in classes.items():
-        _check_part(part, f"classes.{name}", dims, set(CLASSES), source)
+        _check_part(part, f"classes.{name}", dims, names, source)
+        covers = part.get("covers", [])
+        _need(isinstance(covers, list) and all(is_class_name(c) and is_new(c) for c in covers) and
+              (not covers or is_new(name)),
+              f"classes.{name}.covers", "expected a list of novelty classes (new:...)", source)
     free_orders = data.get("free_orders") or []
     _need(isinstance(free_orders, list), "free_orders", "expected a list", source)
     parts = {"prologue": data["prologue"], **classes}
@@ -1189,10 +1420,10 @@ def template_from_dict(data, source: str = "template") -> Template:
         for name, order in variant["parts"].items():
             _need(name in parts and isinstance(order, dict) and "ops" in order, f"{at}.parts.{name}",
                   f"expected {{\"ops\": [...]}} for one of {sorted(parts)}", source)
-            _check_ops(order["ops"], f"{at}.parts.{name}.ops", parts[name]["basis"], set(CLASSES), source)
+            _check_ops(order["ops"], f"{at}.parts.{name}.ops", parts[name]["basis"], names, source)
             for prev, ops in (order.get("ops_after") or {}).items():
-                _need(prev in CLASSES, f"{at}.parts.{name}.ops_after.{prev}", "unknown class", source)
-                _check_ops(ops, f"{at}.parts.{name}.ops_after.{prev}", parts[name]["basis"], set(CLASSES), source)
+                _need(prev in names, f"{at}.parts.{name}.ops_after.{prev}", "unknown class", source)
+                _check_ops(ops, f"{at}.parts.{name}.ops_after.{prev}", parts[name]["basis"], names, source)
     allocator = data.get("allocator") or "mindspore-bestfit"
     _need(isinstance(allocator, str), "allocator", "expected a model name", source)
     fit = data.get("fit") or {}
@@ -1200,7 +1431,7 @@ def template_from_dict(data, source: str = "template") -> Template:
     return Template(dims=list(dims), prologue=data["prologue"], classes=dict(classes), pool=data.get("pool"),
                     allocator=allocator, recordings=list(data.get("recordings") or []),
                     not_exact=list(fit.get("not_exact") or []), positions=int(fit.get("positions") or 0),
-                    free_orders=list(free_orders), layered=layered)
+                    free_orders=list(free_orders), layered=layered, lacks=list(data.get("lacks") or []))
 
 
 def load_template(path: str | Path) -> Template:

@@ -207,11 +207,14 @@ class TemplateWorkload:
             dim at its recorded value.
         seq_length: the recipe's sequence length (``seq_max`` defaults to it).
         seed: seeds the draws (one ``numpy`` generator, one draw sequence per step).
+        keep_runtime_leak: also make the allocations ``learn`` recognised as MindSpore's own leak
+            (left out by default: :func:`~ms_memopt.templates.template.generate`).
     """
 
     def __init__(self, template: Template, *, schedule: Sequence[dict[str, int]] | None = None,
-                 rules=None, seq_length: int | None = None, seed: int = 0) -> None:
+                 rules=None, seq_length: int | None = None, seed: int = 0, keep_runtime_leak: bool = False) -> None:
         self.template = template
+        self.keep_runtime_leak = keep_runtime_leak
         self.seed = seed
         self.rules = rules
         self.base = recorded_dims(template)
@@ -286,7 +289,7 @@ class TemplateWorkload:
             while len(self._schedule) < want:
                 self._schedule.append(self._draw())
         warnings: list[str] = []
-        events = generate(self.template, self._schedule, warnings=warnings)
+        events = generate(self.template, self._schedule, warnings=warnings, keep_runtime_leak=self.keep_runtime_leak)
         self.warnings = warnings
         prologue = len(self.prologue_rows())
         self._steps = []
