@@ -343,7 +343,7 @@ class _Timeline:
                 if not exact and not gaps:
                     break
                 for i in range(n):
-                    if used[i] or (group[i][1] == 0 and not used[alloc_at.get(group[i][2], i)]):
+                    if used[i] or (group[i][1] == 0 and group[i][2] in alloc_at and not used[alloc_at[group[i][2]]]):
                         continue
                     if (befores[i] == running) if exact else (befores[i] < running):
                         used[i] = True
@@ -354,8 +354,9 @@ class _Timeline:
                         order.pop()
             return False
 
-        # the first group of a component starts from an unknown total: each event may open it
-        starts = [self.running] if self.running is not None else sorted(set(befores), key=befores.index)
+        # the first group of a component starts from an unknown total: each event may open it, the
+        # lowest first (of two orders the totals allow, the one with less memory released unseen)
+        starts = [self.running] if self.running is not None else sorted(set(befores))
         try:
             for gaps in range(n + 1):
                 for start in starts:
