@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from ms_memopt import __version__
 from ms_memopt.core.errors import InputError
 
 __all__ = ["main"]
@@ -37,6 +38,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
     parser = _Parser(prog="ms-memopt", description="Fragmentation sight, first aid and prevention for MindSpore.")
+    parser.add_argument("--version", action="version", version=f"ms-memopt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     modules = {}
