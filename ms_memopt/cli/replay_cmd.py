@@ -120,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     out = {"trace": trace.source, "format": trace.format, "capacity": capacity}
     out.update(result.to_dict())
     out["oom_count"] = len(result.ooms)
+    if isinstance(trace.meta.get("recorded"), dict):   # the recording's own figures (the Ascend profiler's)
+        out["recorded"] = trace.meta["recorded"]
     if "pool_log" in trace.meta:      # what the pool-log reader skipped or inferred
         out["pool_log"] = trace.meta["pool_log"]
     out = {key: _finite(value) for key, value in out.items()}
@@ -128,6 +130,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_human(out, result))
     return 1 if (args.fail_on_oom and result.ooms) else 0
+
+
+def _recorded_lines(rec: dict, out: dict) -> list[str]:
+    """The recording's figures beside the model's (the reader computed them: ``Trace.meta["recorded"]``)."""
+    def size(value) -> str:
+        return "n/a" if value is None else format_size(value)
+    lines = [f"recorded         {rec.get('component', '')}: peak allocated {size(rec.get('peak_allocated'))} "
+             f"(model {size(out['peak_allocated'])}), peak reserved {size(rec.get('peak_reserved'))} "
+             f"(model {size(out['peak_reserved'])})",
+             f"  reserved       recorded {size(rec.get('reserved_first'))} at start, {size(rec.get('reserved_last'))} "
+             f"at end; model {size(out['final_reserved'])} at end"]
+    if rec.get("checked"):
+        lines.append(f"  allocated      the events' curve differs from the recorded one by "
+                     f"{rec.get('allocated_max_diff', 0):,} B at most over {rec['checked']:,} rows"
+                     + ("" if not rec.get("allocated_max_diff") else f" (first at line {rec.get('first_diff_line')})"))
+    if rec.get("allocated_first") is not None:
+        lines.append(f"  before capture {size(rec['allocated_first'])} allocated ({rec.get('unseen_releases', 0)} "
+                     f"released with no row, {size(rec.get('held_initial_bytes', 0))} held throughout)")
+    return lines
 
 
 def _human(out: dict, result) -> str:
@@ -160,6 +181,8 @@ def _human(out: dict, result) -> str:
            f", final layout {'identical' if out['final_layout_match'] else 'differs'}"),
         "speed            " + (f"{out['events_per_s']:,.0f} events/s" if out['events_per_s'] else "n/a"),
     ]
+    if out.get("recorded"):
+        lines += _recorded_lines(out["recorded"], out)
     log = out.get("pool_log")
     if log:
         lines.append(f"pool log         {log['pool_lines']:,} pool lines of process {log['pid']}; skipped "

@@ -121,9 +121,25 @@ def recorded_allocator(trace: Trace) -> RecordedAllocator:
     if trace.format in ("torch-snapshot", "msmemscope"):
         return RecordedAllocator("torch", {}, ("a PyTorch snapshot" if trace.format == "torch-snapshot"
                                                else "a torch_npu msMemScope file") + note)
+    if trace.format == "ascend-profiler":
+        return _profiler_allocator(trace.meta, note)
     if trace.meta.get("pool") == "DynamicMemPoolBestFit":
         return RecordedAllocator("mindspore-bestfit", {}, "MindSpore's CPU pool (DynamicMemPoolBestFit) wrote it" + note)
     return RecordedAllocator("mindspore", {}, "the recording names no allocator: MindSpore's default pool" + note)
+
+
+def _profiler_allocator(meta: dict, note: str) -> RecordedAllocator:
+    """The Ascend profiler's recording (:mod:`~ms_memopt.io.traces.ascend_profiler`): the first
+    model the reader found to fit that is registered here (torch_npu's, else PyTorch's, for
+    torch_npu's profiler; MindSpore's pool for MindSpore's), with the reader's evidence."""
+    candidates = [c for c in meta.get("allocator_candidates") or () if isinstance(c, str)]
+    why = str(meta.get("allocator_evidence") or "the Ascend profiler's output")
+    for rank, name in enumerate(candidates):
+        if name in MODELS and name != "pool":
+            if rank:
+                why += f" ({', '.join(candidates[:rank])}: no such model here, so {name})"
+            return RecordedAllocator(name, {}, why + note)
+    return RecordedAllocator("mindspore", {}, why + "; no fitting model here: MindSpore's default pool" + note)
 
 
 def default_allocator(trace: Trace) -> str:
