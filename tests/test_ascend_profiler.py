@@ -45,7 +45,7 @@ def test_shared_sample_matches_the_recorded_curve_to_the_byte(name):
     assert trace.format == "ascend-profiler"
     meta = trace.meta
     assert meta["writer"] == "torch_npu" and meta["component"] == "PTA"
-    assert meta["allocator"][0] == "torch-npu"
+    assert meta["allocator_candidates"][0] == "torch-npu" and meta["framework"] == "torch_npu"
     for component in ("PTA", "GE"):
         figures = meta["components"][component]
         assert figures["allocated_max_diff"] == 0, component

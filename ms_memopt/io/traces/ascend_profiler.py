@@ -39,7 +39,8 @@ Each component is one event stream; the Trace holds the framework's (``PTA`` or 
 ``component=`` picks another) and ``meta["components"]`` the recorded figures of all:
 ``peak_allocated``, ``peak_reserved``, ``allocated_max_diff`` (the largest difference between
 the recorded allocated total and the events' own at any row: 0 when the reader is right), and
-how the initial state was made. ``meta["allocator"]`` lists the models that fit, best first.
+how the initial state was made. ``meta["allocator_candidates"]`` lists the models that fit, best
+first (replay takes the first one registered), ``meta["framework"]`` names the writer.
 
 Example:
     >>> trace = read_ascend_profiler("rank0_ascend_pt")                    # doctest: +SKIP
@@ -831,7 +832,7 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> T
         A :class:`Trace` of format ``ascend-profiler``; sizes in bytes, ``time`` in ns.
         ``meta["recorded"]`` holds the chosen component's recorded figures (peak allocated and
         reserved, ``allocated_max_diff``), ``meta["components"]`` every component's,
-        ``meta["allocator"]`` the models that fit, best first.
+        ``meta["allocator_candidates"]`` the models that fit, best first.
 
     Raises:
         InputError: an unreadable or malformed file, naming the file and line (or table and row).
@@ -897,7 +898,8 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> T
     meta = {
         "writer": writer, "writer_evidence": why, "files": files,
         "component": component, "components": components,
-        "recorded": recorded, "allocator": allocator, "allocator_evidence": allocator_why,
+        "recorded": recorded, "allocator_candidates": allocator, "allocator_evidence": allocator_why,
+        "framework": writer,
         "time_unit": "ns",
     }
     if modules:
