@@ -62,7 +62,7 @@ from ms_memopt.doctor.remedy_table import RECORD, family_of, remedy_lines
 from ms_memopt.io.oom_logs import Figure, LogScan, OOMReport, rank_of_path, read_oom_log
 
 __all__ = ["CrashVerdict", "CrashRemedy", "LogDiagnosis", "JobDiagnosis", "crash_verdict", "crash_remedies",
-           "diagnose_log", "diagnose_logdir", "find_rank_logs", "scan_rank"]
+           "diagnose_log", "diagnose_logdir", "find_rank_logs", "scan_rank", "scan_ranks"]
 
 #: ranks whose first OOM is this close to the earliest one are "first" too (clocks of different hosts)
 FIRST_WINDOW_SECONDS = 1.0
@@ -484,10 +484,28 @@ def find_rank_logs(folder: str | os.PathLike) -> dict[int | str, list[str]]:
     return groups
 
 
-def scan_rank(task: tuple[int | str, list[str]]) -> LogDiagnosis:
-    """One rank's logs (a worker task of :func:`diagnose_logdir`): reports merged in file order, the
-    same message in two files (MindFormers' info.log and error.log) counted once."""
-    rank, paths = task
+def _rank_dumps(groups: dict[int | str, list[str]], root: Path) -> dict[int | str, str | None]:
+    """The pool debug dump of each rank: a ``MemoryDebugInfo<N>.txt`` in a folder that holds that
+    rank's logs only (``rank_N/``); a dump in a folder shared by many ranks belongs to none."""
+    owners: dict[str, set] = {}
+    for key, paths in groups.items():
+        for path in paths:
+            owners.setdefault(os.path.dirname(path), set()).add(key)
+    dumps: dict[str, str] = {}
+    for dirpath, _, filenames in os.walk(root):
+        found = sorted(n for n in filenames if _DEBUG_DUMP.search(n))
+        if found and len(owners.get(dirpath, ())) == 1:
+            dumps[dirpath] = os.path.join(dirpath, found[-1])
+    return {key: next((dumps[os.path.dirname(p)] for p in paths if os.path.dirname(p) in dumps), None)
+            for key, paths in groups.items()}
+
+
+def scan_rank(task: tuple) -> LogDiagnosis:
+    """One rank's logs (a worker task of :func:`diagnose_logdir`: ``(rank, paths, dump or None)``):
+    reports merged in file order, the same message in two files (MindFormers' info.log and error.log)
+    counted once."""
+    rank, paths = task[0], task[1]
+    dump = task[2] if len(task) > 2 else None
     merged: LogScan | None = None
     seen: set[tuple] = set()
     for path in paths:
@@ -507,7 +525,12 @@ def scan_rank(task: tuple[int | str, list[str]]) -> LogDiagnosis:
             merged.last_step = max(merged.last_step or 0, scan.last_step)
     if merged.reports:
         merged.source = merged.reports[0].source or merged.source
-    return _diagnosis(merged, _layout_beside(Path(paths[0])))
+    return _diagnosis(merged, None if dump is None else Path(dump))
+
+
+def scan_ranks(tasks: list[tuple]) -> list[LogDiagnosis]:
+    """:func:`scan_rank` on a batch of ranks, in order (one worker task)."""
+    return [scan_rank(task) for task in tasks]
 
 
 def _seconds(stamp: str | None) -> float | None:
@@ -535,13 +558,18 @@ def diagnose_logdir(folder: str | os.PathLike, *, executor: str = "local", addre
     Raises:
         InputError: not a folder, no logs in it, or an unknown executor.
     """
-    from ms_memopt.simulation.executors import run_tasks
+    from ms_memopt.simulation.executors import default_workers, run_tasks
 
     groups = find_rank_logs(folder)
-    tasks = sorted(groups.items(), key=lambda kv: (isinstance(kv[0], str), kv[0] if isinstance(kv[0], int) else 0,
-                                                   str(kv[0])))
-    results = run_tasks(scan_rank, tasks, executor=executor, address=address, workers=workers)
-    ranks = {key: diag for (key, _), diag in zip(tasks, results)}
+    dumps = _rank_dumps(groups, Path(folder))
+    tasks = sorted(((key, paths, dumps[key]) for key, paths in groups.items()),
+                   key=lambda t: (isinstance(t[0], str), t[0] if isinstance(t[0], int) else 0, str(t[0])))
+    # ranks in batches: one task per rank would pay a round trip to a worker per 2 MB log
+    size = max(1, min(64, len(tasks) // (max(1, workers or default_workers()) * 8)))
+    batches = [tasks[i:i + size] for i in range(0, len(tasks), size)]
+    results = [d for batch in run_tasks(scan_ranks, batches, executor=executor, address=address, workers=workers)
+               for d in batch]
+    ranks = {task[0]: diag for task, diag in zip(tasks, results)}
     with_oom = [k for k, d in ranks.items() if d.reports]
     counts: dict[str, int] = {}
     for k in with_oom:

@@ -96,9 +96,15 @@ _SAME_REQUEST = 4096
 TRIGGERS = (b"out of memory", b"Out of Memory", b"Tried to allocate", b"emory not enough", b"memory isn't enough",
             b"Memory isn't enough", b"is more than total mem size", b"stat info :", b"pool info: Total allocated mem",
             b"OutOfMemoryError")
-#: a rank's other failure (a timeout of a collective, another exception), looked for until found
-ERROR_TRIGGERS = (b"HCCL", b"hccl", b"Traceback (most recent call last)", b"[ERROR]", b"Error:", b"EI00",
-                  b"NCCL", b"timed out", b"Timeout")
+#: what a chunk is searched for before anything else: every trigger holds one of these (a line holding
+#: one is then checked against the triggers); three passes of ``bytes.find`` per chunk
+ANCHORS = (b"emory", b"Tried to allocate", b"TotalUsedMem")
+#: a rank's other failure (an HCCL timeout, another exception), looked for in the log's tail
+ERROR_TRIGGERS = (b"ERROR", b"rror", b"HCCL", b"imeout", b"Traceback")
+#: the end of a log searched for a failure that is not an OOM
+TAIL_BYTES = 256 << 10
+#: until a log's step line is known, only this much before each report or chunk end is searched for one
+STEP_SEARCH_BYTES = 1 << 20
 _STEP_TOKENS = (b"step: ", b"step:[", b"iteration ")
 
 
@@ -244,30 +250,31 @@ def _time_of(text: str) -> str | None:
     return None
 
 
-def _last_step(data: bytes, end: int | None = None) -> tuple[int, str] | None:
-    """The last step line in ``data[:end]``: searched backwards from each step token (no regex over
-    the whole chunk)."""
+def _last_step(data: bytes, end: int | None = None, start: int = 0,
+               tokens: tuple[bytes, ...] = _STEP_TOKENS) -> tuple[int, str, bytes] | None:
+    """The last step line in ``data[start:end]``: searched backwards from each step token (no regex
+    over the whole chunk); ``(step, line, token)``."""
     end = len(data) if end is None else end
     best = None
-    for token in _STEP_TOKENS:
+    for token in tokens:
         pos = end
         for _ in range(64):              # a token inside a non-step line: look a little further back
-            pos = data.rfind(token, 0, pos)
+            pos = data.rfind(token, start, pos)
             if pos < 0 or (best is not None and pos < best[0]):
                 break
-            start = data.rfind(b"\n", 0, pos) + 1
+            line_start = data.rfind(b"\n", 0, pos) + 1
             stop = data.find(b"\n", pos)
             stop = len(data) if stop < 0 else stop
-            line = data[start:min(stop, start + 4096)]
+            line = data[line_start:min(stop, line_start + 4096)]
             for pattern in _STEP:
                 m = pattern.search(line)
                 if m:
-                    best = (pos, int(m.group(1)), line.decode("utf-8", "replace").strip())
+                    best = (pos, int(m.group(1)), line.decode("utf-8", "replace").strip(), token)
                     break
             else:
                 continue
             break
-    return None if best is None else (best[1], best[2])
+    return None if best is None else (best[1], best[2], best[3])
 
 
 # --- the messages ---------------------------------------------------------------------------------------
@@ -523,7 +530,7 @@ class _Scanner:
         self.time: str | None = None
         self.recent: list[tuple[int, str]] = []     # (line, text) of the last few lines, for the time before
         self.window_text_head = ""
-        self.errors_wanted = True
+        self.step_token: bytes | None = None
 
     # a MindSpore report gathers its pieces: the pool's grow failure, its state dump, the runtime line
     def _add(self, report: OOMReport) -> None:
@@ -591,13 +598,21 @@ class _Scanner:
             if _ends_message(text):
                 self._close_window()
             return
-        if self.errors_wanted and any(t in raw for t in ERROR_TRIGGERS):
-            text = raw[:2000].decode("utf-8", "replace").strip()
-            if _is_failure(text):
-                self.scan.first_error = text[:500]
-                self.scan.first_error_line = self.line_no
-                self.scan.first_error_time = _time_of(text)
-                self.errors_wanted = False
+
+    def note_context(self, body: bytes, start: int, end: int) -> None:
+        """The last step line and logger time in ``body[start:end]`` (lines passed over unparsed)."""
+        if end <= start:
+            return
+        if self.step_token is not None:          # the log's own step line: one backward search
+            step = _last_step(body, end, start, (self.step_token,))
+        else:                                     # not seen yet: every kind, in the region's last MiB
+            step = _last_step(body, end, max(start, end - STEP_SEARCH_BYTES))
+        if step is not None:
+            self.step = step[:2]
+            self.step_token = step[2]
+        t = _last_time(body[max(start, end - 65536):end])
+        if t:
+            self.time = t
 
     @staticmethod
     def _is_state_line(text: str) -> bool:
@@ -623,85 +638,92 @@ def _ends_message(text: str) -> bool:
             or "Allocate memory failed for size" in text)
 
 
-def _triggers_in(data: bytes, wanted_errors: bool) -> bool:
-    if any(t in data for t in TRIGGERS):
-        return True
-    return wanted_errors and any(t in data for t in ERROR_TRIGGERS)
-
-
 def scan_bytes(chunks, *, source: str = "<log>", rank: int | None = None) -> LogScan:
     """Every OOM report in a stream of byte chunks (any split); :func:`read_oom_log` on a file."""
     scanner = _Scanner(source, rank)
     carry = b""
     total = 0
+    tail = b""
     for chunk in chunks:
         total += len(chunk)
-        data = carry + chunk if carry else chunk
-        cut = data.rfind(b"\n")
-        if cut < 0:
-            carry = data[-MAX_LINE:] if len(data) > MAX_LINE else data
+        first = chunk.find(b"\n")
+        if first < 0:                               # no line ends in this chunk
+            carry = (carry + chunk)[:MAX_LINE]
             continue
-        body, carry = data[:cut], data[cut + 1:]
-        if len(carry) > MAX_LINE:
-            carry = carry[:MAX_LINE]
-        _feed(scanner, body)
+        last = chunk.rfind(b"\n")
+        if carry:                                   # the line that straddles the previous chunk
+            head = carry + chunk[:first]
+            _feed(scanner, head, 0, len(head))
+        else:
+            _feed(scanner, chunk, 0, first)
+        if last > first:
+            _feed(scanner, chunk, first + 1, last)
+        carry = chunk[last + 1:last + 1 + MAX_LINE]
+        tail = (tail + chunk[:last])[-TAIL_BYTES:] if last < TAIL_BYTES else chunk[max(0, last - TAIL_BYTES):last]
     if carry:
-        _feed(scanner, carry)
+        _feed(scanner, carry, 0, len(carry))
+        tail = (tail + b"\n" + carry)[-TAIL_BYTES:]
     scanner.flush()
+    _first_error(scanner.scan, tail, scanner.line_no)
     scanner.scan.bytes_read = total
     scanner.scan.last_step = None if scanner.step is None else scanner.step[0]
     return scanner.scan
 
 
-def _feed(scanner: _Scanner, body: bytes) -> None:
-    """One run of whole lines: the fast path skips it when no trigger is in it."""
-    if not scanner.window and not _triggers_in(body, scanner.errors_wanted):
-        scanner.line_no += body.count(b"\n") + 1
-        step = _last_step(body)
-        if step is not None:
-            scanner.step = step
-        t = _last_time(body)
-        if t:
-            scanner.time = t
-        return
-    start = 0
-    n = len(body)
-    while start <= n:
-        if not scanner.window:
-            # skip ahead to the next line holding a trigger, counting lines and steps on the way
-            nxt = _next_trigger(body, start, scanner.errors_wanted)
-            if nxt < 0:
-                scanner.line_no += body.count(b"\n", start) + 1
-                step = _last_step(body[start:])
-                if step is not None:
-                    scanner.step = step
-                t = _last_time(body[start:])
-                if t:
-                    scanner.time = t
-                return
-            line_start = body.rfind(b"\n", start, nxt) + 1
-            if line_start > start:
-                scanner.line_no += body.count(b"\n", start, line_start)
-                step = _last_step(body[start:line_start])
-                if step is not None:
-                    scanner.step = step
-                t = _last_time(body[max(start, line_start - 65536):line_start])
-                if t:
-                    scanner.time = t
-                start = line_start
-        end = body.find(b"\n", start)
+def _feed(scanner: _Scanner, body: bytes, pos: int, n: int) -> None:
+    """The whole lines ``body[pos:n]`` (``n`` at a line end). The few anchors are searched with
+    ``bytes.find`` (each position remembered until passed, so every byte is searched once per
+    anchor); only a line holding an anchor is checked against the triggers, and only a trigger line
+    opens a message window."""
+    nxt = [body.find(a, pos, n) for a in ANCHORS]
+    while pos <= n:
+        if scanner.window:                     # a message being read: every line until it ends
+            end = body.find(b"\n", pos, n)
+            end = n if end < 0 else end
+            scanner.feed_line(body[pos:end])
+            pos = end + 1
+            continue
+        live = [p for p in nxt if p >= pos]
+        if not live:
+            scanner.line_no += body.count(b"\n", pos, n) + 1
+            scanner.note_context(body, pos, n)
+            return
+        hit = min(live)
+        start = max(pos, body.rfind(b"\n", pos, hit) + 1)
+        end = body.find(b"\n", hit, n)
         end = n if end < 0 else end
-        scanner.feed_line(body[start:end])
-        start = end + 1
+        line = body[start:end]
+        scanner.line_no += body.count(b"\n", pos, start)
+        if any(t in line for t in TRIGGERS):
+            scanner.note_context(body, pos, start)
+            scanner.feed_line(line)
+        else:
+            scanner.line_no += 1
+        pos = end + 1
+        for i, p in enumerate(nxt):
+            if 0 <= p < pos:
+                nxt[i] = body.find(ANCHORS[i], pos, n)
 
 
-def _next_trigger(body: bytes, start: int, errors: bool) -> int:
-    best = -1
-    for t in TRIGGERS + (ERROR_TRIGGERS if errors else ()):
-        pos = body.find(t, start)
-        if pos >= 0 and (best < 0 or pos < best):
-            best = pos
-    return best
+def _first_error(scan: LogScan, tail: bytes, lines: int) -> None:
+    """The first failure line in the log's last :data:`TAIL_BYTES` (a rank that died after a peer's
+    OOM fails at its end: an HCCL timeout, the exception that follows)."""
+    pos = 0
+    for _ in range(10000):
+        hits = [p for p in (tail.find(a, pos) for a in ERROR_TRIGGERS) if p >= 0]
+        if not hits:
+            return
+        hit = min(hits)
+        start = tail.rfind(b"\n", 0, hit) + 1
+        end = tail.find(b"\n", hit)
+        end = len(tail) if end < 0 else end
+        text = tail[start:min(end, start + 2000)].decode("utf-8", "replace").strip()
+        if _is_failure(text):
+            scan.first_error = text[:500]
+            scan.first_error_line = lines - tail.count(b"\n", end)
+            scan.first_error_time = _time_of(text)
+            return
+        pos = end + 1
 
 
 _TIME_B = re.compile(rb"\d{4}-\d{2}-\d{2}[- T]\d{2}:\d{2}:\d{2}[.,]\d{3}")
