@@ -58,7 +58,8 @@ CONFIGS = [
     ("mindspore-vmm", dict(capacity=96 * MiB)),
     ("mindspore-vmm", dict()),
 ]
-FAST_NAMES = ["mindspore", "mindspore-bestfit", "torch", "torch-expandable", "mindspore-vmm"]
+FAST_NAMES = ["mindspore", "mindspore-bestfit", "torch", "torch-expandable", "mindspore-vmm", "torch-npu",
+              "torch-npu-expandable"]
 
 
 def _pressed(name: str, capacity: int) -> dict:

@@ -33,7 +33,7 @@ EXTENSIONS: dict[str, tuple[str, ...]] = {
     # one module from several C files (one per model, ms_memopt/allocators/fast/fastpool.h says
     # which is which) and the header they share: an edit of any of them makes the build stale
     "ms_memopt.allocators.fast._fastpool": tuple(f"ms_memopt/allocators/fast/{name}" for name in (
-        "fastpool.h", "common.c", "mindspore.c", "mindspore_vmm.c", "torch.c", "torch_expandable.c", "pool.c",
+        "fastpool.h", "common.c", "mindspore.c", "mindspore_vmm.c", "torch.c", "torch_expandable.c", "torch_npu.c", "pool.c",
         "_fastpool.c")),
 }
 

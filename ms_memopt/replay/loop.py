@@ -209,6 +209,10 @@ def drive(events: Sequence, model: AllocatorModel, *, start: int = 0, stop: int 
             model.note_segment_alloc(recorded, size, stream)
         elif action == "segment_free":
             model.release_segment(recorded, size, stream)
+        elif action == "segment_map":
+            model.note_segment_map(recorded, size, stream)
+        elif action == "segment_unmap":
+            model.unmap_range(recorded, size, stream)
         elif action == "empty_cache":
             model.empty_cache()
         if model is not result.model:       # a policy swapped it: look its methods up anew

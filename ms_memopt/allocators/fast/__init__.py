@@ -20,6 +20,9 @@ Fast classes (reference in brackets):
   ``max_split_size_mb`` runs the reference)
 * ``torch-expandable``: :class:`FastTorchExpandableAllocator`
   (:class:`~.torch_expandable.TorchExpandableAllocator`)
+* ``torch-npu``, ``torch-npu-expandable``: :class:`FastTorchNpuCachingAllocator`,
+  :class:`FastTorchNpuExpandableAllocator` (:mod:`~.torch_npu`'s models: the same C models as
+  ``torch`` and ``torch-expandable`` with torch_npu's pad, page sizes and alignment)
 * ``pool``: :class:`FastPoolModeAllocator` (:class:`~.pool.PoolModeAllocator`: its regions,
   routing, ``malloc``/``free`` with the cache's eviction, and the batch loop in C)
 
@@ -40,6 +43,7 @@ from ms_memopt.allocators.mindspore_vmm import CHUNK, MindSporeVMMPool, ChunkSet
 from ms_memopt.allocators.mindspore_vmm import restore_pieces as vmm_restore_pieces
 from ms_memopt.allocators.pool import PoolModeAllocator
 from ms_memopt.allocators.torch import check_divisions, is_small_segment, merged_blocks
+from ms_memopt.allocators.torch_npu import TorchNpuCachingAllocator, TorchNpuExpandableAllocator
 from ms_memopt.core import _build_hash
 from ms_memopt.core.events import FIELDS, ROW_INDEX
 from ms_memopt.core.layout import Block, Layout, Segment
@@ -145,6 +149,7 @@ if ModelCore is not None:
         ``max_split_size_mb`` (see :meth:`supports`)."""
 
         name = "torch"
+        kind = "torch"          # the C Model record (torch.c)
 
         @staticmethod
         def supports(options: dict) -> bool:
@@ -153,13 +158,17 @@ if ModelCore is not None:
 
         def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
                      roundup_power2_divisions: int | None = None) -> None:
+            self._init_core(capacity, max_split_size_mb, roundup_power2_divisions)
+
+        def _init_core(self, capacity: int | None, max_split_size_mb: int | None, divisions: int | None,
+                       **core_options) -> None:
             if max_split_size_mb is not None:
                 raise ValueError("max_split_size_mb runs the pure-Python model (create() picks it)")
-            check_divisions(roundup_power2_divisions)
-            ModelCore.__init__(self, capacity, kind="torch", divisions=roundup_power2_divisions or 0)
+            check_divisions(divisions)
+            ModelCore.__init__(self, capacity, kind=self.kind, divisions=divisions or 0, **core_options)
             AllocatorModel.__init__(self, capacity)
             self.max_split_size = None
-            self.divisions = roundup_power2_divisions or 0
+            self.divisions = divisions or 0
 
         def restore(self, layout: Layout) -> None:
             """Start from ``layout`` (as the reference's :meth:`restore`)."""
@@ -176,12 +185,16 @@ if ModelCore is not None:
         name = "torch-expandable"
         virtual = True
         supports = FastMindSporePool.supports
+        kind = "expandable"     # the C Model record (torch_expandable.c)
 
         def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None) -> None:
-            check_divisions(roundup_power2_divisions)
-            ModelCore.__init__(self, capacity, kind="expandable", divisions=roundup_power2_divisions or 0)
+            self._init_core(capacity, roundup_power2_divisions)
+
+        def _init_core(self, capacity: int | None, divisions: int | None, **core_options) -> None:
+            check_divisions(divisions)
+            ModelCore.__init__(self, capacity, kind=self.kind, divisions=divisions or 0, **core_options)
             AllocatorModel.__init__(self, capacity)
-            self.divisions = roundup_power2_divisions or 0
+            self.divisions = divisions or 0
 
         def restore(self, layout: Layout) -> None:
             """Start from ``layout``: recorded segments become fixed, fully mapped ranges."""
@@ -204,6 +217,36 @@ if ModelCore is not None:
                                                 pool="small" if small else "large"))
                         run = []
             return Layout(segments, capacity=self.capacity)
+
+    class FastTorchNpuCachingAllocator(FastTorchCachingAllocator):
+        """:class:`~ms_memopt.allocators.torch_npu.TorchNpuCachingAllocator` in C (torch.c with
+        the 32-byte pad and ``page_size:1g``), without ``max_split_size_mb``."""
+
+        name = "torch-npu"
+        kind = "torch_npu"      # torch_npu.c: torch.c's model with the 32-byte pad
+
+        def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
+                     roundup_power2_divisions: int | None = None, page_size_1g: bool = False) -> None:
+            # the reference checks the options and derives what C takes
+            TorchNpuCachingAllocator(None, max_split_size_mb, roundup_power2_divisions, None, page_size_1g)
+            self.page_size_1g = page_size_1g
+            self._init_core(capacity, max_split_size_mb, roundup_power2_divisions, page_1g=page_size_1g)
+
+    class FastTorchNpuExpandableAllocator(FastTorchExpandableAllocator):
+        """:class:`~ms_memopt.allocators.torch_npu.TorchNpuExpandableAllocator` in C
+        (torch_expandable.c with the pad, the large page and the 16 KiB alignment)."""
+
+        name = "torch-npu-expandable"
+        kind = "npu_expandable"     # torch_npu.c: torch_expandable.c's model with the pad
+
+        def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None,
+                     base_addr_aligned_kb: int = 16, segment_size_mb: int | None = None,
+                     page_size_1g: bool = False) -> None:
+            reference = TorchNpuExpandableAllocator(None, roundup_power2_divisions, base_addr_aligned_kb,
+                                                    segment_size_mb, page_size_1g)
+            self.align, self.large_page = reference.align, reference.large_page
+            self.page_size_1g, self.segment_size_mb = page_size_1g, segment_size_mb
+            self._init_core(capacity, roundup_power2_divisions, align=self.align, large_page=self.large_page or 0)
 
     class FastMindSporeVMMPool(ModelCore, AllocatorModel):
         """:class:`~ms_memopt.allocators.mindspore_vmm.MindSporeVMMPool` in C; its layout and
@@ -295,4 +338,6 @@ if ModelCore is not None:
     FAST_MODELS.update({"mindspore": FastMindSporePool, "mindspore-bestfit": FastMindSporeBestFitPool,
                         "mindspore-vmm": FastMindSporeVMMPool, "torch": FastTorchCachingAllocator,
                         "torch-expandable": FastTorchExpandableAllocator,
+                        "torch-npu": FastTorchNpuCachingAllocator,
+                        "torch-npu-expandable": FastTorchNpuExpandableAllocator,
                         "pool": FastPoolModeAllocator})

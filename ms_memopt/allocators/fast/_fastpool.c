@@ -46,7 +46,7 @@ static void fields_init(Fields *f, PyObject *sample) {
     f->type = type;
 }
 
-/* a row: a tuple of Event's fields in its order, as ms_memopt.engine.workload generates them for
+/* a row: a tuple of Event's fields in its order, as ms_memopt.workload.step generates them for
  * simulate. The order is Event's (ms_memopt/core/events.py) and only Event's: ms_memopt/allocators/
  * fast/__init__.py hands it over at import (set_row_layout); these are just the values before that. */
 static Py_ssize_t ROW_FIELDS = 9;
@@ -237,6 +237,24 @@ static PyObject *Core_release_segment(Core *c, PyObject *args, PyObject *kwargs)
     Py_RETURN_NONE;
 }
 
+static PyObject *Core_note_segment_map(Core *c, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"addr", "size", "stream", NULL};
+    PyObject *addr_obj, *size_obj = NULL, *stream_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO", names, &addr_obj, &size_obj, &stream_obj)) return NULL;
+    if (not_ready(c, "note_segment_map")) return NULL;
+    if (c->model->note_segment_map && c->model->note_segment_map(c, addr_obj, size_obj, stream_obj) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_unmap_range(Core *c, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"addr", "size", "stream", NULL};
+    PyObject *addr_obj, *size_obj = NULL, *stream_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO", names, &addr_obj, &size_obj, &stream_obj)) return NULL;
+    if (not_ready(c, "unmap_range")) return NULL;
+    if (c->model->unmap_range && c->model->unmap_range(c, addr_obj, size_obj, stream_obj) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* the largest idle buffer of any allocator (the models whose free keys are their idle buffers) */
 static PyObject *Core_largest_free(Core *c, PyObject *unused) {
     u64 best = 0;
@@ -265,28 +283,31 @@ static PyObject *Core_reset(Core *c, PyObject *unused) {
     c->hcount = 0;
     c->reserved = c->allocated = 0;
     c->x.next_base = 1ULL << 44;
+    c->x.nhints = 0;
     Py_RETURN_NONE;
 }
 
 /* ---- type ----------------------------------------------------------------------------------- */
 /* every compiled model, by ModelCore's kind= */
 static const Model *const MODELS[] = {&fp_mindspore_model, &fp_torch_model, &fp_region_model, &fp_expandable_model,
-                                      &fp_vmm_model, &fp_poolmode_model};
+                                      &fp_vmm_model, &fp_poolmode_model, &fp_torch_npu_model,
+                                      &fp_npu_expandable_model};
 
 static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"capacity", "increase_size", "grow_add", "small_pool", "idle_order", "kind",
-                            "divisions", NULL};
+                            "divisions", "page_1g", "align", "large_page", NULL};
     PyObject *capacity = Py_None;
-    unsigned long long increase = 1ULL << 30;
-    int grow_add = 0, small_pool = 0, idle_order = 0;
+    unsigned long long increase = 1ULL << 30, align = 0, large_page = 0;
+    int grow_add = 0, small_pool = 0, idle_order = 0, page_1g = 0;
     const char *kind = "mindspore";
     unsigned int divisions = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OKpppsI", names, &capacity, &increase, &grow_add,
-                                     &small_pool, &idle_order, &kind, &divisions)) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OKpppsIpKK", names, &capacity, &increase, &grow_add,
+                                     &small_pool, &idle_order, &kind, &divisions, &page_1g, &align,
+                                     &large_page)) return -1;
     const Model *model = NULL;
     for (size_t k = 0; k < sizeof(MODELS) / sizeof(MODELS[0]); k++)
         if (strcmp(kind, MODELS[k]->kind) == 0) model = MODELS[k];
-    if (!model) { PyErr_Format(PyExc_ValueError, "kind must be mindspore, torch, region, expandable, vmm or poolmode, got %s", kind); return -1; }
+    if (!model) { PyErr_Format(PyExc_ValueError, "kind must be mindspore, torch, region, expandable, vmm, poolmode, torch_npu or npu_expandable, got %s", kind); return -1; }
     if (c->model && c->model != model) { PyErr_SetString(PyExc_ValueError, "ModelCore.__init__ again with another kind"); return -1; }
     c->model = model;
     c->bounded = capacity != Py_None;
@@ -299,6 +320,8 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     c->ms.increase_size = increase;
     c->ms.grow_add = grow_add; c->ms.small_pool = small_pool;
     c->torch.divisions = divisions;
+    c->torch.page_1g = page_1g;    /* torch_npu's options (torch_npu.c sets its pad) */
+    c->x.align = align; c->x.large_page = large_page;
     c->idle_order = idle_order;
     c->next_addr = BASE_ADDR;
     c->free_slot = -1;
@@ -314,7 +337,7 @@ static void Core_dealloc(Core *c) {
     free_allocs(c);
     PyMem_Free(c->segs); PyMem_Free(c->vmm.cstart); PyMem_Free(c->vmm.cend); PyMem_Free(c->bufs);
     PyMem_Free(c->hkeys); PyMem_Free(c->hvals); PyMem_Free(c->ms.rec);
-    PyMem_Free(c->order); PyMem_Free(c->torch.trec);
+    PyMem_Free(c->order); PyMem_Free(c->torch.trec); PyMem_Free(c->x.hints);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -338,6 +361,10 @@ static PyMethodDef Core_methods[] = {
      "place the next new block at addr if it is free"},
     {"release_segment", (PyCFunction)(void (*)(void))Core_release_segment, METH_VARARGS | METH_KEYWORDS,
      "release the block at addr if it is idle"},
+    {"note_segment_map", (PyCFunction)(void (*)(void))Core_note_segment_map, METH_VARARGS | METH_KEYWORDS,
+     "a recorded mapping at addr: where a new virtual range starts"},
+    {"unmap_range", (PyCFunction)(void (*)(void))Core_unmap_range, METH_VARARGS | METH_KEYWORDS,
+     "unmap the idle pages in [addr, addr + size)"},
     {"_run", (PyCFunction)Core_run, METH_VARARGS,
      "_run(events, start, stop, address_of, watch, use_stream, forget=False) -> (index, allocs, known, matched, oom)"},
     {"largest_free", (PyCFunction)Core_largest_free, METH_NOARGS, "the largest idle buffer, bytes"},

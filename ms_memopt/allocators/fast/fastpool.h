@@ -7,6 +7,7 @@
  *   mindspore_vmm.c     MindSpore's VMM pool (mindspore_vmm.py);
  *   torch.c             PyTorch's caching allocator (torch.py);
  *   torch_expandable.c  PyTorch with expandable segments (torch_expandable.py);
+ *   torch_npu.c         torch_npu's allocator (torch_npu.py): the two above with its constants;
  *   pool.c              pool mode (pool.py): its regions, routing, eviction, malloc and free;
  *   _fastpool.c         the batch loop (_run), the Python methods, the type, module init.
  *
@@ -47,6 +48,7 @@ typedef int64_t i64;
 /* PyTorch's block sizes (torch.py; the expandable model maps pages of the first two) */
 #define T_SMALL_BUFFER (2 * MIB)
 #define T_LARGE_BUFFER (20 * MIB)
+#define T_ROUND_LARGE (2 * MIB)    /* kRoundLarge: large segments' unit; torch_npu aligns 2 MiB+ requests */
 
 typedef struct {
     u64 addr, size, tie;
@@ -89,13 +91,18 @@ typedef struct {              /* mindspore.c */
     u64 *rec; Py_ssize_t rec_head, rec_tail, rec_cap;   /* recorded segment addresses (a queue) */
 } MsState;
 
-typedef struct {              /* torch.c (order and divisions: torch_expandable.c too) */
+typedef struct {              /* torch.c (order, divisions and pad: torch_expandable.c too) */
     unsigned divisions;
+    unsigned pad;             /* bytes added before rounding (torch_npu's round_size: 32) */
+    int page_1g;              /* torch_npu's page_size:1g: large-pool segments in whole GiB */
     Recorded *trec; Py_ssize_t ntrec, captrec;   /* recorded segments for the next request */
 } TorchState;
 
-typedef struct {              /* torch_expandable.c: virtual range size and the next range's base */
+typedef struct {              /* torch_expandable.c: virtual range size and where new ranges go */
     u64 range_size, next_base;
+    u64 large_page;           /* the large pool's page (0: 20 MiB; torch_npu's segment_size_mb, page_size:1g) */
+    u64 align;                /* torch_npu: 2 MiB+ requests start on this boundary (0: off) */
+    Recorded *hints; Py_ssize_t nhints, caphints;   /* recorded segment_map addresses for this request */
 } ExpandableState;
 
 typedef struct {              /* mindspore_vmm.c: mapped 2 MiB chunks as sorted runs [start, end) */
@@ -167,6 +174,8 @@ typedef struct Model {
     int (*empty_cache)(Core *c);
     int (*note_segment_alloc)(Core *c, PyObject *addr, PyObject *size, PyObject *stream);
     int (*release_segment)(Core *c, PyObject *addr, PyObject *size, PyObject *stream);
+    int (*note_segment_map)(Core *c, PyObject *addr, PyObject *size, PyObject *stream);
+    int (*unmap_range)(Core *c, PyObject *addr, PyObject *size, PyObject *stream);
     const char *(*pool_name)(const Alloc *a);           /* Core_segments' pool names */
     /* after malloc handed out ``addr`` (a Python int; ``id`` the tensor's, or NULL): with
      * ``address_of`` (_run's forget=True) the tensors evicted meanwhile leave it */
@@ -180,7 +189,7 @@ typedef struct Model {
 #pragma GCC visibility push(hidden)
 
 extern const Model fp_mindspore_model, fp_torch_model, fp_expandable_model, fp_vmm_model, fp_region_model,
-    fp_poolmode_model;
+    fp_poolmode_model, fp_torch_npu_model, fp_npu_expandable_model;
 extern PyTypeObject fp_CoreType;
 extern PyObject *fp_str_stream, *fp_str_pool, *fp_str_tag, *fp_str_persistent, *fp_str_record_oom,
     *fp_str_order, *fp_str_popitem, *fp_str_empty, *fp_str_workspace;
@@ -214,6 +223,21 @@ PyObject *fp_add_segment(Core *c, PyObject *args);
 /* ---- the models' Python methods ----------------------------------------------------------- */
 PyObject *fp_ms_pregrow(Core *c, PyObject *arg);                           /* mindspore.c */
 u64 fp_torch_round(Core *c, long long raw);                                /* torch.c */
+/* the entry points of torch.c's and torch_expandable.c's Model records (torch_npu.c's reuse them) */
+long long fp_torch_malloc(Core *c, long long raw, i64 stream, PyObject *pool, PyObject *tag, int *unused);
+int fp_torch_free(Core *c, u64 addr);
+int fp_torch_segment_added(Core *c, int32_t si);
+int fp_torch_empty_cache(Core *c);
+int fp_torch_note_segment_alloc(Core *c, PyObject *addr, PyObject *size, PyObject *stream);
+int fp_torch_release_segment(Core *c, PyObject *addr, PyObject *size, PyObject *stream);
+const char *fp_torch_pool_name(const Alloc *a);
+long long fp_x_malloc(Core *c, long long raw, i64 stream, PyObject *pool, PyObject *tag, int *unused);
+int fp_x_free(Core *c, u64 addr);
+int fp_x_init(Core *c);
+int fp_x_empty_cache(Core *c);
+int fp_x_release_segment(Core *c, PyObject *addr, PyObject *size, PyObject *stream);
+int fp_x_note_segment_map(Core *c, PyObject *addr, PyObject *size, PyObject *stream);
+int fp_x_unmap_range(Core *c, PyObject *addr, PyObject *size, PyObject *stream);
 PyObject *fp_x_add_range(Core *c, PyObject *args);                         /* torch_expandable.c */
 PyObject *fp_x_restored(Core *c, PyObject *unused);
 PyObject *fp_x_ranges(Core *c, PyObject *unused);

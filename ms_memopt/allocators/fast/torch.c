@@ -1,4 +1,5 @@
-/* PyTorch's caching allocator (ms_memopt/allocators/torch.py, without max_split_size_mb):
+/* PyTorch's caching allocator (ms_memopt/allocators/torch.py, without max_split_size_mb), and
+ * torch_npu's (torch_npu.py: the same rules, requests padded by TorchState.pad, page_size:1g):
  * small (<= 1 MiB) and large pools per stream, sizes rounded (roundup_power2_divisions),
  * segments of 2 MiB / 20 MiB / the rounded size at the lowest free address from 1 TiB (or a
  * recorded one), split when enough remains, cached segments released when a new one does not
@@ -6,15 +7,15 @@
 #include "fastpool.h"
 
 #define T_MIN_LARGE_ALLOC (10 * MIB)
-#define T_ROUND_LARGE (2 * MIB)
 #define T_ADDRESS_BASE (1ULL << 40)
 
 static int bit_length(u64 v) { return v ? 64 - __builtin_clzll(v) : 0; }
 
-/* round_size(size, divisions) */
+/* round_size(size + pad, divisions) */
 u64 fp_torch_round(Core *c, long long raw) {
-    if (raw < 512) return 512;
-    u64 size = (u64)raw, d = c->torch.divisions;
+    long long padded = raw + (long long)c->torch.pad;
+    if (padded < 512) return 512;
+    u64 size = (u64)padded, d = c->torch.divisions;
     if (d > 1 && size > 512 * d) {
         if ((size & (size - 1)) == 0) return size;
         u64 floor = 1ULL << (bit_length(size) - 1);
@@ -26,7 +27,9 @@ u64 fp_torch_round(Core *c, long long raw) {
     return (size + 511) / 512 * 512;
 }
 
-static u64 torch_allocation_size(u64 rounded) {
+/* _segment_size: allocation_size, or torch_npu's whole GiB for the large pool with page_size:1g */
+static u64 torch_allocation_size(Core *c, u64 rounded) {
+    if (c->torch.page_1g && rounded > SMALL_SIZE) return round_up(rounded, GIB);
     if (rounded <= SMALL_SIZE) return T_SMALL_BUFFER;
     if (rounded < T_MIN_LARGE_ALLOC) return T_LARGE_BUFFER;
     return round_up(rounded, T_ROUND_LARGE);
@@ -104,7 +107,7 @@ static int torch_release_cached(Core *c) {
 
 /* _grow: the new segment's buffer taken out of the free list; -2 none, -1 error */
 static int32_t torch_grow(Core *c, Py_ssize_t ai, u64 rsize, i64 stream) {
-    u64 seg_size = torch_allocation_size(rsize);
+    u64 seg_size = torch_allocation_size(c, rsize);
     int32_t si = torch_new_segment(c, ai, seg_size, stream);
     if (si == -2 && torch_release_cached(c)) si = torch_new_segment(c, ai, seg_size, stream);
     if (si < 0) return si;
@@ -114,7 +117,7 @@ static int32_t torch_grow(Core *c, Py_ssize_t ai, u64 rsize, i64 stream) {
 }
 
 /* the whole malloc of the reference: the address, or -2 after recording an OOM, -1 on error */
-static long long torch_malloc(Core *c, long long raw, i64 stream, PyObject *pool, PyObject *tag, int *unused) {
+long long fp_torch_malloc(Core *c, long long raw, i64 stream, PyObject *pool, PyObject *tag, int *unused) {
     u64 rsize = fp_torch_round(c, raw);
     int small = rsize <= SMALL_SIZE;
     Py_ssize_t ai = fp_get_alloc(c, stream, 0, small);
@@ -137,21 +140,21 @@ static long long torch_malloc(Core *c, long long raw, i64 stream, PyObject *pool
     return fp_served(c, b);
 }
 
-static int torch_free(Core *c, u64 addr) { return fp_free_merge(c, addr, NULL); }
+int fp_torch_free(Core *c, u64 addr) { return fp_free_merge(c, addr, NULL); }
 
 /* a new segment counts as reserved bytes and takes its place by address */
-static int torch_segment_added(Core *c, int32_t si) {
+int fp_torch_segment_added(Core *c, int32_t si) {
     c->reserved += (long long)c->segs[si].size;
     return fp_order_insert(c, si);
 }
 
-static int torch_empty_cache(Core *c) {
+int fp_torch_empty_cache(Core *c) {
     torch_release_cached(c);
     return 0;
 }
 
 /* a recorded segment_alloc: the next new segment of that size and stream goes there if free */
-static int torch_note_segment_alloc(Core *c, PyObject *addr_obj, PyObject *size_obj, PyObject *stream_obj) {
+int fp_torch_note_segment_alloc(Core *c, PyObject *addr_obj, PyObject *size_obj, PyObject *stream_obj) {
     if (addr_obj == Py_None) return 0;
     u64 addr, size = 0;
     i64 stream = 0;
@@ -166,7 +169,7 @@ static int torch_note_segment_alloc(Core *c, PyObject *addr_obj, PyObject *size_
 
 /* a recorded segment_free: the recorded segment if idle here, else an idle one of the same size
  * and stream */
-static int torch_release_segment(Core *c, PyObject *addr_obj, PyObject *size_obj, PyObject *stream_obj) {
+int fp_torch_release_segment(Core *c, PyObject *addr_obj, PyObject *size_obj, PyObject *stream_obj) {
     u64 addr, size = 0;
     i64 stream = 0;
     if (fp_get_u64(addr_obj, &addr, "addr") < 0) return -1;
@@ -187,15 +190,15 @@ static int torch_release_segment(Core *c, PyObject *addr_obj, PyObject *size_obj
     return 0;
 }
 
-static const char *torch_pool_name(const Alloc *a) { return a->small ? "small" : "large"; }
+const char *fp_torch_pool_name(const Alloc *a) { return a->small ? "small" : "large"; }
 
 const Model fp_torch_model = {
     .kind = "torch",
-    .malloc = torch_malloc,
-    .free = torch_free,
-    .segment_added = torch_segment_added,
-    .empty_cache = torch_empty_cache,
-    .note_segment_alloc = torch_note_segment_alloc,
-    .release_segment = torch_release_segment,
-    .pool_name = torch_pool_name,
+    .malloc = fp_torch_malloc,
+    .free = fp_torch_free,
+    .segment_added = fp_torch_segment_added,
+    .empty_cache = fp_torch_empty_cache,
+    .note_segment_alloc = fp_torch_note_segment_alloc,
+    .release_segment = fp_torch_release_segment,
+    .pool_name = fp_torch_pool_name,
 };

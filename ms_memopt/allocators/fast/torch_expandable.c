@@ -1,8 +1,11 @@
 /* PyTorch with expandable segments (ms_memopt/allocators/torch_expandable.py): one virtual
  * range per (stream, small) pool, 1 1/8 x device memory (1 TiB unbounded), mapped in pages of
  * 2 MiB (small) / 20 MiB (large) as requests need them and unmapped when memory runs short or
- * the cache is emptied; torch's rounding (torch.c) and best fit preferring blocks that cannot
- * grow. Ranges are kept by address in Core.order (common.c). */
+ * the cache is emptied (a range left with nothing mapped is given back); torch's rounding
+ * (torch.c) and best fit preferring blocks that cannot grow. A new range starts at the recorded
+ * segment_map that announced it, else in the lowest gap. torch_npu's variant (torch_npu.py):
+ * padded rounding, its large page (ExpandableState.large_page) and 2 MiB+ requests aligned
+ * (ExpandableState.align). Ranges are kept by address in Core.order (common.c). */
 #include "fastpool.h"
 
 enum { X_FREE = 0, X_LIVE = 1, X_UNMAPPED = 2 };   /* Buf.used */
@@ -66,6 +69,50 @@ static u64 x_expandable(Core *c, int32_t b) {
     return c->bufs[b].size;
 }
 
+/* _tail: a range's last buffer */
+static int32_t x_tail(Core *c, Seg *s) {
+    int32_t b = s->head;
+    while (c->bufs[b].prev >= 0) b = c->bufs[b].prev;
+    while (c->bufs[b].next >= 0) b = c->bufs[b].next;
+    return b;
+}
+
+/* _claim: whether a new range may start at ``addr`` (outside every range, or in the unmapped
+ * tail of one, which then ends there) */
+static int x_claim(Core *c, u64 addr) {
+    Py_ssize_t i = fp_order_search(c, addr + 1);
+    if (i == 0) return 1;
+    Seg *s = &c->segs[c->order[i - 1]];
+    if (addr >= s->addr + s->size) return 1;
+    int32_t t = x_tail(c, s);
+    if (c->bufs[t].used != X_UNMAPPED || c->bufs[t].addr >= addr) return 0;
+    c->bufs[t].size = addr - c->bufs[t].addr;
+    s->size = addr - s->addr;
+    return 1;
+}
+
+/* _range_place: a new range's base (and ``*size``, shortened to the next range above a
+ * recorded base) */
+static u64 x_range_place(Core *c, i64 stream, u64 *size) {
+    for (Py_ssize_t k = 0; k < c->x.nhints; k++) {
+        u64 addr = c->x.hints[k].addr;
+        if (c->x.hints[k].stream == stream && x_claim(c, addr)) {
+            Py_ssize_t i = fp_order_search(c, addr + 1);
+            if (i < c->norder && c->segs[c->order[i]].addr - addr < *size) *size = c->segs[c->order[i]].addr - addr;
+            return addr;
+        }
+    }
+    u64 cursor = c->x.next_base;
+    for (Py_ssize_t k = 0; k < c->norder; k++) {
+        Seg *s = &c->segs[c->order[k]];
+        u64 end = s->addr + s->size;
+        if (end <= cursor) continue;
+        if (s->addr >= cursor + *size) break;
+        cursor = round_up(end, GIB) + GIB;
+    }
+    return cursor;
+}
+
 /* a new range of allocator ``ai``: one unmapped buffer; the buffer, -1 on error */
 static int32_t x_new_range(Core *c, Py_ssize_t ai, u64 base, u64 size, u64 page, int fixed) {
     if (fp_grow_array((void **)&c->segs, &c->capsegs, c->nsegs + 1, sizeof(Seg)) < 0) return -1;
@@ -96,11 +143,10 @@ static int32_t x_find_expandable(Core *c, Py_ssize_t ai, u64 rsize, int small) {
         }
         if (room >= rsize) return start;
     }
-    u64 page = small ? T_SMALL_BUFFER : T_LARGE_BUFFER;
+    u64 page = small ? T_SMALL_BUFFER : (c->x.large_page ? c->x.large_page : T_LARGE_BUFFER);
     u64 size = c->x.range_size > rsize ? c->x.range_size : rsize;
     size = round_up(size, page);
-    u64 base = c->x.next_base;
-    c->x.next_base += round_up(size, GIB) + GIB;
+    u64 base = x_range_place(c, c->allocs[ai].stream, &size);
     int32_t si = x_new_range(c, ai, base, size, page, 0);
     if (si < 0) return -1;
     int32_t b = fp_buf_new(c, base, size, X_UNMAPPED, -1, -1, si);
@@ -144,8 +190,8 @@ static int32_t x_map_for(Core *c, Py_ssize_t ai, u64 rsize, int small) {
     return cand;
 }
 
-/* _unmap: the whole pages inside the free ``b`` go back; 1 when any did */
-static int x_unmap(Core *c, int32_t b) {
+/* _unmap: the whole pages inside the free ``b`` (within [lo, hi)) go back; 1 when any did */
+static int x_unmap(Core *c, int32_t b, u64 lo, u64 hi) {
     Seg *rng = &c->segs[c->bufs[b].seg];
     u64 addr = c->bufs[b].addr, size = c->bufs[b].size;
     Alloc *a = x_alloc(c, b);
@@ -163,8 +209,10 @@ static int x_unmap(Core *c, int32_t b) {
         return 0;
     }
     u64 page = rng->page, base = rng->addr;
-    u64 begin = base + round_up(addr - base, page);
-    u64 end = base + (addr + size - base) / page * page;
+    u64 from = addr > lo ? addr : lo, to = addr + size < hi ? addr + size : hi;
+    if (from >= to) return 0;
+    u64 begin = base + round_up(from - base, page);
+    u64 end = base + (to - base) / page * page;
     if (begin >= end) return 0;
     fp_unindex_buf(c, b);
     /* carve [addr, begin) free | [begin, end) unmapped | [end, addr + size) free */
@@ -191,6 +239,14 @@ static int x_unmap(Core *c, int32_t b) {
         unm_remove(c, a, nxt);
         x_absorb_next(c, u);
     }
+    if (c->bufs[u].prev < 0 && c->bufs[u].next < 0) {
+        /* release_expandable_segment: nothing mapped is left, the range goes back */
+        int32_t si = c->bufs[u].seg;
+        unm_remove(c, a, u);
+        fp_buf_drop(c, u);
+        fp_order_remove(c, c->segs[si].addr);
+        c->segs[si].alive = 0;
+    }
     return 1;
 }
 
@@ -203,7 +259,7 @@ static int x_unmap_all(Core *c) {
         if (!copy) { PyErr_NoMemory(); return -1; }
         for (Py_ssize_t k = 0; k < n; k++) copy[k] = c->allocs[ai].keys[k].buf;
         for (Py_ssize_t k = 0; k < n; k++) {
-            int r = x_unmap(c, copy[k]);
+            int r = x_unmap(c, copy[k], 0, ~0ULL);
             if (r < 0) { PyMem_Free(copy); return -1; }
             released |= r;
         }
@@ -212,7 +268,7 @@ static int x_unmap_all(Core *c) {
     return released;
 }
 
-static long long x_malloc(Core *c, long long raw, i64 stream, PyObject *pool, PyObject *tag, int *unused) {
+long long fp_x_malloc(Core *c, long long raw, i64 stream, PyObject *pool, PyObject *tag, int *unused) {
     u64 rsize = fp_torch_round(c, raw);
     int small = rsize <= SMALL_SIZE;
     Py_ssize_t ai = fp_get_alloc(c, stream, 0, small);
@@ -232,9 +288,21 @@ static long long x_malloc(Core *c, long long raw, i64 stream, PyObject *pool, Py
             if (r < 0) return -1;
             if (r) b = x_map_for(c, ai, rsize, small);
         }
+        c->x.nhints = 0;
         if (b == -1) return -1;
         if (b == -2) return fp_record_oom(c, PyLong_FromLongLong(raw), stream, tag);
         fp_unindex_buf(c, b);
+    }
+    c->x.nhints = 0;          /* they announced this request's mappings, no later one's */
+    u64 align = c->x.align;
+    if (rsize >= T_ROUND_LARGE && align && c->bufs[b].addr % align) {
+        /* torch_npu's _place: start on the next ``align`` boundary, the bytes before stay free */
+        u64 offset = align - c->bufs[b].addr % align;
+        if (offset + rsize <= c->bufs[b].size) {
+            int32_t start = fp_split_off(c, b, offset, X_FREE);
+            if (start < 0 || fp_index_buf(c, b) < 0) return -1;
+            b = start;
+        }
     }
     c->bufs[b].used = X_LIVE;
     u64 remaining = c->bufs[b].size - rsize;
@@ -245,7 +313,7 @@ static long long x_malloc(Core *c, long long raw, i64 stream, PyObject *pool, Py
     return fp_served(c, b);
 }
 
-static int x_free(Core *c, u64 addr) {
+int fp_x_free(Core *c, u64 addr) {
     int32_t b = h_get(c, addr);
     if (b < 0 || c->bufs[b].used != X_LIVE) return 0;
     c->bufs[b].used = X_FREE;
@@ -314,13 +382,53 @@ PyObject *fp_x_ranges(Core *c, PyObject *unused) {
     return out;
 }
 
-static int x_empty_cache(Core *c) { return x_unmap_all(c) < 0 ? -1 : 0; }
+int fp_x_empty_cache(Core *c) { return x_unmap_all(c) < 0 ? -1 : 0; }
 
 /* a recorded segment_free means the recording released cached memory: unmap here too */
-static int x_release_segment(Core *c, PyObject *addr, PyObject *size, PyObject *stream) { return x_empty_cache(c); }
+int fp_x_release_segment(Core *c, PyObject *addr, PyObject *size, PyObject *stream) { return fp_x_empty_cache(c); }
+
+static int x_read(PyObject *addr_obj, PyObject *size_obj, PyObject *stream_obj, u64 *addr, u64 *size, i64 *stream) {
+    *size = 0; *stream = 0;
+    if (fp_get_u64(addr_obj, addr, "addr") < 0 || (size_obj && fp_get_u64(size_obj, size, "size") < 0)) return -1;
+    if (stream_obj && (*stream = PyLong_AsLongLong(stream_obj)) == -1 && PyErr_Occurred()) return -1;
+    return 0;
+}
+
+/* a recorded segment_map: a new range the next request needs starts there */
+int fp_x_note_segment_map(Core *c, PyObject *addr_obj, PyObject *size_obj, PyObject *stream_obj) {
+    if (addr_obj == Py_None) return 0;
+    u64 addr, size;
+    i64 stream;
+    if (x_read(addr_obj, size_obj, stream_obj, &addr, &size, &stream) < 0) return -1;
+    if (fp_grow_array((void **)&c->x.hints, &c->x.caphints, c->x.nhints + 1, sizeof(Recorded)) < 0) return -1;
+    c->x.hints[c->x.nhints].addr = addr; c->x.hints[c->x.nhints].size = size; c->x.hints[c->x.nhints].stream = stream;
+    c->x.nhints++;
+    return 0;
+}
+
+/* a recorded segment_unmap of [addr, addr + size): the free pages there go back */
+int fp_x_unmap_range(Core *c, PyObject *addr_obj, PyObject *size_obj, PyObject *stream_obj) {
+    u64 addr, size;
+    i64 stream;
+    if (x_read(addr_obj, size_obj, stream_obj, &addr, &size, &stream) < 0) return -1;
+    u64 end = addr + size;
+    for (Py_ssize_t ai = 0; ai < c->nallocs; ai++) {
+        Py_ssize_t n = c->allocs[ai].nkeys;
+        int32_t *copy = PyMem_Malloc(sizeof(int32_t) * (n ? n : 1));
+        if (!copy) { PyErr_NoMemory(); return -1; }
+        for (Py_ssize_t k = 0; k < n; k++) copy[k] = c->allocs[ai].keys[k].buf;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            Buf *f = &c->bufs[copy[k]];
+            if (f->used != X_FREE || f->addr >= end || f->addr + f->size <= addr) continue;
+            if (x_unmap(c, copy[k], addr, end) < 0) { PyMem_Free(copy); return -1; }
+        }
+        PyMem_Free(copy);
+    }
+    return 0;
+}
 
 /* a new range's base: from 16 TiB */
-static int x_init(Core *c) {
+int fp_x_init(Core *c) {
     c->x.range_size = c->bounded ? c->capacity + c->capacity / 8 : (1ULL << 40);
     c->x.next_base = 1ULL << 44;
     return 0;
@@ -328,9 +436,11 @@ static int x_init(Core *c) {
 
 const Model fp_expandable_model = {
     .kind = "expandable",
-    .malloc = x_malloc,
-    .free = x_free,
-    .init = x_init,
-    .empty_cache = x_empty_cache,
-    .release_segment = x_release_segment,   /* recorded segment_allocs place nothing here */
+    .malloc = fp_x_malloc,
+    .free = fp_x_free,
+    .init = fp_x_init,
+    .empty_cache = fp_x_empty_cache,
+    .release_segment = fp_x_release_segment,   /* recorded segment_allocs place nothing here */
+    .note_segment_map = fp_x_note_segment_map,
+    .unmap_range = fp_x_unmap_range,
 };
