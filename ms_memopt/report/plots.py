@@ -16,17 +16,21 @@ Example:
 """
 from __future__ import annotations
 
+import statistics
+import textwrap
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from ms_memopt.core.errors import InputError
+from ms_memopt.report.figure_check import FigureWarning, figure_problems
 from ms_memopt.core.jsontext import read_json_lines
 from ms_memopt.core.units import format_size
 
 __all__ = ["FREE_COLOR", "Marker", "PURPOSE_COLORS", "forecast_marker", "plot_fragmentation_timeline", "plot_loss",
            "plot_region_budget", "plot_scan_timeline", "plot_step_times", "plot_sweep", "plot_timeline", "pool_color", "purpose_color", "pyplot",
-           "save_figure", "size_unit"]
+           "fit_to_texts", "save_figure", "size_unit", "wrap_to_width"]
 
 #: one sample: (step, free_total bytes, largest_free bytes, frag_ratio or None when nothing is free)
 Sample = tuple[int, int, int, "float | None"]
@@ -72,11 +76,17 @@ def pyplot():
 
 
 def save_figure(fig, path: str | Path, *, dpi: int = 110) -> Path:
-    """Save ``fig`` as ``path`` (parent directories created) and close it."""
+    """Save ``fig`` as ``path`` (parent directories created) and close it; each defect
+    :func:`~ms_memopt.report.figure_check.figure_problems` finds is a
+    :class:`~ms_memopt.report.figure_check.FigureWarning` naming the file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
+    try:
+        fig.savefig(path, dpi=dpi)
+        for problem in figure_problems(fig):
+            warnings.warn(f"{path}: {problem}", FigureWarning, stacklevel=2)
+    finally:
+        pyplot().close(fig)
     return path
 
 
@@ -91,16 +101,18 @@ def size_unit(largest: float) -> tuple[int, str]:
 
 def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers: list[Marker] = (),
                   title: str = "Fragmentation timeline", requests: dict[str, int] | None = None,
-                  xlabel: str = "training step (faint: every sample)") -> Path:
+                  xlabel: str = "training step", xunit: str = "step") -> Path:
     """Three panels against the step: ``free_total``, ``largest_free`` and ``frag_ratio``.
 
     What decides an OOM is drawn first: the largest hole's trend, the per-window minimum of
     ``largest_free`` (one window per step up to 80 steps, wider beyond), against each watched
-    request's size as a horizontal line. The raw samples stay faint behind the trends (the
-    per-window minimum of ``free_total`` and maximum of ``frag_ratio``). Series are drawn from the
-    widest line to the thinnest, so one that coincides with another (compaction before its first
-    compaction is the baseline) shows as a thin line inside a wide one, and the legend says until
-    which step they coincide.
+    request's size as a horizontal line. Where a window holds several samples, the raw samples
+    stay faint behind the trends (the per-window minimum of ``free_total`` and maximum of
+    ``frag_ratio``), and the legend says so. Series are drawn from the widest line to the
+    thinnest, so one that coincides with another (compaction before its first compaction is the
+    baseline) shows as a thin line inside a wide one, and the legend says until which step they
+    coincide. The x axis spans the steps that ran; a forecast beyond them is named in the
+    legend. One legend for the three panels sits below them, off the data.
 
     Args:
         series: label -> samples ``(step, free_total, largest_free, frag_ratio)`` in step order
@@ -108,10 +120,12 @@ def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers:
         path: the PNG to write.
         markers: compactions, OOMs and predicted OOMs (see :class:`Marker`); a marker of a
             label not in ``series`` gets a colour of its own.
-        title: the figure title.
+        title: the figure title (wrapped to the figure's width).
         requests: watched request name -> size in bytes (the AllReduce bucket), drawn as
             horizontal lines on the ``largest_free`` panel.
         xlabel: what the x axis counts (steps; or the events of a recording).
+        xunit: the x axis' unit in the trends' window ("minimum per 13 steps"): ``"step"``,
+            ``"event"``.
 
     Returns:
         ``path``.
@@ -120,47 +134,92 @@ def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers:
     requests = dict(requests or {})
     top = max((max(s[1], s[2]) for samples in series.values() for s in samples), default=1)
     div, unit = size_unit(max([top, *requests.values()]))
-    fig, axes = plt.subplots(3, 1, figsize=(10, 9.5), sharex=True)
+    first_step = min((s[0] for samples in series.values() for s in samples), default=0)
     last_step = max((s[0] for samples in series.values() for s in samples), default=1)
     window = max(1, -(-last_step // 80))
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9.5), sharex=True)
     colors: dict[str, str] = {}
     reference = next(iter(series.values()), [])
+    faint_drawn = False
     for rank, (label, samples) in enumerate(series.items()):
         color = f"C{rank % 10}"
         colors[label] = color
         steps = [s[0] for s in samples]
         ratios = [float("nan") if s[3] is None else s[3] for s in samples]
         width = max(1.0, 3.2 - 1.0 * rank)
-        faint = dict(color=color, linewidth=0.5, alpha=0.25)
-        axes[0].plot(steps, [s[1] / div for s in samples], **faint)
-        axes[1].plot(steps, [s[2] / div for s in samples], **faint)
-        axes[2].plot(steps, ratios, **faint)
         same = _same_until(reference, samples) if rank else None
         name = label if same is None else f"{label} (= {next(iter(series))} {same})"
         marker = "." if len(samples) <= 60 else None    # dots only where they can be told apart
-        for ax, column, pick in ((axes[0], 1, min), (axes[1], 2, min), (axes[2], 3, max)):
-            xs, ys = _window_trend(samples, column, window, pick)
-            scale = div if column < 3 else 1
+        trends = [(ax, _window_trend(samples, column, window, pick), div if column < 3 else 1)
+                  for ax, column, pick in ((axes[0], 1, min), (axes[1], 2, min), (axes[2], 3, max))]
+        if len(samples) > len(trends[1][1][0]):     # a window holds several samples: show them all, faint
+            faint = dict(color=color, linewidth=0.5, alpha=0.25)
+            axes[0].plot(steps, [s[1] / div for s in samples], **faint)
+            axes[1].plot(steps, [s[2] / div for s in samples], **faint)
+            axes[2].plot(steps, ratios, **faint)
+            faint_drawn = True
+        for ax, (xs, ys), scale in trends:
             ax.plot(xs, [y / scale for y in ys], color=color, linewidth=width, marker=marker,
                     label=name, solid_capstyle="butt")
     for name, size in sorted(requests.items(), key=lambda kv: -kv[1]):
+        what = name if "request" in name else f"{name} request"
         axes[1].axhline(size / div, color="black", linestyle=(0, (6, 3)), linewidth=1.2, zorder=4,
-                        label=f"{name} request {_both_units(size)}: a smaller hole means OOM")
-    _draw_markers(axes, markers, series, colors, div)
-    _clip_to_run(axes[1], markers, colors, last_step, div)
-    per = "per step" if window == 1 else f"per {window} steps"
+                        label=f"{what} {_both_units(size)}: a smaller hole means OOM")
+    edges = _run_edges(first_step, last_step)
+    _draw_markers(axes, markers, series, colors, div, edges[1])
+    axes[1].set_xlim(*edges)
+    per = f"per {xunit}" if window == 1 else f"per {window} {xunit}s"
     axes[0].set_ylabel(f"free_total ({unit})\nminimum {per}")
     axes[1].set_ylabel(f"largest_free ({unit})\nminimum {per}")
     axes[2].set_ylabel(f"frag_ratio, maximum {per}\n(free_total / largest_free - 1)")
     axes[2].set_xlabel(xlabel)
     for ax in axes:
         ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="best")
         ax.ticklabel_format(axis="y", useOffset=False, style="plain")
-    fig.suptitle(title)
-    fig.tight_layout()
+    handles, labels = _figure_legend_entries(axes)
+    if faint_drawn:
+        from matplotlib.lines import Line2D
+        handles.append(Line2D([], [], color="grey", linewidth=0.5, alpha=0.5))
+        labels.append(f"faint: every sample; thick: the minimum (frag_ratio: maximum) {per}")
+    _finish(fig, title, handles, labels)
     return save_figure(fig, path)
+
+
+def _figure_legend_entries(axes) -> tuple[list, list[str]]:
+    """Every axes' legend entries, each label once, in drawing order."""
+    handles, labels, seen = [], [], set()
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in seen:
+                seen.add(label)
+                handles.append(handle)
+                labels.append(label)
+    return handles, labels
+
+
+def _finish(fig, title: str, handles: list, labels: list[str], *, columns: int = 2,
+            title_size: float = 12.0) -> None:
+    """The title wrapped to the figure's width, one legend below the axes (off the data), and the
+    layout that leaves both their room."""
+    width_in, height_in = fig.get_size_inches()
+    if title:
+        fig.suptitle(wrap_to_width(title, width_in, title_size), fontsize=title_size)
+    bottom = 0.0
+    if handles:
+        rows = -(-len(handles) // columns)
+        legend_in = 0.2 * rows + 0.15
+        fig.set_size_inches(width_in, height_in + legend_in)
+        bottom = legend_in / (height_in + legend_in)
+        fig.legend(handles, [wrap_to_width(t, width_in / columns, 8) for t in labels], loc="lower center",
+                   ncol=columns, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+
+
+def wrap_to_width(text: str, width_inches: float, fontsize: float) -> str:
+    """``text`` broken into lines that fit ``width_inches`` at ``fontsize`` points (an average
+    glyph is about 0.55 of the font size wide), each existing line wrapped on its own."""
+    chars = max(20, int(width_inches * 72 / (0.55 * fontsize)) - 2)
+    return "\n".join(textwrap.fill(line, chars) or line for line in text.split("\n"))
 
 
 def _both_units(size: int) -> str:
@@ -205,20 +264,17 @@ def _same_until(reference: list[Sample], samples: list[Sample]) -> str | None:
     return f"until step {samples[same - 1][0]}"
 
 
-def _clip_to_run(ax, markers: list[Marker], colors: dict[str, str], last_step: int, div: int) -> None:
-    """Keep the x axis on the steps that ran (plus a fifth): a forecast far beyond them would
-    squeeze the whole run into a corner; it is named at the right edge instead."""
-    edge = max(last_step * 1.2, last_step + 10)
-    ax.set_xlim(-0.02 * edge, edge)
-    beyond = [m for m in markers if m.kind == "forecast" and m.step > edge and m.largest_free is not None]
-    for m in beyond:
-        ax.annotate(f"{m.series}: forecast step {m.step} \u2192", xy=(edge, m.largest_free / div),
-                    xytext=(-4, 6), textcoords="offset points", ha="right", va="bottom", fontsize=8,
-                    color=colors.get(m.series, "black"))
+def _run_edges(first_step: int, last_step: int) -> tuple[float, float]:
+    """The x axis on the steps that ran, with a 2% margin: markers and forecasts beyond them
+    would squeeze the run into a corner (a forecast beyond is named in the legend instead)."""
+    margin = max(0.5, 0.02 * (last_step - first_step))
+    return first_step - margin, last_step + margin
 
 
 def _draw_markers(axes, markers: list[Marker], series: dict[str, list[Sample]], colors: dict[str, str],
-                  div: int) -> None:
+                  div: int, edge: float = float("inf")) -> None:
+    """Each series' markers by kind (one legend entry per kind); forecasts past ``edge`` (the
+    end of the x axis) are named with their step in that entry."""
     groups: dict[tuple[str, str], list[Marker]] = {}
     for m in markers:
         if m.kind not in _MARKER_KINDS:
@@ -249,8 +305,10 @@ def _draw_markers(axes, markers: list[Marker], series: dict[str, list[Sample]], 
         elif kind == "forecast":
             lows = [m.step - (m.low if m.low is not None else m.step) for m, _ in placed]
             highs = [(m.high if m.high is not None else m.step) - m.step for m, _ in placed]
+            beyond = sorted(m.step for m, _ in placed if m.step > edge)
+            past = f" (at step {', '.join(map(str, beyond))}, past the run)" if beyond else ""
             axes[1].errorbar(xs, ys, xerr=[lows, highs], fmt="v", markersize=8, capsize=4, color=color,
-                             zorder=5, label=f"{label}: forecast, watched request stops fitting")
+                             zorder=5, label=f"{label}: forecast, watched request stops fitting{past}")
         else:
             axes[1].scatter(xs, ys, marker="x", s=70, color="red", zorder=5,
                             label=f"{label}: predicted OOM (watched request)")
@@ -322,9 +380,11 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
         elif kind == "oom":
             markers.append(Marker(policy, row["step"], "oom", row["largest_free"]))
     markers += last_forecast.values()
+    # name the rank and seed unless the caller's title does already
+    which = [part for part in ([] if rank is None else [f"rank {rank}"]) + [f"seed {seed}"] if part not in title]
     return plot_timeline(series, out_png, markers=markers, requests=requests,
-                         title=f"{title} ({'' if rank is None else f'rank {rank}, '}seed {seed}; "
-                               "samples at scans and before watched requests)")
+                         title=f"{title}{' (' + ', '.join(which) + ')' if which else ''}: "
+                               "samples at scans and before watched requests")
 
 
 def plot_sweep(rows: list[dict], keys: list[str], path: str | Path, *, title: str = "Sweep") -> Path:
@@ -375,23 +435,51 @@ def plot_sweep(rows: list[dict], keys: list[str], path: str | Path, *, title: st
 def plot_step_times(policies: dict[str, dict], path: str | Path, *, title: str = "Step time") -> Path:
     """The job's step time per policy (``{policy: {"step_seconds": [...], "rank_step_median": [...]}}``,
     :mod:`ms_memopt.simulation.timing`): a timeline (left) and each rank's median busy time (right: the
-    distribution across ranks, where a straggler shows)."""
+    distribution across ranks, where a straggler shows).
+
+    Policies are drawn from the widest line to the thinnest, so one that coincides with another
+    stays visible (the legend says until which step); a policy with fewer steps than the longest
+    stopped at its job's OOM (``job_oom_step`` when given, else the step after its last), marked
+    with a cross there."""
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [3, 1]})
     names = list(policies)
+    longest = max((len(d.get("step_seconds") or []) for d in policies.values()), default=0)
+    first_steps = (next(iter(policies.values()), {}).get("step_seconds") or []) if policies else []
     for i, (policy, data) in enumerate(policies.items()):
+        color = f"C{i % 10}"
         steps = data.get("step_seconds") or []
-        left.plot(range(1, len(steps) + 1), steps, lw=0.8, label=policy)
+        label = policy
+        if i and steps and steps[:2] == first_steps[:2]:
+            same = next((k for k, (a, b) in enumerate(zip(steps, first_steps)) if a != b), min(len(steps), len(first_steps)))
+            label += f" (= {names[0]} until step {same})" if same < len(steps) else f" (= {names[0]} throughout)"
+        # the median per window of steps, thick, over every step, faint (a thousand noisy steps hide each other)
+        window = max(1, -(-longest // 100))
+        xs = list(range(1, len(steps) + 1))
+        trend_x = [min(k + window, len(steps)) for k in range(0, len(steps), window)]
+        trend_y = [statistics.median(steps[k:k + window]) for k in range(0, len(steps), window)]
+        if window > 1:
+            left.plot(xs, steps, lw=0.5, alpha=0.3, color=color)
+        left.plot(trend_x, trend_y, lw=max(0.9, 3.0 - 1.0 * i), color=color, label=label)
+        oom = data.get("job_oom_step") or (len(steps) + 1 if steps and len(steps) < longest else None)
+        if oom is not None and steps:
+            left.scatter([trend_x[-1]], [trend_y[-1]], marker="x", s=80, color=color, zorder=5,
+                         label=f"{policy}: the job dies at step {oom} (OOM)")
         ranks = data.get("rank_step_median") or []
-        right.scatter([i] * len(ranks), ranks, s=10, alpha=0.6)
-    left.set_xlabel("step")
+        right.scatter([i] * len(ranks), ranks, s=10, alpha=0.6, color=color)
+    window = max(1, -(-longest // 100))
+    left.set_xlabel("step" + (f" (faint: every step; thick: the median per {window} steps)" if window > 1 else ""))
     left.set_ylabel("job step (s)")
-    left.legend(fontsize=8)
-    left.set_title(title, fontsize=9)
+    if longest:
+        left.set_xlim(0.5 - 0.01 * longest, longest + 0.5 + 0.01 * longest)
+    width_in = fig.get_size_inches()[0]
+    left.set_title(wrap_to_width(title, width_in * 0.7, 9), fontsize=9)
     right.set_xticks(range(len(names)), names, fontsize=8)
+    right.margins(x=0.1)
     right.set_ylabel("rank median busy (s)")
     right.set_title("across ranks", fontsize=9)
-    fig.tight_layout()
+    handles, labels = _figure_legend_entries([left])
+    _finish(fig, "", handles, labels, columns=3)
     return save_figure(fig, path)
 
 
@@ -470,7 +558,7 @@ def plot_region_budget(plan: dict, path: str | Path, *, title: str = "Per-card m
     ax.set_yticks([*ys, 0])
     ax.set_yticklabels([*names, "total"])
     ax.set_xlabel(f"bytes per card ({unit})")
-    ax.set_xlim(0, max(total, capacity or 0) / div * 1.18)
+    ax.set_xlim(0, max(total, capacity or 0) / div * 1.02)
     ax.grid(True, axis="x", alpha=0.3)
     extra = []
     if plan.get("checkpoint_every") is not None:
@@ -479,7 +567,21 @@ def plot_region_budget(plan: dict, path: str | Path, *, title: str = "Per-card m
         extra.append(f"worst pipeline stage {plan['worst_stage']}")
     ax.set_title(f"{title}: {verdict}" + (f" ({', '.join(extra)})" if extra else ""), fontsize=10)
     fig.tight_layout()
+    fit_to_texts(fig, ax)
     return save_figure(fig, path)
+
+
+def fit_to_texts(fig, ax, axis: str = "x") -> None:
+    """Extend ``ax``'s upper ``axis`` ("x" or "y") limit just enough for the texts drawn on the
+    data (labels at the ends of bars, figures above rows), and no further."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    k = 0 if axis == "x" else 1
+    low, high = ax.get_xlim() if axis == "x" else ax.get_ylim()
+    far = max((ax.transData.inverted().transform(t.get_window_extent(renderer).get_points())[:, k].max()
+               for t in ax.texts if t.get_visible()), default=high)
+    if far > high:
+        (ax.set_xlim if axis == "x" else ax.set_ylim)(low, far + 0.01 * (far - low))
 
 
 # --- loss ------------------------------------------------------------------------------------------

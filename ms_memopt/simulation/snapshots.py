@@ -52,7 +52,7 @@ class LayoutCollector:
         if point.kind == "oom":
             event = point.event
             self._oom[point.policy] = LayoutSnapshot(
-                point.step, f"{point.policy} step {point.step}:\nOOM ({event.tag} {format_size(event.size)})",
+                point.step, f"{point.policy} step {point.step}:\nOOM ({_request(event)})",
                 point.layout())
             return
         if point.step in self.steps and (point.policy, point.step) not in self._taken:
@@ -66,7 +66,7 @@ class LayoutCollector:
             layout = point.layout()
             self._worst[point.policy] = (room, LayoutSnapshot(
                 point.step, f"{point.policy} step {point.step}: worst moment\n(largest hole "
-                f"{format_size(measure(layout).largest_free)},\n{point.event.tag} {format_size(point.event.size)})",
+                f"{format_size(measure(layout).largest_free)},\n{_request(point.event)})",
                 layout))
 
     def snapshots(self) -> list[LayoutSnapshot]:
@@ -96,3 +96,9 @@ def simulated_layouts(job: JobSpec, steps: list[int], *, policies: tuple[str, ..
     collector = LayoutCollector(steps, policies=policies, seed=seed, worst=False)
     simulate(spec, cfg, policies=tuple(policies), seeds=[seed], on_watch=collector)
     return collector.snapshots()
+
+
+def _request(event) -> str:
+    """``grad_workspace 304.20 MiB``, or ``a 192.00 KiB request`` when the request has no tag."""
+    size = format_size(event.size)
+    return f"{event.tag} {size}" if event.tag else f"a {size} request"
