@@ -18,8 +18,16 @@ process, the calibration runs at each, marked ``seq``, ``batch``, ``layers``), l
 runs at ``--heldout-layers`` never recorded, compared in the same way; also what one layer
 adds to each class of step (allocations a step at each count).
 
+``both``: ``seq`` and ``batch`` varied together (``--both-models``). The calibration is the plan
+``learn`` asks for (ms_memopt/templates/classes.py ``calibration_plan`` over ``--both-seqs`` x
+``--both-batches``: the fewest processes that play every class of step, by what is new in it,
+each followed by a repeat of every shape it played), learned, then a held-out run of ``--steps``
+steps at random lengths (multiples of 4 up to ``--max-len``, none calibrated) and batches
+(``--heldout-batches``, none calibrated), compared over the whole run.
+
 Usage:
-    python bench/template_dims.py                              # both parts
+    python bench/template_dims.py                              # hidden and layers
+    python bench/template_dims.py --part both --steps 30 --max-len 64 --keep out/td
     python bench/template_dims.py --part hidden --keep out/td  # keep recordings and templates
     python bench/template_dims.py --keep out/td --reuse        # learn and simulate them again
 """
@@ -139,9 +147,50 @@ def layers_part(work: Path, counts: list[int], heldout_counts: list[int], calib:
     return rows
 
 
+def both_part(work: Path, model: str, seqs: list[int], batches: list[int], heldout_batches: list[int],
+              steps: int, max_len: int, seed: int, extra: list[str]) -> list[dict]:
+    """Record the calibration plan for ``seq`` x ``batch``, learn it, one held-out row."""
+    from ms_memopt.templates.classes import calibration_plan, classify
+
+    plan = calibration_plan({"seq": seqs, "batch": batches})
+    recs, seconds = [], 0.0
+    for j, process in enumerate(plan):
+        path = work / f"{model}_both_calib{j}.jsonl"
+        seconds += tf._record(path, model, [d["seq"] for d in process],
+                              extra + ["--batches", ",".join(str(d["batch"]) for d in process)])
+        recs.append(str(path))
+    template = work / f"{model}_both.template.json"
+    learned = json.loads(tf._cli("learn", *recs, "--out", str(template), "--json"))
+    t = load_template(template)
+    rng = np.random.default_rng(seed)
+    lengths = [s for s in range(12, max_len + 1, 4) if s not in seqs]
+    held = [int(rng.choice(lengths)) for _ in range(steps)]
+    held_batches = [int(rng.choice(heldout_batches)) for _ in range(steps)]
+    checked, took = tf.held_out_check(template, t, work, f"{model}_both_{seed}", model, held, {}, extra,
+                                      batches=held_batches)
+    seconds += took
+    kinds = classify([{"seq": s, "batch": b} for s, b in zip(held, held_batches)])
+    return [{"part": "both", "model": model, "calibration_seqs": seqs, "calibration_batches": batches,
+             "processes": len(plan), "calibration_steps": sum(len(p) for p in plan),
+             "heldout_seed": seed, "heldout_steps": steps, "heldout_lengths": sorted(set(held)),
+             "heldout_batches": sorted(set(held_batches)),
+             "heldout_classes": {k: kinds.count(k) for k in dict.fromkeys(kinds)},
+             "positions": learned["positions"], "exact": learned["exact"],
+             "classes": {k: {"allocs": c["allocs"], "samples": c["samples"], "covers": c.get("covers", [k]),
+                             "runtime_kept": c.get("runtime_kept", {}).get("allocs", 0)}
+                         for k, c in learned["classes"].items()},
+             "lacks": learned.get("lacks", []), **checked, "record_seconds": round(seconds, 1)}]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="hidden,layers", help="comma-separated: hidden, layers")
+    ap.add_argument("--part", default="hidden,layers", help="comma-separated: hidden, layers, both")
+    ap.add_argument("--both-models", default="gpt,gqa,llama", help="models of the both part (seq and batch varied)")
+    ap.add_argument("--both-seqs", default="16,24,32", help="the both part's calibration lengths")
+    ap.add_argument("--both-batches", default="2,4,6", help="the both part's calibration batches")
+    ap.add_argument("--heldout-batches", default="3,5", help="the both part's held-out batches")
+    ap.add_argument("--both-layers", type=int, default=2, help="layers of the both part's models")
+    ap.add_argument("--both-hidden", type=int, default=64, help="hidden size of the both part's models")
     ap.add_argument("--hiddens", default="32,48,64", help="calibration hidden sizes (one run per pattern each)")
     ap.add_argument("--patterns", default="abbccc,abbccc,abccca",
                     help="calibration runs per hidden size (bench/template_fidelity.py --patterns)")
@@ -178,6 +227,12 @@ def main() -> None:
                 results += hidden_part(work, [int(h) for h in args.hiddens.split(",")], args.heldout_hidden, calib,
                                        args.patterns.split(","), args.steps, args.max_len,
                                        [int(s) for s in args.seed.split(",")], args.layers, args.warmup)
+        for model in (args.both_models.split(",") if "both" in parts else []):
+            results += both_part(work, model, [int(s) for s in args.both_seqs.split(",")],
+                                 [int(b) for b in args.both_batches.split(",")],
+                                 [int(b) for b in args.heldout_batches.split(",")], args.steps, args.max_len,
+                                 int(str(args.seed).split(",")[0]),
+                                 ["--layers", str(args.both_layers), "--hidden", str(args.both_hidden)])
         for model in (args.layers_model.split(",") if "layers" in parts else []):
             results += layers_part(work, [int(n) for n in args.layer_counts.split(",")],
                                    [int(n) for n in args.heldout_layers.split(",")], calib, args.patterns.split(","),
@@ -212,6 +267,24 @@ def main() -> None:
                   f"{r['allocs_recorded']} allocations, size {r['size_match']:.2%}, offset {r['offset_match']:.2%}, "
                   f"layout {r['layout_match']:.2%}, drawn {r['offset_match_draw']:.2%}, peak "
                   f"{r['peak_allocated_recorded'] / 2**20:.2f}/{r['peak_allocated_simulated'] / 2**20:.2f} MiB")
+    both = [r for r in results if r["part"] == "both"]
+    if both:
+        print(f"{'seq x batch':<10} {'procs':>5} {'steps':>5} {'exact fits':>11} {'allocs':>7} {'size':>7} {'offset':>7} "
+              f"{'layout':>7} {'drawn':>7} {'one of N':>12} {'peak rec/sim':>16}")
+        for r in both:
+            print(f"{r['model']:<10} {r['processes']:>5} {r['heldout_steps']:>5} {r['exact']:>5}/{r['positions']:<5} "
+                  f"{r['allocs_recorded']:>7} {r['size_match']:>7.2%} {r['offset_match']:>7.2%} "
+                  f"{r['layout_match']:>7.2%} {r['offset_match_draw']:>7.2%} "
+                  f"{r['offset_match_layouts']:>7.2%} of {r['layouts']:<2} "
+                  f"{r['peak_allocated_recorded'] / 2**20:>6.2f}/{r['peak_allocated_simulated'] / 2**20:.2f} MiB")
+        for r in both:
+            print(f"{r['model']}: classes " + "; ".join(f"{k} {c['allocs']} allocs ({c['samples']} samples"
+                                                        + (f", covers {len(c['covers'])}" if len(c['covers']) > 1 else "")
+                                                        + f", {c['runtime_kept']} runtime-kept)"
+                                                        for k, c in r["classes"].items()))
+            print(f"{r['model']}: held-out classes {r['heldout_classes']}; lacks {r['lacks'] or 'nothing'}")
+            for text in r["warnings"]:
+                print(f"{r['model']}: simulate: {text}")
     print(json.dumps({"bench": "template_dims", "results": results}))
 
 

@@ -116,20 +116,25 @@ def draw_matched(template, schedule: list[dict], recorded: list, layouts: list[d
 
 
 def held_out_check(template_path: Path, template, work: Path, name: str, model: str, held: list[int],
-                   dims: dict[str, int], record_args: list[str]) -> tuple[dict, float]:
+                   dims: dict[str, int], record_args: list[str], batches: list[int] | None = None) -> tuple[dict, float]:
     """Record a held-out run of ``held`` lengths (``dims`` fixed, ``record_args`` to the workload),
-    simulate the same schedule from the template (``simulate --export-events``), and compare:
+    simulate the same schedule from the template (``simulate --export-events``, with the allocations
+    ``learn`` names MindSpore's own leak kept: the recording has them), and compare
+    (``batches``: a batch per step, the schedule's ``batch`` column, instead of ``dims``'s):
     ``(figures, record seconds)``; the figures are the fidelity, the drawn order's
     (:func:`draw_matched`), both peaks and the simulator's warnings."""
     held_path = work / f"{name}_heldout.jsonl"
+    if batches is not None:
+        record_args = record_args + ["--batches", ",".join(map(str, batches))]
     seconds = _record(held_path, model, held, record_args)
     schedule = work / f"{name}_heldout.csv"
-    names = ["seq", *dims]
-    schedule.write_text(",".join(names) + "\n" + "".join(",".join(str(v) for v in [s, *dims.values()]) + "\n"
-                                                           for s in held))
+    rows = [{"seq": s, **dims, **({"batch": b} if batches is not None else {})}
+            for s, b in zip(held, batches or held)]
+    names = list(rows[0])
+    schedule.write_text(",".join(names) + "\n" + "".join(",".join(str(r[n]) for n in names) + "\n" for r in rows))
     sim_path = work / f"{name}_simulated.jsonl"
     sim = json.loads(_cli("simulate", str(template_path), "--schedule", str(schedule), "--export-events",
-                          str(sim_path), "--free-order", "all", "--json"))
+                          str(sim_path), "--free-order", "all", "--keep-runtime-leak", "--json"))
     recorded = read_jsonl(held_path).events
     figures = fidelity(recorded, read_jsonl(sim_path).events)      # layout 0: the default order's
     # the template's prediction as a set: every layout its free orders give (a process draws one)
@@ -137,7 +142,7 @@ def held_out_check(template_path: Path, template, work: Path, name: str, model: 
                for layout in sim["layouts"]]
     figures.update(layouts=len(matches), offset_match_layouts=max(matches),
                    matched_layout=matches.index(max(matches)))
-    figures.update(draw_matched(template, [{"seq": x, **dims} for x in held], recorded, sim["layouts"], matches))
+    figures.update(draw_matched(template, rows, recorded, sim["layouts"], matches))
     figures.update(peak_allocated_recorded=json.loads(_cli("replay", str(held_path), "--json"))["peak_allocated"],
                    peak_allocated_simulated=sim["peak_allocated"], warnings=sim["warnings"])
     return figures, seconds

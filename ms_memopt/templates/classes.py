@@ -152,7 +152,9 @@ def calibration_plan(values: dict[str, Sequence[int]], *, min_processes: int = 3
     A process can make a dim new only as often as it has values left (the first step uses
     one), so with 3 values per dim each process reaches 2 of the 4 classes where the length is
     new: 2 processes or more. Processes up to ``min_processes`` start reaching every class
-    again (each class then seen at two shapes or more, its sizes fitted, not assumed). Each process starts at another value of every dim (first steps
+    again (each class then seen at two shapes or more, its sizes fitted, not assumed). The last
+    process then plays every shape of the grid no process played, twice (a repeat at every
+    shape: the repeat steps' sizes, which the other classes borrow, fitted on the whole grid). Each process starts at another value of every dim (first steps
     at several shapes); a beam search (``beam`` schedules kept per length, deterministic) picks
     the steps that reach the most classes not reached yet.
 
@@ -195,4 +197,6 @@ def calibration_plan(values: dict[str, Sequence[int]], *, min_processes: int = 3
             if step not in played:
                 played.append(step)
         plans.append(steps + [dict(s) for s in played])
+    # the repeat steps at every shape of the grid (a size like batch * seq**2 needs them all)
+    plans[-1] += [dict(s) for s in shapes if all(s not in plan for plan in plans) for _ in range(2)]
     return plans

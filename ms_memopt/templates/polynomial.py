@@ -22,13 +22,19 @@ __all__ = ["MAX_DEGREE", "basis_of", "monomial", "coef_value", "fit_sizes", "eva
 MAX_DEGREE = 3
 
 
-def basis_of(names: list[str], varying: list[int], degree: int) -> list[list[int]]:
+def basis_of(names: list[str], varying: list[int], degree: int,
+             caps: dict[int, int] | None = None) -> list[list[int]]:
+    """Monomials of total degree up to ``degree`` in the dims ``varying`` (indices into
+    ``names``), by increasing degree; ``caps``: the highest power of a dim (a dim seen at ``k``
+    values can only be fitted to a power below ``k``: ``batch`` at 2, 3, 4 to ``batch**2``)."""
     out = []
     for d in range(degree + 1):
         for combo in combinations_with_replacement(varying, d):
             exps = [0] * len(names)
             for j in combo:
                 exps[j] += 1
+            if caps and any(e > caps.get(j, e) for j, e in enumerate(exps)):
+                continue
             out.append(exps)
     return out
 
@@ -99,6 +105,9 @@ def fit_sizes(names: list[str], points: list[dict[str, int]], sizes: list[list[i
     for row in grid:
         if row not in unique:
             unique.append(row)
+    # a dim seen at k values enters with a power below k (s**2 * b on a 3 x 3 grid of shapes;
+    # b**3 there is no monomial of its own on those points)
+    caps = {j: len({row[j] for row in grid}) - 1 for j in varying}
     positions = len(sizes[0]) if sizes else 0
     y = np.array(sizes, dtype=np.float64).reshape(len(sizes), positions)
     coefs: list[list | None] = [None] * positions
@@ -106,7 +115,7 @@ def fit_sizes(names: list[str], points: list[dict[str, int]], sizes: list[list[i
     todo = list(range(positions))
     best_basis: list[list[int]] = [[0] * len(names)]
     for degree in range(max_degree + 1):
-        basis = basis_of(names, varying, degree)
+        basis = basis_of(names, varying, degree, caps)
         if len(basis) > len(unique):
             break
         a_unique = np.array([[monomial(e, row) for e in basis] for row in unique], dtype=np.float64)
