@@ -100,7 +100,7 @@ def size_unit(largest: float) -> tuple[int, str]:
 
 
 def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers: list[Marker] = (),
-                  title: str = "Fragmentation timeline", requests: dict[str, int] | None = None,
+                  title: str = "Fragmentation timeline", requests: dict[str, "int | list[tuple[int, int]]"] | None = None,
                   xlabel: str = "training step", xunit: str = "step") -> Path:
     """Three panels against the step: ``free_total``, ``largest_free`` and ``frag_ratio``.
 
@@ -121,8 +121,9 @@ def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers:
         markers: compactions, OOMs and predicted OOMs (see :class:`Marker`); a marker of a
             label not in ``series`` gets a colour of its own.
         title: the figure title (wrapped to the figure's width).
-        requests: watched request name -> size in bytes (the AllReduce bucket), drawn as
-            horizontal lines on the ``largest_free`` panel.
+        requests: watched request name -> size in bytes (the AllReduce bucket), drawn as a
+            horizontal line on the ``largest_free`` panel; or ``[(step, size), ...]`` for a request
+            whose size changes (each step's largest of a learned template), drawn as steps.
         xlabel: what the x axis counts (steps; or the events of a recording).
         xunit: the x axis' unit in the trends' window ("minimum per 13 steps"): ``"step"``,
             ``"event"``.
@@ -131,9 +132,9 @@ def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers:
         ``path``.
     """
     plt = pyplot()
-    requests = dict(requests or {})
+    requests = {name: _constant(size) for name, size in (requests or {}).items()}
     top = max((max(s[1], s[2]) for samples in series.values() for s in samples), default=1)
-    div, unit = size_unit(max([top, *requests.values()]))
+    div, unit = size_unit(max([top, *(_largest(size) for size in requests.values())]))
     first_step = min((s[0] for samples in series.values() for s in samples), default=0)
     last_step = max((s[0] for samples in series.values() for s in samples), default=1)
     window = max(1, -(-last_step // 80))
@@ -161,14 +162,20 @@ def plot_timeline(series: dict[str, list[Sample]], path: str | Path, *, markers:
         for ax, (xs, ys), scale in trends:
             ax.plot(xs, [y / scale for y in ys], color=color, linewidth=width, marker=marker,
                     label=name, solid_capstyle="butt")
-    for name, size in sorted(requests.items(), key=lambda kv: -kv[1]):
+    for name, size in sorted(requests.items(), key=lambda kv: -_largest(kv[1])):
         what = name if "request" in name else f"{name} request"
-        axes[1].axhline(size / div, color="black", linestyle=(0, (6, 3)), linewidth=1.2, zorder=4,
-                        label=f"{what} {_both_units(size)}: a smaller hole means OOM")
+        dashed = dict(color="black", linestyle=(0, (6, 3)), linewidth=1.2, zorder=4)
+        if isinstance(size, int):
+            axes[1].axhline(size / div, label=f"{what} {_both_units(size)}: a smaller hole means OOM", **dashed)
+        else:       # each window's largest request, held until the next window
+            xs, ys = _window_trend([(step, 0, value, None) for step, value in size], 2, window, max)
+            axes[1].plot(xs, [y / div for y in ys], drawstyle="steps-mid",
+                         label=f"{what} (the largest {per_window(window, xunit)}, up to {_both_units(max(ys))}): "
+                               "a smaller hole means OOM", **dashed)
     edges = _run_edges(first_step, last_step)
     _draw_markers(axes, markers, series, colors, div, edges[1])
     axes[1].set_xlim(*edges)
-    per = f"per {xunit}" if window == 1 else f"per {window} {xunit}s"
+    per = per_window(window, xunit)
     axes[0].set_ylabel(f"free_total ({unit})\nminimum {per}")
     axes[1].set_ylabel(f"largest_free ({unit})\nminimum {per}")
     axes[2].set_ylabel(f"frag_ratio, maximum {per}\n(free_total / largest_free - 1)")
@@ -220,6 +227,23 @@ def wrap_to_width(text: str, width_inches: float, fontsize: float) -> str:
     glyph is about 0.55 of the font size wide), each existing line wrapped on its own."""
     chars = max(20, int(width_inches * 72 / (0.55 * fontsize)) - 2)
     return "\n".join(textwrap.fill(line, chars) or line for line in text.split("\n"))
+
+
+def per_window(window: int, unit: str) -> str:
+    """``per step``, ``per 13 steps``: what one point of a trend stands for."""
+    return f"per {unit}" if window == 1 else f"per {window} {unit}s"
+
+
+def _constant(size):
+    """A request's sizes: one ``int`` when they never change, else the ``(step, size)`` list."""
+    if isinstance(size, int) or not size:
+        return size if isinstance(size, int) else 0
+    sizes = {value for _, value in size}
+    return sizes.pop() if len(sizes) == 1 else list(size)
+
+
+def _largest(size) -> int:
+    return size if isinstance(size, int) else max(value for _, value in size)
 
 
 def _both_units(size: int) -> str:
@@ -357,7 +381,7 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
         seed = rows[0].get("seed")
     series: dict[str, list[Sample]] = {}
     markers: list[Marker] = []
-    requests: dict[str, int] = {}
+    requests: dict[str, list[tuple[int, int]]] = {}
     last_forecast: dict[str, Marker] = {}
     rank = None
     for row in rows:
@@ -372,7 +396,7 @@ def plot_fragmentation_timeline(timeline: str | Path, out_png: str | Path, *, se
             series.setdefault(policy, []).append((row["step"], row["free_total"], row["largest_free"],
                                                   row.get("frag_ratio")))
             if kind == "watch" and isinstance(row.get("size"), int):
-                requests[str(row.get("tag") or "watched")] = row["size"]
+                requests.setdefault(str(row.get("tag") or "watched"), []).append((row["step"], row["size"]))
         elif kind == "compaction":
             before = row.get("largest_free_before")
             markers.append(Marker(policy, row["step"], "compaction", before if isinstance(before, int) else None,
