@@ -182,8 +182,8 @@ def _terms(report: OOMReport) -> tuple[Figure | None, Figure | None, Figure | No
         if free_total is None or device_free is None:
             missing = "reserved but unallocated memory" if free_total is None else "the device's free memory"
             return free_total, device_free, None, capacity, missing, (
-                f"the whole message: it was cut before {missing} (print str(exc) of torch.OutOfMemoryError, "
-                f"or keep the log line whole); the allocator prints it by default ({conf} changes nothing here)")
+                f"nothing to set: the allocator prints it by default ({conf} changes nothing here); keep the "
+                f"message whole (log str(exc) of the OutOfMemoryError, not a cut copy)")
         reserved = _sum(f.get("allocated"), free_total)
         held = _diff(_diff(capacity, device_free), reserved) if capacity is not None else None
         if "allowed" in f and reserved is not None:
@@ -251,7 +251,11 @@ def crash_verdict(report: OOMReport, layout: Layout | None = None) -> CrashVerdi
     if layout is not None:
         out.largest_free = measure(layout).largest_free
     if request is None:
-        out.missing, out.setting = "the request's size", "the whole message (it was cut before the size)"
+        out.missing, out.setting = "the request's size", "nothing to set: keep the message whole (it was cut before the size)"
+        out.text = _text(out, report)
+        return out
+    if free_total is None and device_free is not None and request.high <= device_free.low:
+        out.kind = "fragmentation"       # the device's free memory alone covered it: whatever the pool held
         out.text = _text(out, report)
         return out
     if free_total is None or (device_free is None and held is None and free_total.high < request.low):
@@ -315,7 +319,7 @@ def _text(v: CrashVerdict, report: OOMReport) -> str:
     word = {"fragmentation": "FRAGMENTATION: the free memory covered the request, not in one piece",
             "capacity": "CAPACITY: all free memory together did not cover the request",
             "outside": "OUTSIDE THE ALLOCATOR: the card had the memory, something else held it or a limit refused it",
-            "undecidable": f"UNDECIDABLE: the message lacks {v.missing}; next time set {v.setting}"}[v.kind]
+            "undecidable": f"UNDECIDABLE: the message lacks {v.missing}; next time: {v.setting}"}[v.kind]
     tail = f" ({v.caveat})" if v.caveat else ""
     return f"{head}: {word}{tail}"
 

@@ -313,7 +313,7 @@ _T_REQ_BARE = re.compile(r"Tried to allocate " + _SIZE)
 _T_NEW_CAP = re.compile(r"(GPU|NPU|XPU) (\d{1,4}) has a total capac?i?ty of " + _SIZE + r" of which " + _SIZE + r" is free")
 _T_OLD_DEV = re.compile(r"\((GPU|NPU|XPU) (\d{1,4});")
 _T_OLD = {
-    "capacity": re.compile(_SIZE + r" total capac?i?ty"),
+    "capacity": re.compile(_SIZE + r" total(?: capac?i?ty)?[;) ]"),
     "allocated": re.compile(_SIZE + r" already allocated"),
     "active": re.compile(_SIZE + r" current active"),
     "device_free": re.compile(_SIZE + r" free[;)]"),
@@ -395,6 +395,16 @@ def _torch_report(text: str, line: int) -> OOMReport | None:
     else:
         report.wording = "cut"
         report.cut = True
+        for name, pattern in _T_OLD.items():      # reformatted by hand: the figures without their frame
+            found = pattern.search(rest)
+            if found:
+                figures[name] = _torch_size(found.group(1), found.group(2))
+                report.wording = "reformatted"
+        if "reserved" in figures and "allocated" in figures:
+            r, a = figures["reserved"], figures["allocated"]
+            figures["reserved_unallocated"] = Figure(max(0, r.value - a.value), max(0, r.low - a.high),
+                                                     max(0, r.high - a.low), f"{r.printed} - {a.printed}")
+            report.cut = False
     allowed = _T_ALLOWED.search(rest)
     if allowed:
         figures["allowed"] = _torch_size(allowed.group(1), allowed.group(2))
