@@ -56,6 +56,7 @@ import os
 import re
 import sqlite3
 from dataclasses import dataclass, field
+from operator import itemgetter
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -150,10 +151,18 @@ def _empty(text: str | None) -> bool:
 
 def _ns(text: str | None, what: str, source: str, line: int) -> int | None:
     """A microseconds field (``"1736408883694624.810\\t"``, ``1.7364e15``) as integer ns; None when empty."""
-    if _empty(text):
+    if text is None:
         return None
     text = text.strip()
-    whole, dot, frac = text.partition(".")
+    # torch_npu's form, exactly three decimals: the digits are the ns
+    if text[-4:-3] == "." and text[:1].isdigit():
+        try:
+            return int(text[:-4] + text[-3:])
+        except ValueError:
+            pass
+    if _empty(text):
+        return None
+    whole, _, frac = text.partition(".")
     if whole.lstrip("-").isdigit() and (not frac or frac.isdigit()):
         value = int(whole) * 1000
         digits = (frac + "000")[:3]
@@ -169,20 +178,28 @@ def _ns(text: str | None, what: str, source: str, line: int) -> int | None:
     return int(value.to_integral_value())
 
 
+_INF = float("inf")
+
+
 def _bytes(text: str | None, unit: int, what: str, source: str, line: int) -> int | None:
     """A size in ``unit`` bytes (KB, MB; floats as Python prints them) as an integer byte count."""
-    if _empty(text):
-        return None
-    text = text.strip()
+    value = _number(text, what, source, line)
+    return None if value is None else round(value * unit)
+
+
+def _number(text: str | None, what: str, source: str, line: int) -> float | None:
+    """A non-negative finite number field; None when empty."""
     try:
-        value = float(text)
-    except ValueError:
-        raise InputError(f"{what}: expected a number, got {text[:40]!r}", source=source, line=line) from None
-    if not (value == value and abs(value) < 1e18):
-        raise InputError(f"{what}: expected a finite number, got {text[:40]!r}", source=source, line=line)
+        value = float(text)         # surrounding whitespace (a TAB) is allowed by float()
+    except (ValueError, TypeError):
+        if _empty(text):
+            return None
+        raise InputError(f"{what}: expected a number, got {text.strip()[:40]!r}", source=source, line=line) from None
     if value < 0:
-        raise InputError(f"{what}: expected a non-negative size, got {text[:40]!r}", source=source, line=line)
-    return round(value * unit)
+        raise InputError(f"{what}: expected a non-negative size, got {text.strip()[:40]!r}", source=source, line=line)
+    if value >= _INF or value != value or value > 1e18:
+        raise InputError(f"{what}: expected a finite number, got {text.strip()[:40]!r}", source=source, line=line)
+    return value
 
 
 # --------------------------------------------------------------------------- one component's timeline
@@ -247,11 +264,15 @@ class _Timeline:
         self.fig.initial_rows += 1
 
     def feed(self, item: tuple) -> None:
-        time = item[0]
-        if self._group_time is not None and time != self._group_time:
-            if time < self._group_time:
+        time, group_time = item[0], self._group_time
+        if time != group_time and group_time is not None:
+            if time < group_time:
                 raise _OutOfOrder()
-            self._flush()
+            group = self._group
+            if len(group) == 1:          # the common case: no other event at that time
+                self._apply(group.pop())
+            else:
+                self._flush()
         self._group_time = time
         self._group.append(item)
 
@@ -401,33 +422,29 @@ class _Timeline:
         time, kind, ident, size, total, reserved, line, name, addr, stream = item
         fig = self.fig
         fig.events += 1
-        before = self._before(item)
-        if before is not None:
-            if self.running is None:
-                self.running = before
-                fig.allocated_first = before
-            elif before < self.running:
-                # the totals fell with no row: a tensor allocated before the capture was released
-                gap = self.running - before
-                unseen = self._next_id()
-                self.initial.append((unseen, gap, "before capture (released unseen)"))
-                self.events.append(Event("free", id=unseen, time=time))
-                fig.unseen_releases += 1
-                fig.unseen_release_bytes += gap
-                self.running = before
-            fig.checked += 1
-            diff = abs(before - self.running)
-            if diff > fig.allocated_max_diff:
-                fig.allocated_max_diff = diff
-                fig.first_diff_line = line
-        elif self.running is None:
-            self.running = sum(s for _, s, _ in self.initial)
-            fig.allocated_first = self.running
+        running = self.running
         if total is not None:
-            recorded = total if (kind == 1 or self.release_after) else total - size
-            for value in (total, recorded):
-                if fig.peak_allocated is None or value > fig.peak_allocated:
-                    fig.peak_allocated = value
+            before = total - size if kind == 1 else (total + size if self.release_after else total)
+            if running is None:
+                running = fig.allocated_first = before
+            elif before != running:
+                if before < running:
+                    # the totals fell with no row: a tensor allocated before the capture was released
+                    gap = running - before
+                    unseen = self._next_id()
+                    self.initial.append((unseen, gap, "before capture (released unseen)"))
+                    self.events.append(Event("free", unseen, 0, None, 0, None, time))
+                    fig.unseen_releases += 1
+                    fig.unseen_release_bytes += gap
+                    running = before
+                elif before - running > fig.allocated_max_diff:
+                    fig.allocated_max_diff = before - running
+                    fig.first_diff_line = line
+            fig.checked += 1
+            if fig.peak_allocated is None or total > fig.peak_allocated:
+                fig.peak_allocated = total       # (a release's "before" total is the previous event's)
+        elif running is None:
+            running = fig.allocated_first = sum(s for _, s, _ in self.initial)
         if reserved is not None:
             if fig.reserved_first is None:
                 fig.reserved_first = reserved
@@ -436,17 +453,16 @@ class _Timeline:
                 fig.peak_reserved = reserved
         tag = self._names.setdefault(name, name) if name is not None else None
         if kind == 1:
-            self.running += size
+            running += size
             self._sizes[ident] = size
-            model_size = size - self.size_pad if size >= _MIN_BLOCK else size
-            self.events.append(Event("alloc", id=ident, size=model_size, addr=addr, stream=stream, time=time, tag=tag))
-        else:
-            if self._sizes.pop(ident, None) is None:
-                return
-            self.running -= size
-            self.events.append(Event("free", id=ident, addr=addr, stream=stream, time=time, tag=tag))
-        if self.running > fig.events_peak_allocated:
-            fig.events_peak_allocated = self.running
+            self.events.append(Event("alloc", ident, size - self.size_pad if size >= _MIN_BLOCK else size, addr,
+                                     stream, None, time, tag))
+            if running > fig.events_peak_allocated:
+                fig.events_peak_allocated = running
+        elif self._sizes.pop(ident, None) is not None:
+            running -= size
+            self.events.append(Event("free", ident, 0, addr, stream, None, time, tag))
+        self.running = running
 
     def initial_events(self, time: int | None) -> list[Event]:
         """The initial state as allocations before the first event (the profiler records no addresses of it)."""
@@ -486,27 +502,25 @@ class _RowMerge:
             if timeline._group_time is not None and release_ns < timeline._group_time:
                 raise _OutOfOrder()
             timeline.add_initial(line, size, name)
-            heapq.heappush(self.heap, (release_ns, line, (release_ns, 0, line, size, r_total, r_res, line, name, addr,
-                                                          stream)))
+            heapq.heappush(self.heap, (release_ns, 0, line, size, r_total, r_res, line, name, addr, stream))
             return
         if self.last_alloc is not None and alloc_ns < self.last_alloc:
             raise _OutOfOrder()
         self.last_alloc = alloc_ns
         heap = self.heap
         while heap and heap[0][0] <= alloc_ns:
-            timeline.feed(heapq.heappop(heap)[2])
+            timeline.feed(heapq.heappop(heap))     # (time, 0, line, ...): ordered by time, then line
         timeline.feed((alloc_ns, 1, line, size, a_total, a_res, line, name, addr, stream))
         if release_ns is not None:
             if release_ns < alloc_ns:
                 raise InputError(f"release time before allocation time ({release_ns / 1000:.3f} < "
                                  f"{alloc_ns / 1000:.3f} us)", source=self.source, line=line)
-            heapq.heappush(heap, (release_ns, line, (release_ns, 0, line, size, r_total, r_res, line, name, addr,
-                                                     stream)))
+            heapq.heappush(heap, (release_ns, 0, line, size, r_total, r_res, line, name, addr, stream))
 
     def finish(self) -> None:
         heap = self.heap
         while heap:
-            self.timeline.feed(heapq.heappop(heap)[2])
+            self.timeline.feed(heapq.heappop(heap))
         self.timeline.finish()
 
 
@@ -576,20 +590,20 @@ def _head(path: Path, size: int = 4096) -> bytes:
         raise InputError(f"cannot read: {exc.strerror}", source=str(path)) from None
 
 
-def _csv_rows(path: Path, expected: str) -> Iterator[tuple[int, list[str]]]:
-    """``(line, cells)`` of a CSV file: lines bounded (core.lines), CRLF or LF, a BOM dropped."""
-    numbers: list[int] = [0]
+def _csv_reader(path: Path, expected: str):
+    """``csv.reader`` over the file's bounded lines (core.lines: CRLF or LF, a line over 1 MiB an
+    error); its ``line_num`` is the file's line number (no field spans lines in these files)."""
+    return csv.reader(map(itemgetter(1), iter_lines(path, expected=expected)))
 
-    def texts() -> Iterator[str]:
-        for number, text in iter_lines(path, expected=expected):
-            numbers[0] = number
-            yield text
-    reader = csv.reader(texts())
+
+def _csv_rows(path: Path, expected: str) -> Iterator[tuple[int, list[str]]]:
+    """``(line, cells)`` of a CSV file (see :func:`_csv_reader`)."""
+    reader = _csv_reader(path, expected)
     try:
         for cells in reader:
-            yield numbers[0], cells
+            yield reader.line_num, cells
     except csv.Error as exc:
-        raise InputError(f"malformed CSV: {exc}", source=str(path), line=numbers[0]) from None
+        raise InputError(f"malformed CSV: {exc}", source=str(path), line=reader.line_num + 1) from None
 
 
 def _columns(header: list[str], needed: Iterable[str], source: str) -> dict[str, int]:
@@ -671,48 +685,79 @@ def _allocator(writer: str, metadata: dict, info: dict, reserved_steps: list[int
 
 # --------------------------------------------------------------------------- readers
 
-def _operator_rows(path: Path, writer_hints: dict) -> Iterator[tuple[str, tuple]]:
-    """``(component, row)`` for each row of ``operator_memory.csv``."""
+def _operator_rows(path: Path, writer_hints: dict) -> Iterator[tuple[str | None, tuple]]:
+    """``(component, row)`` for each row of ``operator_memory.csv`` (component None: the framework's)."""
     source = str(path)
-    rows = _csv_rows(path, "the Ascend profiler's operator_memory.csv")
+    reader = _csv_reader(path, "the Ascend profiler's operator_memory.csv")
     try:
-        _, header = next(rows)
+        header = next(reader)
     except StopIteration:
         raise InputError("empty file; expected operator_memory.csv's header", source=source) from None
+    except csv.Error as exc:
+        raise InputError(f"malformed CSV: {exc}", source=source, line=1) from None
     col = _columns(header, _OPERATOR_COLUMNS, source)
     stream_col = col.get("Stream Ptr")
     i_name, i_size, i_at, i_rt = col["Name"], col["Size(KB)"], col["Allocation Time(us)"], col["Release Time(us)"]
     i_aa, i_ar = col["Allocation Total Allocated(MB)"], col["Allocation Total Reserved(MB)"]
     i_ra, i_rr = col["Release Total Allocated(MB)"], col["Release Total Reserved(MB)"]
     width = len(header)
-    for line, cells in rows:
-        if not cells or (len(cells) == 1 and not cells[0].strip()):
-            continue
-        if len(cells) < width:
-            raise InputError(f"{len(cells)} fields; expected {width} (the header's columns)", source=source, line=line)
-        if "N/A" in cells and not writer_hints:
-            writer_hints[MINDSPORE] = "operator_memory.csv's N/A fields (MindSpore's writer)"
-        elif cells[i_at].endswith("\t") and not writer_hints:
-            writer_hints[TORCH_NPU] = "operator_memory.csv's times ending in a TAB (torch_npu's writer)"
-        name = cells[i_name]
-        size = _bytes(cells[i_size], _KB, "Size(KB)", source, line)
-        if size is None:
-            raise InputError("Size(KB): empty; expected the block size in KB", source=source, line=line)
-        stream = cells[stream_col].strip() if stream_col is not None else ""
-        row = (_ns(cells[i_at], "Allocation Time(us)", source, line), _ns(cells[i_rt], "Release Time(us)", source, line),
-               size, _bytes(cells[i_aa], _MB, "Allocation Total Allocated(MB)", source, line),
-               _bytes(cells[i_ar], _MB, "Allocation Total Reserved(MB)", source, line),
-               _bytes(cells[i_ra], _MB, "Release Total Allocated(MB)", source, line),
-               _bytes(cells[i_rr], _MB, "Release Total Reserved(MB)", source, line), line,
-               name[len(_GE_PREFIX):] if name.startswith(_GE_PREFIX) else name, None, stream)
-        if row[0] is None and row[1] is None and row[3] is None:
-            raise InputError("neither an allocation nor a release time nor totals; expected a tensor's row",
-                             source=source, line=line)
-        yield (GE if name.startswith(_GE_PREFIX) else None), row
+    try:
+        for cells in reader:
+            line = reader.line_num
+            if len(cells) < width:
+                if not cells or (len(cells) == 1 and not cells[0].strip()):
+                    continue
+                raise InputError(f"{len(cells)} fields; expected {width} (the header's columns)", source=source,
+                                 line=line)
+            if not writer_hints:
+                if "N/A" in cells:
+                    writer_hints[MINDSPORE] = "operator_memory.csv's N/A fields (MindSpore's writer)"
+                elif cells[i_at].endswith("\t"):
+                    writer_hints[TORCH_NPU] = "operator_memory.csv's times ending in a TAB (torch_npu's writer)"
+            name = cells[i_name]
+            ge = name.startswith(_GE_PREFIX)
+            stream = cells[stream_col].strip() if stream_col is not None else ""
+            try:
+                # the common row, every field present: float() takes the TAB, the ns are the digits
+                at, rt = cells[i_at].strip(), cells[i_rt].strip()
+                size = float(cells[i_size])
+                a_total, a_res = float(cells[i_aa]), float(cells[i_ar])
+                r_total, r_res = float(cells[i_ra]), float(cells[i_rr])
+                if at[-4:-3] != "." or rt[-4:-3] != "." or not (
+                        0 <= size < 1e15 and 0 <= a_total < 1e12 and 0 <= a_res < 1e12 and 0 <= r_total < 1e12
+                        and 0 <= r_res < 1e12):
+                    raise ValueError
+                row = (int(at[:-4] + at[-3:]), int(rt[:-4] + rt[-3:]), round(size * _KB), round(a_total * _MB),
+                       round(a_res * _MB), round(r_total * _MB), round(r_res * _MB), line,
+                       name[len(_GE_PREFIX):] if ge else name, None, stream)
+            except ValueError:
+                row = _operator_row(cells, (i_size, i_at, i_rt, i_aa, i_ar, i_ra, i_rr), source, line,
+                                    name[len(_GE_PREFIX):] if ge else name, stream)
+            yield (GE if ge else None), row
+    except csv.Error as exc:
+        raise InputError(f"malformed CSV: {exc}", source=source, line=reader.line_num + 1) from None
 
 
-def _record_series(path: Path, writer_hints: dict) -> dict[str, dict]:
-    """Per component of ``memory_record.csv``: rows, peaks, first and last (bytes), and the allocated deltas' rows."""
+def _operator_row(cells: list[str], index: tuple, source: str, line: int, name: str, stream: str) -> tuple:
+    """One row with empty fields, or a bad one: each field checked, the error naming it."""
+    i_size, i_at, i_rt, i_aa, i_ar, i_ra, i_rr = index
+    size = _bytes(cells[i_size], _KB, "Size(KB)", source, line)
+    if size is None:
+        raise InputError("Size(KB): empty; expected the block size in KB", source=source, line=line)
+    row = (_ns(cells[i_at], "Allocation Time(us)", source, line), _ns(cells[i_rt], "Release Time(us)", source, line),
+           size, _bytes(cells[i_aa], _MB, "Allocation Total Allocated(MB)", source, line),
+           _bytes(cells[i_ar], _MB, "Allocation Total Reserved(MB)", source, line),
+           _bytes(cells[i_ra], _MB, "Release Total Allocated(MB)", source, line),
+           _bytes(cells[i_rr], _MB, "Release Total Reserved(MB)", source, line), line, name, None, stream)
+    if row[0] is None and row[1] is None and row[3] is None:
+        raise InputError("neither an allocation nor a release time nor totals; expected a tensor's row",
+                         source=source, line=line)
+    return row
+
+
+def _record_series(path: Path, writer_hints: dict, *, keep_points: bool = True) -> dict[str, dict]:
+    """Per component of ``memory_record.csv``: rows, peak allocated and reserved (bytes) and, with
+    ``keep_points``, every ``(time, allocated, reserved, line)``."""
     source = str(path)
     rows = _csv_rows(path, "the Ascend profiler's memory_record.csv")
     try:
@@ -720,33 +765,46 @@ def _record_series(path: Path, writer_hints: dict) -> dict[str, dict]:
     except StopIteration:
         raise InputError("empty file; expected memory_record.csv's header", source=source) from None
     col = _columns(header, _RECORD_COLUMNS, source)
+    i_comp, i_time = col["Component"], col["Timestamp(us)"]
+    i_alloc, i_res = col["Total Allocated(MB)"], col["Total Reserved(MB)"]
+    width = len(header)
     series: dict[str, dict] = {}
-    raw: list[tuple[str, int | None, int | None, int | None, int]] = []
     for line, cells in rows:
-        if not cells or (len(cells) == 1 and not cells[0].strip()):
-            continue
-        if len(cells) < len(header):
-            raise InputError(f"{len(cells)} fields; expected {len(header)}", source=source, line=line)
-        component = cells[col["Component"]].strip()
-        if component.startswith("MindSpore") and not writer_hints:
-            writer_hints[MINDSPORE] = "memory_record.csv's MindSpore component"
-        elif component.startswith("PTA") and not writer_hints:
-            writer_hints[TORCH_NPU] = "memory_record.csv's PTA component"
-        time = _ns(cells[col["Timestamp(us)"]], "Timestamp(us)", source, line)
-        raw.append((component, time, cells[col["Total Allocated(MB)"]], cells[col["Total Reserved(MB)"]], line))
-    # MindSpore's MemoryRecordBean divides KB by 1000 and calls it MB
-    unit = 1000 * _KB if any(r[0].startswith("MindSpore") for r in raw) else _MB
-    for component, time, allocated, reserved, line in raw:
-        entry = series.setdefault(component, {"rows": 0, "peak_allocated": None, "peak_reserved": None,
-                                              "points": []})
+        if len(cells) < width:
+            if not cells or (len(cells) == 1 and not cells[0].strip()):
+                continue
+            raise InputError(f"{len(cells)} fields; expected {width}", source=source, line=line)
+        component = cells[i_comp].strip()
+        entry = series.get(component)
+        if entry is None:
+            entry = series[component] = {"rows": 0, "peak_allocated": None, "peak_reserved": None, "points": []}
+            if component.startswith("MindSpore"):
+                writer_hints.setdefault(MINDSPORE, "memory_record.csv's MindSpore component")
+            elif component.startswith("PTA"):
+                writer_hints.setdefault(TORCH_NPU, "memory_record.csv's PTA component")
         entry["rows"] += 1
-        a = _bytes(allocated, unit, "Total Allocated(MB)", source, line)
-        r = _bytes(reserved, unit, "Total Reserved(MB)", source, line)
+        try:
+            a, r = float(cells[i_alloc]), float(cells[i_res])
+            if not (0 <= a < 1e12 and 0 <= r < 1e12):
+                raise ValueError
+        except ValueError:
+            a = _number(cells[i_alloc], "Total Allocated(MB)", source, line)
+            r = _number(cells[i_res], "Total Reserved(MB)", source, line)
+        time = _ns(cells[i_time], "Timestamp(us)", source, line) if keep_points else None
         if a is not None and (entry["peak_allocated"] is None or a > entry["peak_allocated"]):
             entry["peak_allocated"] = a
         if r is not None and (entry["peak_reserved"] is None or r > entry["peak_reserved"]):
             entry["peak_reserved"] = r
-        entry["points"].append((time, a, r, line))
+        if keep_points:
+            entry["points"].append((time, a, r, line))
+    # MindSpore's MemoryRecordBean divides KB by 1000 and calls it MB
+    unit = 1000 * _KB if any(name.startswith("MindSpore") for name in series) else _MB
+    for entry in series.values():
+        for key in ("peak_allocated", "peak_reserved"):
+            if entry[key] is not None:
+                entry[key] = round(entry[key] * unit)
+        entry["points"] = [(t, None if a is None else round(a * unit), None if r is None else round(r * unit), n)
+                           for t, a, r, n in entry["points"]]
     return series
 
 
@@ -842,7 +900,10 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> T
     inputs = _locate(path)
     info, metadata = _profiler_info(inputs.rank_dir)
     hints: dict[str, str] = {}
-    record = _record_series(inputs.memory_record, hints) if inputs.memory_record is not None else {}
+    # the curves' points are needed when memory_record.csv is all there is, or to tell MindSpore's VMM
+    keep = inputs.operator_memory is None and inputs.db is None or inputs.rank_dir is not None and \
+        inputs.rank_dir.name.endswith("_ascend_ms")
+    record = _record_series(inputs.memory_record, hints, keep_points=keep) if inputs.memory_record is not None else {}
     modules = _module_series(inputs.npu_module_mem) if inputs.npu_module_mem is not None else {}
     timelines: dict[str, _Timeline] = {}
     files: list[str] = []

@@ -1,0 +1,111 @@
+"""Reading and replaying the Ascend profiler's memory output of a long run.
+
+Generates a rank's profiler folder as torch_npu's profiler writes it (``operator_memory.csv`` and
+``memory_record.csv`` in the writer's exact text format: times as ns with the decimal point moved
+and a trailing TAB, ``Size(KB)``, totals in MB, CRLF; ms_memopt.io.traces.ascend_profiler_writer)
+from the seeded synthetic training trace (ms_memopt.io.traces.synthetic) with ``--rows`` tensors
+(default 10**6), one microsecond per event, the first ten tensors allocated before the capture.
+Then times, in this process:
+
+* ``read``: ``load_trace(folder)`` (detection, the CSV streamed, rows merged into time-sorted
+  events, the recorded totals checked at every row);
+* ``replay``: the events through the model the reader picked (``recorded_allocator``), sampling off.
+
+Prints a table, then as the last line one JSON object: ``{"rows", "events", "read_s", "replay_s",
+"total_s", "rows_per_s", "allocated_max_diff", "file_mb", "allocator", "target_s"}``.
+Target (issue 34): seconds for 10**6 rows; ``allocated_max_diff`` must be 0.
+
+Usage: python bench/profiler_read.py [--rows N] [--keep DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ms_memopt.allocators import create  # noqa: E402
+from ms_memopt.core.events import Event  # noqa: E402
+from ms_memopt.io.traces import load_trace  # noqa: E402
+from ms_memopt.io.traces.ascend_profiler_writer import write_profiler_output  # noqa: E402
+from ms_memopt.io.traces.synthetic import synthetic_trace  # noqa: E402
+from ms_memopt.replay.replay import recorded_allocator, replay  # noqa: E402
+
+T0 = 1736408883694624810     # ns: a real profiler clock value
+TARGET_S = 10.0
+
+
+def _run_events(rows: int) -> tuple[list[Event], dict[int, int]]:
+    """A synthetic run with ``rows`` allocations; the first weights become pre-capture tensors."""
+    trace = synthetic_trace(2 * rows + rows // 10, seed=0)
+    events, initial, allocs = [], {}, 0
+    for index, event in enumerate(trace.events):
+        if event.action not in ("alloc", "free"):
+            continue
+        time_ns = T0 + 1000 * index
+        if event.action == "alloc":
+            if allocs >= rows:
+                continue
+            if index < 2000 and len(initial) < 10:
+                initial[event.id] = event.size      # allocated before the capture began: no row
+                continue
+            allocs += 1
+            events.append(Event("alloc", id=event.id, size=event.size, time=time_ns, tag="aten::empty_strided"))
+        else:
+            events.append(Event("free", id=event.id, time=time_ns))
+    return events, initial
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1_000_000, help="tensors (operator_memory rows)")
+    parser.add_argument("--keep", metavar="DIR", default=None, help="write the folder here and keep it")
+    args = parser.parse_args()
+
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="profiler_read_"))
+    try:
+        started = time.perf_counter()
+        events, initial = _run_events(args.rows)
+        folder = write_profiler_output(root, events, initial=initial)
+        csv_path = folder / "ASCEND_PROFILER_OUTPUT" / "operator_memory.csv"
+        file_mb = (csv_path.stat().st_size + (folder / "ASCEND_PROFILER_OUTPUT" / "memory_record.csv").stat().st_size) / 2**20
+        generated = time.perf_counter() - started
+        del events
+
+        started = time.perf_counter()
+        trace = load_trace(folder)
+        read_s = time.perf_counter() - started
+        recorded = trace.meta["recorded"]
+        allocator = recorded_allocator(trace)
+        model = create(allocator.name, **allocator.options)
+        started = time.perf_counter()
+        result = replay(trace, model, sample_every=0)
+        replay_s = time.perf_counter() - started
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    rows = recorded["rows"]
+    total = read_s + replay_s
+    print(f"profiler folder of {rows:,} operator_memory rows ({file_mb:.0f} MiB of CSV, generated in {generated:.1f} s)")
+    print(f"{'step':<10}{'seconds':>10}{'rows/s':>14}")
+    print(f"{'read':<10}{read_s:>10.2f}{rows / read_s:>14,.0f}")
+    print(f"{'replay':<10}{replay_s:>10.2f}{rows / replay_s:>14,.0f}")
+    print(f"{'total':<10}{total:>10.2f}{rows / total:>14,.0f}")
+    print(f"events {len(trace.events):,} through {result.allocator} ({allocator.why}); allocated curve off by "
+          f"{recorded['allocated_max_diff']} B at most; recorded peak allocated {recorded['peak_allocated']:,} B, "
+          f"model {result.peak_allocated:,} B")
+    print(json.dumps({"rows": rows, "events": len(trace.events), "read_s": round(read_s, 3),
+                      "replay_s": round(replay_s, 3), "total_s": round(total, 3),
+                      "rows_per_s": round(rows / total), "allocated_max_diff": recorded["allocated_max_diff"],
+                      "file_mb": round(file_mb, 1), "allocator": result.allocator, "target_s": TARGET_S}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
