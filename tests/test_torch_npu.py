@@ -415,3 +415,25 @@ def test_a_recorded_expandable_run_replays_exactly(tmp_path_factory, ops):
         result = replay(trace, create(choice.name, fast=fast_path), sample_every=0)
         assert result.address_match in (None, 1.0)
         assert result.final_layout_match
+
+
+def test_the_trace_tells_torch_npu_when_nothing_else_does(tmp_path):
+    """No frames, no live blocks: a small request followed by one placed right after it shows
+    the block it took."""
+    trace = [{"action": "alloc", "addr": (1 << 30) + k * 1024, "size": 512 + k, "stream": 0} for k in range(3)]
+    t = read_torch_snapshot(_snapshot(tmp_path, trace))
+    assert t.meta["framework"] == "torch_npu" and "2 of 2 small requests" in t.meta["framework_evidence"]
+    trace = [{"action": "alloc", "addr": (1 << 30) + k * 512, "size": 512, "stream": 0} for k in range(3)]
+    assert read_torch_snapshot(_snapshot(tmp_path, trace)).meta["framework"] == "torch"
+
+
+@pytest.mark.skipif(not NPU_SNAPSHOT.exists(), reason="../shared/data/traces/torch_npu is not here")
+@pytest.mark.parametrize("name,framework", [("torch_npu/resnet_adam_default.pickle", "torch_npu"),
+                                            ("torch/tinyllama_qlora.pickle", "torch"),
+                                            ("torch/cs336_small_warm.pickle", "torch")])
+def test_the_real_snapshots_tell_their_framework_without_frames(name, framework):
+    from ms_memopt.io.traces.torch_origin import snapshot_origin
+    from ms_memopt.io.traces.torch_snapshot import safe_load
+    data = safe_load(SHARED.parent / name)
+    trace = [{k: v for k, v in e.items() if k != "frames"} for e in data["device_traces"][0]]
+    assert snapshot_origin({"segments": []}, trace).framework == framework

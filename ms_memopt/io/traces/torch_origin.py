@@ -12,7 +12,9 @@ here as facts with the evidence behind them; replay turns them into a model:
   512 (``round_size``), so a small-pool block holding ``requested`` bytes is
   ``round_up(requested + 32, 512)`` where PyTorch's is ``round_up(requested, 512)`` (small-pool
   blocks are always split to the rounded size, so their sizes show the rule; the sizes where
-  both rules agree say nothing and are not counted);
+  both rules agree say nothing and are not counted); without live blocks (all freed before the
+  dump), the trace: a small request followed by one placed right after it shows its block's size
+  as the distance between their addresses;
 * **expandable segments**: a segment with ``is_expandable``, ``segment_map`` /
   ``segment_unmap`` entries in the trace (only expandable segments map pages), or
   ``allocator_settings["expandable_segments"]`` (PyTorch's newer files).
@@ -65,12 +67,13 @@ def _framework(segments: list[dict], trace: list) -> tuple[str, str]:
     named = _npu_frame(segments, trace)
     if named is not None:
         return "torch_npu", f"a frame names torch_npu ({named})"
-    padded, plain = _block_rules(segments)
-    if padded > plain:
-        return "torch_npu", (f"{padded} of {padded + plain} small-pool blocks are round_up(requested + 32, 512) "
-                             "bytes (torch_npu's round_size), no frame names a package")
-    if plain:
-        return "torch", f"{plain} of {padded + plain} small-pool blocks are round_up(requested, 512) bytes"
+    for (padded, plain), what in ((_block_rules(segments), "small-pool blocks"),
+                                  (_trace_rules(trace), "small requests followed by one right after them")):
+        if padded > plain:
+            return "torch_npu", (f"{padded} of {padded + plain} {what} take round_up(requested + 32, 512) bytes "
+                                 "(torch_npu's round_size), no frame names a package")
+        if plain:
+            return "torch", f"{plain} of {padded + plain} {what} take round_up(requested, 512) bytes"
     return "torch", "nothing names torch_npu (no torch_npu frame, no block sizes that tell)"
 
 
@@ -124,6 +127,27 @@ def _block_rules(segments: list[dict]) -> tuple[int, int]:
             if npu != cuda:
                 padded += size == npu
                 plain += size == cuda
+    return padded, plain
+
+
+def _trace_rules(trace: list) -> tuple[int, int]:
+    """(pairs only torch_npu's rounding explains, pairs only PyTorch's explains) among
+    consecutive small allocations of one stream whose second lands right after the first."""
+    padded = plain = 0
+    before = None
+    for entry in trace:
+        if not isinstance(entry, dict) or entry.get("action") != "alloc":
+            continue
+        addr, size, stream = entry.get("addr"), entry.get("size"), entry.get("stream")
+        if not isinstance(addr, int) or not isinstance(size, int) or size <= 0:
+            before = None
+            continue
+        if before is not None and before[2] == stream and 0 < addr - before[0] <= _SMALL_SEGMENT // 2:
+            npu, cuda = _round(before[1] + NPU_PAD), _round(before[1])
+            if npu != cuda:
+                padded += addr - before[0] == npu
+                plain += addr - before[0] == cuda
+        before = (addr, size, stream) if size + NPU_PAD <= _SMALL_SEGMENT // 2 else None
     return padded, plain
 
 
