@@ -420,7 +420,7 @@ def test_a_recorded_expandable_run_replays_exactly(tmp_path_factory, ops):
 def test_the_trace_tells_torch_npu_when_nothing_else_does(tmp_path):
     """No frames, no live blocks: a small request followed by one placed right after it shows
     the block it took."""
-    trace = [{"action": "alloc", "addr": (1 << 30) + k * 1024, "size": 512 + k, "stream": 0} for k in range(3)]
+    trace = [{"action": "alloc", "addr": (1 << 30) + k * 1024, "size": 512, "stream": 0} for k in range(3)]
     t = read_torch_snapshot(_snapshot(tmp_path, trace))
     assert t.meta["framework"] == "torch_npu" and "2 of 2 small requests" in t.meta["framework_evidence"]
     trace = [{"action": "alloc", "addr": (1 << 30) + k * 512, "size": 512, "stream": 0} for k in range(3)]
