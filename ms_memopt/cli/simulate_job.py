@@ -13,7 +13,11 @@ from pathlib import Path
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.units import format_size
 
-__all__ = ["add_job_arguments", "configure_job", "dash", "parse_policies", "parse_stages", "run_jobs"]
+#: rank-steps (steps x simulated ranks x policies x seeds) simulated without --max-work: a step of the
+#: demo recipe takes ~1 ms, one of the 100B recipe ~20 ms, so 10**7 is minutes to hours, not days
+MAX_WORK = 10_000_000
+
+__all__ = ["MAX_WORK", "add_job_arguments", "configure_job", "dash", "parse_policies", "parse_stages", "run_jobs"]
 
 
 def add_job_arguments(parser) -> None:
@@ -37,6 +41,9 @@ def add_job_arguments(parser) -> None:
                         help="the cluster for --executor dask|ray (default: the engine's local mode)")
     parser.add_argument("--workers", type=int, default=None,
                         help="worker processes for local runs (default: every core)")
+    parser.add_argument("--max-work", type=int, default=MAX_WORK, metavar="N",
+                        help=f"refuse a job of more than N rank-steps (steps x ranks x policies x seeds; "
+                             f"default {MAX_WORK:,}, about an hour on one core): the work is stated first")
     parser.add_argument("--compact-trigger", default=None, metavar="forecast|margin",
                         help="what makes the compact policy compact at a scan: the forecast warns within a scan "
                              "interval (forecast), or the largest hole before the watched request falls below 1.5x "
@@ -48,6 +55,27 @@ def _check_counts(args) -> None:
         raise InputError(f"expected a positive number of steps, got {args.steps}", key="--steps")
     if args.seeds is not None and args.seeds < 1:
         raise InputError(f"expected a positive number of seeds, got {args.seeds}", key="--seeds")
+    if getattr(args, "seed", None) is not None and not 0 <= args.seed < 2**63:
+        raise InputError(f"expected a seed from 0 to 2**63 - 1, got {args.seed}", key="--seed")
+
+
+def check_work(job, seeds: int, args) -> int:
+    """State the work a job asks for (steps x simulated ranks x policies x seeds, on stderr unless
+    ``--json``) and refuse more than ``--max-work`` rank-steps before anything is simulated:
+    ``--steps 10**12`` ran silently forever, ``--seeds 1000000`` built a million jobs first."""
+    import sys
+
+    steps, ranks, policies = job.cfg.steps, max(1, len(job.streams)), max(1, len(job.policies))
+    work = steps * ranks * policies * seeds
+    limit = getattr(args, "max_work", MAX_WORK)
+    statement = (f"{steps:,} steps x {ranks:,} simulated ranks x {policies} policies x {seeds:,} seeds "
+                 f"= {work:,} rank-steps")
+    if limit is not None and work > limit:
+        raise InputError(f"{statement}: more than {limit:,}; lower --steps, --seeds, --ranks or --policy, or "
+                         f"raise --max-work", key="--max-work")
+    if not getattr(args, "json", False):
+        print(f"simulating {statement}", file=sys.stderr)
+    return work
 
 
 def run_jobs(recipe, args, *, priced: bool = True) -> int:
@@ -60,11 +88,16 @@ def run_jobs(recipe, args, *, priced: bool = True) -> int:
 
     policies = parse_policies(args.policy, POLICIES)
     _check_counts(args)
-    seeds = list(range(args.seeds)) if args.seeds else [recipe.memopt.workload.seed if args.seed is None
-                                                          else args.seed]
-    jobs = [configure_job(job_from_recipe(recipe, policies=policies, seed=seed, ranks=args.ranks,
-                                          stages=parse_stages(args.stages), steps=args.steps),
-                          recipe, args) for seed in seeds]
+    seeds = range(args.seeds) if args.seeds else [recipe.memopt.workload.seed if args.seed is None
+                                                   else args.seed]
+
+    def job_of(seed: int):
+        return configure_job(job_from_recipe(recipe, policies=policies, seed=seed, ranks=args.ranks,
+                                             stages=parse_stages(args.stages), steps=args.steps), recipe, args)
+
+    jobs = [job_of(seeds[0])]
+    check_work(jobs[0], len(seeds), args)       # before the other seeds' jobs are built
+    jobs += [job_of(seed) for seed in seeds[1:]]
     cfg = jobs[0].cfg
 
     out_dir = Path(args.out) if args.out else None
