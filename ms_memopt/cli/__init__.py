@@ -7,7 +7,9 @@ Bad input (:class:`~ms_memopt.core.errors.InputError`) prints one line to stderr
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 
 from ms_memopt import __version__
@@ -51,6 +53,53 @@ def _build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict]:
     return parser, modules
 
 
+#: errors of a path itself (missing, a directory, no permission, a full or read-only disk, a name
+#: too long): the user's to fix, so exit 2 with the path, not a traceback
+_PATH_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EEXIST,
+                          errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.ELOOP, errno.ENAMETOOLONG,
+                          errno.ENXIO, errno.ENODEV, errno.EINVAL, errno.EIO, errno.ETXTBSY, errno.EBUSY})
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:      # bytes that were not UTF-8, kept as lone surrogates by Python
+        return False
+    return True
+
+
+def _user_paths(args: argparse.Namespace) -> list[str]:
+    """Every string the user gave (options and positionals): the paths among them."""
+    out: list[str] = []
+    for value in vars(args).values():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        out += [str(v) for v in values if isinstance(v, (str, os.PathLike))]
+    return [p for p in out if p]
+
+
+def _about_user_path(exc: OSError, args: argparse.Namespace) -> bool:
+    """True when ``exc`` is a path error on a path the user gave, or inside a folder the user gave;
+    a write error without a file name (a full disk: ``/dev/full``) counts too."""
+    if exc.errno not in _PATH_ERRNOS:
+        return False
+    if exc.filename is None:
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO, errno.EINVAL)
+    names = [str(name) for name in (exc.filename, exc.filename2) if name is not None]
+    for given in _user_paths(args):
+        for name in names:      # the path, a file inside it, or a folder on the way to it
+            if (name == given or name.startswith(given.rstrip("/") + "/") or given.startswith(name.rstrip("/") + "/")
+                    or _same_file(name, given)):
+                return True
+    return False
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ms-memopt`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -59,16 +108,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    def fail(message: str, code: int = 2) -> int:
+        print(f"ms-memopt {args.command}: error: {message}", file=sys.stderr)
+        return code
+
+    bad_name = next((a for a in argv if not _utf8(a)), None)
+    if bad_name is not None:    # written later into JSON, plots and logs, where it cannot be encoded
+        return fail(f"{bad_name.encode('utf-8', 'surrogateescape')!r}: not a UTF-8 name; expected file and "
+                    "folder names in UTF-8 (rename it)")
     try:
         return int(modules[args.command].run(args) or 0)
     except InputError as exc:
-        print(f"ms-memopt {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        return fail(str(exc))
     except BrokenPipeError:  # output piped into `head`: not an error of ours
         sys.stderr.close()
         return 0
+    except OSError as exc:
+        if not _about_user_path(exc, args):
+            raise
+        where = exc.filename if exc.filename is not None else "an output file"
+        return fail(f"{where}: cannot {'write' if exc.filename is None else 'use'} it: "
+                    f"{exc.strerror or exc}")
+    except RecursionError:
+        return fail("the input is nested too deeply to read")
+    except MemoryError:
+        return fail("out of memory (the input or the work asked for is larger than this machine holds; "
+                    "see the command's limits in docs/reliability.md)", 1)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
