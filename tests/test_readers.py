@@ -257,7 +257,7 @@ def test_explicit_format(tmp_path):
     with pytest.raises(InputError, match="memory_block.csv header"):
         load_trace(DATA / "events.jsonl", format="mindspore-memory-block")
     assert set(FORMATS) == {"torch-snapshot", "jsonl", "mindspore-memory-block", "msmemscope", "instances",
-                            "mindspore-pool-log"}
+                            "mindspore-pool-log", "ascend-profiler"}
 
 
 # --- pool debug dump and layouts ------------------------------------------------------------------
