@@ -76,6 +76,7 @@ from bisect import bisect_left, insort
 from collections import deque
 
 from ms_memopt.allocators.base import AllocatorModel
+from ms_memopt.core.errors import InputError
 from ms_memopt.core.layout import Block, Layout, Segment
 
 __all__ = ["MindSporePool", "MindSporeBestFitPool", "ALIGN", "SMALL_SIZE", "TIE_RULES", "align_size"]
@@ -471,8 +472,9 @@ def check_options(increase_size: int, grow: str, tie: str) -> str:
 def initial_block(capacity: int | None, init_size: int, pregrow: bool) -> int:
     """Bytes of each of the two blocks ``set_memory(init_size=)`` makes (0: none)."""
     if pregrow:
-        if capacity is None:
-            raise ValueError("pregrow needs a capacity")
+        if capacity is None:    # an InputError (a ValueError): the option combination is the user's
+            raise InputError("pregrow=true needs a capacity (give --capacity, or init_size=SIZE instead)",
+                             key="--allocator-option")
         init_size = capacity
     return align_size(init_size >> 1) if init_size else 0
 
