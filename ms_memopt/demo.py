@@ -10,7 +10,9 @@
    policies (``--seeds`` job seeds, modest so that the whole demo takes a few minutes on 2
    cores), with the pool layout just before the watched AllReduce request at a few steps and
    at an OOM (the memory map), collected from that same run by a hook;
-4. ``OUT/report.md``: the three reports of :func:`ms_memopt.report.build.build_report` under one
+4. ``ms-memopt doctor`` on the log of a MindSpore CPU run that dies of fragmentation, made then
+   (:mod:`ms_memopt.mindspore.crash_demo`; with ``--skip-run`` the one kept in tests/data) into ``OUT/crash``;
+5. ``OUT/report.md``: the reports of :func:`ms_memopt.report.build.build_report` under one
    heading, with every figure and the time each part took.
 
 Example:
@@ -140,6 +142,11 @@ def _demo(args: argparse.Namespace) -> int:
     timings["memory map + report"] = time.perf_counter() - t0
     parts.append(("simulation", f"Simulation of {BIG_RECIPE.name}"))
 
+    t0 = time.perf_counter()
+    if _crash_doctor(out / "crash", real=not args.skip_run):     # doctor on a failed run's log
+        timings["doctor on a failed run's log"] = time.perf_counter() - t0
+        parts.append(("crash", "doctor on a failed run's log"))
+
     total = time.perf_counter() - started
     lines = ["# ms-memopt demo", "",
              "What `make demo` did on this machine (after the install), and how long each part took:", ""]
@@ -153,6 +160,34 @@ def _demo(args: argparse.Namespace) -> int:
     report.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"report: {report} ({total:.0f} s)")
     return 0
+
+
+def _crash_doctor(out: Path, *, real: bool) -> bool:
+    """``ms-memopt doctor`` on the log of a run that died of fragmentation: a real MindSpore CPU OOM
+    made now (:mod:`ms_memopt.mindspore.crash_demo`), or without MindSpore the one kept in tests/data."""
+    from ms_memopt.cli.doctor_logs_cmd import write_log_report
+    from ms_memopt.doctor.crash_logs import diagnose_log
+
+    kept = _REPO / "tests" / "data" / "crash_logs" / "ms2.10_cpu_fragmentation_glog1.log"
+    print("[+] doctor on a failed run's log: " + ("a MindSpore CPU run that dies of fragmentation ..." if real
+                                                  else f"{kept.name} ..."), flush=True)
+    if real:
+        from ms_memopt.mindspore.crash_demo import run_crash
+
+        log = run_crash(out)
+    elif kept.is_file():
+        log = kept
+    else:
+        return False
+    diagnosis = diagnose_log(log)
+    if not diagnosis.reports:
+        print(f"      no OOM in {log} (the run did not fail as planned)", flush=True)
+        return False
+    write_log_report(diagnosis, out)
+    print(f"      {log}: {diagnosis.verdict.text}", flush=True)
+    if diagnosis.remedies:
+        print(f"      first remedy: {diagnosis.remedies[0].line}", flush=True)
+    return True
 
 
 def _learned_model(run_dir: Path, out: Path, steps: int) -> Path | None:

@@ -5,7 +5,7 @@ Every message here is built the way the framework builds it: PyTorch's and torch
 MindSpore's strings from the 2.10 wheel (``libmindspore_ascend_res_manager.so``,
 ``libmindspore_memory_pool.so``, ``libmindspore_ms_backend.so``) in the order its sources stream
 them. One log is real: a MindSpore 2.10 CPU run that died of fragmentation here
-(``tests/data/crash_logs/``, made by ``make_ms_cpu_oom.py`` in that folder).
+(``tests/data/crash_logs/``, made by ``python -m ms_memopt.mindspore.crash_demo``).
 """
 from __future__ import annotations
 
@@ -305,6 +305,13 @@ def test_chunk_boundaries_do_not_matter():
 def test_steps(step_line, step):
     scan = scan_bytes([(step_line + "\n" + ms_pool_failure(GiB, 0)).encode()])
     assert scan.reports[0].step == step and scan.reports[0].last_step_line == step_line.strip()
+
+
+def test_step_before_lines_that_only_look_like_triggers():
+    # "memory" in ordinary lines (GLOG_v=1 logs are full of it) must not hide the step line before them
+    noise = "[INFO] PRE_ACT(1,2,python):2026-03-01-10:23:44.000.000 [x.cc:1 F] Alloc memory details, name:x\n" * 30
+    scan = scan_bytes([("epoch: 1 step: 436, loss is 1.98\n" + noise + ms_pool_failure(GiB, 0)).encode()])
+    assert scan.reports[0].step == 437
 
 
 def test_no_oom_and_binary_noise_and_long_lines():

@@ -686,17 +686,18 @@ def _feed(scanner: _Scanner, body: bytes, pos: int, n: int) -> None:
     anchor); only a line holding an anchor is checked against the triggers, and only a trigger line
     opens a message window."""
     nxt = [body.find(a, pos, n) for a in ANCHORS]
+    noted = pos                                # step and time are known up to here
     while pos <= n:
         if scanner.window:                     # a message being read: every line until it ends
             end = body.find(b"\n", pos, n)
             end = n if end < 0 else end
             scanner.feed_line(body[pos:end])
-            pos = end + 1
+            pos = noted = end + 1
             continue
         live = [p for p in nxt if p >= pos]
         if not live:
             scanner.line_no += body.count(b"\n", pos, n) + 1
-            scanner.note_context(body, pos, n)
+            scanner.note_context(body, noted, n)
             return
         hit = min(live)
         start = max(pos, body.rfind(b"\n", pos, hit) + 1)
@@ -705,8 +706,9 @@ def _feed(scanner: _Scanner, body: bytes, pos: int, n: int) -> None:
         line = body[start:end]
         scanner.line_no += body.count(b"\n", pos, start)
         if any(t in line for t in TRIGGERS):
-            scanner.note_context(body, pos, start)
+            scanner.note_context(body, noted, start)
             scanner.feed_line(line)
+            noted = end + 1
         else:
             scanner.line_no += 1
         pos = end + 1
