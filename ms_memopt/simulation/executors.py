@@ -191,11 +191,19 @@ def _run_dask(fn, tasks: list, address: str | None, workers: int, processes: boo
                                    dashboard_address=None)
             client = Client(cluster)
         else:
+            why = _dask_reachable(address)
+            if why is not None:
+                raise InputError(f"cannot use the Dask scheduler at {address}: {why}", key="--address")
             client = Client(address, timeout=30)
-    except OSError as exc:
+    except (OSError, ValueError, TypeError, MemoryError) as exc:
+        # a peer that is not a Dask scheduler can make the client read garbage as a frame length
+        # (numpy's "Unable to allocate 3.07 EiB"): whatever Client raises is the address's fault
         if cluster is not None:
             cluster.close()
-        raise InputError(f"cannot reach the Dask scheduler at {address}: {exc}", key="--address") from None
+        if isinstance(exc, InputError):
+            raise
+        raise InputError(f"cannot reach the Dask scheduler at {address}: {type(exc).__name__}: {str(exc)[:200]}",
+                         key="--address") from None
     try:
         # pure=False: equal arguments are still separate tasks (no result sharing by hash)
         futures = client.map(fn, tasks, pure=False)
@@ -206,6 +214,52 @@ def _run_dask(fn, tasks: list, address: str | None, workers: int, processes: boo
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+#: largest first message a Dask scheduler's handshake could be (its frame header announces the size)
+_DASK_HANDSHAKE_MAX = 64 << 20
+
+
+def _dask_reachable(address: str, timeout: float = 5.0) -> str | None:
+    """Why ``address`` is not a reachable Dask scheduler, or ``None`` (a ``tcp://`` one looks like one).
+
+    An address without a port, a port that refuses, and a peer that does not speak Dask's wire
+    protocol are found here in seconds: on connecting, a scheduler sends its handshake at once,
+    a message whose first 8 bytes are its little-endian length (``distributed.comm.tcp``); a web
+    server sends nothing, or text whose first 8 bytes read as exabytes.
+    """
+    import socket
+    import struct
+
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        scheme, rest = "tcp", address
+    host, colon, port_text = rest.rpartition(":")
+    if not colon or not port_text.isdigit() or not host:
+        return "expected SCHEME://HOST:PORT with a port (a scheduler listens on 8786 by default: tcp://HOST:8786)"
+    port = int(port_text)
+    if not 0 < port < 65536:
+        return f"port {port} is not a TCP port (1 to 65535)"
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            if scheme != "tcp":     # tls:// and others: the handshake is encrypted; reaching it is all we check
+                return None
+            sock.settimeout(timeout)
+            head = b""
+            while len(head) < 8:
+                part = sock.recv(8 - len(head))
+                if not part:
+                    return "it closed the connection without a Dask handshake (not a Dask scheduler?)"
+                head += part
+    except socket.timeout:
+        return f"no Dask handshake within {timeout:g} s (not a Dask scheduler?)"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    size = struct.unpack("<Q", head)[0]
+    if not 0 < size <= _DASK_HANDSHAKE_MAX:
+        return f"it answered {head!r}, not a Dask handshake (not a Dask scheduler?)"
+    return None
 
 
 def _call(fn: Callable[[Any], Any], task: Any) -> Any:
