@@ -215,9 +215,18 @@ def test_mindspore_two_pointer(hbm):
     report, v = verdict_of(ms_two_pointer(1088627200, 32768, 1024, 56, 0, 0, hbm=hbm))
     assert report.allocator == "ascend-two-pointer" and report.request.value == 1088627200
     assert report.figures["ms_used"].printed == "1024M" and report.figures["ms_used"].high == 1025 * MiB - 1
-    assert v.kind == "outside" and v.held_elsewhere == (32768 - 1024) * MiB
+    assert v.kind == "outside" and v.held_elsewhere == (32768 - 1024) * MiB - 2 * GiB   # beyond the runtime's 2 GiB
     report, v = verdict_of(ms_two_pointer(40 * GiB, 32768, 30684, 496, 0, 0, hbm=hbm))
     assert v.kind == "capacity"
+    # beyond MindSpore's share by less than the 2 GiB it leaves the runtime by default: the card is too small
+    report, v = verdict_of(ms_two_pointer(33100113920, 32768, 30684, 496, 0, 0, hbm=hbm))
+    assert v.kind == "capacity"
+
+
+def test_the_runtimes_own_memory_is_not_outside():
+    # 128 MiB asked, 35 MiB free, 300 MiB held by the CUDA context: the card is full of PyTorch's own
+    report, v = verdict_of(cuda_old(128 * MiB, int(11.17 * GiB), int(10.85 * GiB), 25 * MiB, int(10.86 * GiB)))
+    assert v.kind == "capacity" and not v.held_elsewhere
 
 
 def test_mindspore_two_pointer_kernel_by_kernel_is_undecidable_inside_the_share():

@@ -64,6 +64,10 @@ from ms_memopt.io.oom_logs import Figure, LogScan, OOMReport, rank_of_path, read
 __all__ = ["CrashVerdict", "CrashRemedy", "LogDiagnosis", "JobDiagnosis", "crash_verdict", "crash_remedies",
            "diagnose_log", "diagnose_logdir", "find_rank_logs", "scan_rank", "scan_ranks"]
 
+#: device memory that is held outside the allocator whatever the user does, per framework: PyTorch's
+#: and torch_npu's context and driver (a few hundred MiB to 1 GiB), the 2 GiB MindSpore leaves to the
+#: Ascend runtime and HCCL by default; only what is held beyond it counts towards "outside"
+RUNTIME_RESERVE = {"pytorch": 1 << 30, "torch_npu": 1 << 30, "mindspore": 2 << 30}
 #: ranks whose first OOM is this close to the earliest one are "first" too (clocks of different hosts)
 FIRST_WINDOW_SECONDS = 1.0
 _DEBUG_DUMP = re.compile(r"MemoryDebugInfo\d*\.txt$")
@@ -185,7 +189,8 @@ def _terms(report: OOMReport) -> tuple[Figure | None, Figure | None, Figure | No
                 f"nothing to set: the allocator prints it by default ({conf} changes nothing here); keep the "
                 f"message whole (log str(exc) of the OutOfMemoryError, not a cut copy)")
         reserved = _sum(f.get("allocated"), free_total)
-        held = _diff(_diff(capacity, device_free), reserved) if capacity is not None else None
+        held = _diff(_diff(_diff(capacity, device_free), reserved), _exact(RUNTIME_RESERVE[report.framework])) \
+            if capacity is not None else None
         if "allowed" in f and reserved is not None:
             # a memory fraction: the pool may reserve up to "allowed"; the rest of the free memory is withheld
             room = _diff(f["allowed"], reserved)
@@ -200,7 +205,7 @@ def _terms(report: OOMReport) -> tuple[Figure | None, Figure | None, Figure | No
         capacity, used = f.get("capacity"), f.get("ms_used")
         static = f.get("static")
         dynamic = f.get("dynamic_graph") or f.get("dynamic_total")
-        held = _diff(capacity, used)
+        held = _diff(_diff(capacity, used), _exact(RUNTIME_RESERVE["mindspore"]))
         if used is None or static is None or dynamic is None:
             return None, None, held, capacity, "the pool's free memory at the failure (static and dynamic sizes)", \
                 "GLOG_v=1 (the pool's state at the failure) or MS_ALLOC_CONF=\"memory_tracker:True\""
@@ -314,7 +319,7 @@ def _text(v: CrashVerdict, report: OOMReport) -> str:
     elif v.largest_free_bound is not None:
         parts[-1] += f", the largest piece at most {_gib(v.largest_free_bound)}"
     if v.held_elsewhere:
-        parts.append(f"{_gib(v.held_elsewhere)} of the card held elsewhere")
+        parts.append(f"{_gib(v.held_elsewhere)} of the card held elsewhere beyond the runtime's own")
     head = "; ".join(parts)
     word = {"fragmentation": "FRAGMENTATION: the free memory covered the request, not in one piece",
             "capacity": "CAPACITY: all free memory together did not cover the request",
