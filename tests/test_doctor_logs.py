@@ -418,3 +418,25 @@ def _diagnosis_of_text(text: str):
         path = Path(tmp) / "log.txt"
         path.write_text(text)
         return diagnose_log(path)
+
+
+def test_mindformers_folder_info_and_error_logs_and_a_dump_per_rank(tmp_path, capsys):
+    root = tmp_path / "output" / "log"
+    for rank in range(4):
+        folder = root / f"rank_{rank}"
+        folder.mkdir(parents=True)
+        if rank == 2:
+            body = ms_pool_failure(2_000_000_000, 0, state=(121110528, 121110528, 5 * GiB))
+            shutil.copy(DATA / "MemoryDebugInfo0.txt", folder / "MemoryDebugInfo0.txt")
+        else:
+            body = "RuntimeError: The pointer[comm] is null. HCCL timeout\n"
+        (folder / "info.log").write_text("step:[  11/ 99]\n" + body)
+        (folder / "error.log").write_text(body)        # MindFormers writes the errors to both
+    job = diagnose_logdir(tmp_path / "output", workers=1)
+    assert job.first == [2] and len(job.first_diagnosis.reports) == 1
+    assert [b["size"] for b in job.first_diagnosis.blockers] == [2 * MiB]
+    assert sorted(job.followers) == [0, 1, 3]
+    assert main(["doctor", str(root / "rank_2" / "info.log"), "--out", str(tmp_path / "rep")]) == 0
+    text = capsys.readouterr().out
+    assert "blockers    1 live blocks" in text and "largest hole 1.80 GiB" in text
+    assert (tmp_path / "rep" / "memory_map.png").stat().st_size > 0
