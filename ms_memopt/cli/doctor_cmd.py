@@ -21,7 +21,7 @@ from pathlib import Path
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.units import format_size, parse_size
 
-__all__ = ["add_parser", "run", "write_report"]
+__all__ = ["add_parser", "run", "write_report", "recorded_capacity"]
 
 _SHOWN_BLOCKERS = 12
 
@@ -35,7 +35,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("other", nargs="?", default=None,
                         help="a second recording: compare the two (first divergence, which fragments more)")
     parser.add_argument("--capacity", metavar="SIZE", default=None,
-                        help="device memory the pool may reserve (e.g. 40GB); default unbounded")
+                        help="device memory the pool may reserve (e.g. 40GB); default: the card the recording "
+                             "names (ms-memopt's exports), else unbounded")
     parser.add_argument("--allocator", metavar="NAME", default=None,
                         help="the recorded allocator's model (default: the one that recorded it)")
     parser.add_argument("--format", default=None, choices=list(FORMATS), help="skip format detection")
@@ -75,11 +76,27 @@ def run(args: argparse.Namespace) -> int:
             bar.set_postfix_str(name, refresh=False)
             bar.update(1)
 
+        capacity_why = "--capacity" if capacity is not None else "unbounded"
+        if capacity is None:
+            capacity, capacity_why = recorded_capacity(trace, args.allocator)
         diagnosis = diagnose(trace, capacity=capacity, allocator=args.allocator, progress=progress)
+        diagnosis.capacity_why = capacity_why
     if args.out:
         write_report(diagnosis, Path(args.out), trace=trace)
     print(json.dumps(diagnosis.to_dict()) if args.json else _text(diagnosis, args.out))
     return 1 if args.fail_on_oom and diagnosis.verdict.failed else 0
+
+
+def recorded_capacity(trace, allocator: str | None) -> tuple[int | None, str]:
+    """The card the recording ran on, when it names one (``simulate --export-memory-viz``) and is
+    replayed through its own model (``replay`` and ``doctor`` without ``--capacity``: as
+    recorded, the same pool and addresses), with what decided it; else ``(None, "unbounded")``."""
+    from ms_memopt.replay.replay import recorded_allocator
+
+    recorded = recorded_allocator(trace)
+    if recorded.capacity is None or allocator not in (None, recorded.name):
+        return None, "unbounded"
+    return recorded.capacity, "the recording's card; --capacity to change"
 
 
 def _load(load_trace, path: str, fmt: str | None):
@@ -97,8 +114,12 @@ def _ratio(value) -> str:
 
 def _text(d, out: str | None) -> str:
     v = d.verdict
-    lines = [f"recording   {d.trace} ({d.format}, {d.events:,} events), replayed through {d.allocator}, capacity "
-             + (format_size(d.capacity) if d.capacity is not None else "unbounded"),
+    options = f" {d.allocator_options}" if d.allocator_options else ""
+    why = getattr(d, "capacity_why", "")
+    lines = [f"recording   {d.trace} ({d.format}, {d.events:,} events), replayed through {d.allocator}{options}, "
+             "capacity " + (format_size(d.capacity) if d.capacity is not None else "unbounded")
+             + (f" ({why})" if why and d.capacity is not None and why != "--capacity" else ""),
+             f"allocator   {d.allocator} ({d.family} settings): {d.allocator_why}",
              f"peaks       allocated {format_size(d.peak_allocated)}, reserved {format_size(d.peak_reserved)}",
              f"verdict     {v.kind.upper()}" + (" (a request failed)" if v.failed else "")
              + (f" at event {v.event}" if v.event is not None else "") + f": {v.text}"]
@@ -116,17 +137,30 @@ def _text(d, out: str | None) -> str:
             lines.append(f"  ... {len(d.blockers) - _SHOWN_BLOCKERS} more (--json or --out lists all)")
     elif v.kind == "fragmentation":
         lines.append("blockers    none found: no window of live blocks holds the request")
-    lines.append("remedies    (best first: survives at the capacity, then peak reserved without a capacity, then "
-                 "worst frag)")
+    if v.kind == "none":
+        lines.append(f"remedies    none needed: {d.summary}")
+        return "\n".join(lines + ([f"report      {Path(out) / 'report.md'}"] if out else []))
+    lines.append(f"advice      {d.summary}")
+    lines.append(f"remedies    {d.family}'s settings, measured (best first: survives at the capacity, then peak "
+                 "reserved without a capacity, then worst frag)")
     base = next((r for r in d.remedies if r.setting == "baseline"), None)
+    parted = False
     for r in d.remedies:
-        if r.note.startswith("not measured"):
+        if not r.measured:
             lines.append(f"  {r.setting:<36} {r.note}")
             continue
+        if d.capacity is not None and not r.survives and not parted:
+            parted = True
+            lines.append(f"  -- {'none of these' if r is d.remedies[0] else 'these do not'} survive"
+                         f" {format_size(d.capacity)} --")
+        peak = (f"{format_size(r.peak_reserved_unbounded)}{_saving(r, base)}" if r.unbounded else
+                f"{format_size(r.peak_reserved)} (the card: it takes all it is given)")
         lines.append(f"  {r.setting:<36} {'survives' if r.survives else f'{r.oom_count} OOM'}; peak reserved "
-                     f"{format_size(r.peak_reserved_unbounded)}{_saving(r, base)}; frag max {_ratio(r.frag_ratio_max)}; slow path "
+                     f"{peak}; frag max {_ratio(r.frag_ratio_max)}; slow path "
                      f"{r.slow_path_events}; {'address-verified' if r.verified else 'from the source'}")
         lines.append(f"  {'':<36} set: {r.line}")
+    for s in d.skipped:
+        lines.append(f"  {s.setting:<36} not tried: {s.why}")
     if out:
         lines.append(f"report      {Path(out) / 'report.md'}")
     return "\n".join(lines)
@@ -134,7 +168,7 @@ def _text(d, out: str | None) -> str:
 
 def _saving(remedy, base) -> str:
     """Against the recorded setting, both without a capacity."""
-    if base is None or remedy is base:
+    if base is None or remedy is base or not base.unbounded:
         return ""
     delta = base.peak_reserved_unbounded - remedy.peak_reserved_unbounded
     return f" ({format_size(abs(delta))} {'less' if delta >= 0 else 'more'})" if delta else " (the same)"
@@ -167,18 +201,21 @@ def write_report(d, out: Path, *, trace=None) -> Path:
     shown += [r for r in d.remedies if r.timeline and r.setting == "baseline"]
     series = {r.setting: list(r.timeline) for r in shown}
     lines = [f"# ms-memopt doctor: {Path(d.trace).name}", "",
-             f"Replayed through `{d.allocator}`, capacity "
+             f"Replayed through `{d.allocator}`" + (f" {d.allocator_options}" if d.allocator_options else "")
+             + f" ({d.allocator_why}), capacity "
              + (format_size(d.capacity) if d.capacity is not None else "unbounded")
              + f"; peaks: allocated {format_size(d.peak_allocated)}, reserved {format_size(d.peak_reserved)}.", "",
-             f"## Verdict: {d.verdict.kind}", "", d.verdict.text, ""]
+             f"## Verdict: {d.verdict.kind}", "", d.verdict.text, "", f"**Advice:** {d.summary}", ""]
     if series:
-        requests = {"request": d.verdict.request} if d.verdict.request else None
+        requests = {"the failing request": d.verdict.request} if d.verdict.request else None
         plot_timeline(series, out / "remedies_timeline.png", title="largest hole under each setting",
-                      requests=requests, xlabel="event index of the recording (faint: every sample)")
+                      requests=requests, xlabel="event index of the recording", xunit="event")
         lines += ["![largest hole under each setting](remedies_timeline.png)", ""]
+    placed = _placed_head(d, trace) if trace is not None else None
     if d.layout is not None and d.layout.segments:
         spans = [(b.addr, b.size) for b in d.blockers]
-        plot_memory_map([LayoutSnapshot(d.verdict.event or 0, f"before event {d.verdict.event}", d.layout)],
+        layout = _tagged(d.layout, placed[0]) if placed is not None else d.layout
+        plot_memory_map([LayoutSnapshot(d.verdict.event or 0, f"before event {d.verdict.event}", layout)],
                         out / "memory_map.png", title="the pool at the worst moment (blockers outlined in red)",
                         outline=spans)
         lines += ["![memory map](memory_map.png)", ""]
@@ -193,17 +230,23 @@ def write_report(d, out: Path, *, trace=None) -> Path:
                          f"{'yes' if b.between_transients else ''} | {'<br>'.join(b.frames[:2])} |")
     else:
         lines.append("None: no window of live blocks holds the request.")
-    lines += ["", "## Remedies, measured", "", "Ranked by survival at the capacity, then peak reserved without a capacity "
-              "(what the setting saves), then the worst frag ratio.", "",
-              "| setting | survives | OOMs | peak reserved | frag max | slow path | "
-              "model | what to set |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## Remedies, measured", ""]
+    if d.verdict.kind == "none":
+        lines += ["None needed: " + d.summary + "."]
+    else:
+        lines += [f"{d.family}'s settings, ranked by survival at the capacity, then peak reserved without a capacity "
+                  "(what the setting saves), then the worst frag ratio.", "",
+                  "| setting | survives | OOMs | peak reserved | frag max | slow path | "
+                  "model | what to set |", "|---|---|---|---|---|---|---|---|"]
     for r in d.remedies:
         lines.append(f"| {r.setting} | {'yes' if r.survives else 'no'} | {r.oom_count} | "
                      f"{format_size(r.peak_reserved_unbounded)} "
                      f"| {_ratio(r.frag_ratio_max)} | {r.slow_path_events} | "
                      f"{'address-verified' if r.verified else 'from the source'} | `{r.line}` {r.note} |")
-    if trace is not None:
-        viz = _memory_viz(d, trace, out / "memory_viz.pickle")
+    if d.skipped:
+        lines += ["", "Not tried on this recording:", ""] + [f"- {s.setting}: {s.why}" for s in d.skipped]
+    if placed is not None:
+        viz = _memory_viz(d, placed, out / "memory_viz.pickle")
         if viz:
             lines += ["", f"Open `{viz.name}` in PyTorch's memory viewer (pytorch.org/memory_viz): blocks are "
                       "coloured by purpose, the blockers in categories of their own (`blocker: ...`)."]
@@ -212,18 +255,49 @@ def write_report(d, out: Path, *, trace=None) -> Path:
     return path
 
 
-def _memory_viz(d, trace, path: Path) -> Path | None:
-    """The recording as the model placed it, up to the worst moment, blockers marked."""
+def _placed_head(d, trace):
+    """The recording up to the worst moment as the model placed it (``placed_events``), or
+    ``None`` (said on stderr) for a format the replay cannot place."""
     from ms_memopt.allocators import create
     from ms_memopt.replay.replay import placed_events
-    from ms_memopt.io.traces.memory_viz import write_memory_viz
 
     stop = d.verdict.event if d.verdict.event is not None else len(trace.events)
     head = type(trace)(trace.events[:stop], source=trace.source, format=trace.format, initial=trace.initial,
                        meta=trace.meta)
     try:
-        events, result = placed_events(head, create(d.allocator, d.capacity))
-        write_memory_viz(path, events, result.final_layout, blockers=[b.id for b in d.blockers if b.id is not None])
+        return placed_events(head, create(d.allocator, d.capacity, **d.allocator_options))
+    except (InputError, NotImplementedError) as exc:    # a format the viewer cannot show: say so
+        print(f"ms-memopt doctor: no memory map tags and no memory_viz.pickle: {exc}", file=sys.stderr)
+        return None
+
+
+def _tagged(layout, events):
+    """``layout`` with each live block's tag from the recording (the allocator model keeps none):
+    the tag of the allocation placed at its address and not freed before the layout's moment."""
+    from dataclasses import replace
+
+    live: dict[int, str | None] = {}
+    for event in events:
+        if event.addr is None:
+            continue
+        if event.action == "alloc":
+            live[event.addr] = event.tag
+        elif event.action == "free":
+            live.pop(event.addr, None)
+    segments = [replace(seg, blocks=[replace(b, tag=b.tag or live.get(b.addr)) if b.live else b for b in seg.blocks])
+                for seg in layout.segments]
+    return replace(layout, segments=segments)
+
+
+def _memory_viz(d, placed, path: Path) -> Path | None:
+    """The recording as the model placed it, up to the worst moment, blockers marked."""
+    from ms_memopt.io.traces.memory_viz import write_memory_viz
+
+    events, result = placed
+    try:
+        write_memory_viz(path, events, result.final_layout, blockers=[b.id for b in d.blockers if b.id is not None],
+                         recorded_by={"source": "ms-memopt doctor", "allocator": d.allocator,
+                                      "allocator_options": d.allocator_options, "recording": str(d.trace)})
     except (InputError, NotImplementedError) as exc:    # a format the viewer cannot show: say so
         print(f"ms-memopt doctor: no memory_viz.pickle: {exc}", file=sys.stderr)
         return None

@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.units import format_size, parse_size
-from ms_memopt.replay.replay import default_allocator
+from ms_memopt.replay.replay import default_allocator, recorded_allocator
 from ms_memopt.io.traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
 
 __all__ = ["add_parser", "run", "default_allocator"]
@@ -29,11 +30,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("trace", help="trace file (format detected from its content)")
     parser.add_argument("--allocator", metavar="NAME", default=None,
-                        help=f"allocator model: {', '.join(MODELS)} (default: torch for PyTorch snapshots and msMemScope files, "
-                             "mindspore-bestfit for MindSpore pool logs and their recordings, mindspore "
-                             "otherwise)")
+                        help=f"allocator model: {', '.join(MODELS)} (default: from the recording: torch, torch-expandable, torch-npu or "
+                             "torch-npu-expandable for PyTorch/torch_npu snapshots as they show it, torch for "
+                             "msMemScope files, mindspore-bestfit for MindSpore pool logs and their recordings, "
+                             "mindspore otherwise; the output says what decided it)")
     parser.add_argument("--capacity", metavar="SIZE", default=None,
-                        help="device memory the pool may reserve, e.g. 64GB, 96GiB (default: unbounded)")
+                        help="device memory the pool may reserve, e.g. 64GB, 96GiB (default: the card the "
+                             "recording names, ms-memopt's exports; else unbounded)")
     parser.add_argument("--format", default=None, choices=list(FORMATS), help="skip format detection")
     parser.add_argument("--allocator-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a model option, typed per option (e.g. increase_size=512MiB, grow=add, "
@@ -84,7 +87,13 @@ def run(args: argparse.Namespace) -> int:
 
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
     trace = load_trace(args.trace, format=args.format)
-    name = args.allocator or default_allocator(trace)
+    # what decided the model, said in the output: the option, or what the recording shows
+    recorded = recorded_allocator(trace)
+    name = args.allocator or recorded.name
+    reason = "--allocator" if args.allocator else recorded.why
+    capacity_why = "--capacity" if capacity is not None else None
+    if capacity is None and recorded.capacity is not None and name == recorded.name:
+        capacity, capacity_why = recorded.capacity, "the recording's card; --capacity to change"
     if trace.final is None and trace.meta.get("pool") in (POOL_NAME, ASCEND_POOL_NAME):
         trace.final = recorded_final_layout(trace.events)
     if name == "pool":
@@ -95,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
                          "--allocator mindspore, mindspore-vmm, torch or torch-expandable",
                          key="--allocator")
     options = parse_allocator_options(name, args.allocator_option)
+    if name == recorded.name and not args.allocator_option:
+        options = recorded.options_for(capacity)        # as it recorded: the same pool, the same addresses
     try:
         if args.policy == "baseline":
             result = replay(trace, create(name, capacity, **options))
@@ -110,15 +121,28 @@ def run(args: argparse.Namespace) -> int:
     if args.export_memory_viz:
         from ms_memopt.io.traces.memory_viz import write_memory_viz
 
-        write_memory_viz(args.export_memory_viz, trace, result.final_layout)
+        write_memory_viz(args.export_memory_viz, trace, result.final_layout,
+                         recorded_by={"source": "ms-memopt replay", "allocator": name, "allocator_options": options,
+                                      "capacity": capacity, "recording": str(trace.source)})
+        print(f"memory viz: {args.export_memory_viz} (the recording's events, the {name} model's final layout)",
+              file=sys.stderr)
     if args.export_instances:
+        from ms_memopt.core.placement import lower_bound
         from ms_memopt.io.traces.instances import write_instance
         from ms_memopt.io.traces.instances_events import trace_to_instances
 
-        write_instance(trace_to_instances(trace), args.export_instances)
+        buffers = trace_to_instances(trace)
+        write_instance(buffers, args.export_instances)
+        print(f"instances: {len(buffers):,} buffers (id,lower,upper,size; the peak of live bytes "
+              f"{format_size(lower_bound(buffers))}) written to {args.export_instances}; "
+              f"`ms-memopt pack {args.export_instances}` places them with their lifetimes known", file=sys.stderr)
 
     out = {"trace": trace.source, "format": trace.format, "capacity": capacity}
     out.update(result.to_dict())
+    out["allocator_reason"] = reason
+    out["capacity_reason"] = capacity_why
+    out["allocator_options"] = options
+    out["address_note"] = _address_note(result.address_match, name, recorded)
     out["oom_count"] = len(result.ooms)
     if isinstance(trace.meta.get("recorded"), dict):   # the recording's own figures (the Ascend profiler's)
         out["recorded"] = trace.meta["recorded"]
@@ -151,6 +175,21 @@ def _recorded_lines(rec: dict, out: dict) -> list[str]:
     return lines
 
 
+#: below this share of allocations at the recorded address, say why
+_LOW_MATCH = 0.9
+
+
+def _address_note(match: float | None, name: str, recorded) -> str | None:
+    """Why the address match is low, when the recording was placed by another model than ``name``
+    (the user's ``--allocator``): each allocator places blocks by its own rules, so the addresses
+    differ by design and the peaks and OOMs are the figures to compare."""
+    if match is None or match >= _LOW_MATCH or name == recorded.name:
+        return None
+    return (f"the recording was placed by {recorded.name} ({recorded.why}), not by {name}: each allocator "
+            f"places blocks by its own rules, so addresses are not expected to match; compare the peaks and OOMs "
+            f"(replay without --allocator replays through {recorded.name})")
+
+
 def _human(out: dict, result) -> str:
     kinds = {}
     for oom in result.ooms:
@@ -159,7 +198,9 @@ def _human(out: dict, result) -> str:
     lines = [
         f"trace            {out['trace']} ({out['format']}, {out['events']:,} events, {out['allocs']:,} allocs)",
         f"allocator        {out['allocator']}, capacity "
-        + (format_size(out['capacity']) if out['capacity'] is not None else "unbounded"),
+        + (format_size(out['capacity']) if out['capacity'] is not None else "unbounded")
+        + (f" ({out['capacity_reason']})" if out.get("capacity_reason") not in (None, "--capacity") else ""),
+        f"  chosen by      {out['allocator_reason']}",
         f"peak allocated   {format_size(out['peak_allocated'])}",
         f"peak reserved    {format_size(out['peak_reserved'])}",
         f"final allocated  {format_size(out['final_allocated'])}",
@@ -179,6 +220,7 @@ def _human(out: dict, result) -> str:
         f"address match    {_percent(out['address_match'])}"
         + ("" if out.get("final_layout_match") is None else
            f", final layout {'identical' if out['final_layout_match'] else 'differs'}"),
+        *([f"  why            {out['address_note']}"] if out.get("address_note") else []),
         "speed            " + (f"{out['events_per_s']:,.0f} events/s" if out['events_per_s'] else "n/a"),
     ]
     if out.get("recorded"):

@@ -21,9 +21,12 @@ with ``--fail-on-oom`` when a policy lets the job OOM.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import sys
 
 from ms_memopt.cli.simulate_job import add_job_arguments, run_jobs
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.units import format_size, parse_size
 
 __all__ = ["add_parser", "run"]
 
@@ -45,7 +48,8 @@ def add_parser(parser) -> None:
                         help="template only: one row per step, one column per dim (header: the dim names)")
     parser.add_argument("--export-events", default=None, metavar="OUT.jsonl",
                         help="template only: write the events with the model's addresses (JSONL)")
-    parser.add_argument("--capacity", default=None, metavar="SIZE", help="template only: the device capacity")
+    parser.add_argument("--capacity", default=None, metavar="SIZE",
+                        help="the device capacity per card, e.g. 80GiB (a recipe: overrides memopt.device.hbm)")
     parser.add_argument("--free-order", type=_free_order, default=None, metavar="K|all",
                         help="template only: simulate in the free order of entry K of the template's free_orders "
                              "(a calibration process's own; default: the most common); all: every order, one "
@@ -74,17 +78,31 @@ def run(args) -> int:
     if str(args.recipe).endswith(".template.json"):      # a learned step template (ms-memopt learn)
         from ms_memopt.cli.simulate_template import run as run_template
         return run_template(args)
-    for flag in ("schedule", "export_events", "capacity", "free_order", "free_order_from"):
+    for flag in ("schedule", "export_events", "free_order", "free_order_from"):
         if getattr(args, flag, None) is not None:
             raise InputError("only for a step template (MODEL.template.json, ms-memopt learn)"
-                             + ("; a recipe's capacity is memopt.device.hbm" if flag == "capacity" else
-                                "; a recipe names one as memopt.workload.schedule" if flag == "schedule" else ""),
+                             + ("; a recipe names one as memopt.workload.schedule" if flag == "schedule" else ""),
                              key="--" + flag.replace("_", "-"))
     if getattr(args, "keep_runtime_leak", False):
         raise InputError("only for a step template (MODEL.template.json, ms-memopt learn)", key="--keep-runtime-leak")
     from ms_memopt.config.recipe import load_recipe
 
-    return run_jobs(load_recipe(args.recipe), args)
+    recipe = load_recipe(args.recipe)
+    if args.capacity is not None:
+        recipe = with_capacity(recipe, parse_size(args.capacity, source="--capacity", positive=True))
+        print(f"capacity: {recipe.notes[-1]}", file=sys.stderr)
+    return run_jobs(recipe, args)
+
+
+def with_capacity(recipe, capacity: int):
+    """``recipe`` with its card's memory (``memopt.device.hbm``) set to ``capacity`` bytes
+    (``simulate --capacity``), and a note in ``recipe.notes`` saying what it replaced."""
+    was = recipe.capacity
+    device = dataclasses.replace(recipe.memopt.device, hbm=capacity)
+    note = (f"--capacity {format_size(capacity)} overrides memopt.device.hbm"
+            + (f" ({format_size(was)} in the recipe)" if was is not None else ""))
+    return dataclasses.replace(recipe, memopt=dataclasses.replace(recipe.memopt, device=device),
+                               notes=(*recipe.notes, note))
 
 
 

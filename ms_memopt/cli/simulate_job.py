@@ -17,7 +17,7 @@ from ms_memopt.core.units import format_size
 #: demo recipe takes ~1 ms, one of the 100B recipe ~20 ms, so 10**7 is minutes to hours, not days
 MAX_WORK = 10_000_000
 
-__all__ = ["MAX_WORK", "add_job_arguments", "configure_job", "dash", "parse_policies", "parse_stages", "run_jobs"]
+__all__ = ["MAX_WORK", "add_job_arguments", "configure_job", "compact_rule", "dash", "judged_figures", "parse_policies", "parse_stages", "run_jobs"]
 
 
 def add_job_arguments(parser) -> None:
@@ -44,6 +44,9 @@ def add_job_arguments(parser) -> None:
     parser.add_argument("--max-work", type=int, default=MAX_WORK, metavar="N",
                         help=f"refuse a job of more than N rank-steps (steps x ranks x policies x seeds; "
                              f"default {MAX_WORK:,}, about an hour on one core): the work is stated first")
+    parser.add_argument("--compact-every", type=int, default=None, metavar="N",
+                        help="the compact policy also compacts after the optimizer every N steps (default: "
+                             "memopt.compact_every; a template's one-card job: only when a scan warns)")
     parser.add_argument("--compact-trigger", default=None, metavar="forecast|margin",
                         help="what makes the compact policy compact at a scan: the forecast warns within a scan "
                              "interval (forecast), or the largest hole before the watched request falls below 1.5x "
@@ -119,7 +122,7 @@ def run_jobs(recipe, args, *, priced: bool = True) -> int:
     if out_dir is not None and priced:
         _write_timing(out_dir / "timing.json", results[0])
     if show is not None:
-        _write_shown_rank(jobs[0], first.view, out_dir, viz_paths, args)
+        _write_shown_rank(jobs[0], first.view, out_dir, viz_paths, args, results[0])
 
     if args.json:
         out = {"recipe": str(args.recipe), "steps": cfg.steps, "allocator": cfg.allocator,
@@ -164,12 +167,18 @@ def parse_stages(text: str | None) -> list[int] | None:
 
 
 def configure_job(job, recipe, args):
-    """Apply ``--allocator``, ``--allocator-option`` and ``--compact-trigger`` to a job's simulator settings."""
+    """Apply ``--allocator``, ``--allocator-option``, ``--compact-every`` and ``--compact-trigger`` to a job's
+    simulator settings."""
     from ms_memopt.allocators import MODELS
     from ms_memopt.allocators.options import parse_allocator_options
     from ms_memopt.simulation.simulate import COMPACT_TRIGGERS
 
     cfg = job.cfg
+    every = getattr(args, "compact_every", None)
+    if every is not None:
+        if every < 1:
+            raise InputError(f"expected a positive number of steps, got {every}", key="--compact-every")
+        cfg.compact_every = every
     trigger = getattr(args, "compact_trigger", None)
     if trigger is not None:
         if trigger not in COMPACT_TRIGGERS:
@@ -190,32 +199,62 @@ def configure_job(job, recipe, args):
     return job
 
 
-def _write_shown_rank(job, view, out_dir: Path | None, viz_paths: dict[str, Path], args) -> None:
+def _write_shown_rank(job, view, out_dir: Path | None, viz_paths: dict[str, Path], args, results=None) -> None:
     """What the job kept of the rank it is judged by (its first failing rank, or the closest call;
     :class:`~ms_memopt.simulation.job.ShowRank`): ``--out`` gets ``layouts.jsonl`` (its pool at each
-    policy's OOM or worst moment), ``report.md`` and ``fragmentation.png`` of that rank;
-    ``--export-memory-viz`` its placed events."""
+    policy's OOM or worst moment), ``simulation.json`` (that rank, the heading and the printed
+    table's figures: :mod:`ms_memopt.report.simulation_info`) and the report built from them, the
+    one ``ms-memopt report DIR`` writes too; ``--export-memory-viz`` its placed events, naming the
+    allocator model that placed them."""
     stream = view.stream if view is not None else job.streams[0]
+    name = Path(args.recipe).name
     if out_dir is not None:
-        from ms_memopt.report.plots import plot_fragmentation_timeline
         from ms_memopt.report.build import build_report
+        from ms_memopt.report.simulation_info import SimulationInfo, write_simulation_info
         from ms_memopt.io.layouts import write_layouts
-        name = Path(args.recipe).name
         where = f"rank {stream.rank} (stage {stream.stage}, seed {stream.seed})"
         write_layouts(out_dir / "layouts.jsonl", view.snapshots if view is not None else [])
-        build_report(out_dir, title=f"Simulation of {name}: {job.cfg.steps} steps, {len(job.streams)} rank streams",
-                     memory_map_title=f"{name}, {where}: the pool at each policy's OOM, or its worst moment")
-        # the report draws the first stream in the file; show the rank the job is judged by
-        plot_fragmentation_timeline(out_dir / "timeline.jsonl", out_dir / "fragmentation.png",
-                                    seed=stream.seed, title=f"{name}, {where}")
+        write_simulation_info(out_dir, SimulationInfo(
+            title=f"Simulation of {name}: {job.cfg.steps} steps, {len(job.streams)} rank streams",
+            recipe=str(args.recipe), steps=job.cfg.steps, ranks=len(job.streams), job_seed=job.seed,
+            shown={"rank": stream.rank, "stage": stream.stage, "seed": stream.seed,
+                   "policy": job.policies[0]},
+            memory_map_title=f"{name}, {where}: the pool at each policy's OOM, or its worst moment",
+            policies={policy: judged_figures(result) for policy, result in (results or {}).items()}))
+        build_report(out_dir)
     from ms_memopt.io.traces.memory_viz import write_memory_viz
+    options = {k: v for k, v in job.cfg.allocator_options.items() if k != "fast"}
     for policy, path in viz_paths.items():
         run = view.placed.get(policy) if view is not None else None
         if run is None:         # the policy never ran on this card (pool mode's regions do not fit)
             print(f"memory viz ({policy}): not written, the policy did not run on rank {stream.rank}", file=sys.stderr)
             continue
-        write_memory_viz(path, run.events, run.final)
-        print(f"memory viz ({policy}, rank {stream.rank}, seed {stream.seed}): {path}", file=sys.stderr)
+        # the model that placed the events (pool mode's own placements are replayed through the
+        # job's model: pool mode needs its regions from the plan)
+        write_memory_viz(path, run.events, run.final, recorded_by={
+            "source": "ms-memopt simulate", "allocator": job.cfg.allocator, "allocator_options": options,
+            "policy": policy, "recipe": str(args.recipe), "rank": stream.rank, "stage": stream.stage,
+            "seed": stream.seed, "job_seed": job.seed, "steps": job.cfg.steps, "capacity": job.cfg.capacity})
+        print(f"memory viz ({policy}, rank {stream.rank}, seed {stream.seed}, allocator {job.cfg.allocator}): {path}",
+              file=sys.stderr)
+
+
+def judged_figures(result) -> dict:
+    """The figures of one policy's row in simulate's table, and in its report
+    (:data:`ms_memopt.report.simulation_info.COLUMNS`; sizes in bytes): the job's OOM step, the
+    rank it is judged by (:attr:`~ms_memopt.simulation.job.JobResult.closest`) and that rank's
+    own figures, and the OOM steps over all ranks."""
+    d, judged = result.distribution(), result.closest
+    r = judged.result if judged else None
+    failed = result.first is not None
+    return {"seed": result.seed, "ranks": d["ranks"], "job_oom_step": result.job_oom_step,
+            "rank": judged.stream.rank if judged else None, "stage": judged.stream.stage if judged else None,
+            "rank_seed": judged.stream.seed if judged else None, "rank_failed": failed,
+            "oom_kind": r.oom_kind if r else None, "free_total_at_oom": r.free_total_at_oom if r else None,
+            "oom_ranks": d["oom_ranks"], "oom_step_median": d["oom_step_median"],
+            "largest_free_min": r.largest_free_min if r else None, "frag_ratio_max": r.frag_ratio_max if r else None,
+            "compactions": r.compactions if r else 0, "peak_allocated": r.peak_allocated if r else None,
+            "compactions_all_ranks": sum(o.result.compactions for o in result.outcomes)}
 
 
 def _write_timing(path: Path, results) -> None:
@@ -260,28 +299,49 @@ def _unpriced(figures: dict) -> None:
 
 
 def _print_table(results, policies, cfg, many: bool, *, priced: bool = True) -> None:
+    from ms_memopt.report.simulation_info import COLUMNS
+
     print(f"{cfg.steps} steps, allocator {cfg.allocator} {cfg.allocator_options or ''}, "
-          f"capacity {format_size(cfg.capacity)}, scan every {cfg.scan_every}, compact every {cfg.compact_every}")
+          f"capacity {format_size(cfg.capacity)}, scan every {cfg.scan_every}; {compact_rule(cfg)}")
     print(f"{'policy':<9} {'seed':>4} {'ranks':>5} {'job_oom':>7} {'rank':>5} {'stage':>5} {'oom_kind':<13} "
-          f"{'free@oom':>10} {'oom_ranks':>9} {'median':>7} {'lf_min':>10} {'compactions':>11} {'peak':>10}")
+          f"{'free@oom':>10} {'oom_ranks':>9} {'median':>7} {'lf_min':>10} {'frag_max':>8} {'compactions':>11} "
+          f"{'peak':>10}")
+    judged = {}
     for policy in policies:
         for job in results:
-            r = job[policy]
-            d, first = r.distribution(), r.closest
-            fr = first.result if first else None
-            print(f"{policy:<9} {r.seed:>4} {d['ranks']:>5} {dash(r.job_oom_step):>7} "
-                  f"{(first.stream.rank if r.first else '-')!s:>5} {(first.stream.stage if r.first else '-')!s:>5} "
-                  f"{((fr.oom_kind if fr else None) or '-'):<13} "
-                  f"{format_size(fr.free_total_at_oom if fr else None):>10} {d['oom_ranks']:>9} "
-                  f"{dash(d['oom_step_median']):>7} {format_size(fr.largest_free_min if fr else None):>10} "
-                  f"{(fr.compactions if fr else 0):>11} {format_size(fr.peak_allocated if fr else None):>10}")
+            f = judged_figures(job[policy])
+            judged.setdefault(policy, f)
+            failed = f["rank_failed"]
+            frag = "-" if f["frag_ratio_max"] is None else f"{f['frag_ratio_max']:.2f}"
+            print(f"{policy:<9} {f['seed']:>4} {f['ranks']:>5} {dash(f['job_oom_step']):>7} "
+                  f"{(f['rank'] if failed else '-')!s:>5} {(f['stage'] if failed else '-')!s:>5} "
+                  f"{(f['oom_kind'] or '-'):<13} {format_size(f['free_total_at_oom']):>10} {f['oom_ranks']:>9} "
+                  f"{dash(f['oom_step_median']):>7} {format_size(f['largest_free_min']):>10} {frag:>8} "
+                  f"{f['compactions']:>11} {format_size(f['peak_allocated']):>10}")
         if many:
             from ms_memopt.simulation.job import median_job_oom_step
             print(f"{policy:<9} median job_oom_step: {median_job_oom_step([job[policy] for job in results])}")
+    shown = "; ".join(f"{p}: rank {f['rank']}, stream seed {f['rank_seed']}" for p, f in judged.items()
+                      if f["rank"] is not None)
+    print(f"  rank..peak: the rank the job is judged by, its first failing rank ('-': every rank survived, the figures "
+          f"are the closest call's) [{shown}]")
+    print("  median: the median OOM step over all ranks (a survivor counts as later; '-': fewer than half fail); "
+          "lf_min, frag_max: that rank's smallest largest-free block and worst frag ratio (docs/simulation.md)")
     if priced:
         _print_timing(results, policies)
     else:
         print(f"time model: not priced ({UNPRICED})")
+
+
+def compact_rule(cfg) -> str:
+    """When the ``compact`` policy compacts, in words: its cadence, and the scans that warn."""
+    if cfg.compact_trigger == "forecast":
+        warned = f"at a scan whose forecast sees the watched request stop fitting within {cfg.forecast_horizon} steps"
+    else:
+        warned = (f"at a scan after the largest hole before the watched request fell below "
+                  f"{1 + cfg.watch_margin:g}x it")
+    every = f"every {cfg.compact_every} steps and " if cfg.compact_every else ""
+    return f"compact policy: compacts {every}{warned}"
 
 
 def _pct(value) -> str:

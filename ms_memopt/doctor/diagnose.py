@@ -15,14 +15,19 @@ every address), so one recording answers three questions:
    compaction planner's rule), or, at a capacity, the blocks that pin whole segments (emptied,
    they go back to the device and a new segment of the request's size fits). So every listed
    block is one that matters. Long-lived blocks between transient ones are flagged.
-3. **Remedies.** The same recording replayed under each setting of the recorded allocator
-   family (PyTorch/torch_npu: ``expandable_segments``, ``max_split_size_mb``,
-   ``garbage_collection_threshold``, ``roundup_power2_divisions``; MindSpore: VMM,
-   ``increase_size``, a pre-grown ``init_size``, ``empty_cache`` at the step ends) and the
-   project's policies (compaction at the step ends, pool mode), ranked by survival at
-   ``capacity``, then peak reserved without a capacity (what the setting saves), then the worst
-   frag ratio; each with the line to set, the
-   slow-path events it went through, and whether its model is address-verified.
+3. **Remedies** (:mod:`~ms_memopt.doctor.remedies`). The same recording replayed under each
+   setting of its allocator family, in that family's terms (PyTorch: ``PYTORCH_CUDA_ALLOC_CONF``;
+   torch_npu: ``PYTORCH_NPU_ALLOC_CONF``; MindSpore: ``MS_ALLOC_CONF`` VMM, ``increase_size``, a
+   pre-grown ``init_size``, ``empty_cache`` at the step ends, and the project's compaction and
+   pool mode), ranked by survival at ``capacity``, then peak reserved without a capacity, then
+   the worst frag ratio; each with the line to set, the slow-path events it went through, and
+   whether its model is address-verified. :attr:`Diagnosis.summary` says plainly which setting
+   saves the run, or that none does and what would. Under verdict ``none`` nothing is replayed:
+   nothing needs saving.
+
+The model is the one that recorded the trace (:func:`~ms_memopt.replay.replay.recorded_allocator`:
+the model our exports name, PyTorch's for its snapshots, MindSpore's pools for theirs), with the
+options it recorded; ``allocator_why`` says what decided it.
 
 :func:`compare` puts two recordings side by side (``ms-memopt doctor A B``).
 
@@ -41,8 +46,10 @@ Example: one 90 MiB segment cut in three, the middle tensor kept, then a 40 MiB 
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -50,20 +57,20 @@ import numpy as np
 from ms_memopt.allocators import create
 from ms_memopt.allocators.base import AllocatorModel
 from ms_memopt.analysis.compaction.planner import cheapest_window
+from ms_memopt.analysis.estimate import estimate
+from ms_memopt.config.recipe import load_recipe
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Trace
 from ms_memopt.core.layout import Layout
 from ms_memopt.core.metrics import frag_ratio
 from ms_memopt.core.units import format_size
-from ms_memopt.replay.replay import ReplayResult, default_allocator, replay
+from ms_memopt.doctor.remedies import Remedy, SkippedSetting, family_of_model, measure_remedies, remedy_settings, summary
+from ms_memopt.replay.replay import ReplayResult, recorded_allocator, replay
 
-__all__ = ["Verdict", "Blocker", "Remedy", "Diagnosis", "Comparison", "diagnose", "compare", "remedy_settings"]
+__all__ = ["Verdict", "Blocker", "Diagnosis", "Comparison", "diagnose", "compare"]
 
 #: a blocker lives this many times longer than the median allocation: long-lived
 LONG_LIVED_FACTOR = 10
-#: the models whose addresses were checked against real recordings (docs/verified.md) with
-#: their default options; every other setting follows the allocator's source only
-_VERIFIED = {("torch", ()), ("mindspore-bestfit", ())}
 
 
 @dataclass
@@ -106,31 +113,6 @@ class Blocker:
 
 
 @dataclass
-class Remedy:
-    """One setting replayed over the recording; ``line`` is what to set."""
-
-    setting: str
-    line: str
-    allocator: str
-    options: dict
-    peak_reserved: int
-    #: the peak without a capacity: what the setting saves (equal to ``peak_reserved`` when unbounded)
-    peak_reserved_unbounded: int
-    oom_count: int
-    slow_path_events: int
-    frag_ratio_max: float | None
-    survives: bool
-    verified: bool
-    note: str = ""
-    timeline: list[tuple[int, int, int, float | None]] = field(default_factory=list, repr=False)
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("timeline")
-        return out
-
-
-@dataclass
 class Diagnosis:
     """Everything ``ms-memopt doctor`` reports about one recording."""
 
@@ -147,78 +129,25 @@ class Diagnosis:
     peak_reserved: int
     window_bytes: int | None = None          # bytes the cheapest window would move
     layout: Layout | None = field(default=None, repr=False)
+    #: what decided ``allocator`` (the recording names it, a PyTorch snapshot, ``--allocator``, ...)
+    allocator_why: str = ""
+    #: the recorded allocator's options the replays start from
+    allocator_options: dict = field(default_factory=dict)
+    #: settings of the family not tried on this recording, and why
+    skipped: list[SkippedSetting] = field(default_factory=list)
+    #: one plain sentence: which setting saves the run, or that none does and what would
+    summary: str = ""
+    #: what decided ``capacity`` (set by the command: ``--capacity``, the recording's card, ...)
+    capacity_why: str = ""
 
     def to_dict(self) -> dict:
         return {"trace": self.trace, "format": self.format, "family": self.family, "allocator": self.allocator,
+                "allocator_why": self.allocator_why, "allocator_options": self.allocator_options,
                 "capacity": self.capacity, "events": self.events, "peak_allocated": self.peak_allocated,
                 "peak_reserved": self.peak_reserved, "verdict": asdict(self.verdict),
                 "blockers": [asdict(b) for b in self.blockers], "window_bytes": self.window_bytes,
-                "remedies": [r.to_dict() for r in self.remedies]}
-
-
-# --- the settings per family --------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Setting:
-    setting: str
-    line: str
-    allocator: str
-    options: tuple = ()
-    policy: str = "baseline"          # or "compact", "pool", "empty_cache"
-    note: str = ""
-
-
-def _family(trace: Trace) -> str:
-    return "torch" if default_allocator(trace) == "torch" else "mindspore"
-
-
-def _gb(nbytes: int) -> str:
-    return f"{nbytes / 2**30:g}GB"
-
-
-def remedy_settings(trace: Trace, *, capacity: int | None, allocator: str | None = None) -> list[_Setting]:
-    """The settings :func:`diagnose` replays, the recorded one first (``"baseline"``)."""
-    base = allocator or default_allocator(trace)
-    steps = any(e.action == "step" for e in trace.events)
-    out = [_Setting("baseline", "(as recorded)", base)]
-    if _family(trace) == "torch":
-        var = "PYTORCH_NPU_ALLOC_CONF" if trace.format == "msmemscope" else "PYTORCH_CUDA_ALLOC_CONF"
-        out.append(_Setting("expandable_segments:True", f"export {var}=expandable_segments:True", "torch-expandable"))
-        for mb in (64, 128, 256, 512):
-            out.append(_Setting(f"max_split_size_mb:{mb}", f"export {var}=max_split_size_mb:{mb}", "torch",
-                                (("max_split_size_mb", mb),)))
-        if capacity is not None:
-            for fraction in (0.6, 0.8):
-                out.append(_Setting(f"garbage_collection_threshold:{fraction}",
-                                    f"export {var}=garbage_collection_threshold:{fraction} (with "
-                                    "torch.cuda.set_per_process_memory_fraction, which it needs)", "torch",
-                                    (("garbage_collection_threshold", fraction),)))
-        for divisions in (4, 8):
-            out.append(_Setting(f"roundup_power2_divisions:{divisions}",
-                                f"export {var}=roundup_power2_divisions:{divisions}", "torch",
-                                (("roundup_power2_divisions", divisions),)))
-    else:
-        out.append(_Setting("enable_vmm:True", 'export MS_ALLOC_CONF="enable_vmm:True"', "mindspore-vmm",
-                            note="Ascend with a driver >= 24.0.0 (the 2.10 default on 910B/910_93)"))
-        for size in (256 << 20, 512 << 20, 2 << 30, 4 << 30):
-            out.append(_Setting(f"increase_size={format_size(size)}",
-                                f'ms.runtime.set_memory(increase_size="{_gb(size)}")  # with your other arguments',
-                                base, (("increase_size", size),)))
-        if capacity is not None:
-            out.append(_Setting(f"init_size={format_size(capacity)} (pre-grown)",
-                                f'ms.runtime.set_memory(init_size="{_gb(capacity)}")  # in the launch script, before '
-                                "the first tensor", base, (("pregrow", True),)))
-        if steps:
-            out.append(_Setting("empty_cache at the step ends", "ms.runtime.empty_cache() after each step", base,
-                                policy="empty_cache",
-                                note="MindSpore 2.10's best-fit Ascend pool only warns; under VMM it unmaps idle pages"))
-    if steps:
-        out.append(_Setting("compaction at the step ends", "CompactionCallback(every=1) (ms_memopt.mindspore; on "
-                            "Ascend it moves only what ms-memopt owns, docs/compaction.md)", base, policy="compact"))
-    if capacity is not None:
-        out.append(_Setting("pool mode", "enable_pool_mode(net, optimizer, checkpoint_every=k) (ms_memopt.mindspore)",
-                            "pool", policy="pool", note="regions sized from this recording: a best case"))
-    return out
+                "remedies": [r.to_dict() for r in self.remedies], "summary": self.summary,
+                "skipped": [asdict(s) for s in self.skipped]}
 
 
 # --- the replays --------------------------------------------------------------------------------
@@ -252,37 +181,8 @@ class _GrowthWatch:
         return addr
 
 
-def _run(trace: Trace, setting: _Setting, capacity: int | None) -> ReplayResult:
-    options = dict(setting.options)
-    if setting.policy in ("compact", "pool"):
-        from ms_memopt.replay.whatif import replay_policy
-
-        return replay_policy(trace, setting.policy, allocator=setting.allocator, capacity=capacity, options=options)
-    timeline: list = []
-    model = create(setting.allocator, capacity, fast=False, **options)
-    on_step = None
-    if setting.policy == "empty_cache":
-        def on_step(step: int, current: AllocatorModel, addresses: dict) -> AllocatorModel:
-            current.empty_cache()
-            return current
-    result = replay(trace, model, on_step=on_step,
-                    on_sample=lambda index, m: timeline.append((index, m.free_total, m.largest_free, m.frag_ratio)))
-    result.policy = {"timeline": timeline}
-    return result
-
-
-def _remedy(setting: _Setting, result: ReplayResult, unbounded: ReplayResult) -> Remedy:
-    timeline = (result.policy or {}).get("timeline", [])
-    return Remedy(setting=setting.setting, line=setting.line, allocator=setting.allocator,
-                  options=dict(setting.options), peak_reserved=result.peak_reserved,
-                  peak_reserved_unbounded=unbounded.peak_reserved, oom_count=len(result.ooms),
-                  slow_path_events=result.slow_path_events, frag_ratio_max=result.frag_ratio_max,
-                  survives=not result.ooms, verified=(setting.allocator, setting.options) in _VERIFIED
-                  and setting.policy == "baseline", note=setting.note, timeline=timeline)
-
-
-def _verdict(trace: Trace, base: str, capacity: int | None) -> tuple[Verdict, ReplayResult]:
-    model = create(base, capacity, fast=False)
+def _verdict(trace: Trace, base: str, capacity: int | None, options: dict) -> tuple[Verdict, ReplayResult]:
+    model = create(base, capacity, fast=False, **options)
     watch = _GrowthWatch(model, trace)
     result = replay(trace, model)
     if result.ooms:
@@ -307,10 +207,11 @@ def _verdict(trace: Trace, base: str, capacity: int | None) -> tuple[Verdict, Re
                    index, reserved, allocated, text), result
 
 
-def _blockers(trace: Trace, base: str, capacity: int | None, verdict: Verdict) -> tuple[list[Blocker], int | None, Layout | None]:
+def _blockers(trace: Trace, base: str, capacity: int | None, verdict: Verdict,
+              options: dict) -> tuple[list[Blocker], int | None, Layout | None]:
     if verdict.event is None or verdict.request is None or verdict.kind != "fragmentation":
         return [], None, None        # a capacity failure: moving blocks would not make room
-    before = replay(trace, create(base, capacity, fast=False), stop=verdict.event, sample_every=0)
+    before = replay(trace, create(base, capacity, fast=False, **options), stop=verdict.event, sample_every=0)
     layout, ids = before.final_layout, before.live_ids
     request = max(512, (verdict.request + 511) // 512 * 512)
     best = None
@@ -327,11 +228,13 @@ def _blockers(trace: Trace, base: str, capacity: int | None, verdict: Verdict) -
         moved = [b for b, t in zip(live, targets.tolist()) if t != b.addr]
         if best is None or cost < best[0]:
             best = (cost, moved, live)
-    if verdict.failed and capacity is not None:
+    if not verdict.failed or capacity is not None:
         # Free memory spread over segments that never merge: the blocks that pin whole segments.
         # Emptied, a segment goes back to the device, and with what is not reserved yet a new
         # one of the request's size fits. Segments with the fewest live bytes per byte first.
-        need = request - max(capacity - layout.reserved, 0)
+        # Where the pool grew instead of failing, the card that dies there has nothing left
+        # beyond what is reserved: the blocks it would have had to move.
+        need = request - (max(capacity - layout.reserved, 0) if verdict.failed else 0)
         pinned = sorted((s for s in layout.segments if any(b.live for b in s.blocks)),
                         key=lambda s: (sum(b.size for b in s.blocks if b.live) / s.size, s.addr))
         chosen, gained = [], 0
@@ -394,7 +297,8 @@ def diagnose(trace: Trace, *, capacity: int | None = None, allocator: str | None
         trace: the recording (any format ``replay`` reads).
         capacity: device memory the pool may reserve, bytes; ``None``: unbounded (every
             setting then survives, and the ranking is by peak reserved).
-        allocator: the recorded allocator's model (default: the one that recorded it).
+        allocator: the recorded allocator's model (default: the one that recorded it,
+            :func:`~ms_memopt.replay.replay.recorded_allocator`); its family's settings are tried.
         progress: called with each setting's name before it is replayed.
 
     Raises:
@@ -402,31 +306,67 @@ def diagnose(trace: Trace, *, capacity: int | None = None, allocator: str | None
     """
     if capacity is not None and capacity <= 0:
         raise InputError(f"expected a positive capacity, got {capacity}", key="--capacity")
-    base = allocator or default_allocator(trace)
-    verdict, baseline_result = _verdict(trace, base, capacity)
-    blockers, window, layout = _blockers(trace, base, capacity, verdict)
-    remedies = []
-    for setting in remedy_settings(trace, capacity=capacity, allocator=base):
-        if progress is not None:
-            progress(setting.setting)
-        try:
-            result = _run(trace, setting, capacity)
-            # what the setting saves is its peak without a card's limit (at the capacity every
-            # failing setting peaks at the capacity); pool mode needs the capacity to size regions
-            unbounded = result if capacity is None or setting.policy == "pool" or "pregrow" in dict(setting.options) \
-                else _run(trace, setting, None)
-        except (InputError, NotImplementedError, ValueError) as exc:  # e.g. pool regions larger than the card
-            remedies.append(Remedy(setting.setting, setting.line, setting.allocator, dict(setting.options), 0, 0, 0, 0,
-                                   None, False, False, note=f"not measured: {exc}"))
-            continue
-        remedies.append(_remedy(setting, result, unbounded))
-    measured = [r for r in remedies if not r.note.startswith("not measured")]
-    remedies = sorted(measured, key=lambda r: (not r.survives, r.peak_reserved_unbounded, r.frag_ratio_max or 0.0)) + \
-        [r for r in remedies if r.note.startswith("not measured")]
-    return Diagnosis(trace=trace.source, format=trace.format, family=_family(trace), allocator=base,
+    recorded = recorded_allocator(trace)
+    if allocator is None or allocator == recorded.name:
+        base, options = recorded.name, recorded.options_for(capacity)
+        why = recorded.why if allocator is None else f"--allocator (as recorded: {recorded.why})"
+    else:
+        base, options, why = allocator, {}, f"--allocator (the recording's own: {recorded.name}, {recorded.why})"
+    family = family_of_model(base)
+    if family == "torch" and (trace.format == "msmemscope" or trace.meta.get("framework") == "torch_npu"):
+        family = "torch_npu"            # torch_npu's allocator is PyTorch's, set through its own variable
+    if progress is not None:
+        progress("the recording as recorded")
+    verdict, baseline_result = _verdict(trace, base, capacity, options)
+    blockers, window, layout = _blockers(trace, base, capacity, verdict, options)
+    remedies: list[Remedy] = []
+    skipped: list[SkippedSetting] = []
+    if verdict.kind == "none":
+        text = ("nothing needs saving: no request failed"
+                + (f" at {format_size(capacity)}" if capacity is not None else "")
+                + ", and the pool never grew while its free memory would have held the request")
+    else:
+        settings, skipped = remedy_settings(trace, capacity=capacity, allocator=base, options=options, family=family)
+        remedies = measure_remedies(trace, settings, capacity=capacity, progress=progress)
+        text = summary(remedies, capacity, needs=_plan_needs(trace, capacity))
+    return Diagnosis(trace=trace.source, format=trace.format, family=family, allocator=base,
                      capacity=capacity, events=len(trace.events), verdict=verdict, blockers=blockers,
                      remedies=remedies, peak_allocated=baseline_result.peak_allocated,
-                     peak_reserved=baseline_result.peak_reserved, window_bytes=window, layout=layout)
+                     peak_reserved=baseline_result.peak_reserved, window_bytes=window, layout=layout,
+                     allocator_why=why, allocator_options=options, skipped=skipped, summary=text)
+
+
+def _plan_needs(trace: Trace, capacity: int | None) -> str | None:
+    """What the plan of the recipe a simulated recording names says a card needs (``ms-memopt
+    plan``), when the recording names one and it can be read here; else ``None``."""
+    by = trace.meta.get("recorded_by")
+    recipe = by.get("recipe") if isinstance(by, dict) else None
+    if capacity is None or not isinstance(recipe, str) or not recipe.endswith((".yaml", ".yml")):
+        return None
+    if not Path(recipe).is_file():
+        return f"`ms-memopt plan {recipe} --capacity {_gb(capacity)}` says what a card needs (the recipe is not here)"
+    try:
+        loaded = load_recipe(recipe)
+        device = dataclasses.replace(loaded.memopt.device, hbm=capacity)
+        plan = estimate(dataclasses.replace(loaded, memopt=dataclasses.replace(loaded.memopt, device=device)))
+    except InputError as exc:
+        return f"`ms-memopt plan {recipe}` could not be read ({exc})"
+    worst = plan.worst
+    text = (f"`ms-memopt plan {recipe} --capacity {_gb(capacity)}` puts stage {worst.stage} at "
+            f"{format_size(worst.total)} per card")
+    if plan.fits:
+        return text + ", which fits: the loss is the pool's fragmentation, which pool mode's regions avoid"
+    if plan.checkpoint_every is not None:
+        return (text + f", more than the card; with activation checkpointing every {plan.checkpoint_every} "
+                "layers (memopt.checkpoint_every, pool mode's regions) it fits")
+    return text + ", more than the card, and no checkpointing interval fits: more cards (a larger split) or a larger card"
+
+
+def _gb(nbytes: int) -> str:
+    """A size as ``--capacity`` takes it: ``80GiB``, ``7.5MiB``."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.4g}GiB"
+    return f"{nbytes / 2**20:.4g}MiB"
 
 
 # --- two recordings -----------------------------------------------------------------------------
@@ -483,7 +423,8 @@ def compare(a: Trace, b: Trace, *, capacity: int | None = None, moments: int = 8
 
     def overheads(trace: Trace) -> list[tuple[int, int, int, int, float | None]]:
         samples: list = []
-        replay(trace, create(default_allocator(trace), capacity),
+        recorded = recorded_allocator(trace)
+        replay(trace, create(recorded.name, capacity, **recorded.options_for(capacity)),
                on_sample=lambda i, m: samples.append((i, m.reserved, m.allocated, m.largest_free, m.frag_ratio)))
         return samples
 

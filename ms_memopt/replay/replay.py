@@ -25,13 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ms_memopt.allocators import MODELS, create
+from ms_memopt.allocators import MODELS
 from ms_memopt.allocators.base import AllocatorModel, OOMRecord
+from ms_memopt.allocators.options import OPTION_TYPES
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import DEVICE_ADDRESS_LIMIT, Layout
 from ms_memopt.core.metrics import LayoutMetrics, frag_ratio, measure
-from ms_memopt.replay.loop import drive
+from ms_memopt.replay.loop import drive, drive_chunks
 
 __all__ = ["ReplayResult", "replay", "sample_metrics", "placed_events", "same_layout", "check_bounds", "default_allocator", "recorded_allocator", "RecordedAllocator", "DEVICE_ADDRESS_LIMIT"]
 
@@ -85,6 +86,18 @@ class RecordedAllocator:
     name: str
     options: dict = field(default_factory=dict)
     why: str = ""
+    #: the card's memory the recording ran with (bytes), when it says
+    capacity: int | None = None
+
+    def options_for(self, capacity: int | None) -> dict:
+        """The recorded options for a replay at ``capacity``: a pool pre-grown to the card
+        (``pregrow``) replayed without a capacity keeps the card it recorded
+        (``init_size`` = the recorded capacity)."""
+        options = dict(self.options)
+        if options.get("pregrow") and capacity is None and self.capacity:
+            options.pop("pregrow")
+            options["init_size"] = self.capacity
+        return options
 
 
 def recorded_allocator(trace: Trace) -> RecordedAllocator:
@@ -108,24 +121,38 @@ def recorded_allocator(trace: Trace) -> RecordedAllocator:
         options = trace.meta.get("allocator_options")
         options = dict(options) if isinstance(options, dict) else {}
         by = trace.meta.get("recorded_by")
-        writer = (by.get("source") if isinstance(by, dict) else None) or trace.meta.get("source") or "its writer"
+        by = by if isinstance(by, dict) else {}
+        writer = by.get("source") or trace.meta.get("source") or "its writer"
+        capacity = by.get("capacity") if isinstance(by.get("capacity"), int) and by["capacity"] > 0 else None
         if named in MODELS and named != "pool":
-            try:
-                create(named, None, fast=False, **options)
-            except (InputError, TypeError, ValueError) as exc:
-                note = f"; it names {named} with options this model does not take ({exc})"
-            else:
-                return RecordedAllocator(named, options, f"the recording names it ({writer})")
+            unknown = sorted(set(options) - set(OPTION_TYPES.get(named, {})))
+            if not unknown:
+                return RecordedAllocator(named, options, f"the recording names it ({writer})", capacity)
+            note = f"; it names {named} with an option the model does not take ({unknown[0]})"
         else:
             note = f"; it names {named!r}, which is no model to replay through"
-    if trace.format in ("torch-snapshot", "msmemscope"):
-        return RecordedAllocator("torch", {}, ("a PyTorch snapshot" if trace.format == "torch-snapshot"
-                                               else "a torch_npu msMemScope file") + note)
+    if trace.format == "torch-snapshot":
+        return _snapshot_allocator(trace.meta, note)
+    if trace.format == "msmemscope":
+        return RecordedAllocator("torch", {}, "a torch_npu msMemScope file" + note)
     if trace.format == "ascend-profiler":
         return _profiler_allocator(trace.meta, note)
     if trace.meta.get("pool") == "DynamicMemPoolBestFit":
         return RecordedAllocator("mindspore-bestfit", {}, "MindSpore's CPU pool (DynamicMemPoolBestFit) wrote it" + note)
     return RecordedAllocator("mindspore", {}, "the recording names no allocator: MindSpore's default pool" + note)
+
+
+def _snapshot_allocator(meta: dict, note: str) -> RecordedAllocator:
+    """A PyTorch-format snapshot's model from what the reader found in it
+    (:mod:`~ms_memopt.io.traces.torch_origin`): torch_npu's or PyTorch's, with or without
+    expandable segments, and the evidence as the reason."""
+    npu = meta.get("framework") == "torch_npu"
+    expandable = meta.get("expandable_segments") is True
+    name = ("torch-npu" if npu else "torch") + ("-expandable" if expandable else "")
+    evidence = [meta.get("framework_evidence") if npu else None, meta.get("expandable_evidence") if expandable else None]
+    why = ("a torch_npu snapshot" if npu else "a PyTorch snapshot") + (
+        ": " + "; ".join(e for e in evidence if e) if any(evidence) else "")
+    return RecordedAllocator(name, {}, why + note)
 
 
 def _profiler_allocator(meta: dict, note: str) -> RecordedAllocator:
@@ -174,15 +201,23 @@ def check_bounds(trace: Trace) -> None:
             if not _STREAM_MIN <= seg.stream <= _STREAM_MAX:
                 raise InputError(f"recorded initial state, segment {number}: stream {seg.stream} is not a 64-bit "
                                  f"signed integer", source=trace.source)
-    for index, event in enumerate(trace.events):
+    if isinstance(trace.events, list):      # a stream is checked chunk by chunk as it is read
+        check_events(trace.events, 0, trace.source)
+
+
+def check_events(events: list, offset: int, source: str) -> None:
+    """:func:`check_bounds` of ``events``, the stream's events from index ``offset`` on."""
+    limit = DEVICE_ADDRESS_LIMIT
+    bound = "is beyond any device (sizes and addresses end below 2**48 bytes, 256 TiB)"
+    for index, event in enumerate(events, start=offset):
         size, addr = event.size or 0, event.addr or 0
-        ident = "" if event.id is None else f", id {event.id}"
-        if size >= limit or addr + size > limit:
-            what = f"size {size}" if size >= limit else f"address {addr:#x} + size {size}"
-            raise InputError(f"event {index} ({event.action}{ident}): {what} {bound}", source=trace.source)
-        if not _STREAM_MIN <= (event.stream or 0) <= _STREAM_MAX:
+        if size >= limit or addr + size > limit or not _STREAM_MIN <= (event.stream or 0) <= _STREAM_MAX:
+            ident = "" if event.id is None else f", id {event.id}"
+            if size >= limit or addr + size > limit:
+                what = f"size {size}" if size >= limit else f"address {addr:#x} + size {size}"
+                raise InputError(f"event {index} ({event.action}{ident}): {what} {bound}", source=source)
             raise InputError(f"event {index} ({event.action}{ident}): stream {event.stream} is not a 64-bit "
-                             f"signed integer (device streams are small numbers)", source=trace.source)
+                             f"signed integer (device streams are small numbers)", source=source)
 
 
 def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = None,
@@ -211,6 +246,9 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
     """
     return _replay(trace, model, sample_every=sample_every, on_sample=on_sample, on_step=on_step, stop=stop)
 
+
+#: samples of a streamed trace (its length is not known before it ends): every this many events
+STREAM_SAMPLE_EVERY = 1 << 16
 
 #: models whose ``largest_free()`` is not the largest hole of their layout (the VMM model's is its
 #: largest free virtual range, mapped or not): their samples measure the layout
@@ -253,8 +291,11 @@ def _replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = N
     """:func:`replay`, with the loop's ``on_alloc``/``on_free`` hooks (:func:`~ms_memopt.replay.loop.drive`)."""
     check_bounds(trace)
     events = trace.events
+    # a trace read as a stream (an iterable, not a list: replay of a pool log of gigabytes) runs
+    # chunk by chunk, so memory holds one chunk of events and the model, never the whole trace
+    streamed = not isinstance(events, list)
     if sample_every is None:
-        sample_every = max(1, len(events) // 200)
+        sample_every = STREAM_SAMPLE_EVERY if streamed else max(1, len(events) // 200)
     address_of: dict[int, int] = {}
     if trace.initial is not None:
         model.restore(trace.initial)
@@ -274,8 +315,15 @@ def _replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = N
         def policy(index: int, event: Event, current: AllocatorModel) -> AllocatorModel:
             return on_step(event.step or 0, current, address_of)
 
-    run = drive(events, model, stop=stop, addr_of=address_of, on_step=policy, on_alloc=on_alloc,
-                on_free=on_free, sample_every=sample_every, on_sample=sample)
+    if streamed:
+        run = drive_chunks(events, model, stop=stop, addr_of=address_of, on_step=policy, on_alloc=on_alloc,
+                           on_free=on_free, sample_every=sample_every, on_sample=sample,
+                           check=lambda part, offset: check_events(part, offset, trace.source))
+        total = run.stopped_at
+    else:
+        run = drive(events, model, stop=stop, addr_of=address_of, on_step=policy, on_alloc=on_alloc,
+                    on_free=on_free, sample_every=sample_every, on_sample=sample)
+        total = len(events)
     model, count = run.model, run.stopped_at
     model_seconds, cpu_seconds = run.seconds, run.cpu_seconds
     allocs, samples = run.allocs, run.samples
@@ -286,7 +334,7 @@ def _replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = N
         frag_max = end.frag_ratio
     return ReplayResult(
         allocator=model.name,
-        events=len(events),
+        events=total,
         allocs=allocs,
         peak_allocated=model.peak_allocated,
         peak_reserved=model.peak_reserved,
@@ -299,11 +347,11 @@ def _replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = N
         frag_ratio_end=end.frag_ratio,
         frag_ratio_max=frag_max,
         address_match=run.address_match,
-        events_per_s=len(events) / model_seconds if model_seconds > 0 else float("inf"),
+        events_per_s=total / model_seconds if model_seconds > 0 else float("inf"),
         samples=samples,
-        cpu_events_per_s=len(events) / cpu_seconds if cpu_seconds > 0 else float("inf"),
+        cpu_events_per_s=total / cpu_seconds if cpu_seconds > 0 else float("inf"),
         final_layout=final_layout,
-        final_layout_match=None if trace.final is None or count < len(events) else same_layout(final_layout, trace.final),
+        final_layout_match=None if trace.final is None or count < total else same_layout(final_layout, trace.final),
         live_ids={addr: ident for ident, addr in address_of.items()},
         slow_path_events=model.slow_path_events,
     )

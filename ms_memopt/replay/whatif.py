@@ -122,13 +122,16 @@ def replay_policy(trace: Trace, policy: str, *, allocator: str, capacity: int | 
                          "with a LayoutScanCallback (ms-memopt record writes its step marks)", key="--policy")
     from ms_memopt.analysis.compaction.model import compact_model
 
+    # the compacted layout brings its pool blocks along: a fresh model must not pre-grow its own
+    # on top of them (as the simulator's compaction, simulation.simulate)
+    regrown = {k: v for k, v in options.items() if k not in ("pregrow", "init_size")}
     stats = {"name": "compact", "every": compact_every, "compactions": 0, "bytes_moved": 0,
              "frag_before_max": None, "frag_after_max": None}
 
     def at_step(step: int, current: AllocatorModel, addr_of: dict[int, int]) -> AllocatorModel:
         if step % compact_every:
             return current
-        new, before, after, moves = compact_model(current, addr_of, lambda: create(allocator, capacity, **options))
+        new, before, after, moves = compact_model(current, addr_of, lambda: create(allocator, capacity, **regrown))
         stats["compactions"] += 1
         stats["bytes_moved"] += sum(m.size for m in moves)
         for key, layout in (("frag_before_max", before), ("frag_after_max", after)):

@@ -10,6 +10,8 @@ directory and uses what it finds:
 ``timeline.jsonl``          a simulation (``ms-memopt simulate --out``): samples per policy
 ``layouts.jsonl``           pool layouts at chosen steps (:func:`layout_to_dict`), for the memory map
 ``plan.json``               an estimate (``ms-memopt plan --json``), for the region budget bars
+``simulation.json``         what simulate decided (:mod:`ms_memopt.report.simulation_info`): the
+                            heading, the rank the figures show, the printed table's figures
 ==========================  ====================================================================
 
 and writes ``report.md`` plus ``fragmentation.png`` (the timeline plot of
@@ -34,6 +36,7 @@ from ms_memopt.core.units import format_size
 from ms_memopt.io.layouts import read_layouts
 from ms_memopt.report.memory_map import plot_memory_map
 from ms_memopt.report.plots import plot_fragmentation_timeline, plot_loss, plot_region_budget, plot_scan_timeline
+from ms_memopt.report.simulation_info import COLUMNS, SimulationInfo, read_simulation_info
 
 __all__ = ["build_report", "doctor_hint", "REPORT_NAME"]
 
@@ -172,8 +175,10 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
 
     Args:
         directory: a run's ``--out``, a simulation's ``--out`` or a directory with both.
-        title: the report's heading.
+        title: the report's heading (default: simulate's, from ``simulation.json``, else
+            ``ms-memopt report: <directory name>``).
         plan: an estimate dict (``plan --json``); default: ``plan.json`` in the directory.
+        memory_map_title: the memory map's title (default: simulate's, else the directory's name).
 
     Raises:
         InputError: not a directory, nothing to report on, or a malformed log (file and line).
@@ -181,6 +186,10 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
     root = Path(directory)
     if not root.is_dir():
         raise InputError("not a directory", source=str(root))
+    info = read_simulation_info(root)
+    if info is not None:        # what simulate decided: the same report whichever command writes it
+        title = title or info.title
+        memory_map_title = memory_map_title or info.memory_map_title
     lines = [f"# {title or 'ms-memopt report: ' + root.name}", ""]
     found = False
     problems: list[str] = []
@@ -263,7 +272,7 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
     # a simulation
     if timeline.is_file():
         found = True
-        lines += _simulation_section(root, timeline, problems, title or root.name)
+        lines += _simulation_section(root, timeline, problems, title or root.name, info)
 
     # layouts
     snapshots = read_layouts(root)
@@ -324,7 +333,30 @@ def _oom_text(ooms: dict, job: bool, shown: int = 5) -> str:
     return text + (f"; {len(items) - shown} more ranks" if len(items) > shown else "")
 
 
-def _simulation_section(root: Path, timeline: Path, problems: list[str], title: str) -> list[str]:
+def _judged_table(info: SimulationInfo) -> list[str]:
+    """simulate's printed table, from the figures it wrote (``simulation.json``): the same numbers."""
+    rows = []
+    for policy, f in info.policies.items():
+        failed = f.get("rank_failed")
+        rows.append([policy, f.get("seed"), f.get("ranks"), "-" if f.get("job_oom_step") is None else f["job_oom_step"],
+                     f"{f.get('rank')}{'' if failed else ' (closest call)'}", f.get("stage"),
+                     f.get("oom_kind") or "-", format_size(f.get("free_total_at_oom")), f.get("oom_ranks"),
+                     "-" if f.get("oom_step_median") is None else f["oom_step_median"],
+                     format_size(f.get("largest_free_min")), _ratio(f.get("frag_ratio_max")), f.get("compactions"),
+                     format_size(f.get("peak_allocated"))])
+    shown = info.shown
+    lines = [f"The job is judged by its first failing rank (or, when every rank survives, the closest call); the "
+             f"figures below are that rank's, as `ms-memopt simulate` printed them. The plots show rank "
+             f"{shown.get('rank')} (stage {shown.get('stage')}, stream seed {shown.get('seed')}), the rank the job is "
+             f"judged by under `{shown.get('policy', 'the first policy')}`.", ""]
+    lines += _md_table(["policy", "seed", "ranks", "job_oom", "rank", "stage", "oom_kind", "free@oom", "oom_ranks",
+                        "median", "lf_min", "frag_max", "compactions", "peak"], rows)
+    lines += ["", "Columns: " + "; ".join(f"**{name}**: {text}" for name, text in COLUMNS.items()) + "."]
+    return lines
+
+
+def _simulation_section(root: Path, timeline: Path, problems: list[str], title: str,
+                        info: SimulationInfo | None = None) -> list[str]:
     rows = _rows_of(timeline)
     # A job simulation stamps every row with its rank (and stage): its streams are ranks, each
     # with its own seed; a single-card simulation's streams are seeds.
@@ -358,9 +390,23 @@ def _simulation_section(root: Path, timeline: Path, problems: list[str], title: 
     for policy, p in by_policy.items():
         table.append([policy, len(p["streams"]), _oom_text(p["oom"], job), _ratio(p["frag_max"]),
                       format_size(p["lf_min"]), p["compactions"]])
-    lines += _md_table(["policy", "ranks" if job else "seeds", "OOM (earliest rank first)" if job else "OOM", "frag max",
-                        "min largest_free", "compactions"], table)
-    plot_fragmentation_timeline(timeline, root / "fragmentation.png", title=title)
+    if info is not None and info.policies:
+        lines += _judged_table(info)
+        lines += ["", "Every rank's OOMs, from the timeline:", ""]
+        lines += _md_table(["policy", "ranks", "OOM (earliest rank first)", "compactions, all ranks"],
+                           [[policy, len(p["streams"]), _oom_text(p["oom"], job), p["compactions"]]
+                            for policy, p in by_policy.items()])
+    else:
+        lines += _md_table(["policy", "ranks" if job else "seeds", "OOM (earliest rank first)" if job else "OOM",
+                            "frag max", "min largest_free", "compactions"], table)
+    if info is not None:
+        # the rank the job is judged by, as simulate drew it (the timeline's first stream otherwise)
+        shown = info.shown
+        plot_fragmentation_timeline(timeline, root / "fragmentation.png", seed=shown.get("seed"),
+                                    title=f"{Path(info.recipe).name}, rank {shown.get('rank')} (stage "
+                                          f"{shown.get('stage')}), job seed {info.job_seed}")
+    else:
+        plot_fragmentation_timeline(timeline, root / "fragmentation.png", title=title)
     lines += ["", "![fragmentation timeline](fragmentation.png)", ""]
     lines += _step_time_section(root, title)
     return lines

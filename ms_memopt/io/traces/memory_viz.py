@@ -27,7 +27,11 @@ holds ``written_by: ms-memopt`` and, under the key ``ms_memopt`` (:data:`RECORDE
 allocator model that placed the blocks (``mindspore``, ``torch``, ...), its options, and what made the
 events (``ms-memopt simulate``: the recipe, policy, rank, stage, seed and capacity). The reader
 (:func:`~ms_memopt.io.traces.torch_snapshot.read_torch_snapshot`) puts it in ``Trace.meta``,
-and ``replay`` and ``doctor`` replay through that model by default.
+and ``replay`` and ``doctor`` replay through that model by default. So that model replays the
+events as they were made, each ``alloc`` and free entry also carries what PyTorch's format has no
+field for and its tools ignore: ``ms_memopt_pool`` (MindSpore's ``persistent`` pool, where
+parameters and optimizer states go) and ``ms_memopt_step`` (the training step; the reader puts a
+``step`` event at each step's end, where compaction and ``empty_cache`` act).
 
 To view a model's placements rather than the recorded ones, give it the events of
 :func:`ms_memopt.replay.replay.placed_events` (a trace replayed through a model, with the model's
@@ -52,13 +56,15 @@ from pathlib import Path
 from typing import Iterable
 
 from ms_memopt.core.errors import InputError
-from ms_memopt.core.events import Event, Trace
+from ms_memopt.core.events import SEGMENT_ACTIONS, Event, Trace
 from ms_memopt.core.layout import Layout, Segment
 
-__all__ = ["write_memory_viz", "snapshot_dict", "RECORDED_BY"]
+__all__ = ["write_memory_viz", "snapshot_dict", "RECORDED_BY", "POOL_KEY", "STEP_KEY"]
 
 #: the key of ``allocator_settings`` that says which allocator model made the events (a dict)
 RECORDED_BY = "ms_memopt"
+#: keys of an alloc or free entry: the event's pool (``persistent``) and training step
+POOL_KEY, STEP_KEY = "ms_memopt_pool", "ms_memopt_step"
 
 _SMALL_SEGMENT = 2 << 20
 
@@ -89,7 +95,7 @@ def _segment_starts(events: list[Event], layout: Layout, initial: Layout | None)
     """Address of the first alloc inside each segment of ``layout`` that ``initial`` does not
     hold already -> that segment, when the events record no segment events of their own (else
     an empty dict: the recorded ones win)."""
-    if any(e.action in ("segment_alloc", "segment_free") for e in events):
+    if any(e.action in SEGMENT_ACTIONS for e in events):
         return {}
     existing = {seg.addr for seg in initial.segments} if initial is not None else set()
     segments = sorted((seg for seg in layout.segments if seg.addr not in existing), key=lambda s: s.addr)
@@ -132,6 +138,11 @@ def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
         base = {"addr": event.addr, "size": int(event.size), "stream": int(event.stream)}
         if event.time is not None:
             base["time_us"] = int(round(event.time * 1e6))
+        if action in ("alloc", "free"):
+            if event.pool is not None:
+                base[POOL_KEY] = str(event.pool)
+            if event.step is not None:
+                base[STEP_KEY] = int(event.step)
         if action == "alloc":
             if event.addr is None:
                 raise InputError(f"event {index}: alloc of id {event.id} has no address; "
@@ -157,7 +168,7 @@ def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
             frames = _frames(_name(event, tag_of))
             trace.append({"action": "free_requested", **base, "frames": frames})
             trace.append({"action": "free_completed", **base, "frames": frames})
-        elif action in ("segment_alloc", "segment_free") and event.addr is not None:
+        elif action in SEGMENT_ACTIONS and event.addr is not None:   # expandable segments' maps too
             trace.append({"action": action, **base, "frames": _frames((event.pool or "device") + " pool segment")})
 
     segments = []

@@ -48,7 +48,7 @@ from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.lines import open_binary
 from ms_memopt.core.units import short_repr
-from ms_memopt.io.traces.memory_viz import RECORDED_BY
+from ms_memopt.io.traces.memory_viz import POOL_KEY, RECORDED_BY, STEP_KEY
 from ms_memopt.io.traces.torch_origin import snapshot_origin
 
 __all__ = ["SafeUnpickler", "safe_load", "recorded_by", "pickle_nesting", "MAX_NESTING", "read_torch_snapshot", "looks_like_torch_snapshot",
@@ -593,6 +593,7 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     # once and its result shared: a 100k-frame list under 200k allocations was walked per allocation
     stacks: dict[int, list[str]] = {}     # id(frame list) -> its innermost frames
     next_id = 1
+    last_step = None
     for i, entry in enumerate(raw_trace):
         where = f"device_traces[{device}][{i}]"
         if not isinstance(entry, dict):
@@ -610,9 +611,17 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
         if isinstance(stream, bool) or not isinstance(stream, int):
             raise InputError(f"{where}: expected an integer 'stream', got {short_repr(stream)}", source=source)
         time = _time_seconds(entry.get("time_us"), where, source)
+        # ms-memopt's own exports: the pool and the training step (memory_viz.POOL_KEY, STEP_KEY)
+        pool = entry.get(POOL_KEY) if isinstance(entry.get(POOL_KEY), str) else None
+        step = entry.get(STEP_KEY)
+        if isinstance(step, int) and not isinstance(step, bool):
+            if last_step is not None and step > last_step:
+                events.append(Event("step", step=last_step))        # the end of the step before
+            last_step = step
         if action == "alloc":
             tag = _our_tag(entry)
-            events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time, tag=tag))
+            events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time, tag=tag,
+                                pool=pool))
             if tag is None:
                 raw_frames = entry.get("frames")
                 key = id(raw_frames)
@@ -633,7 +642,7 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
                 pre_live[addr] = (bid, round_request(size))
             else:
                 del live_size[addr]
-            events.append(Event("free", id=bid, size=size, addr=addr, stream=stream, time=time))
+            events.append(Event("free", id=bid, size=size, addr=addr, stream=stream, time=time, pool=pool))
         else:
             events.append(Event(action, size=size, addr=addr, stream=stream, time=time))
 
