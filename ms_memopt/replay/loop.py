@@ -39,15 +39,16 @@ Example:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from operator import attrgetter, itemgetter
 
 from ms_memopt.allocators.base import AllocatorModel
 from ms_memopt.allocators.fast import batch_runner
 from ms_memopt.core.events import ROW_INDEX
 
-__all__ = ["DriveResult", "drive"]
+__all__ = ["DriveResult", "drive", "drive_chunks", "CHUNK_EVENTS"]
 
 _READ = ("action", "id", "size", "addr", "stream", "pool", "tag")
 _READ_ROW = itemgetter(*(ROW_INDEX[name] for name in _READ))
@@ -251,3 +252,72 @@ def _forget(addr_of: dict[int, int], addrs: list[int], index: int, on_evict: Cal
         del addr_of[tid]
     if on_evict is not None and gone:
         on_evict(index, gone)
+
+
+#: events held at once by :func:`drive_chunks` (a few MB of events)
+CHUNK_EVENTS = 1 << 16
+
+
+def drive_chunks(events: Iterable, model: AllocatorModel, *, stop: int | None = None,
+                 addr_of: dict[int, int] | None = None, chunk: int = CHUNK_EVENTS,
+                 check: Callable[[list, int], None] | None = None, sample_every: int = 0,
+                 on_sample: Callable | None = None, on_alloc: Callable | None = None,
+                 on_free: Callable | None = None, on_step: Callable | None = None,
+                 on_mark: Callable | None = None, **options) -> DriveResult:
+    """:func:`drive` over an iterable of events read as a stream: ``chunk`` events at a time, so
+    memory holds one chunk and the model's state, never the whole trace (a pool log of gigabytes).
+
+    The result and every hook see the events' indices in the whole stream, as :func:`drive` over
+    the same events as one list would (``sample_every`` is rounded so that chunks end on sample
+    points; the samples fall on the same indices). ``check(chunk, offset)`` is called on each
+    chunk before it runs (bounds, consistency). ``stop_on_oom`` and the other options pass through.
+
+    Example:
+        >>> from ms_memopt.allocators import create
+        >>> from ms_memopt.core.events import Event
+        >>> events = (Event("alloc", id=i, size=512) for i in range(5))
+        >>> run = drive_chunks(events, create("torch"), chunk=2)
+        >>> run.stopped_at, run.allocs
+        (5, 5)
+    """
+    every = sample_every if on_sample is not None and sample_every and sample_every > 0 else 0
+    if every:
+        chunk = max(every, chunk - chunk % every)     # chunks end on sample points
+    addr_of = {} if addr_of is None else addr_of
+    total = DriveResult(model=model, addr_of=addr_of)
+    iterator = iter(events)
+    offset = 0
+
+    def shifted(hook: Callable | None) -> Callable | None:
+        if hook is None:
+            return None
+        return lambda index, *rest: hook(offset + index, *rest)
+
+    while stop is None or offset < stop:
+        size = chunk if stop is None else min(chunk, stop - offset)
+        part = list(islice(iterator, size))
+        if not part:
+            break
+        if check is not None:
+            check(part, offset)
+        oom_seen = len(total.model.ooms)
+        run = drive(part, total.model, addr_of=addr_of, sample_every=every, on_sample=shifted(on_sample),
+                    on_alloc=shifted(on_alloc), on_free=shifted(on_free), on_step=shifted(on_step),
+                    on_mark=shifted(on_mark), **options)
+        for oom in run.model.ooms[oom_seen:]:
+            if oom.event_index is not None:
+                oom.event_index += offset
+        total.model = run.model
+        total.allocs += run.allocs
+        total.known += run.known
+        total.matched += run.matched
+        total.samples += run.samples
+        total.seconds += run.seconds
+        total.cpu_seconds += run.cpu_seconds
+        if total.oom_index is None and run.oom_index is not None:
+            total.oom_index = offset + run.oom_index
+        total.stopped_at = offset + run.stopped_at
+        if run.stopped_at < len(part):      # stop_on_oom stopped inside this chunk
+            break
+        offset += len(part)
+    return total
