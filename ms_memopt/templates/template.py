@@ -811,10 +811,13 @@ def _lacking(names: list[str], steps: list[_Step], constant: dict[str, set[str]]
         for kind in possible_novelties(varying):
             if kind not in covered:
                 out.append({"class": kind, "why": "never recorded: no calibration step was new in exactly these"})
+    # a class seen at one value of a dim takes the repeat steps' sizes where its allocations are
+    # theirs (_borrowed); only without repeat steps varying that dim are its sizes a guess
+    spans = {dim for dim in varying if len({s[dim] for s in classes.get(REPEAT, {}).get("seen", [])}) > 1}
     for name, part in classes.items():
         for dim in varying:
             values = sorted({s[dim] for s in part["seen"]})
-            if len(values) == 1:
+            if len(values) == 1 and dim not in spans:
                 out.append({"class": name, "dim": dim, "why": f"recorded at {dim}={values[0]} only"})
     return out
 
@@ -1088,7 +1091,9 @@ def generate(template: Template, schedule: Sequence[dict[str, int]], *, warnings
                      f"its first step, the prologue stays that of {name}={start[name]}")
         for j, name in enumerate(names):
             values = {s.get(name) for s in part["seen"]}
-            if len(values) == 1 and dims[name] not in values:
+            # (sizes the repeat steps share come from their fit, over the values they were seen at)
+            spanned = len({s.get(name) for s in template.classes.get(REPEAT, {}).get("seen", [])}) > 1
+            if len(values) == 1 and dims[name] not in values and not (spanned and kind != REPEAT):
                 note(f"{kind} steps were recorded at {name}={next(iter(values))} only; {name}={dims[name]} uses "
                      "those sizes unchanged")
         ids = run(part, point, prologue_ids, history, kind)

@@ -1,0 +1,136 @@
+"""Step classes keyed by what is new (ms_memopt/templates/classes.py) and MindSpore's own leak
+(op arguments CPU PyNative never frees), on synthetic streams built like the recordings."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Event
+from ms_memopt.templates.classes import (calibration_plan, classify, is_class_name, novelty_name,
+                                         possible_novelties)
+from ms_memopt.templates.template import dims_tag, fidelity, generate, learn, template_from_dict
+
+
+class Process:
+    """One recorded process of a toy model with MindSpore's per-shape caches: a new length adds
+    2 allocations (a ``[seq, seq]`` mask's scalars), a new token count 1 (a flattened loss), a
+    new shape 3; every step leaks a reduce op's arguments (8 B axis, 1 B, 1 B, never freed)
+    and keeps the loss (4 B) in a list (the model's own, never freed)."""
+
+    def __init__(self, leak: bool = True) -> None:
+        self.events: list[Event] = [Event("step", step=0)]
+        self.next_id, self.steps, self.leak = 1, 0, leak
+        self.seen: dict[str, set] = {"seq": set(), "tokens": set(), "shape": set()}
+
+    def alloc(self, size: int) -> int:
+        self.events.append(Event("alloc", id=self.next_id, size=size))
+        self.next_id += 1
+        return self.next_id - 1
+
+    def free(self, i: int) -> None:
+        self.events.append(Event("free", id=i))
+
+    def step(self, seq: int, batch: int) -> None:
+        first = self.steps == 0
+        new = {name: value not in self.seen[name]
+               for name, value in (("seq", seq), ("tokens", seq * batch), ("shape", (seq, batch)))}
+        if first:
+            self.alloc(4096)                                    # an optimizer state, kept
+        if new["seq"]:
+            for _ in range(2):
+                self.free(self.alloc(8))
+        act = self.alloc(4 * batch * seq * 32)
+        scores = self.alloc(4 * batch * seq * seq)
+        if new["shape"]:
+            for _ in range(3):
+                self.free(self.alloc(16))
+        if self.leak:
+            for size in (8, 1, 1):                              # ReduceSum(axis, keep_dims, skip_mode)
+                self.alloc(size)
+        if new["tokens"]:
+            self.free(self.alloc(4))
+        self.free(scores)
+        self.free(act)
+        self.alloc(4)                                           # the loss, kept in a list
+        for name, value in (("seq", seq), ("tokens", seq * batch), ("shape", (seq, batch))):
+            self.seen[name].add(value)
+        self.steps += 1
+        self.events.append(Event("step", step=self.steps, tag=dims_tag({"seq": seq, "batch": batch})))
+
+
+def recorded(schedule, leak: bool = True) -> list[Event]:
+    p = Process(leak)
+    for dims in schedule:
+        p.step(dims["seq"], dims["batch"])
+    return p.events
+
+
+def test_classes_name_what_is_new():
+    steps = [{"seq": 16, "batch": 3}, {"seq": 24, "batch": 2}, {"seq": 16, "batch": 2}, {"seq": 32, "batch": 3},
+             {"seq": 16, "batch": 6}, {"seq": 16, "batch": 6}, {"seq": 32, "batch": 2}]
+    assert classify(steps) == ["first", "new:batch+seq", "new:tokens", "new:seq+tokens", "new:batch", "repeat",
+                               "new:tokens"]
+    assert novelty_name(()) == "repeat" and is_class_name("new:seq+tokens") and not is_class_name("new:a b")
+    assert len(possible_novelties(["seq", "batch"])) == 9 and possible_novelties(["seq"]) == ["new:seq", "repeat"]
+
+
+def test_calibration_plan_plays_every_class_and_every_grid_shape():
+    plan = calibration_plan({"seq": [16, 24, 32], "batch": [2, 4, 6]})
+    played = set().union(*(classify(p) for p in plan))
+    assert played == {"first", *possible_novelties(["seq", "batch"])}
+    shapes = {(d["seq"], d["batch"]) for p in plan for d in p}
+    assert len(shapes) == 9 and len({(p[0]["seq"], p[0]["batch"]) for p in plan}) == len(plan) >= 3
+    with pytest.raises(ValueError, match="more values"):
+        calibration_plan({"seq": [16, 24], "batch": [2]}, min_processes=1)
+
+
+def test_a_held_out_run_of_lengths_and_batches_never_calibrated_is_predicted_exactly():
+    plan = calibration_plan({"seq": [16, 24, 32], "batch": [2, 4, 6]})
+    template = learn([(f"p{i}", recorded(p)) for i, p in enumerate(plan)])
+    # the length decides 2 allocations, the token count 1: the classes keep them apart
+    counts = {k: sum(op[0] == "a" for op in c["ops"]) for k, c in template.classes.items()}
+    assert len(counts) == 2 + 4 and len({counts[k] for k in counts if k.startswith("new:")}) == 4
+    assert not template.lacks and template.exact == template.positions
+    rng = random.Random(3)
+    held = [{"seq": rng.choice([12, 20, 28, 36, 44, 52, 60]), "batch": rng.choice([3, 5])} for _ in range(30)]
+    truth = recorded(held)
+    simulated = generate(template, held, keep_runtime_leak=True)
+    figures = fidelity(truth, simulated)
+    assert figures["allocs_simulated"] == figures["allocs_recorded"] and figures["size_match"] == 1.0
+    again = template_from_dict(template.to_dict())       # the classes and their covers survive the JSON
+    assert [e.size for e in generate(again, held, keep_runtime_leak=True) if e.action == "alloc"] == \
+        [e.size for e in simulated if e.action == "alloc"]
+
+
+def test_runtime_leak_is_named_and_left_out_unless_asked():
+    plan = calibration_plan({"seq": [16, 24, 32], "batch": [2, 4, 6]})
+    template = learn([(f"p{i}", recorded(p)) for i, p in enumerate(plan)])
+    leak = template.classes["repeat"]["runtime_kept"]
+    # the reduce op's 8 + 1 + 1 B (512 B each in the pool); the model's 4 B loss is not the runtime's
+    assert leak == {"allocs": 3, "bytes": 10, "pool_bytes": 1536, "sizes": {"1": 2, "8": 1}}
+    held = [{"seq": 20, "batch": 3}] * 4
+    left_out = [e.size for e in generate(template, held) if e.action == "alloc"]
+    kept = [e.size for e in generate(template, held, keep_runtime_leak=True) if e.action == "alloc"]
+    assert len(kept) - len(left_out) == 3 * 4 and 4 in left_out
+    assert left_out == [e.size for e in recorded(held, leak=False) if e.action == "alloc"]
+    # without the leak in the recordings, nothing is the runtime's
+    clean = learn([(f"p{i}", recorded(p, leak=False)) for i, p in enumerate(plan)])
+    assert all("runtime_kept" not in c for c in clean.classes.values())
+
+
+def test_what_the_calibration_lacks_is_listed():
+    template = learn([("p0", recorded([{"seq": 16, "batch": 2}, {"seq": 24, "batch": 2}, {"seq": 24, "batch": 2},
+                                       {"seq": 16, "batch": 4}, {"seq": 16, "batch": 4}]))])
+    lacking = {entry["class"] for entry in template.lacks if "dim" not in entry}
+    assert "new:batch+seq+tokens" in lacking and "new:seq+tokens" not in lacking
+    warnings: list[str] = []
+    generate(template, [{"seq": 16, "batch": 2}, {"seq": 32, "batch": 6}], warnings=warnings)
+    assert any("never recorded" in w for w in warnings)
+
+
+def test_a_dim_named_like_a_feature_is_refused():
+    events = [Event("step", step=0), Event("alloc", id=1, size=8), Event("step", step=1, tag="dims:tokens=4")]
+    with pytest.raises(InputError, match="tokens"):
+        learn([("r", events)])
