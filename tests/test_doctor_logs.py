@@ -234,6 +234,35 @@ def test_mindspore_two_pointer_kernel_by_kernel_is_undecidable_inside_the_share(
     assert v.kind == "undecidable" and "GLOG_v=1" in v.setting
 
 
+def test_mindspore_kernel_by_kernel_free_lower_bound():
+    # nothing was in use beyond the used peak: at least 62000M - 60000M was free, and 1 GiB fits in it
+    report, v = verdict_of(ms_two_pointer(GiB, 65536, 62000, 0, 0, 0, kbk=True, peaks=(60000, 62000)))
+    assert v.kind == "fragmentation" and abs(v.free_total - 2000 * MiB) < MiB and v.sure
+
+
+def mps(req, allocated, other, allowed=None):
+    """MPSAllocator.mm: with the high watermark (``max allowed``) and without it."""
+    limit = f", max allowed: {fs(allowed)}" if allowed is not None else ""
+    tail = (" pool. Use PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable upper limit for memory allocations (may cause "
+            "system failure).") if allowed is not None else " pool."
+    return (f"RuntimeError: MPS backend out of memory (MPS allocated: {fs(allocated)}, other allocations: {fs(other)}"
+            f"{limit}). Tried to allocate {fs(req)} on private{tail}")
+
+
+def test_pytorch_mps():
+    report, v = verdict_of(mps(4 * GiB, 8 * GiB, 7 * GiB, allowed=18 * GiB))
+    assert report.allocator == "mps" and v.kind == "capacity" and v.device_free == 3 * GiB
+    report, v = verdict_of(mps(GiB, 8 * GiB, 7 * GiB))
+    assert v.kind == "undecidable"
+
+
+def test_mindspore_runtime_line_without_size_joins_the_pool_report():
+    text = ms_pool_failure(GiB, 0) + ("RuntimeError: Malloc for kernel output failed, Memory isn't enough, node:"
+                                      "Default/network/MatMul-op12\n")
+    scan = scan_bytes([text.encode()])
+    assert len(scan.reports) == 1 and scan.reports[0].request.value == GiB
+
+
 def test_mindspore_pool_with_and_without_its_state():
     text = ms_pool_failure(4509715660, 300 * MiB)
     report, v = verdict_of(text)

@@ -178,6 +178,13 @@ def _exact(value: int) -> Figure:
 def _terms(report: OOMReport) -> tuple[Figure | None, Figure | None, Figure | None, Figure | None, str | None, str | None]:
     """``(free_total, device_free, held_elsewhere, capacity, missing, setting)`` of a report."""
     f = report.figures
+    if report.allocator == "mps":
+        # the MPS allocator refuses what would pass its limit (the high watermark): free = allowed - in use
+        allowed = f.get("allowed")
+        in_use = _sum(f.get("allocated"), f.get("other_allocations") or _exact(0))
+        if allowed is None:
+            return None, None, None, None, "the limit (max allowed)", "nothing to set: keep the message whole"
+        return _exact(0), _diff(allowed, in_use), None, None, None, None
     if report.framework in ("pytorch", "torch_npu"):
         conf = "PYTORCH_NPU_ALLOC_CONF" if report.framework == "torch_npu" else "PYTORCH_CUDA_ALLOC_CONF"
         free_total = f.get("reserved_unallocated")
@@ -206,6 +213,13 @@ def _terms(report: OOMReport) -> tuple[Figure | None, Figure | None, Figure | No
         static = f.get("static")
         dynamic = f.get("dynamic_graph") or f.get("dynamic_total")
         held = _diff(_diff(capacity, used), _exact(RUNTIME_RESERVE["mindspore"]))
+        if used is not None and static is None and f.get("used_peak") is not None:
+            # kernel by kernel: nothing in use beyond the used peak, so at least MindSpore's share minus that
+            # peak was free (in the pool's blocks or not yet reserved): a lower bound
+            free_lower = _diff(used, f["used_peak"])
+            free_lower = Figure(free_lower.low, free_lower.low, free_lower.low, free_lower.printed)
+            if report.request is not None and report.request.high <= free_lower.low:
+                return free_lower, _exact(0), held, capacity, None, None
         if used is None or static is None or dynamic is None:
             return None, None, held, capacity, "the pool's free memory at the failure (static and dynamic sizes)", \
                 "GLOG_v=1 (the pool's state at the failure) or MS_ALLOC_CONF=\"memory_tracker:True\""
@@ -291,7 +305,7 @@ def crash_verdict(report: OOMReport, layout: Layout | None = None) -> CrashVerdi
         printed = ", ".join(f.printed for f in (request, free_total, device_free) if not f.exact)
         out.caveat = (f"the printed rounding ({printed}) could make it {worst if worst != out.kind else best}: "
                       f"the exact bytes differ by at most {format_size(max(request.high - request.low, free_total.high - free_total.low, device_free.high - device_free.low))} per figure")
-    if report.allocator == "ascend-two-pointer" and out.kind == "fragmentation":
+    if report.allocator == "ascend-two-pointer" and out.kind == "fragmentation" and "static" in report.figures:
         out.sure = False
         out.caveat = ("the two-pointer pool's free memory is one piece: a request it covered cannot fail; "
                       "the figures are rounded down to MiB (or the failure was of the other pointer)")

@@ -306,6 +306,7 @@ _MS_BESTFIT_TOTAL = re.compile(r"The dynamic memory pool total allocated mem:(\d
                                r"(?:, total eager free mem:(\d{1,15})M)?")
 _MS_REFUSED = re.compile(r"Memory not enough: alloc size\[(\d{1,20})\] is smaller than required size\[(\d{1,20})\]")
 _MS_ALLOC_FAILED = re.compile(r"Allocate memory failed for size: (\d{1,20})")
+_MS_NODE = re.compile(r"Malloc for kernel output failed, Memory isn't enough, node:\s?(\S+)")
 _MS_VMM_ON = re.compile(r"enable vmm : 1")
 
 _T_REQ = re.compile(r"(CUDA|NPU|XPU|GPU)?\s?out of memory\.?\s*Tried to allocate " + _SIZE, re.I)
@@ -320,6 +321,8 @@ _T_OLD = {
     "reserved": re.compile(_SIZE + r" (?:reserved in total by PyTorch|cached)"),
 }
 _T_ALLOWED = re.compile(_SIZE + r" allowed;")
+_T_MPS = re.compile(r"MPS backend out of memory \(MPS allocated: " + _SIZE + r"(?:, other allocations: " + _SIZE
+                    + r")?(?:, max allowed: " + _SIZE + r")?\)\.? Tried to allocate " + _SIZE)
 _T_PROCESS = re.compile(r"Process (\d{1,10}) has " + _SIZE + r" memory in use")
 _T_THIS = re.compile(r"this process has " + _SIZE + r" memory in use", re.I)
 _T_ALLOC = re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch,"
@@ -331,7 +334,26 @@ def _normalise(text: str) -> str:
     return _CLEAN.sub(" ", _PREFIX.sub(" ", text)).strip()
 
 
+def _mps_report(text: str, line: int) -> OOMReport | None:
+    """PyTorch's MPS allocator (``MPSAllocator.mm``): its own wording, a limit (the high watermark)."""
+    m = _T_MPS.search(text)
+    if m is None:
+        return None
+    g = m.groups()
+    report = OOMReport(framework="pytorch", allocator="mps", wording="pytorch-mps", line=line,
+                       request=_torch_size(g[6], g[7]))
+    report.figures["allocated"] = _torch_size(g[0], g[1])
+    if g[2]:
+        report.figures["other_allocations"] = _torch_size(g[2], g[3])
+    if g[4]:
+        report.figures["allowed"] = _torch_size(g[4], g[5])
+    return report
+
+
 def _torch_report(text: str, line: int) -> OOMReport | None:
+    mps = _mps_report(text, line)
+    if mps is not None:
+        return mps
     m = _T_REQ.search(text) or _T_REQ_BARE.search(text)
     if m is None:
         return None
@@ -510,6 +532,12 @@ def _mindspore_report(text: str, line: int) -> OOMReport | None:
             report.request = report.request or _bytes(kernel.group(1))
         _ms_fill_state(report, text)
         return report
+    node = _MS_NODE.search(text)
+    if node:           # the runtime's line alone: the size is in the pool's lines around it, if anywhere
+        report = OOMReport(framework="mindspore", allocator="dynamic-pool", wording="mindspore-kernel-output",
+                           line=line, kernel=node.group(1), cut=True)
+        _ms_fill_state(report, text)
+        return report
     return None
 
 
@@ -550,6 +578,11 @@ class _Scanner:
             report.step, report.last_step_line = self.step[0] + 1, self.step[1]
         report.time = report.time or self.time
         reports = self.scan.reports
+        if reports and report.request is None and report.framework == "mindspore":
+            last = reports[-1]
+            if last.framework == "mindspore" and report.line - last.line <= REPEAT_LINES:
+                last.kernel = last.kernel or report.kernel
+                return
         if reports:
             last = reports[-1]
             if (report.line - last.line <= REPEAT_LINES and last.framework == report.framework
