@@ -45,7 +45,7 @@ EXPANDABLE_OF = {"torch": "torch-expandable", "torch-npu": "torch-npu-expandable
 
 #: the models whose addresses were checked against real recordings (docs/verified.md) with
 #: their default options; every other setting follows the allocator's source only
-_VERIFIED = {("torch", ()), ("mindspore-bestfit", ())}
+_VERIFIED = {("torch", ()), ("torch-npu", ()), ("mindspore-bestfit", ())}
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,9 @@ def _gb(nbytes: int) -> str:
     return f"{nbytes / 2**30:.4g}GB"
 
 
-def _torch_like(var: str, fraction_call: str) -> list[Setting]:
-    """PyTorch's caching allocator settings, as torch and torch_npu spell them (``var``)."""
+def _torch_like(var: str, fraction_call: str, divisions_note: str = "") -> list[Setting]:
+    """PyTorch's caching allocator settings, as torch and torch_npu spell them (``var``);
+    ``divisions_note``: where ``roundup_power2_divisions`` is taken."""
     out = [Setting("expandable_segments:True", f"export {var}=expandable_segments:True", "expandable")]
     out += [Setting(f"max_split_size_mb:{mb}", f"export {var}=max_split_size_mb:{mb}", None,
                     (("max_split_size_mb", mb),)) for mb in (64, 128, 256, 512)]
@@ -82,7 +83,7 @@ def _torch_like(var: str, fraction_call: str) -> list[Setting]:
                     f"export {var}=garbage_collection_threshold:{f} (with {fraction_call}, which it needs)", None,
                     (("garbage_collection_threshold", f),), needs=("capacity",)) for f in (0.6, 0.8)]
     out += [Setting(f"roundup_power2_divisions:{d}", f"export {var}=roundup_power2_divisions:{d}", None,
-                    (("roundup_power2_divisions", d),)) for d in (4, 8)]
+                    (("roundup_power2_divisions", d),), note=divisions_note) for d in (4, 8)]
     return out
 
 
@@ -111,7 +112,9 @@ _MINDSPORE = [
 SETTINGS: dict[str, list[Setting]] = {
     "mindspore": _MINDSPORE,
     "torch": _torch_like("PYTORCH_CUDA_ALLOC_CONF", "torch.cuda.set_per_process_memory_fraction"),
-    "torch_npu": _torch_like("PYTORCH_NPU_ALLOC_CONF", "torch_npu.npu.set_per_process_memory_fraction"),
+    # torch_npu reads roundup_power2_divisions from 7.3 (NPUCachingAllocator.cpp, parseArgs); older ones refuse it
+    "torch_npu": _torch_like("PYTORCH_NPU_ALLOC_CONF", "torch_npu.npu.set_per_process_memory_fraction",
+                             "torch_npu 7.3 or later (earlier versions refuse the option at start-up)"),
 }
 
 
