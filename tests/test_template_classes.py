@@ -134,3 +134,19 @@ def test_a_dim_named_like_a_feature_is_refused():
     events = [Event("step", step=0), Event("alloc", id=1, size=8), Event("step", step=1, tag="dims:tokens=4")]
     with pytest.raises(InputError, match="tokens"):
         learn([("r", events)])
+
+
+def test_learn_prints_the_plan_and_the_leak(tmp_path, capsys):
+    from ms_memopt.cli import main
+    from ms_memopt.core.events import write_jsonl
+
+    assert main(["learn", "--plan", "seq=16,24,32", "--plan", "batch=2,4,6"]) == 0
+    out = capsys.readouterr().out
+    assert "record 4 processes" in out and "--batch 2,4,2,4,6,2" in out
+    assert main(["learn", "--plan", "seq=16"]) == 2
+    path = tmp_path / "one.jsonl"
+    write_jsonl(path, recorded([{"seq": 16, "batch": 2}, {"seq": 24, "batch": 2}, {"seq": 24, "batch": 2}]))
+    assert main(["learn", str(path), "--out", str(tmp_path / "t.template.json")]) == 0
+    out = capsys.readouterr().out
+    assert "MindSpore's own leak: 3 allocations a step" in out and "the calibration lacks:" in out
+    assert "record these (ms-memopt learn --plan seq=16,24 --plan batch=2" not in out    # batch never varied

@@ -1,8 +1,12 @@
 """``ms-memopt learn REC.jsonl [REC2.jsonl ...] --out MODEL.template.json``: a step template.
 
 Learns, from recordings made with ``ms_memopt.mindspore.mark_step`` under ``ms-memopt record``,
-the model's prologue and its ``first``, ``new_shape`` and ``repeat`` steps, each allocation's
-size a polynomial in the step dims (:mod:`ms_memopt.templates.template`). ``ms-memopt simulate
+the model's prologue and its steps by class (``first``, ``repeat``, and by what is new in them:
+``new:seq+tokens``..., :mod:`ms_memopt.templates.classes`), each allocation's size a polynomial
+in the step dims (:mod:`ms_memopt.templates.template`). It says what the calibration lacks (the
+classes no step fell in, with a plan of the shapes to record) and the allocations it recognised
+as MindSpore's own leak (left out of simulations). ``--plan seq=16,24,32 --plan batch=2,4,6``
+without recordings prints the calibration to record: the fewest processes that play every class. ``ms-memopt simulate
 MODEL.template.json --schedule FILE.csv`` then runs any sequence of shapes. Prints what was
 learned and which positions no polynomial reproduced exactly (``--json``: one object).
 The prologue is fitted in the dims each recording holds fixed (``hidden``: one process per
@@ -14,6 +18,7 @@ one repeated block are refused (exit 2; the message names what a layer adds and 
 hold).
 
 Example:
+    ms-memopt learn --plan seq=16,24,32 --plan batch=2,4,6
     ms-memopt learn rec16.jsonl rec24.jsonl rec32.jsonl --out gpt.template.json
 """
 from __future__ import annotations
@@ -27,16 +32,58 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(parser) -> None:
-    parser.add_argument("recordings", nargs="+", metavar="REC.jsonl",
+    parser.add_argument("recordings", nargs="*", metavar="REC.jsonl",
                         help="recordings with dims step marks (ms-memopt record of a run calling mark_step)")
-    parser.add_argument("--out", required=True, metavar="MODEL.template.json", help="template file to write")
+    parser.add_argument("--out", default=None, metavar="MODEL.template.json", help="template file to write")
+    parser.add_argument("--plan", action="append", default=[], metavar="DIM=V1,V2,...",
+                        help="without recordings: print the calibration to record over these values (one --plan "
+                             "per dim that varies within a run: the fewest processes that play every class of step)")
     parser.add_argument("--max-degree", type=int, default=3, help="highest polynomial degree tried (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _parse_plan(items: list[str]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        try:
+            if not sep or not name.isidentifier():
+                raise ValueError
+            out[name] = [int(v) for v in values.split(",")]
+        except ValueError:
+            raise InputError(f"expected DIM=V1,V2,... (integers), got {item!r}", key="--plan") from None
+        if len(set(out[name])) < 2:
+            raise InputError(f"{name}: give 2 values or more (3 or more to fit sizes quadratic in it)", key="--plan")
+    return out
+
+
+def _print_plan(values: dict[str, list[int]]) -> int:
+    from ms_memopt.templates.classes import calibration_plan, classify
+
+    try:
+        plan = calibration_plan(values)
+    except ValueError as exc:
+        raise InputError(str(exc), key="--plan") from None
+    print(f"record {len(plan)} processes (one ms-memopt record each), the steps in this order:")
+    for k, process in enumerate(plan):
+        print(f"process {k}: " + " ".join("x".join(str(d[n]) for n in values) for d in process))
+        for name in values:
+            print(f"  --{name} {','.join(str(d[name]) for d in process)}")
+    print("(" + "x".join(values) + " per step; classes played: "
+          + ", ".join(sorted(set().union(*(classify(p) for p in plan)))) + ")")
+    return 0
 
 
 def run(args) -> int:
     from ms_memopt.templates.template import learn_files, save_template
 
+    if args.plan and not args.recordings:
+        return _print_plan(_parse_plan(args.plan))
+    if not args.recordings:
+        raise InputError("give recordings to learn from (or --plan DIM=V1,V2,... for the calibration to record)",
+                         key="recordings")
+    if args.out is None:
+        raise InputError("give --out MODEL.template.json", key="--out")
     if args.max_degree < 0:
         raise InputError(f"expected a degree >= 0, got {args.max_degree}", key="--max-degree")
     if not str(args.out).endswith(".template.json"):
@@ -57,7 +104,8 @@ def run(args) -> int:
         dim = summary["layered"]["dim"]
         print(f"repeated block count {dim}: recorded at {', '.join(map(str, counts))}; a larger {dim} is made from "
               f"{dim}={counts[-1]}'s steps with the blocks one {dim} more inserts (below: {dim}={counts[-1]})")
-    print(f"{'class':<10} {'samples':>7} {'allocs':>7} {'ops':>7}  recorded at")
+    width = max([10] + [len(name) for name in summary["classes"]])
+    print(f"{'class':<{width}} {'samples':>7} {'allocs':>7} {'ops':>7}  recorded at")
     # the prologue is fitted in the dims fixed per recording (hidden...): show those values
     fixed = [n for j, n in enumerate(template.dims) if any(e[j] for e in template.prologue["basis"])]
     prologue_seen = list({tuple((n, s[n]) for n in fixed): None for s in template.prologue["seen"]}) if fixed else []
@@ -66,7 +114,28 @@ def run(args) -> int:
     rows += list(summary["classes"].items())
     for name, c in rows:
         seen = "; ".join(",".join(f"{k}={v}" for k, v in s.items()) for s in c["seen"])
-        print(f"{name:<10} {c['samples']:>7} {c['allocs']:>7} {c['ops']:>7}  {seen}")
+        print(f"{name:<{width}} {c['samples']:>7} {c['allocs']:>7} {c['ops']:>7}  {seen}")
+    for name, c in summary["classes"].items():
+        if len(c.get("covers", [])) > 1:
+            print(f"{name} makes the same steps as: {', '.join(k for k in c['covers'] if k != name)}")
+    leak = next((c["runtime_kept"] for c in summary["classes"].values() if "runtime_kept" in c), None)
+    if leak:
+        sizes = ", ".join(f"{n} x {size} B" for size, n in leak["sizes"].items())
+        print(f"MindSpore's own leak: {leak['allocs']} allocations a step never freed ({sizes}; "
+              f"{leak['pool_bytes']:,} B a step in the pool): op arguments its CPU PyNative ops never free, left out "
+              "of simulations (simulate --keep-runtime-leak keeps them)")
+    if template.lacks:
+        print("the calibration lacks:")
+        for entry in template.lacks:
+            print(f"  {entry['class']}: {entry['why']}")
+        values = _recorded_values(template)
+        if values:
+            print("record these (ms-memopt learn " + " ".join(f"--plan {n}={','.join(map(str, v))}"
+                                                           for n, v in values.items()) + "):")
+            try:
+                _print_plan(values)
+            except InputError as exc:
+                print(f"  (no plan: {exc})")
     print(f"sizes: {template.exact} of {template.positions} allocation positions fitted exactly")
     for miss in template.not_exact[:10]:
         print(f"  not exact: {miss['class']} allocation #{miss['alloc']} (recorded sizes {miss['sizes']}, "
@@ -82,3 +151,19 @@ def run(args) -> int:
         print("MindSpore draws some free orders once per process (CPU): simulate --free-order all shows the layouts "
               "they give")
     return 0
+
+
+def _recorded_values(template) -> dict[str, list[int]]:
+    """The values of each dim a run varied, as recorded (3 of them, spread: for a plan)."""
+    dims: dict[str, set[int]] = {}
+    for part in template.classes.values():
+        for seen in part["seen"]:
+            for name, value in seen.items():
+                dims.setdefault(name, set()).add(value)
+    per_run = {name for name in template.dims if any(e[template.dims.index(name)] for e in template.prologue["basis"])}
+    out = {}
+    for name, values in dims.items():
+        values = sorted(values)
+        if len(values) > 1 and name not in per_run:
+            out[name] = values if len(values) <= 3 else [values[0], values[len(values) // 2], values[-1]]
+    return out
