@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import stat
 import sys
 
 from ms_memopt.core.errors import InputError
@@ -86,7 +88,12 @@ def run(args: argparse.Namespace) -> int:
     from ms_memopt.io.traces import load_trace
 
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
-    trace = load_trace(args.trace, format=args.format)
+    # a plain replay of a large pool log or JSONL (or of a pipe) reads it as a stream: memory holds
+    # the model's state and one chunk of events, whatever the file's size (exports and policies need
+    # the whole event list; smaller files are read whole, sampled ~200 times as before)
+    streamable = (args.policy == "baseline" and not args.export_memory_viz and not args.export_instances
+                  and _large_or_pipe(args.trace))
+    trace = load_trace(args.trace, format=args.format, **({"stream": True} if streamable else {}))
     # what decided the model, said in the output: the option, or what the recording shows
     recorded = recorded_allocator(trace)
     name = args.allocator or recorded.name
@@ -94,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     capacity_why = "--capacity" if capacity is not None else None
     if capacity is None and recorded.capacity is not None and name == recorded.name:
         capacity, capacity_why = recorded.capacity, "the recording's card; --capacity to change"
-    if trace.final is None and trace.meta.get("pool") in (POOL_NAME, ASCEND_POOL_NAME):
+    if (trace.final is None and trace.meta.get("pool") in (POOL_NAME, ASCEND_POOL_NAME)
+            and isinstance(trace.events, list)):        # a stream's reader sets it at the end
         trace.final = recorded_final_layout(trace.events)
     if name == "pool":
         # the pool model splits memory into regions sized from a recipe's memopt.pool section;
@@ -154,6 +162,21 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_human(out, result))
     return 1 if (args.fail_on_oom and result.ooms) else 0
+
+
+#: bytes above which a plain replay streams a pool log or JSONL file
+STREAM_ABOVE = 64 << 20
+
+
+def _large_or_pipe(path: str) -> bool:
+    """A regular file over :data:`STREAM_ABOVE` bytes, or a pipe or device (a missing path: no)."""
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return False
+    if stat.S_ISREG(info.st_mode):
+        return info.st_size > STREAM_ABOVE
+    return not stat.S_ISDIR(info.st_mode)
 
 
 def _recorded_lines(rec: dict, out: dict) -> list[str]:

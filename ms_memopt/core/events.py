@@ -38,7 +38,7 @@ from ms_memopt.core.jsontext import parse_json
 from ms_memopt.core.layout import Layout
 from ms_memopt.core.units import short_repr
 
-__all__ = ["Event", "Trace", "ACTIONS", "SEGMENT_ACTIONS", "FIELDS", "ROW_INDEX", "JSONL_FORMAT", "EventWriter", "write_jsonl", "read_jsonl", "iter_jsonl"]
+__all__ = ["Event", "Trace", "ACTIONS", "SEGMENT_ACTIONS", "FIELDS", "ROW_INDEX", "JSONL_FORMAT", "EventWriter", "write_jsonl", "read_jsonl", "iter_jsonl", "stream_jsonl"]
 
 ACTIONS = ("alloc", "free", "segment_alloc", "segment_free", "segment_map", "segment_unmap", "empty_cache", "step",
            "mark")
@@ -229,17 +229,47 @@ def read_jsonl(path: str | Path) -> Trace:
     """
     source = str(path)
     with open_input(path, expected="an ms-memopt JSONL event file") as handle:
-        first = handle.readline()
-        try:
-            header = parse_json(first, source=source, line=1) if first.strip() else None
-        except InputError:
-            header = None
-        if not isinstance(header, dict) or header.get("format") != JSONL_FORMAT:
-            raise InputError(f'expected the header line {{"format": "{JSONL_FORMAT}", "version": 1}}',
-                             source=source, line=1)
-        if header.get("version") != JSONL_VERSION:
-            raise InputError(f"unsupported version {header.get('version')!r}; expected {JSONL_VERSION}",
-                             source=source, line=1)
-        meta = header.get("meta") or {}
-        return Trace(list(iter_jsonl(handle, source)), source=source, format="jsonl",
-                     meta=meta if isinstance(meta, dict) else {})
+        meta = _jsonl_header(handle, source)
+        return Trace(list(iter_jsonl(handle, source)), source=source, format="jsonl", meta=meta)
+
+
+class _JsonlEvents:
+    """The events of a JSONL file, read each time they are iterated (memory: one line)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = path
+
+    def __iter__(self) -> Iterator[Event]:
+        source = str(self.path)
+        with open_input(self.path, expected="an ms-memopt JSONL event file") as handle:
+            _jsonl_header(handle, source)
+            yield from iter_jsonl(handle, source)
+
+
+def stream_jsonl(path: str | Path) -> Trace:
+    """:func:`read_jsonl` as a stream: ``trace.events`` reads the file as it is iterated.
+
+    Raises:
+        InputError: not our format (checked now), or a malformed line (when iterated).
+    """
+    source = str(path)
+    with open_input(path, expected="an ms-memopt JSONL event file") as handle:
+        meta = _jsonl_header(handle, source)
+    return Trace(_JsonlEvents(path), source=source, format="jsonl", meta=meta)  # type: ignore[arg-type]
+
+
+def _jsonl_header(handle, source: str) -> dict:
+    """The header line's ``meta`` (the header read from ``handle``), checked."""
+    first = handle.readline()
+    try:
+        header = parse_json(first, source=source, line=1) if first.strip() else None
+    except InputError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != JSONL_FORMAT:
+        raise InputError(f'expected the header line {{"format": "{JSONL_FORMAT}", "version": 1}}',
+                         source=source, line=1)
+    if header.get("version") != JSONL_VERSION:
+        raise InputError(f"unsupported version {header.get('version')!r}; expected {JSONL_VERSION}",
+                         source=source, line=1)
+    meta = header.get("meta") or {}
+    return meta if isinstance(meta, dict) else {}

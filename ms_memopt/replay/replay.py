@@ -248,7 +248,8 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
 
 
 #: samples of a streamed trace (its length is not known before it ends): every this many events
-STREAM_SAMPLE_EVERY = 1 << 16
+#: (and at every step event, as always)
+STREAM_SAMPLE_EVERY = 1 << 12
 
 #: models whose ``largest_free()`` is not the largest hole of their layout (the VMM model's is its
 #: largest free virtual range, mapped or not): their samples measure the layout
@@ -295,7 +296,10 @@ def _replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = N
     # chunk by chunk, so memory holds one chunk of events and the model, never the whole trace
     streamed = not isinstance(events, list)
     if sample_every is None:
-        sample_every = STREAM_SAMPLE_EVERY if streamed else max(1, len(events) // 200)
+        if streamed:        # samples are cheap (sample_metrics) but for the models that measure the layout
+            sample_every = STREAM_SAMPLE_EVERY * (16 if model.name in _LAYOUT_SAMPLED else 1)
+        else:
+            sample_every = max(1, len(events) // 200)
     address_of: dict[int, int] = {}
     if trace.initial is not None:
         model.restore(trace.initial)

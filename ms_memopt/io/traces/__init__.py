@@ -38,7 +38,7 @@ from ms_memopt.core.events import JSONL_FORMAT, Trace
 from ms_memopt.core.jsontext import parse_json
 from ms_memopt.core.lines import read_head
 
-__all__ = ["FORMATS", "load_trace", "detect_format"]
+__all__ = ["FORMATS", "STREAMERS", "load_trace", "detect_format"]
 
 # name -> (what it is, "module:function" reading a path into a Trace)
 FORMATS: dict[str, tuple[str, str]] = {
@@ -135,8 +135,20 @@ def _reader(name: str) -> Callable[[str | Path], Trace]:
     return getattr(importlib.import_module(module_name), function)
 
 
-def load_trace(path: str | Path, *, format: str | None = None) -> Trace:
+#: formats that can be read as a stream (``load_trace(..., stream=True)``): "module:function"
+STREAMERS: dict[str, str] = {
+    "mindspore-pool-log": "ms_memopt.io.traces.ms_pool_log:stream_pool_log",
+    "jsonl": "ms_memopt.core.events:stream_jsonl",
+}
+
+
+def load_trace(path: str | Path, *, format: str | None = None, stream: bool = False) -> Trace:
     """Read the trace at ``path``; ``format`` (a :data:`FORMATS` name) skips detection.
+
+    With ``stream``, a format of :data:`STREAMERS` gives a trace whose ``events`` are an iterable
+    that reads the file as it is iterated (memory: the reader's state, never the file; what the
+    reader learns at the end, such as a pool log's final layout and counts, is set on the trace
+    when the iteration ends); other formats are read whole as without it.
 
     Returns:
         The :class:`Trace`; ``trace.format`` names the reader used.
@@ -150,7 +162,11 @@ def load_trace(path: str | Path, *, format: str | None = None) -> Trace:
         format = detect_format(path)
     elif format not in FORMATS:
         raise InputError(f"unknown trace format {format!r}; expected one of {', '.join(FORMATS)}", key="--format")
-    trace = _reader(format)(path)
+    if stream and format in STREAMERS:
+        module_name, function = STREAMERS[format].split(":")
+        trace = getattr(importlib.import_module(module_name), function)(path)
+    else:
+        trace = _reader(format)(path)
     if not trace.format:
         trace.format = format
     if not trace.source:

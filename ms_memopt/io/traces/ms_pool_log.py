@@ -104,7 +104,7 @@ from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.lines import is_regular_file, iter_lines
 from ms_memopt.core.lines import read_head as lines_read_head
 
-__all__ = ["FORMAT", "LOG_NAME", "POOL_NAME", "ASCEND_POOL_NAME", "PoolLogParser", "looks_like_pool_log", "read_pool_log", "read_head",
+__all__ = ["stream_pool_log", "PoolLogEvents", "FORMAT", "LOG_NAME", "POOL_NAME", "ASCEND_POOL_NAME", "PoolLogParser", "looks_like_pool_log", "read_pool_log", "read_head",
            "recorded_final_layout", "STEP_LINE"]
 
 FORMAT = "mindspore-pool-log"
@@ -521,6 +521,66 @@ def read_pool_log(path: str | Path, *, pid: int | None = None) -> Trace:
                          "mem, return : ...\"); expected a stderr capture of a run with VLOG_v=12906", source=source)
     meta = {"pool": parser.pool, "pool_log": parser.meta()}
     return Trace(events, source=source, format=FORMAT, final=parser.layout(), meta=meta)
+
+
+class PoolLogEvents:
+    """The events of a pool log, parsed from the file each time they are iterated (a pipe: once).
+
+    Memory holds the parser's state (live allocations, blocks), never the file or its events.
+    ``on_end(parser)`` is called when an iteration has read the whole file.
+    """
+
+    def __init__(self, path: str | Path, pid: int | None, on_end=None) -> None:
+        self.path = path
+        self.pid = pid
+        self.on_end = on_end
+
+    def __iter__(self) -> Iterator[Event]:
+        parser = PoolLogParser(pid=self.pid, source=str(self.path))
+        feed = parser.feed
+        for _, line in iter_lines(self.path, expected=_EXPECTED):
+            found = feed(line)
+            if found:
+                yield from found
+        if not parser._next_id:
+            raise InputError("no complete MindSpore pool line (\"Alloc memory details, ...\" or \"Allocate tensor "
+                             "mem, return : ...\"); expected a stderr capture of a run with VLOG_v=12906",
+                             source=str(self.path))
+        if self.on_end is not None:
+            self.on_end(parser)
+
+
+def stream_pool_log(path: str | Path, *, pid: int | None = None) -> Trace:
+    """:func:`read_pool_log` as a stream: ``trace.events`` is a :class:`PoolLogEvents`.
+
+    The process read is the busiest in the file's first MiB (``pid`` to choose); ``trace.meta["pool"]``
+    is known from that head; ``trace.final`` and ``trace.meta["pool_log"]`` are set when an iteration
+    of the events ends. For replaying logs of gigabytes in memory bounded by the pool's state.
+
+    Raises:
+        InputError: unreadable, a line over 1 MiB, or (when iterated) no complete pool line.
+    """
+    source = str(path)
+    head = read_head(path, 1 << 20).splitlines()[:-1]       # whole lines only
+    if pid is None:
+        counts: dict[int, int] = {}
+        for line in head:
+            if _ALLOC_MARK in line or _ASCEND_RETURN_MARK in line:
+                match = _ALLOC.search(line) or _ASCEND_RETURN.search(line)
+                if match:
+                    counts[int(match.group("pid"))] = counts.get(int(match.group("pid")), 0) + 1
+        pid = max(counts, key=counts.get) if counts else None
+    probe = PoolLogParser(pid=pid, source=source)
+    for line in head:
+        probe.feed(line)
+    trace = Trace([], source=source, format=FORMAT, meta={"pool": probe.pool, "streamed": True})
+
+    def on_end(parser: PoolLogParser) -> None:
+        trace.final = parser.layout()
+        trace.meta.update(pool=parser.pool, pool_log=parser.meta())
+
+    trace.events = PoolLogEvents(path, probe.pid if pid is None else pid, on_end)
+    return trace
 
 
 def _parse(path: str | Path, pid: int | None) -> tuple["PoolLogParser", list[Event]]:
