@@ -298,6 +298,13 @@ def test_cut_message_says_what_is_missing():
     assert v.kind == "undecidable"
 
 
+def test_an_oom_without_figures_says_what_is_missing():
+    scan = scan_bytes([b"step 3\nRuntimeError: CUDA error: out of memory\nCUDA kernel errors might be reported\n"])
+    (r,) = scan.reports
+    v = crash_verdict(r)
+    assert r.wording == "no figures" and v.kind == "undecidable" and "size" in v.missing
+
+
 def test_reformatted_and_traceback_wrapped(tmp_path):
     msg = cuda_21plus(4 * GiB, 80 * GiB, GiB, 63 * GiB, 77 * GiB, this=78 * GiB)
     words = msg.split(" ")

@@ -270,7 +270,11 @@ def crash_verdict(report: OOMReport, layout: Layout | None = None) -> CrashVerdi
     if layout is not None:
         out.largest_free = measure(layout).largest_free
     if request is None:
-        out.missing, out.setting = "the request's size", "nothing to set: keep the message whole (it was cut before the size)"
+        out.missing = "the request's size and the allocator's figures"
+        out.setting = ("nothing to set: the caching allocator prints them with its own OOM; this one came from the "
+                       "driver or a library, or was cut (keep the message whole)"
+                       if report.framework != "mindspore" else
+                       "GLOG_v=2 or lower keeps the pool's WARNING line with the size; GLOG_v=1 adds its state")
         out.text = _text(out, report)
         return out
     if free_total is None and device_free is not None and request.high <= device_free.low:
@@ -322,7 +326,7 @@ def _gib(nbytes: int | None) -> str:
 
 def _text(v: CrashVerdict, report: OOMReport) -> str:
     """The field report's words: "needed 4.2 GiB in one piece; 14.0 GiB were free, the largest piece 3.0 GiB"."""
-    parts = [f"needed {_gib(v.request)} in one piece"]
+    parts = [f"needed {_gib(v.request)} in one piece" if v.request is not None else "the size asked was not printed"]
     free = None if v.free_total is None else v.free_total + (v.device_free or 0)
     if free is not None:
         where = f" ({_gib(v.free_total)} in the pool" + (f", {_gib(v.device_free)} more on the device)"

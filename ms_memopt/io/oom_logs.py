@@ -541,6 +541,27 @@ def _mindspore_report(text: str, line: int) -> OOMReport | None:
     return None
 
 
+_BARE = re.compile(r"(CUDA|NPU|HIP|XPU|GPU|MPS)?[ \w]{0,20}(?:out of memory|Out of Memory|OutOfMemoryError|OUT_OF_MEMORY)")
+
+
+def _bare_report(line_text: str, line: int) -> OOMReport | None:
+    """An OOM message without the allocator's figures (``CUDA error: out of memory`` from the driver or a
+    library, a message cut at its first words): a report whose verdict says what is missing."""
+    m = _BARE.search(line_text)
+    if m is None:
+        return None
+    word = (m.group(1) or "").upper()
+    if word == "NPU" or "torch_npu" in line_text:
+        framework, allocator = "torch_npu", "npu-caching"
+    elif "mindspore" in line_text or "Out of Memory" in line_text or re.search(r"\[(ERROR|WARNING)\] [A-Z_]+\(", line_text):
+        framework, allocator = "mindspore", "dynamic-pool"
+    else:
+        framework, allocator = "pytorch", "cuda-caching"
+    return OOMReport(framework=framework, allocator=allocator, wording="no figures", line=line, cut=True,
+                     notes=["an out-of-memory message without the allocator's figures (a driver's or a library's "
+                            "error, or a message cut at its first words)"])
+
+
 def parse_message(text: str, line: int = 1) -> OOMReport | None:
     """The OOM report in one message's text (several lines joined), or ``None``.
 
@@ -605,10 +626,12 @@ class _Scanner:
         text = "\n".join(self.window)
         self.window = []
         report = parse_message(text, self.window_line)
-        if report is None:
-            return
-        report.text = _normalise(text)[:2000]
         head = self.window_text_head
+        if report is None:
+            report = _bare_report(head, self.window_line)
+            if report is None:
+                return
+        report.text = _normalise(text)[:2000]
         report.time = _time_of(head) or self.time
         rank = _RANK_LINE.search(head)
         if rank:
