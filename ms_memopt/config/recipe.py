@@ -994,7 +994,8 @@ _RETIRED_ALLOCATOR_KEYS = {"align"}
 #: the one alignment every allocator model uses (``allocators/mindspore.ALIGN``, PyTorch's 512 B blocks)
 _MODEL_ALIGN = 512
 _COMPACT_TRIGGERS = ("forecast", "margin")    # = ms_memopt.simulation.simulate.COMPACT_TRIGGERS (tests/test_simulate.py checks)
-_ALLOCATOR_NAMES = ("mindspore", "mindspore_bestfit", "mindspore_vmm", "torch", "torch_expandable", "pool")
+_ALLOCATOR_NAMES = ("mindspore", "mindspore_bestfit", "mindspore_vmm", "torch", "torch_expandable", "torch_npu",
+                    "torch_npu_expandable", "pool")
 _WORKLOAD_KEYS = {f.name for f in dataclasses.fields(WorkloadConfig)}
 _SHAPE_CACHE_KEYS = {f.name for f in dataclasses.fields(ShapeCacheConfig)}
 _EXTRA_KEYS = {f.name for f in dataclasses.fields(ExtraAllocsConfig)}
