@@ -378,6 +378,7 @@ def test_gzip_and_rank_from_path(tmp_path):
 def test_real_mindspore_cpu_fragmentation_oom():
     d = diagnose_log(CRASH / "ms2.10_cpu_fragmentation_glog1.log")
     (r,) = d.reports
+    assert r.allocator == "cpu-pool" and not any(m.setting == "enable_vmm:True" for m in d.remedies)
     assert r.request.value == 400 * MiB and r.figures["pool_idle"].printed == "1087M"
     assert r.blocks_idle == [544 * MiB, 543 * MiB]
     assert d.verdict.kind == "fragmentation" and d.verdict.sure

@@ -351,23 +351,21 @@ def _text(v: CrashVerdict, report: OOMReport) -> str:
 def crash_remedies(report: OOMReport, verdict: CrashVerdict) -> list[CrashRemedy]:
     """The remedy lines for the report's framework and verdict, filled with its figures, best first."""
     request = verdict.request or 0
-    mib = max(1, request >> 20)
-    split = 64
-    while split * 2 <= mib and split < 1024:
+    split = 64                         # max_split_size_mb: the largest of 64..512 MiB below half the request
+    while split < 512 and split * 4 <= (request >> 20):
         split *= 2
     capacity = verdict.capacity
-    fill = {"request_mib": mib, "split_mb": max(64, split // 2),
-            "capacity": "SIZE" if capacity is None else format_size(capacity).replace(" ", ""),
-            "capacity_gb": "SIZE" if capacity is None else f"{max(1, capacity // 2**30 - 2)}",
-            "peak": "SIZE", "grow": f"{max(1, -(-request // 2**30))}GB"}
     f = report.figures
     peak = f.get("reserved") or f.get("actual_peak") or f.get("ms_used")
-    if peak is not None:
-        fill["peak"] = f"{max(1, -(-peak.high // 2**30))}GB"
+    fill = {"split_mb": split,
+            "capacity": "SIZE" if capacity is None else format_size(capacity).replace(" ", ""),
+            "capacity_gb": "SIZE" if capacity is None else f"{max(1, capacity // 2**30 - 2)}GB",
+            "peak": "SIZE" if peak is None else f"{max(1, -(-peak.high // 2**30))}GB",
+            "grow": f"{max(1, -(-request // 2**30))}GB"}
     out = []
     for setting, line, why in remedy_lines(report.framework, verdict.kind):
-        if setting == "enable_vmm:True" and (report.vmm or report.allocator == "dynamic-pool-vmm"):
-            continue
+        if setting == "enable_vmm:True" and (report.vmm or report.allocator in ("dynamic-pool-vmm", "cpu-pool")):
+            continue               # already on, or a CPU pool (VMM is Ascend's)
         out.append(CrashRemedy(setting, line.format(**fill), why))
     return out
 

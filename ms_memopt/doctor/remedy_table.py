@@ -1,38 +1,67 @@
-"""What to set, per allocator family and per verdict, in the user's own terms: one table.
+"""What to set after a crash, per allocator family and per verdict, in the user's own terms.
 
-``ms-memopt doctor`` on a crash log (:mod:`ms_memopt.doctor.crash_logs`) ranks these lines for the
-report's framework and verdict; the replay doctor (:mod:`ms_memopt.doctor.diagnose`) measures its
-own settings and may name them from here too. Each entry is ``(setting, line, why)``: ``line`` is
-what the user writes (an environment variable, a call, a callback), ``why`` what it changes.
-``{request_mib}``, ``{split_mb}``, ``{capacity}`` and ``{peak}`` are filled from the report.
+``ms-memopt doctor`` on a crash log (:mod:`ms_memopt.doctor.crash_logs`) has no recording to
+replay, so it cannot measure the settings; it names them, ranked for the report's framework and
+verdict. The settings the replay doctor measures are named by their lines in
+:data:`ms_memopt.doctor.remedies.SETTINGS` (one source for ``export PYTORCH_NPU_ALLOC_CONF=...``,
+``MS_ALLOC_CONF``, ``set_memory``, compaction, pool mode); this table adds which of them fit a
+verdict, why, and the advice no replay gives (recompute, the plan, other processes, a limit).
+
+:func:`remedy_lines` returns ``(setting, line, why)`` entries, best first: ``line`` is what the
+user writes, with ``{split_mb}``, ``{grow}``, ``{capacity}``, ``{capacity_gb}`` and ``{peak}`` filled
+from the report by the caller.
 
 Example:
     >>> [s for s, _, _ in remedy_lines("torch_npu", "fragmentation")][:2]
     ['expandable_segments:True', 'max_split_size_mb']
+    >>> remedy_lines("pytorch", "fragmentation")[0][1]
+    'export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True'
 """
 from __future__ import annotations
 
+from ms_memopt.doctor.remedies import SETTINGS
+
 __all__ = ["FAMILIES", "REMEDIES", "RECORD", "remedy_lines", "family_of"]
 
-#: framework name in a crash report -> allocator family
+#: framework name in a crash report -> allocator family (the keys of ``remedies.SETTINGS``)
 FAMILIES = {"mindspore": "mindspore", "torch_npu": "torch_npu", "pytorch": "torch"}
 
-_MS_POOL_MODE = ("pool mode", "enable_pool_mode(net, checkpoint_every=6)  # ms_memopt.mindspore, before Model(...)",
+
+def _replayed(family: str, name: str) -> str:
+    """The line of the replayed setting ``name`` of ``family`` (``remedies.SETTINGS``)."""
+    for setting in SETTINGS[family]:
+        if setting.setting == name:
+            return setting.line
+    raise KeyError(f"no setting {name!r} for {family} in ms_memopt.doctor.remedies.SETTINGS")
+
+
+def _torch_fragmentation(family: str) -> list[tuple[str, str, str]]:
+    # max_split_size_mb's line is taken for 64 MiB and given the report's own value
+    split = _replayed(family, "max_split_size_mb:64").replace("max_split_size_mb:64", "max_split_size_mb:{split_mb}")
+    return [
+        ("expandable_segments:True", _replayed(family, "expandable_segments:True"),
+         "segments grow in place, so split pieces re-merge instead of staying cut"),
+        ("max_split_size_mb", split, "large cached blocks are not cut for small requests"),
+        ("garbage_collection_threshold", _replayed(family, "garbage_collection_threshold:0.8"),
+         "frees unused cached blocks before the pool is full"),
+    ]
+
+
+_MS_POOL_MODE = ("pool mode", _replayed("mindspore", "pool mode"),
                  "parameters, activations and optimizer states in regions planned at start-up: no interleaving "
                  "of lifetimes, no holes (docs/pool_mode.md)")
-_MS_COMPACT = ("compaction", "callbacks=[CompactionCallback(every=100)]  # ms_memopt.mindspore, in Model.train",
-               "moves live tensors down after the optimizer step so the holes merge into one (docs/compaction.md)")
 
 REMEDIES: dict[tuple[str, str], list[tuple[str, str, str]]] = {
     ("mindspore", "fragmentation"): [
-        ("enable_vmm:True", 'export MS_ALLOC_CONF="enable_vmm:True"',
+        ("enable_vmm:True", _replayed("mindspore", "enable_vmm:True"),
          "virtual memory: free 2 MiB pages anywhere on the card serve one request, so holes in "
          "different pool blocks add up (910B/910_93 with a recent driver; the default there)"),
-        _MS_COMPACT,
+        ("compaction", _replayed("mindspore", "compaction at the step ends"),
+         "moves live tensors down after the optimizer step so the holes merge into one (docs/compaction.md)"),
         _MS_POOL_MODE,
-        ("init_size", 'ms.runtime.set_memory(init_size="{peak}")  # before the first tensor',
+        ("init_size", _replayed("mindspore", "init_size=capacity (pre-grown)").replace("{capacity_gb}", "{peak}"),
          "one pool block from the start instead of blocks grown one by one, whose holes never merge"),
-        ("increase_size", 'ms.runtime.set_memory(increase_size="{grow}")',
+        ("increase_size", _replayed("mindspore", "increase_size=2.00 GiB").replace('"2GB"', '"{grow}"'),
          "a growth unit at least the request: a new block can always hold it"),
     ],
     ("mindspore", "capacity"): [
@@ -43,19 +72,12 @@ REMEDIES: dict[tuple[str, str], list[tuple[str, str, str]]] = {
         _MS_POOL_MODE,
     ],
     ("mindspore", "outside"): [
-        ("max_device_memory", 'ms.set_context(max_device_memory="{capacity_gb}GB")  # or set_memory(max_size=...)',
+        ("max_device_memory", 'ms.set_context(max_device_memory="{capacity_gb}")  # or set_memory(max_size=...)',
          "MindSpore took only part of the card: raise its share"),
         ("other processes", "npu-smi info  # who else holds HBM on this card",
          "another process held device memory MindSpore needed"),
     ],
-    ("torch", "fragmentation"): [
-        ("expandable_segments:True", "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-         "segments grow in place, so split pieces re-merge instead of staying cut"),
-        ("max_split_size_mb", "export PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:{split_mb}",
-         "large cached blocks are not cut for small requests"),
-        ("garbage_collection_threshold", "export PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.8",
-         "frees unused cached blocks before the pool is full (with a memory fraction)"),
-    ],
+    ("torch", "fragmentation"): _torch_fragmentation("torch"),
     ("torch", "capacity"): [
         ("activation checkpointing", "torch.utils.checkpoint.checkpoint(block, x)  # per layer",
          "keeps only each layer's input"),
@@ -68,14 +90,7 @@ REMEDIES: dict[tuple[str, str], list[tuple[str, str, str]]] = {
         ("memory fraction", "torch.cuda.set_per_process_memory_fraction(1.0)",
          "a fraction below 1 withheld the rest of the card"),
     ],
-    ("torch_npu", "fragmentation"): [
-        ("expandable_segments:True", "export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True",
-         "segments grow in place, so split pieces re-merge instead of staying cut"),
-        ("max_split_size_mb", "export PYTORCH_NPU_ALLOC_CONF=max_split_size_mb:{split_mb}",
-         "large cached blocks are not cut for small requests"),
-        ("garbage_collection_threshold", "export PYTORCH_NPU_ALLOC_CONF=garbage_collection_threshold:0.8",
-         "frees unused cached blocks before the pool is full (with a memory fraction)"),
-    ],
+    ("torch_npu", "fragmentation"): _torch_fragmentation("torch_npu"),
     ("torch_npu", "capacity"): [
         ("activation checkpointing", "torch.utils.checkpoint.checkpoint(block, x)  # or MindSpeed's --recompute-*",
          "keeps only each layer's input"),

@@ -590,6 +590,7 @@ class _Scanner:
         self.recent: list[tuple[int, str]] = []     # (line, text) of the last few lines, for the time before
         self.window_text_head = ""
         self.step_token: bytes | None = None
+        self.before = b""                        # the last line that held an anchor but no trigger
 
     # a MindSpore report gathers its pieces: the pool's grow failure, its state dump, the runtime line
     def _add(self, report: OOMReport) -> None:
@@ -632,6 +633,8 @@ class _Scanner:
             if report is None:
                 return
         report.text = _normalise(text)[:2000]
+        if report.allocator == "dynamic-pool" and (b"plugin/cpu/" in self.before or "plugin/cpu/" in head):
+            report.allocator = "cpu-pool"           # MindSpore's CPU device pool (best fit, no VMM)
         report.time = _time_of(head) or self.time
         rank = _RANK_LINE.search(head)
         if rank:
@@ -767,6 +770,7 @@ def _feed(scanner: _Scanner, body: bytes, pos: int, n: int) -> None:
             noted = end + 1
         else:
             scanner.line_no += 1
+            scanner.before = line[:MAX_LINE]       # e.g. the CPU pool's "malloc memory failed." just before
         pos = end + 1
         for i, p in enumerate(nxt):
             if 0 <= p < pos:
