@@ -425,6 +425,14 @@ def test_logdir_names_the_rank_among_1024(tmp_path):
     assert out["job"]["rank"] == 104 and out["job"]["step"] == 437 and out["job"]["verdict"]["kind"] == "fragmentation"
 
 
+def test_logdir_on_dask_gives_the_same_answer(tmp_path):
+    pytest.importorskip("distributed", reason="Dask's distributed is not installed")
+    _write_job(tmp_path / "job", 16, bad=9, step=30)
+    local = diagnose_logdir(tmp_path / "job", workers=1)
+    dask = diagnose_logdir(tmp_path / "job", executor="dask", workers=2, processes=False)
+    assert dask.first == local.first == [9] and dask.text == local.text and dask.counts == local.counts
+
+
 def test_cli_exit_codes_json_and_report(tmp_path, capsys):
     _write_job(tmp_path / "job", 8, bad=5, step=12)
     assert main(["doctor", str(tmp_path / "job"), "--json", "--workers", "1", "--out", str(tmp_path / "rep")]) == 0

@@ -571,10 +571,11 @@ def _seconds(stamp: str | None) -> float | None:
 
 
 def diagnose_logdir(folder: str | os.PathLike, *, executor: str = "local", address: str | None = None,
-                    workers: int | None = None) -> JobDiagnosis:
+                    workers: int | None = None, processes: bool = True) -> JobDiagnosis:
     """A whole job's log folder: every rank read in parallel on ``executor`` (``"local"`` processes,
     ``"dask"``, ``"ray"``: :func:`~ms_memopt.simulation.executors.run_tasks`), memory bounded by the
-    workers (each streams its rank's logs and returns only the reports).
+    workers (each streams its rank's logs and returns only the reports). ``processes=False`` runs
+    Dask's local cluster on threads (tests).
 
     The first failure: the rank(s) whose earliest OOM report has the earliest time (within
     :data:`FIRST_WINDOW_SECONDS`); without times, the lowest step, then the lowest rank. Ranks with
@@ -592,8 +593,8 @@ def diagnose_logdir(folder: str | os.PathLike, *, executor: str = "local", addre
     # ranks in batches: one task per rank would pay a round trip to a worker per 2 MB log
     size = max(1, min(64, len(tasks) // (max(1, workers or default_workers()) * 8)))
     batches = [tasks[i:i + size] for i in range(0, len(tasks), size)]
-    results = [d for batch in run_tasks(scan_ranks, batches, executor=executor, address=address, workers=workers)
-               for d in batch]
+    results = [d for batch in run_tasks(scan_ranks, batches, executor=executor, address=address, workers=workers,
+                                        processes=processes) for d in batch]
     ranks = {task[0]: diag for task, diag in zip(tasks, results)}
     with_oom = [k for k, d in ranks.items() if d.reports]
     counts: dict[str, int] = {}
