@@ -27,11 +27,13 @@ def _shared(name: str) -> Path:
     return path
 
 
-def _live_at_end(events: list[Event]) -> dict[int, int]:
-    live: dict[int, int] = {}
-    for e in events:
+def _live_at_end(trace, pad: int = 0) -> dict[int, int]:
+    """Tensor id -> recorded block size of what is live at the end (the initial state included);
+    ``pad``: what the events ask for less than the block (torch_npu's 32 B)."""
+    live = {b.id: b.size for b in trace.initial.live_blocks()} if trace.initial is not None else {}
+    for e in trace.events:
         if e.action == "alloc":
-            live[e.id] = e.size
+            live[e.id] = e.size + pad
         elif e.action == "free":
             live.pop(e.id)           # a free of an unknown id would be a reader bug
     return live
@@ -58,7 +60,11 @@ def test_shared_sample_matches_the_recorded_curve_to_the_byte(name):
     assert pta["unseen_releases"] == 5
     assert pta["allocated_first"] == (pta["held_initial_bytes"] + pta["unseen_release_bytes"])
     assert meta["recorded"]["peak_reserved"] == 1452 * MiB
-    _live_at_end(trace.events)
+    # the initial state: the pre-capture tensors in segments of the recorded reserved total
+    assert trace.initial.reserved == pta["reserved_first"] == 1452 * MiB
+    assert trace.initial.allocated == pta["allocated_first"]
+    trace.initial.check()
+    _live_at_end(trace)
 
 
 def test_shared_sample_each_file_and_the_db_alone():
@@ -110,8 +116,8 @@ def test_writer_formats_read_back_exactly(tmp_path, writer, line_end, shuffle):
     pad = 32 if writer == "torch_npu" else 0     # torch_npu rounds request + 32 up to the block
     sizes = {e.id: e.size + pad for e in trace.events if e.action == "alloc" and e.id < 1 << 40}
     assert sorted(sizes.values()) == sorted([1536, 4 * MiB, 512, 2048, 1 * MiB])    # Size(KB) x 1024
-    live = _live_at_end(trace.events)
-    assert sorted(size + pad for size in live.values()) == sorted([512, 1 * MiB, 5 * MiB])
+    live = _live_at_end(trace, pad)
+    assert sorted(live.values()) == sorted([512, 1 * MiB, 5 * MiB])
     # at T0 + 30 the 512 B tensor came first, then the 4 MiB one went: the totals say so (MindSpore's
     # float microseconds keep ~0.25 us at this clock, so there all of these times are one)
     order = [(e.action, sizes[e.id]) for e in trace.events if e.id < 1 << 40]
@@ -155,7 +161,8 @@ def test_empty_allocation_time_is_the_initial_state(tmp_path):
     trace = load_trace(tmp_path)
     figures = trace.meta["components"]["PTA"]
     assert figures["initial_rows"] == 1 and figures["allocated_max_diff"] == 0
-    assert [(e.action, e.id) for e in trace.events] == [("alloc", 2), ("alloc", 3), ("free", 2)]
+    assert [b.id for b in trace.initial.live_blocks()] == [2] and trace.initial.reserved == 4 * MiB
+    assert [(e.action, e.id) for e in trace.events] == [("alloc", 3), ("free", 2)]
 
 
 @settings(max_examples=25, deadline=None)
@@ -183,7 +190,7 @@ def test_any_recording_reads_back_to_the_byte(tmp_path_factory, steps, initial, 
     assert figures["allocated_max_diff"] == 0
     assert figures["allocated_first"] == sum(pre.values())
     assert figures["rows"] == ident
-    _live_at_end(trace.events)
+    _live_at_end(trace)
 
 
 # --------------------------------------------------------------------------- the db
@@ -229,7 +236,8 @@ def test_db_following_the_writers_schema(tmp_path):
     pta = trace.meta["components"]["PTA"]
     assert pta["allocated_max_diff"] == 0 and pta["held_initial_bytes"] == MiB and pta["unsorted"]
     assert trace.meta["components"]["PTA"]["memory_record_rows"] == 1
-    assert [e.tag for e in trace.events if e.action == "alloc"][1:] == ["aten::mm", "aten::mm"]
+    assert [e.tag for e in trace.events if e.action == "alloc"] == ["aten::mm", "aten::mm"]
+    assert trace.initial.allocated == MiB and trace.initial.reserved == 20 * MiB
     ge_trace = read_ascend_profiler(out / "ascend_pytorch_profiler_0.db", component="GE")
     assert [(e.action, e.addr) for e in ge_trace.events] == [("alloc", 0x12C040000000), ("free", 0x12C040000000)]
     assert ge_trace.meta["components"]["GE"]["allocated_max_diff"] == 0

@@ -55,6 +55,7 @@ import json
 import os
 import re
 import sqlite3
+from sys import intern
 from dataclasses import dataclass, field
 from operator import itemgetter
 from decimal import Decimal, InvalidOperation
@@ -63,6 +64,7 @@ from typing import Iterable, Iterator
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
+from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.lines import iter_lines
 from ms_memopt.io.traces.fields import parse_int
 
@@ -94,6 +96,9 @@ _NPU_PAD = 32
 _MIN_BLOCK = 512
 _SYNTHETIC_ID = 1 << 40     # ids of initial tensors no row names (rows use their line number)
 _MAX_TIE_SEARCH = 64        # equal-time groups larger than this keep the default order
+# PyTorch's (and torch_npu's) small pool: blocks of at most 1 MiB in 2 MiB segments
+_SMALL_SIZE, _SMALL_SEGMENT = 1 << 20, 2 << 20
+_LAYOUT_BASE = 0x12C000000000   # where the initial state is placed (an Ascend device address range)
 
 
 # --------------------------------------------------------------------------- detection
@@ -204,7 +209,7 @@ def _number(text: str | None, what: str, source: str, line: int) -> float | None
 
 # --------------------------------------------------------------------------- one component's timeline
 
-@dataclass
+@dataclass(slots=True)
 class _Figures:
     """What the recording says of one component, and how the events matched it (bytes)."""
 
@@ -229,9 +234,10 @@ class _Figures:
     ties_ordered_by_totals: int = 0
     events_peak_allocated: int = 0    # the events' own curve's peak (equal to peak_allocated when it matches)
     initial_unexplained: int = 0      # rows and falls before the capture exceed what the first totals say
+    reserved_small_growths: int = 0   # rises of the recorded reserved total by less than 1 GiB
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 class _Timeline:
@@ -254,7 +260,6 @@ class _Timeline:
         self._group_time: int | None = None
         self._synthetic = _SYNTHETIC_ID
         self._sizes: dict[int, int] = {}      # live id -> recorded size
-        self._names: dict[str, str] = {}
 
     # -- input
     def add_initial(self, ident: int, size: int, name: str | None) -> None:
@@ -272,7 +277,7 @@ class _Timeline:
             if len(group) == 1:          # the common case: no other event at that time
                 self._apply(group.pop())
             else:
-                self._flush()
+                self._flush(self._before(item))
         self._group_time = time
         self._group.append(item)
 
@@ -303,7 +308,7 @@ class _Timeline:
             return total - item[3]
         return total + item[3] if self.release_after else total
 
-    def _flush(self) -> None:
+    def _flush(self, next_before: int | None = None) -> None:
         group, self._group = self._group, []
         if not group:
             return
@@ -319,7 +324,7 @@ class _Timeline:
             for item in early + [it for it in group if it[1] == 1] + late:
                 self._apply(item)
             return
-        order = self._search(group)
+        order = self._search(group, next_before)
         if order is not None:
             if order != group:
                 self.fig.ties_ordered_by_totals += 1
@@ -341,11 +346,13 @@ class _Timeline:
                 allocating.discard(item[2])
             self._apply(item)
 
-    def _search(self, group: list[tuple]) -> list[tuple] | None:
+    def _search(self, group: list[tuple], next_before: int | None) -> list[tuple] | None:
         """An order of an equal-time group in which every event starts at the running total,
         allowing the fewest unseen releases (falls with no row) between them; None when the
         group has no totals or the search runs past its budget. Releases never precede their
-        own allocation; among equal choices the default order (releases first, file order) wins."""
+        own allocation. Of the orders with that many falls, the one that ends where the next
+        event starts (``next_before``) wins, then the one releasing the fewest bytes unseen,
+        then the default order (releases first, file order)."""
         befores = [self._before(it) for it in group]
         if any(b is None for b in befores):
             return None
@@ -354,10 +361,18 @@ class _Timeline:
         budget = [4000]
         used = [False] * n
         order: list[int] = []
+        found: list[tuple] = []          # (score, order)
 
-        def dfs(running: int, gaps: int) -> bool:
+        def score(end: int, fallen: int) -> tuple:
+            if next_before is None or end == next_before:
+                return (0, fallen)
+            return (1 if end > next_before else 2, fallen)
+
+        def dfs(running: int, gaps: int, fallen: int) -> bool:
+            """True to stop: a perfect order found (or the budget spent, raising)."""
             if len(order) == n:
-                return True
+                found.append((score(running, fallen), list(order)))
+                return found[-1][0][0] == 0 and (found[-1][0][1] == 0 or level[0] == 0)
             budget[0] -= 1
             if budget[0] < 0:
                 raise _Budget()
@@ -367,26 +382,37 @@ class _Timeline:
                 for i in range(n):
                     if used[i] or (group[i][1] == 0 and group[i][2] in alloc_at and not used[alloc_at[group[i][2]]]):
                         continue
-                    if (befores[i] == running) if exact else (befores[i] < running):
+                    before = befores[i]
+                    if (before == running) if exact else (before < running):
                         used[i] = True
                         order.append(i)
-                        if dfs(self._after(group[i], befores[i]), gaps if exact else gaps - 1):
-                            return True
+                        stop = dfs(self._after(group[i], before), gaps if exact else gaps - 1,
+                                   fallen if exact else fallen + running - before)
                         used[i] = False
                         order.pop()
+                        if stop:
+                            return True
             return False
 
         # the first group of a component starts from an unknown total: each event may open it, the
         # lowest first (of two orders the totals allow, the one with less memory released unseen)
         starts = [self.running] if self.running is not None else sorted(set(befores))
+        level = [0]
         try:
             for gaps in range(n + 1):
+                level[0] = gaps
                 for start in starts:
-                    if dfs(start, gaps):
-                        return [group[i] for i in order]
+                    dfs(start, gaps, 0)
+                    if found:
+                        break
+                if found:
+                    break
         except _Budget:
+            pass
+        if not found:
             return None
-        return None
+        best = min(found, key=lambda f: f[0])[1]
+        return [group[i] for i in best]
 
     def _after(self, item: tuple, before: int) -> int:
         return before + item[3] if item[1] == 1 else before - item[3]
@@ -448,26 +474,70 @@ class _Timeline:
         if reserved is not None:
             if fig.reserved_first is None:
                 fig.reserved_first = reserved
+            elif 0 < reserved - fig.reserved_last < (1 << 30):
+                fig.reserved_small_growths += 1
             fig.reserved_last = reserved
             if fig.peak_reserved is None or reserved > fig.peak_reserved:
                 fig.peak_reserved = reserved
-        tag = self._names.setdefault(name, name) if name is not None else None
         if kind == 1:
             running += size
             self._sizes[ident] = size
             self.events.append(Event("alloc", ident, size - self.size_pad if size >= _MIN_BLOCK else size, addr,
-                                     stream, None, time, tag))
+                                     stream, None, time, name))
             if running > fig.events_peak_allocated:
                 fig.events_peak_allocated = running
         elif self._sizes.pop(ident, None) is not None:
             running -= size
-            self.events.append(Event("free", ident, 0, addr, stream, None, time, tag))
+            self.events.append(Event("free", ident, 0, addr, stream, None, time, name))
         self.running = running
 
     def initial_events(self, time: int | None) -> list[Event]:
         """The initial state as allocations before the first event (the profiler records no addresses of it)."""
         return [Event("alloc", id=ident, size=size - self.size_pad if size >= _MIN_BLOCK else size, time=time,
                       tag=name) for ident, size, name in self.initial]
+
+    def initial_layout(self) -> Layout | None:
+        """The initial state as PyTorch's caching allocator would hold it, sized to the recorded
+        reserved total: tensors of at most 1 MiB in 2 MiB small-pool segments, the others back to
+        back in one large-pool segment whose free tail makes up the recorded reserved memory (the
+        profiler records neither addresses nor segments, so their placement is this guess; the
+        recorded reserved figure and the blocks' sizes are the recording's). None when the first
+        reserved total is unknown."""
+        reserved = self.fig.reserved_first
+        if reserved is None or not self.initial:
+            return None
+        small = [(i, s, n) for i, s, n in self.initial if s <= _SMALL_SIZE]
+        large = [(i, s, n) for i, s, n in self.initial if s > _SMALL_SIZE]
+        segments: list[Segment] = []
+        addr = _LAYOUT_BASE
+        blocks: list[Block] = []
+        used = 0
+        for ident, size, name in small:
+            if used + size > _SMALL_SEGMENT:
+                segments.append(_segment(addr, _SMALL_SEGMENT, blocks, "small"))
+                addr, blocks, used = addr + _SMALL_SEGMENT, [], 0
+            blocks.append(Block(addr + used, size, True, id=ident, tag=name))
+            used += size
+        if blocks:
+            segments.append(_segment(addr, _SMALL_SEGMENT, blocks, "small"))
+            addr += _SMALL_SEGMENT
+        held = sum(s for _, s, _ in large)
+        room = reserved - (addr - _LAYOUT_BASE)
+        if large or room > 0:
+            size = max(held, room)
+            cursor, blocks = addr, []
+            for ident, block, name in large:
+                blocks.append(Block(cursor, block, True, id=ident, tag=name))
+                cursor += block
+            segments.append(_segment(addr, size, blocks, "large"))
+        return Layout(segments)
+
+
+def _segment(addr: int, size: int, blocks: list[Block], pool: str) -> Segment:
+    end = blocks[-1].end if blocks else addr
+    if end < addr + size:
+        blocks = blocks + [Block(end, addr + size - end, False)]
+    return Segment(addr, size, blocks, pool=pool)
 
 
 class _Budget(Exception):
@@ -565,6 +635,11 @@ def _locate(path: Path) -> _Inputs:
                              source=source)
         if found.operator_memory is not None or found.memory_record is not None:
             found.db = None         # the text export is the one read; the db holds the same data
+        if found.operator_memory is not None and found.memory_record is not None:
+            # the rows carry the same PTA/GE totals at every event; memory_record.csv (2-4 lines a
+            # tensor) is read only on its own
+            found.notes.append(f"{MEMORY_RECORD} not read: {OPERATOR_MEMORY}'s totals are the same series")
+            found.memory_record = None
         return found
     head = _head(path)
     found = _Inputs(rank_dir=path.parent.parent if path.parent.name == OUTPUT_DIR else None)
@@ -576,9 +651,6 @@ def _locate(path: Path) -> _Inputs:
         raise InputError("not an Ascend profiler memory file; expected operator_memory.csv, memory_record.csv, "
                          "npu_module_mem.csv or ascend_*_profiler_N.db", source=source, line=1)
     setattr(found, kind, path)
-    if kind == "operator_memory" and (path.parent / MEMORY_RECORD).is_file():
-        found.notes.append(f"recorded curves also from {MEMORY_RECORD} beside it")
-        found.memory_record = path.parent / MEMORY_RECORD
     return found
 
 
@@ -664,7 +736,7 @@ def _writer(inputs: _Inputs, info: dict, hints: dict[str, str]) -> tuple[str, st
     return TORCH_NPU, "nothing in the files (torch_npu assumed)"
 
 
-def _allocator(writer: str, metadata: dict, info: dict, reserved_steps: list[int]) -> tuple[list[str], str]:
+def _allocator(writer: str, metadata: dict, info: dict, small_growths: int) -> tuple[list[str], str]:
     """The models that fit, best first (replay takes the first one registered), and why."""
     if writer == TORCH_NPU:
         env = metadata.get("ENV_VARIABLES") if isinstance(metadata.get("ENV_VARIABLES"), dict) else {}
@@ -676,17 +748,17 @@ def _allocator(writer: str, metadata: dict, info: dict, reserved_steps: list[int
         return ["torch-npu", "torch"], f"torch_npu's profiler; {said} in profiler_metadata.json" if metadata else \
             "torch_npu's profiler (no profiler_metadata.json: default settings assumed)"
     # MindSpore's pool grows by increase_size blocks (1 GiB default); VMM maps 2 MiB chunks
-    small = [step for step in reserved_steps if 0 < step < (1 << 30)]
-    if small:
+    if small_growths:
         return ["mindspore-vmm", "mindspore"], (f"MindSpore's profiler; its reserved total grew by less than 1 GiB "
-                                                f"({len(small)} times): VMM's 2 MiB chunks, not the pool's blocks")
+                                                f"({small_growths} times): VMM's 2 MiB chunks, not the pool's blocks")
     return ["mindspore", "mindspore-vmm"], "MindSpore's profiler; reserved grew in blocks of 1 GiB or more"
 
 
 # --------------------------------------------------------------------------- readers
 
 def _operator_rows(path: Path, writer_hints: dict) -> Iterator[tuple[str | None, tuple]]:
-    """``(component, row)`` for each row of ``operator_memory.csv`` (component None: the framework's)."""
+    """``(component, row)`` for each row of ``operator_memory.csv`` (component None: the framework's);
+    the stream pointers numbered 0, 1, ... in the order they appear."""
     source = str(path)
     reader = _csv_reader(path, "the Ascend profiler's operator_memory.csv")
     try:
@@ -701,6 +773,7 @@ def _operator_rows(path: Path, writer_hints: dict) -> Iterator[tuple[str | None,
     i_aa, i_ar = col["Allocation Total Allocated(MB)"], col["Allocation Total Reserved(MB)"]
     i_ra, i_rr = col["Release Total Allocated(MB)"], col["Release Total Reserved(MB)"]
     width = len(header)
+    streams: dict[str, int] = {}
     try:
         for cells in reader:
             line = reader.line_num
@@ -714,9 +787,9 @@ def _operator_rows(path: Path, writer_hints: dict) -> Iterator[tuple[str | None,
                     writer_hints[MINDSPORE] = "operator_memory.csv's N/A fields (MindSpore's writer)"
                 elif cells[i_at].endswith("\t"):
                     writer_hints[TORCH_NPU] = "operator_memory.csv's times ending in a TAB (torch_npu's writer)"
-            name = cells[i_name]
+            name = intern(cells[i_name])          # one string per operator name, not per row
             ge = name.startswith(_GE_PREFIX)
-            stream = cells[stream_col].strip() if stream_col is not None else ""
+            stream = streams.setdefault(cells[stream_col].strip() if stream_col is not None else "", len(streams))
             try:
                 # the common row, every field present: float() takes the TAB, the ns are the digits
                 at, rt = cells[i_at].strip(), cells[i_rt].strip()
@@ -729,10 +802,10 @@ def _operator_rows(path: Path, writer_hints: dict) -> Iterator[tuple[str | None,
                     raise ValueError
                 row = (int(at[:-4] + at[-3:]), int(rt[:-4] + rt[-3:]), round(size * _KB), round(a_total * _MB),
                        round(a_res * _MB), round(r_total * _MB), round(r_res * _MB), line,
-                       name[len(_GE_PREFIX):] if ge else name, None, stream)
+                       intern(name[len(_GE_PREFIX):]) if ge else name, None, stream)
             except ValueError:
                 row = _operator_row(cells, (i_size, i_at, i_rt, i_aa, i_ar, i_ra, i_rr), source, line,
-                                    name[len(_GE_PREFIX):] if ge else name, stream)
+                                    intern(name[len(_GE_PREFIX):]) if ge else name, stream)
             yield (GE if ge else None), row
     except csv.Error as exc:
         raise InputError(f"malformed CSV: {exc}", source=source, line=reader.line_num + 1) from None
@@ -900,10 +973,7 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> T
     inputs = _locate(path)
     info, metadata = _profiler_info(inputs.rank_dir)
     hints: dict[str, str] = {}
-    # the curves' points are needed when memory_record.csv is all there is, or to tell MindSpore's VMM
-    keep = inputs.operator_memory is None and inputs.db is None or inputs.rank_dir is not None and \
-        inputs.rank_dir.name.endswith("_ascend_ms")
-    record = _record_series(inputs.memory_record, hints, keep_points=keep) if inputs.memory_record is not None else {}
+    record = _record_series(inputs.memory_record, hints) if inputs.memory_record is not None else {}
     modules = _module_series(inputs.npu_module_mem) if inputs.npu_module_mem is not None else {}
     timelines: dict[str, _Timeline] = {}
     files: list[str] = []
@@ -931,9 +1001,12 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> T
                          source=source, key="component")
     chosen = timelines.get(component)
     events: list[Event] = []
+    initial = None
     if chosen is not None:
         start = next((e.time for e in chosen.events if e.time is not None), None)
-        events = chosen.initial_events(start) + chosen.events
+        if writer == TORCH_NPU and component == framework:
+            initial = chosen.initial_layout()
+        events = chosen.events if initial is not None else chosen.initial_events(start) + chosen.events
 
     components = {}
     for name, timeline in timelines.items():
@@ -947,10 +1020,8 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> T
             value = entry[key]
             if value is not None and (figures.get(key) is None or value > figures[key]):
                 figures[key] = value
-    steps = _reserved_steps(record.get(framework, {}).get("points", [])) if record else []
-    if not steps and framework in timelines:
-        steps = []
-    allocator, allocator_why = _allocator(writer, metadata, info, steps)
+    small = components.get(framework, {}).get("reserved_small_growths", 0)
+    allocator, allocator_why = _allocator(writer, metadata, info, small)
     if component != framework:
         allocator, allocator_why = (["mindspore", "torch"],
                                     f"the {component} component: no model of its own allocator (closest given)")
@@ -970,18 +1041,11 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> T
     if writer == TORCH_NPU and component == framework:
         meta["size_rule"] = (f"events ask for the recorded block size - {_NPU_PAD} B: torch_npu's round_size adds "
                              f"{_NPU_PAD} B and rounds up to 512 B, so the model's block is the recorded one")
-    return Trace(events, source=source, format=FORMAT, meta=meta)
-
-
-def _reserved_steps(points: list[tuple]) -> list[int]:
-    steps, last = [], None
-    for _, _, reserved, _ in sorted((p for p in points if p[0] is not None), key=lambda p: p[0]):
-        if reserved is None:
-            continue
-        if last is not None and reserved != last:
-            steps.append(reserved - last)
-        last = reserved
-    return steps
+    if initial is not None:
+        meta["initial_state"] = (f"{len(chosen.initial)} tensors allocated before the capture in "
+                                 f"{len(initial.segments)} segments of the recorded reserved total at the first row; "
+                                 f"their placement is a guess")
+    return Trace(events, source=source, format=FORMAT, initial=initial, meta=meta)
 
 
 def _new_timeline(component: str, writer: str, release_after: bool | None = None) -> _Timeline:
@@ -1007,7 +1071,6 @@ def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict) -> tuple[dic
     def run(only: str | None, sort: bool, release_after: dict[str, bool]) -> dict[str, _Timeline]:
         timelines: dict[str, _Timeline] = {}
         merges: dict[str, _RowMerge] = {}
-        streams: dict[str, dict[str, int]] = {}
         rows = _operator_rows(path, {})
         if sort:
             rows = sorted((r for r in rows if only is None or (r[0] or framework) == only),
@@ -1020,9 +1083,7 @@ def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict) -> tuple[dic
             if merge is None:
                 timelines[comp] = _new_timeline(comp, writer, release_after.get(comp))
                 merge = merges[comp] = _RowMerge(timelines[comp], str(path))
-                streams[comp] = {}
-            ids = streams[comp]
-            merge.push(row[:10] + (ids.setdefault(row[10], len(ids)),))
+            merge.push(row)
         for comp, merge in merges.items():
             merge.finish()
             timelines[comp].fig.unsorted = sort
