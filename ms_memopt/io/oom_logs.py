@@ -78,7 +78,8 @@ from pathlib import Path
 
 from ms_memopt.core.lines import open_binary
 
-__all__ = ["Figure", "OOMReport", "LogScan", "read_oom_log", "scan_bytes", "rank_of_path", "TRIGGERS"]
+__all__ = ["Figure", "OOMReport", "LogScan", "read_oom_log", "scan_bytes", "parse_message", "rank_of_path",
+           "TRIGGERS", "ANCHORS"]
 
 MiB = 1 << 20
 #: bytes read at a time (a window spanning two chunks is completed from the next)
@@ -410,8 +411,6 @@ def _torch_report(text: str, line: int) -> OOMReport | None:
             r, a = figures["reserved"], figures["allocated"]
             figures["reserved_unallocated"] = Figure(max(0, r.value - a.value), max(0, r.low - a.high),
                                                      max(0, r.high - a.low), f"{r.printed} - {a.printed}")
-        if "If reserved memory is >> allocated" in rest and ")If reserved" in rest.replace(" ", ""):
-            pass
         if re.search(r"\)\.?If reserved", rest):
             report.notes.append('no space before "If reserved"')
     else:
@@ -843,8 +842,3 @@ def read_oom_log(path: str | os.PathLike, *, rank: int | None = None) -> LogScan
                     return
                 yield chunk
         return scan_bytes(chunks(), source=source, rank=rank)
-
-
-def looks_like_oom_log(head: bytes) -> bool:
-    """True when ``head`` (a log's first bytes) holds an OOM message a report can be read from."""
-    return any(t in head for t in TRIGGERS)
