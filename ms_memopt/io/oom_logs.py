@@ -309,6 +309,7 @@ _MS_REFUSED = re.compile(r"Memory not enough: alloc size\[(\d{1,20})\] is smalle
 _MS_ALLOC_FAILED = re.compile(r"Allocate memory failed for size: (\d{1,20})")
 _MS_NODE = re.compile(r"Malloc for kernel output failed, Memory isn't enough, node:\s?(\S+)")
 _MS_VMM_ON = re.compile(r"enable vmm : 1")
+_MS_FREE_BUFS = re.compile(r"Free mem buf total size : (\d{1,20}), total count : (\d{1,9})")
 
 _T_REQ = re.compile(r"(CUDA|NPU|XPU|GPU)?\s?out of memory\.?\s*Tried to allocate " + _SIZE, re.I)
 _T_REQ_BARE = re.compile(r"Tried to allocate " + _SIZE)
@@ -459,6 +460,8 @@ def _ms_fill_state(report: OOMReport, text: str) -> None:
         nxt = _MS_BESTFIT.search(tail)
         tail = tail[:nxt.start()] if nxt else tail
         report.blocks_idle += [int(idle) * MiB for _, idle in _MS_BLOCK.findall(tail)]
+    # AbstractDynamicMemPool's per-allocator lines: a hole is never larger than its allocator's free total
+    report.blocks_idle += [int(size) for size, count in _MS_FREE_BUFS.findall(text) if int(count) > 0]
     total = _MS_BESTFIT_TOTAL.search(text)
     if total:
         report.figures["reserved"] = _mib_floor(total.group(1))
