@@ -3,6 +3,7 @@ each writer's format with every quirk (TAB, CRLF/LF, unsorted rows, empty and N/
 KB), a db written with the writer's schema, and bad input."""
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -306,3 +307,49 @@ def test_bad_layouts(tmp_path):
     (lonely / "kernel_details.csv").write_text("x\n")
     with pytest.raises(InputError, match="no memory files"):
         read_ascend_profiler(lonely)
+
+
+def test_workspace_rows_are_their_own_component(tmp_path):
+    # torch_npu's NPUWorkspaceAllocator reports through the same records, its own allocated total
+    # and reserved 0 ("reserved_bytes not used"): such rows are not the caching allocator's
+    rows = [f"a,1024.0,{us_text(T0)},{us_text(T0 + 30)},,,,2.0,4.0,2.0,1.0,4.0,1.0,7,NPU:0",
+            f"ws,2048.0,{us_text(T0 + 10)},,,,,2.0,0.0,2.0,,,,7,NPU:0",
+            f"b,512.0,{us_text(T0 + 20)},,,,,2.5,4.0,2.5,,,,7,NPU:0"]
+    trace = load_trace(_operator_csv(tmp_path, *rows))
+    assert trace.meta["components"]["PTA"]["allocated_max_diff"] == 0
+    assert trace.meta["components"]["WORKSPACE"]["rows"] == 1
+
+
+# --------------------------------------------------------------------------- the commands
+
+def test_replay_and_doctor_on_a_profiler_folder(tmp_path, capsys):
+    from ms_memopt.cli import main
+
+    spec = [Event("alloc", id=i, size=(i % 5 + 1) * 3 * MiB, time=T0 + 1000 * i) for i in range(1, 40)]
+    spec += [Event("free", id=i, time=T0 + 1000 * (40 + i)) for i in range(1, 40, 2)]
+    folder = write_profiler_output(tmp_path, spec, initial={900: 64 * MiB})
+    assert main(["replay", str(folder), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    recorded = out["recorded"]
+    assert out["format"] == "ascend-profiler" and out["allocator"] in ("torch-npu", "torch")
+    assert recorded["allocated_max_diff"] == 0 and recorded["component"] == "PTA"
+    assert recorded["peak_reserved"] > 0 and out["peak_reserved"] > 0
+    assert main(["replay", str(folder)]) == 0
+    text = capsys.readouterr().out
+    assert "recorded         PTA: peak allocated" in text and "differs from the recorded one by 0 B" in text
+    assert main(["doctor", str(folder), "--json"]) == 0
+    diagnosis = json.loads(capsys.readouterr().out)
+    assert diagnosis["verdict"]["kind"] and diagnosis["format"] == "ascend-profiler"
+    assert main(["replay", str(tmp_path / "nothing_here")]) == 2
+
+
+def test_shared_sample_replayed_beside_the_recording(capsys):
+    from ms_memopt.cli import main
+
+    assert main(["replay", str(_shared("cnn_910b_level1_rank0")), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    recorded = out["recorded"]
+    assert recorded["allocated_max_diff"] == 0
+    # the model (torch_npu's rules, from the recorded reserved size) against the recording
+    assert abs(out["peak_allocated"] - recorded["peak_allocated"]) <= MiB
+    assert abs(out["peak_reserved"] - recorded["peak_reserved"]) <= 8 * MiB

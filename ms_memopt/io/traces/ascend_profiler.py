@@ -87,6 +87,7 @@ _MODULE_COLUMNS = ("Component", "Timestamp(us)", "Total Reserved(MB)")
 
 TORCH_NPU, MINDSPORE = "torch_npu", "mindspore"
 GE = "GE"
+WORKSPACE = "WORKSPACE"
 _FRAMEWORK = {TORCH_NPU: "PTA", MINDSPORE: "MindSpore"}
 _GE_PREFIX = "cann::"
 _KB, _MB = 1024, 1 << 20
@@ -350,8 +351,8 @@ class _Timeline:
         """An order of an equal-time group in which every event starts at the running total,
         allowing the fewest unseen releases (falls with no row) between them; None when the
         group has no totals or the search runs past its budget. Releases never precede their
-        own allocation. Of the orders with that many falls, the one that ends where the next
-        event starts (``next_before``) wins, then the one releasing the fewest bytes unseen,
+        own allocation. An order that ends where the next event starts (``next_before``) wins
+        over one with fewer falls that does not; then the one releasing the fewest bytes unseen,
         then the default order (releases first, file order)."""
         befores = [self._before(it) for it in group]
         if any(b is None for b in befores):
@@ -405,7 +406,9 @@ class _Timeline:
                     dfs(start, gaps, 0)
                     if found:
                         break
-                if found:
+                # the fewest falls whose order ends where the next event starts; more falls only
+                # when none of that many does
+                if any(f[0][0] == 0 for f in found):
                     break
         except _Budget:
             pass
@@ -1073,10 +1076,13 @@ def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict) -> tuple[dic
         merges: dict[str, _RowMerge] = {}
         rows = _operator_rows(path, {})
         if sort:
-            rows = sorted((r for r in rows if only is None or (r[0] or framework) == only),
+            rows = sorted((r for r in rows if only is None or (r[0] or _framework_or_workspace(r[1])) == only),
                           key=lambda r: (-1 if r[1][0] is None else r[1][0], r[1][7]))
         for comp, row in rows:
-            comp = comp or framework
+            if comp is None:
+                # torch_npu's NPUWorkspaceAllocator reports its own allocated total with reserved 0
+                # ("reserved_bytes not used"); no caching-allocator total has reserved < allocated
+                comp = WORKSPACE if writer == TORCH_NPU and row[4] == 0 and (row[3] or 0) > 0 else framework
             if only is not None and comp != only:
                 continue
             merge = merges.get(comp)
@@ -1089,11 +1095,14 @@ def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict) -> tuple[dic
             timelines[comp].fig.unsorted = sort
         return timelines
 
+    def _framework_or_workspace(row: tuple) -> str:
+        return WORKSPACE if writer == TORCH_NPU and row[4] == 0 and (row[3] or 0) > 0 else framework
+
     try:
         timelines = run(None, False, {})
     except _OutOfOrder:
         timelines = {}
-        names = {(comp or framework) for comp, _ in _operator_rows(path, {})}
+        names = {(comp or _framework_or_workspace(row)) for comp, row in _operator_rows(path, {})}
         for name in sorted(names):
             try:
                 timelines.update(run(name, False, {}))
