@@ -128,9 +128,25 @@ def is_sqlite(head: bytes) -> bool:
 
 
 def is_profiler_dir(path: str | Path) -> bool:
-    """True when ``path`` is ``ASCEND_PROFILER_OUTPUT/`` or a rank's folder holding it."""
+    """True when ``path`` is ``ASCEND_PROFILER_OUTPUT/``, a rank's folder holding it, or a folder
+    of ranks' folders (the lowest rank is read)."""
     path = Path(path)
-    return path.is_dir() and (_output_dir(path) is not None)
+    return path.is_dir() and (_output_dir(path) is not None or bool(_rank_dirs(path)))
+
+
+def _rank_dirs(path: Path) -> list[Path]:
+    """The ranks' folders directly inside ``path``, lowest rank first (``profiler_info_N.json``,
+    else the first number in the folder's name, else the name)."""
+    ranks = [p for p in _list(path) if p.is_dir() and (p / OUTPUT_DIR).is_dir()]
+
+    def rank_of(folder: Path) -> tuple:
+        for item in _list(folder):
+            match = re.fullmatch(r"profiler_info_(\d+)\.json", item.name)
+            if match:
+                return (int(match.group(1)), folder.name)
+        match = re.search(r"\d+", folder.name)
+        return (int(match.group()) if match else 1 << 30, folder.name)
+    return sorted(ranks, key=rank_of)
 
 
 def _output_dir(path: Path) -> Path | None:
@@ -615,12 +631,14 @@ def _locate(path: Path) -> _Inputs:
     source = str(path)
     if path.is_dir():
         out_dir = _output_dir(path)
+        ranks = _rank_dirs(path) if out_dir is None else []
+        if ranks:
+            # a job's folder: the lowest rank is read, as other readers read the lowest device
+            found = _locate(ranks[0])
+            found.notes.append(f"{len(ranks)} ranks' folders here ({', '.join(p.name for p in ranks[:8])}"
+                               f"{' ...' if len(ranks) > 8 else ''}): {ranks[0].name} read")
+            return found
         if out_dir is None:
-            ranks = [p.name for p in _list(path) if p.is_dir() and _output_dir(p) is not None]
-            if ranks:
-                shown = ", ".join(ranks[:6]) + (" ..." if len(ranks) > 6 else "")
-                raise InputError(f"holds the profiler output of {len(ranks)} ranks ({shown}); give one rank's "
-                                 f"folder", source=source)
             raise InputError(f"is a directory without {OUTPUT_DIR}/, {OPERATOR_MEMORY}, {MEMORY_RECORD} or an "
                              f"ascend_*_profiler_N.db; expected the Ascend profiler's output of one rank",
                              source=source)
