@@ -50,6 +50,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="with --policy compact: every N-th step event (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (sizes in bytes)")
     parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when any request ran out of memory")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 2 when the trace is inconsistent (frees of unknown ids, double frees, an id "
+                             "allocated while live, overlapping recorded addresses, a segment freed that was never "
+                             "allocated); without it they are counted in the output")
     parser.add_argument("--export-memory-viz", metavar="FILE", default=None,
                         help="also write the trace and final layout for PyTorch's memory_viz viewer")
     parser.add_argument("--export-instances", metavar="FILE.csv", default=None,
@@ -156,6 +160,14 @@ def run(args: argparse.Namespace) -> int:
         out["recorded"] = trace.meta["recorded"]
     if "pool_log" in trace.meta:      # what the pool-log reader skipped or inferred
         out["pool_log"] = trace.meta["pool_log"]
+    found = trace.inconsistencies       # what cannot have happened (core/consistency.py)
+    if found:
+        out["inconsistencies"] = found
+        summary = ", ".join(f"{v['count']:,} {k} (first at line {v['first_line']})" for k, v in found.items())
+        if args.strict:
+            raise InputError(f"an inconsistent trace: {summary} (--strict)", source=str(trace.source))
+        print(f"ms-memopt replay: warning: {trace.source}: an inconsistent trace: {summary}; replayed anyway "
+              "(--strict to refuse)", file=sys.stderr)
     out = {key: _finite(value) for key, value in out.items()}
     if args.json:
         print(json.dumps(out))

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
+from ms_memopt.core.consistency import TraceChecker
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.lines import open_input
 from ms_memopt.core.jsontext import parse_json
@@ -157,6 +158,9 @@ class Trace:
     initial: Layout | None = None
     final: Layout | None = None
     meta: dict = field(default_factory=dict)
+    #: what the trace says that cannot have happened, ``{kind: {"count", "first_line"}}``
+    #: (:mod:`ms_memopt.core.consistency`); empty when nothing was found or nothing checked
+    inconsistencies: dict = field(default_factory=dict)
 
 
 def _int_field(obj: dict, name: str, source: str, line: int, *, required: bool = False) -> int | None:
@@ -182,8 +186,9 @@ def _finite_number(value: object) -> bool:
         return False
 
 
-def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[Event]:
-    """Parse JSONL event lines (the header already consumed); errors name ``source`` and line."""
+def iter_jsonl(lines: Iterable[str], source: str, checker: TraceChecker | None = None) -> Iterator[Event]:
+    """Parse JSONL event lines (the header already consumed); errors name ``source`` and line.
+    ``checker`` sees every event with its line (what cannot have happened: :mod:`ms_memopt.core.consistency`)."""
     for number, text in enumerate(lines, start=2):
         text = text.strip()
         if not text:
@@ -208,7 +213,7 @@ def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[Event]:
         for name in ("pool", "tag"):
             if obj.get(name) is not None and not isinstance(obj[name], str):
                 raise InputError(f"{name!r} must be a string, got {obj[name]!r}", source=source, line=number)
-        yield Event(
+        event = Event(
             action=action,
             id=_int_field(obj, "id", source, number, required=action in ("alloc", "free")),
             size=size,
@@ -219,6 +224,9 @@ def iter_jsonl(lines: Iterable[str], source: str) -> Iterator[Event]:
             tag=obj.get("tag"),
             step=_int_field(obj, "step", source, number),
         )
+        if checker is not None:
+            checker.feed(event, number)
+        yield event
 
 
 def read_jsonl(path: str | Path) -> Trace:
@@ -230,20 +238,25 @@ def read_jsonl(path: str | Path) -> Trace:
     source = str(path)
     with open_input(path, expected="an ms-memopt JSONL event file") as handle:
         meta = _jsonl_header(handle, source)
-        return Trace(list(iter_jsonl(handle, source)), source=source, format="jsonl", meta=meta)
+        checker = TraceChecker()
+        events = list(iter_jsonl(handle, source, checker))
+    return Trace(events, source=source, format="jsonl", meta=meta, inconsistencies=checker.found.to_meta())
 
 
 class _JsonlEvents:
     """The events of a JSONL file, read each time they are iterated (memory: one line)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, trace: Trace) -> None:
         self.path = path
+        self.trace = trace      # what the checker found is put on it at the end
 
     def __iter__(self) -> Iterator[Event]:
         source = str(self.path)
+        checker = TraceChecker()
         with open_input(self.path, expected="an ms-memopt JSONL event file") as handle:
             _jsonl_header(handle, source)
-            yield from iter_jsonl(handle, source)
+            yield from iter_jsonl(handle, source, checker)
+        self.trace.inconsistencies = checker.found.to_meta()
 
 
 def stream_jsonl(path: str | Path) -> Trace:
@@ -255,7 +268,9 @@ def stream_jsonl(path: str | Path) -> Trace:
     source = str(path)
     with open_input(path, expected="an ms-memopt JSONL event file") as handle:
         meta = _jsonl_header(handle, source)
-    return Trace(_JsonlEvents(path), source=source, format="jsonl", meta=meta)  # type: ignore[arg-type]
+    trace = Trace([], source=source, format="jsonl", meta=meta)
+    trace.events = _JsonlEvents(path, trace)   # type: ignore[assignment]
+    return trace
 
 
 def _jsonl_header(handle, source: str) -> dict:

@@ -36,6 +36,7 @@ import bisect
 import csv
 from pathlib import Path
 
+from ms_memopt.core.consistency import TraceChecker
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.lines import open_input
 from ms_memopt.core.events import Event, Trace
@@ -227,6 +228,12 @@ def _to_trace(rows: list[_Row], devices: set[str], source: str, unit: str) -> Tr
     segment_of_free: dict[int, bool] = {}  # base -> is a pool segment (for matching HAL frees)
     open_ids: dict[int, int] = {}  # allocation_id or addr -> event id
     next_id = 1
+    checker = TraceChecker()        # what cannot have happened, by kind with its first line
+    first_malloc: dict[tuple, int] = {}
+    for index, row in enumerate(rows):
+        if row.event == "MALLOC" and row.kind != _SEGMENT_TYPE:
+            key = ("id", row.handle) if row.handle is not None else ("addr", row.addr)
+            first_malloc.setdefault(key, index)
     for index, row in enumerate(rows):
         if row.event == "MSTX":
             events.append(Event("mark", time=row.time, tag=row.name))
@@ -245,8 +252,11 @@ def _to_trace(rows: list[_Row], devices: set[str], source: str, unit: str) -> Tr
             continue
         key = ("id", row.handle) if row.handle is not None else ("addr", row.addr)
         if row.event == "MALLOC":
+            if key in open_ids:     # the first one never freed in the events: it leaks in replay
+                checker.found.note("duplicate_live_id", row.line)
             open_ids[key] = next_id
             events.append(Event("alloc", id=next_id, size=row.size, addr=row.addr, time=row.time, tag=row.kind))
+            checker.feed(events[-1], row.line)
             next_id += 1
         else:
             event_id = open_ids.pop(key, None)
@@ -254,9 +264,13 @@ def _to_trace(rows: list[_Row], devices: set[str], source: str, unit: str) -> Tr
                 event_id = open_ids.pop(("addr", row.addr), None)
             if event_id is not None:
                 events.append(Event("free", id=event_id, addr=row.addr, time=row.time))
+                checker.feed(events[-1], row.line)
             else:
                 meta["unmatched_frees"] = meta.get("unmatched_frees", 0) + 1
-    return Trace(events, source=source, format=FORMAT, meta=meta)
+                first = first_malloc.get(key)
+                kind = "unknown_free" if first is None else ("free_before_malloc" if first > index else "double_free")
+                checker.found.note(kind, row.line)
+    return Trace(events, source=source, format=FORMAT, meta=meta, inconsistencies=checker.found.to_meta())
 
 
 def _infer_initial_segment(outside: list[_Row], first_total: int | None, rows: list[_Row],
