@@ -40,6 +40,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                         help="device memory the pool may reserve, e.g. 64GB, 96GiB (default: the card the "
                              "recording names, ms-memopt's exports; else unbounded)")
     parser.add_argument("--format", default=None, choices=list(FORMATS), help="skip format detection")
+    parser.add_argument("--component", metavar="NAME", default=None,
+                        help="the Ascend profiler's component to replay (PTA, MindSpore, GE, WORKSPACE; "
+                             "default the framework's)")
     parser.add_argument("--allocator-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a model option, typed per option (e.g. increase_size=512MiB, grow=add, "
                              "max_split_size_mb=128, garbage_collection_threshold=0.8); repeatable")
@@ -98,6 +101,13 @@ def run(args: argparse.Namespace) -> int:
     streamable = (args.policy == "baseline" and not args.export_memory_viz and not args.export_instances
                   and _large_or_pipe(args.trace))
     trace = load_trace(args.trace, format=args.format, **({"stream": True} if streamable else {}))
+    if args.component is not None:
+        if trace.format != "ascend-profiler":
+            raise InputError(f"--component applies to the Ascend profiler's output, not {trace.format}",
+                             key="--component")
+        from ms_memopt.io.traces.ascend_profiler import read_ascend_profiler
+
+        trace = read_ascend_profiler(args.trace, component=args.component)
     # what decided the model, said in the output: the option, or what the recording shows
     recorded = recorded_allocator(trace)
     name = args.allocator or recorded.name
