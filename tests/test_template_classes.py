@@ -186,3 +186,9 @@ def test_real_model_with_seq_and_batch_varied_together(tmp_path):
     truth = read_jsonl(record(tmp_path / "held.jsonl", held)).events
     figures = fidelity(truth, generate(template, held, keep_runtime_leak=True))
     assert figures["allocs_simulated"] == figures["allocs_recorded"] and figures["size_match"] >= 0.99, figures
+
+
+def test_one_dim_varied_lacks_nothing():
+    runs = [[16, 16, 24, 24, 32], [24, 32, 32, 16, 16], [32, 16, 16, 24, 24]]
+    template = learn([(f"p{i}", recorded([{"seq": s, "batch": 4} for s in run])) for i, run in enumerate(runs)])
+    assert not template.lacks and set(template.classes) == {"first", "repeat", "new:seq+tokens"}

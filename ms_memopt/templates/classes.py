@@ -119,8 +119,10 @@ def _reach(steps: list[dict[str, int]], shapes: list[dict[str, int]], want: set[
     return best
 
 
-def possible_novelties(dims: Sequence[str]) -> list[str]:
-    """Every class a step of a schedule varying ``dims`` can fall in, besides ``first``.
+def possible_novelties(dims: Sequence[str], marked: int | None = None) -> list[str]:
+    """Every class a step of a schedule varying ``dims`` can fall in, besides ``first``;
+    ``marked``: how many dims the steps carry (default ``len(dims)``: a dim fixed per process,
+    ``batch`` at 4 throughout, is marked but never new, and makes ``tokens`` a feature).
 
     A new value of any feature makes the shape new; a new dim value makes every feature it
     is part of new but ``tokens`` (a product can repeat: 24 x 2 after 16 x 3).
@@ -128,12 +130,13 @@ def possible_novelties(dims: Sequence[str]) -> list[str]:
     Example:
         >>> possible_novelties(["seq"])
         ['new:seq', 'repeat']
-        >>> len(possible_novelties(["seq", "batch"]))
-        9
+        >>> len(possible_novelties(["seq", "batch"])), possible_novelties(["seq"], marked=2)
+        (9, ['new:seq+tokens', 'repeat'])
     """
     dims = list(dims)
     if len(dims) == 1:
-        return [novelty_name({dims[0], "shape"}), REPEAT]
+        with_tokens = (marked or 1) > 1         # one dim varies: the product changes with it
+        return [novelty_name({dims[0], "shape"} | ({"tokens"} if with_tokens else set())), REPEAT]
     out = {REPEAT, novelty_name({"shape"})}
     for k in range(1, len(dims) + 1):
         for new in combinations(dims, k):

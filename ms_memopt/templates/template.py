@@ -808,7 +808,7 @@ def _lacking(names: list[str], steps: list[_Step], constant: dict[str, set[str]]
     covered = {c for name, part in classes.items() for c in part.get("covers", [name])}
     out = []
     if varying:
-        for kind in possible_novelties(varying):
+        for kind in possible_novelties(varying, marked=len(names)):
             if kind not in covered:
                 out.append({"class": kind, "why": "never recorded: no calibration step was new in exactly these"})
     # a class seen at one value of a dim takes the repeat steps' sizes where its allocations are
