@@ -334,7 +334,7 @@ def _text(v: CrashVerdict, report: OOMReport) -> str:
         parts.append(f"{_gib(free)} were free{where}")
     if v.largest_free is not None:
         parts[-1] += f", the largest piece {_gib(v.largest_free)}"
-    elif v.largest_free_bound is not None:
+    elif v.largest_free_bound is not None and (free is None or v.largest_free_bound < (v.free_total or 0)):
         parts[-1] += f", the largest piece at most {_gib(v.largest_free_bound)}"
     if v.held_elsewhere:
         parts.append(f"{_gib(v.held_elsewhere)} of the card held elsewhere beyond the runtime's own")
