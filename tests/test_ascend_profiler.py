@@ -353,3 +353,8 @@ def test_shared_sample_replayed_beside_the_recording(capsys):
     # the model (torch_npu's rules, from the recorded reserved size) against the recording
     assert abs(out["peak_allocated"] - recorded["peak_allocated"]) <= MiB
     assert abs(out["peak_reserved"] - recorded["peak_reserved"]) <= 8 * MiB
+    db = _shared("cnn_910b_level1_rank0_db")
+    assert main(["replay", str(db), "--component", "GE", "--json"]) == 0
+    ge = json.loads(capsys.readouterr().out)
+    assert ge["recorded"]["component"] == "GE" and ge["address_match"] is not None
+    assert main(["replay", str(db), "--component", "HCCL"]) == 2
