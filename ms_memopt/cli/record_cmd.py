@@ -53,8 +53,37 @@ def run(args: argparse.Namespace) -> int:
     return record(command, args.out, raw=args.raw, progress=not args.no_progress)
 
 
+#: longest stderr line taken whole (a longer one is read in pieces: never all at once)
+_MAX_LINE = 1 << 20
+
+
+class _Sink:
+    """A file the recording writes (events or raw lines): a write that fails closes it and is kept,
+    to be reported at the end; the job's output is drained whatever happens to the file."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.error: OSError | None = None
+
+    def guard(self, action, *args, **kwargs):
+        if self.error is not None:
+            return None
+        try:
+            return action(*args, **kwargs)
+        except OSError as exc:
+            self.error = exc
+            return None
+
+
 def record(command: list[str], out: str | Path, *, raw: str | Path | None = None, progress: bool = True) -> int:
-    """Run ``command`` with the pool log on and write its events to ``out``; returns its exit code."""
+    """Run ``command`` with the pool log on and write its events to ``out``; returns its exit code.
+
+    The command's stderr is always read to its end, whatever happens to the files written (a
+    directory, a full disk): a write error closes that file, is reported when the command ends,
+    and makes the exit code non-zero (the command's own when it failed, else 2). A first Ctrl-C
+    reaches the command too and the recording keeps draining until the command ends; a second one
+    kills it.
+    """
     from tqdm import tqdm
 
     from ms_memopt.core.events import EventWriter
@@ -67,55 +96,77 @@ def record(command: list[str], out: str | Path, *, raw: str | Path | None = None
         print(f"ms-memopt record: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
         return 127
     parser = PoolLogParser(source=str(out))
+    events_sink, raw_sink = _Sink(str(out)), _Sink(str(raw) if raw else "")
     writer: EventWriter | None = None
-    raw_file = open(raw, "w", encoding="utf-8") if raw else None
+    raw_file = raw_sink.guard(open, raw, "w", encoding="utf-8") if raw else None
     started = time.perf_counter()
     bar = tqdm(total=None, unit=" events", desc="recording", file=sys.stderr, disable=not progress or None,
                mininterval=0.5, dynamic_ncols=True)
-    try:
-        for chunk in proc.stderr:
-            line = chunk.decode("utf-8", errors="replace").rstrip("\r\n")
-            events = parser.feed(line)
-            if events:
-                if writer is None:     # the first pool line says which pool this is
-                    writer = EventWriter(out, meta={"pool": parser.pool, "source": "ms-memopt record",
-                                                    "command": command}, flush_every=512)
-                writer.write_all(events)
-                bar.update(len(events))
-            if raw_file is not None and (events or _NOISE in line):   # pool lines and step/mark lines
-                raw_file.write(line + "\n")
-            if not events and _NOISE not in line:
+
+    def take(chunk: bytes) -> None:
+        nonlocal writer
+        line = chunk.decode("utf-8", errors="replace").rstrip("\r\n")
+        events = parser.feed(line)
+        if events:
+            if writer is None and events_sink.error is None:   # the first pool line says which pool this is
+                writer = events_sink.guard(EventWriter, out, meta={"pool": parser.pool, "source": "ms-memopt record",
+                                                                   "command": command}, flush_every=512)
+            if writer is not None and events_sink.error is None:
+                events_sink.guard(writer.write_all, events)
+            bar.update(len(events))
+        if raw_file is not None and (events or _NOISE in line):   # pool lines and step/mark lines
+            raw_sink.guard(raw_file.write, line + "\n")
+        if not events and _NOISE not in line:
+            try:
                 bar.write(line, file=sys.stderr)
-    except KeyboardInterrupt:      # the command got the same Ctrl-C; wait for it below
-        pass
-    finally:
-        code = proc.wait()
-        bar.close()
-        if raw_file is not None:
-            raw_file.close()
-        if writer is not None:
-            writer.close()
-            _rewrite_header(Path(out), parser.meta())
+            except (OSError, ValueError):      # our own stderr gone: keep draining the job's
+                pass
+
+    interrupts = 0
+    while True:
+        try:
+            for chunk in iter(lambda: proc.stderr.readline(_MAX_LINE), b""):
+                take(chunk)
+            break
+        except KeyboardInterrupt:   # the command got the same Ctrl-C: drain until it ends; twice: kill it
+            interrupts += 1
+            if interrupts > 1:
+                proc.kill()
+    code = proc.wait()
+    bar.close()
+    if raw_file is not None:
+        raw_sink.guard(raw_file.close)
+    if writer is not None:
+        events_sink.guard(writer.close)
+        if events_sink.error is None:
+            events_sink.guard(_rewrite_header, Path(out), parser.meta())
     seconds = time.perf_counter() - started
     meta = parser.meta()
-    if writer is None:
+    failed = [sink for sink in (events_sink, raw_sink) if sink.error is not None]
+    for sink in failed:
+        print(f"ms-memopt record: error: {sink.name}: cannot write it: {sink.error.strerror or sink.error}; "
+              "the command's output was still read to its end", file=sys.stderr)
+    if writer is None and not failed:
         print(f"ms-memopt record: no MindSpore pool line in the command's stderr; nothing written to {out} "
               "(does it import mindspore and run tensors on the CPU or Ascend?)", file=sys.stderr)
-    else:
+    elif writer is not None and events_sink.error is None:
         print(f"ms-memopt record: {meta['pool_lines']:,} pool lines -> {out} in {seconds:.1f} s"
               + (f"; skipped {meta['skipped_lines']} torn lines" if meta["skipped_lines"] else ""),
               file=sys.stderr)
-    return code if code >= 0 else 128 - code
+    code = code if code >= 0 else 128 - code
+    return code if code or not failed else 2
 
 
 def _rewrite_header(path: Path, pool_log: dict) -> None:
-    """Put the final counts (what the reader skipped, the last pool counters) into the header."""
+    """Put the final counts (what the reader skipped, the last pool counters) into the header:
+    the file is copied behind a new header line in chunks (a long recording is gigabytes)."""
     import json
+    import shutil
 
-    with open(path, "r+b") as handle:
-        header = json.loads(handle.readline())
-        rest = handle.read()
+    staged = path.with_name(path.name + ".header")
+    with open(path, "rb") as handle, open(staged, "wb") as copy:
+        header = json.loads(handle.readline(_MAX_LINE))
         header.setdefault("meta", {})["pool_log"] = pool_log
-        handle.seek(0)
-        handle.write(json.dumps(header).encode() + b"\n" + rest)
-        handle.truncate()
+        copy.write(json.dumps(header).encode() + b"\n")
+        shutil.copyfileobj(handle, copy, 1 << 20)
+    os.replace(staged, path)
