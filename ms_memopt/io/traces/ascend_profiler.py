@@ -821,7 +821,7 @@ def _operator_rows(path: Path, writer_hints: dict) -> Iterator[tuple[str | None,
                         0 <= size < 1e15 and 0 <= a_total < 1e12 and 0 <= a_res < 1e12 and 0 <= r_total < 1e12
                         and 0 <= r_res < 1e12):
                     raise ValueError
-                row = (int(at[:-4] + at[-3:]), int(rt[:-4] + rt[-3:]), round(size * _KB), round(a_total * _MB),
+                row = (int(at.replace(".", "", 1)), int(rt.replace(".", "", 1)), round(size * _KB), round(a_total * _MB),
                        round(a_res * _MB), round(r_total * _MB), round(r_res * _MB), line,
                        intern(name[len(_GE_PREFIX):]) if ge else name, None, stream)
             except ValueError:
