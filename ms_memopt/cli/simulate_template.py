@@ -9,8 +9,9 @@ records no model FLOPs), and a job of many ranks needs a recipe (``--ranks`` and
 refused with that advice). With ``--export-events`` (the held-out check's route):
 
 The template (``ms-memopt learn``) generates the events of every step of the schedule (one CSV
-row per step, one column per dim): its prologue, then per step the variant its place calls
-for (``first``, ``new_shape``, ``repeat``). They are replayed through the template's allocator
+row per step, one column per dim): its prologue, then per step its class's variant (``first``,
+``repeat``, or by what is new in it: ms_memopt/templates/classes.py), without the allocations
+``learn`` named MindSpore's own leak unless ``--keep-runtime-leak``. They are replayed through the template's allocator
 model (the recorded pool's: ``mindspore-bestfit`` for CPU recordings; ``--allocator``
 overrides, ``--allocator-option`` and ``--capacity`` set it up). Prints peaks, OOMs and
 fragmentation (``--json``: one object, bytes); ``--export-events OUT.jsonl`` writes the events
