@@ -163,3 +163,15 @@ def test_export_instances_says_what_it_wrote(demo_export, tmp_path, capsys):
     assert main(["replay", str(demo_export), "--export-instances", str(target), "--json"]) == 0
     err = capsys.readouterr().err
     assert f"written to {target}" in err and "buffers" in err and target.read_text().startswith("id,lower,upper,size")
+
+
+def test_an_expandable_snapshot_is_not_offered_what_its_model_lacks():
+    trace = _fragmenting_torch_trace()
+    trace.meta["expandable_segments"] = True
+    d = diagnose(trace, capacity=200 * MiB)
+    assert d.allocator == "torch-expandable"
+    why = {s.setting: s.why for s in d.skipped}
+    assert why["expandable_segments:True"] == "the recording already runs with it"
+    assert "has no max_split_size_mb" in why["max_split_size_mb:64"]
+    assert all(r.measured for r in d.remedies)
+    assert d.summary.startswith("the run as recorded fits in 200.00 MiB")

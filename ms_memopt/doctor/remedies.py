@@ -27,6 +27,7 @@ from typing import Callable
 
 from ms_memopt.allocators import create
 from ms_memopt.allocators.base import AllocatorModel
+from ms_memopt.allocators.options import OPTION_TYPES
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Trace
 from ms_memopt.core.units import format_size
@@ -208,6 +209,10 @@ def remedy_settings(trace: Trace, *, capacity: int | None, allocator: str, optio
             if merged == options and setting.policy == "baseline":
                 skipped.append(SkippedSetting(setting.setting, "the recording already runs with it"))
                 continue
+            foreign = sorted(set(dict(setting.options)) - set(OPTION_TYPES.get(model, {})))
+            if foreign:
+                skipped.append(SkippedSetting(setting.setting, f"{model} has no {foreign[0]} (the recording's model)"))
+                continue
         elif setting.allocator == "expandable":
             model = EXPANDABLE_OF.get(allocator)
             if model is None:           # already expandable
@@ -302,7 +307,14 @@ def summary(remedies: list[Remedy], capacity: int | None, *, needs: str | None =
     saving = [r for r in measured if r.survives and r.setting != "baseline"]
     base = next((r for r in measured if r.setting == "baseline"), None)
     if base is not None and base.survives:
-        return f"the run as recorded fits in {format_size(capacity)}; nothing needs changing"
+        text = f"the run as recorded fits in {format_size(capacity)}"
+        best = next((r for r in measured if r.survives and r.unbounded), None)
+        if best is not None and best is not base and base.unbounded \
+                and best.peak_reserved_unbounded < base.peak_reserved_unbounded:
+            saved = base.peak_reserved_unbounded - best.peak_reserved_unbounded
+            return text + (f"; {best.setting} would reserve {format_size(saved)} less (a smaller card would "
+                           f"still hold it): {best.line}")
+        return text + "; no setting reserves less"
     if saving:
         names = ", ".join(r.setting for r in saving[:3])
         return (f"{len(saving)} setting(s) save this run at {format_size(capacity)}, best first: {names}; "
