@@ -404,7 +404,7 @@ def _simulation_section(root: Path, timeline: Path, problems: list[str], title: 
         shown = info.shown
         plot_fragmentation_timeline(timeline, root / "fragmentation.png", seed=shown.get("seed"),
                                     title=f"{Path(info.recipe).name}, rank {shown.get('rank')} (stage "
-                                          f"{shown.get('stage')}), job seed {info.job_seed}")
+                                          f"{shown.get('stage')}, stream seed {shown.get('seed')})")
     else:
         plot_fragmentation_timeline(timeline, root / "fragmentation.png", title=title)
     lines += ["", "![fragmentation timeline](fragmentation.png)", ""]
