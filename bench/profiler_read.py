@@ -30,12 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ms_memopt.allocators import create  # noqa: E402
-from ms_memopt.core.events import Event  # noqa: E402
-from ms_memopt.io.traces import load_trace  # noqa: E402
-from ms_memopt.io.traces.ascend_profiler_writer import write_profiler_output  # noqa: E402
-from ms_memopt.io.traces.synthetic import synthetic_trace  # noqa: E402
-from ms_memopt.replay.replay import recorded_allocator, replay  # noqa: E402
+from ms_memopt.allocators import create
+from ms_memopt.core.events import Event
+from ms_memopt.io.traces import load_trace
+from ms_memopt.io.traces.ascend_profiler_writer import write_profiler_output
+from ms_memopt.io.traces.synthetic import synthetic_trace
+from ms_memopt.replay.replay import recorded_allocator, replay
 
 T0 = 1736408883694624810     # ns: a real profiler clock value
 TARGET_S = 10.0

@@ -8,7 +8,8 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event

@@ -51,16 +51,14 @@ from __future__ import annotations
 
 import csv
 import heapq
-import json
-import os
 import re
 import sqlite3
-from sys import intern
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from operator import itemgetter
 from decimal import Decimal, InvalidOperation
+from operator import itemgetter
 from pathlib import Path
-from typing import Iterable, Iterator
+from sys import intern
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
@@ -68,8 +66,17 @@ from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.lines import iter_lines
 from ms_memopt.io.traces.fields import parse_int
 
-__all__ = ["FORMAT", "OUTPUT_DIR", "OPERATOR_MEMORY", "MEMORY_RECORD", "NPU_MODULE_MEM", "profiler_file_kind",
-           "is_profiler_dir", "is_sqlite", "read_ascend_profiler"]
+__all__ = [
+    "FORMAT",
+    "MEMORY_RECORD",
+    "NPU_MODULE_MEM",
+    "OPERATOR_MEMORY",
+    "OUTPUT_DIR",
+    "is_profiler_dir",
+    "is_sqlite",
+    "profiler_file_kind",
+    "read_ascend_profiler",
+]
 
 FORMAT = "ascend-profiler"
 OUTPUT_DIR = "ASCEND_PROFILER_OUTPUT"
@@ -200,9 +207,6 @@ def _ns(text: str | None, what: str, source: str, line: int) -> int | None:
     return int(value.to_integral_value())
 
 
-_INF = float("inf")
-
-
 def _bytes(text: str | None, unit: int, what: str, source: str, line: int) -> int | None:
     """A size in ``unit`` bytes (KB, MB; floats as Python prints them) as an integer byte count."""
     value = _number(text, what, source, line)
@@ -219,7 +223,7 @@ def _number(text: str | None, what: str, source: str, line: int) -> float | None
         raise InputError(f"{what}: expected a number, got {text.strip()[:40]!r}", source=source, line=line) from None
     if value < 0:
         raise InputError(f"{what}: expected a non-negative size, got {text.strip()[:40]!r}", source=source, line=line)
-    if value >= _INF or value != value or value > 1e18:
+    if not value <= 1e18:          # inf and nan too
         raise InputError(f"{what}: expected a finite number, got {text.strip()[:40]!r}", source=source, line=line)
     return value
 
@@ -503,8 +507,7 @@ class _Timeline:
             self._sizes[ident] = size
             self.events.append(Event("alloc", ident, size - self.size_pad if size >= _MIN_BLOCK else size, addr,
                                      stream, None, time, name))
-            if running > fig.events_peak_allocated:
-                fig.events_peak_allocated = running
+            fig.events_peak_allocated = max(fig.events_peak_allocated, running)
         elif self._sizes.pop(ident, None) is not None:
             running -= size
             self.events.append(Event("free", ident, 0, addr, stream, None, time, name))

@@ -25,12 +25,12 @@ from __future__ import annotations
 import csv
 import json
 import random
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from ms_memopt.core.events import Event
 
-__all__ = ["write_profiler_output", "us_text"]
+__all__ = ["us_text", "write_profiler_output"]
 
 _KB, _MB = 1024.0, 1024.0 ** 2
 _RESERVE_STEP = 2 << 20
