@@ -247,6 +247,9 @@ def test_learn_and_simulate_through_the_cli(tmp_path, capsys):
     assert result["ooms"] == [] and result["peak_allocated"] > 0
     exported = read_jsonl(out)
     assert exported.meta["pool"] == "DynamicMemPoolBestFit"
+    from ms_memopt.replay.replay import recorded_allocator      # the export names the model that placed it
+    assert recorded_allocator(exported).name == "mindspore-bestfit"
+    assert "ms-memopt simulate" in recorded_allocator(exported).why
     assert [e.action for e in exported.events][0] == "segment_alloc"
     assert all(e.addr is not None for e in exported.events if e.action == "alloc")
     held = record([(40, 3), (40, 3), (12, 5), (40, 3)])

@@ -77,7 +77,7 @@ def run(args) -> int:
     layouts = draw_outcomes(flat, schedule, lambda: create(name, capacity, **options), warnings=warnings,
                             orders=None if free_order == "all" else [free_order], keep_runtime_leak=keep)
     meta = {"source": "ms-memopt simulate", "template": str(args.recipe), "schedule": str(args.schedule),
-            "allocator": name}
+            "allocator": name, "allocator_options": options, "capacity": capacity}
     if name == template.allocator and template.pool:
         meta["pool"] = template.pool
     paths = [_layout_path(args.export_events, i) for i in range(len(layouts))]

@@ -121,7 +121,7 @@ def recorded_allocator(trace: Trace) -> RecordedAllocator:
         options = trace.meta.get("allocator_options")
         options = dict(options) if isinstance(options, dict) else {}
         by = trace.meta.get("recorded_by")
-        by = by if isinstance(by, dict) else {}
+        by = by if isinstance(by, dict) else trace.meta     # a JSONL header's meta says it itself
         writer = by.get("source") or trace.meta.get("source") or "its writer"
         capacity = by.get("capacity") if isinstance(by.get("capacity"), int) and by["capacity"] > 0 else None
         if named in MODELS and named != "pool":
