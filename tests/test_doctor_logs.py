@@ -329,6 +329,13 @@ def test_repeats_are_one_report_and_distinct_failures_are_two():
     assert [r.request.printed for r in twice.reports] == ["4.00 GiB", "8.00 GiB"]
 
 
+def test_ranks_of_one_launcher_log_stay_apart():
+    # torchrun prefixes every rank's line: the same OOM on two ranks is two reports
+    msg = "torch.OutOfMemoryError: " + cuda_21plus(4 * GiB, 80 * GiB, GiB, 63 * GiB, 77 * GiB, this=78 * GiB)
+    scan = scan_bytes([f"[rank0]: {msg}\n[rank1]: {msg}\n".encode()])
+    assert [r.rank for r in scan.reports] == [0, 1]
+
+
 def test_chunk_boundaries_do_not_matter():
     text = ("epoch: 1 step: 9, loss is 2.0\n" * 50 + ms_pool_failure(4509715660, 300 * MiB,
                                                                      state=(70 * GiB, 80 * GiB, 84 * GiB))).encode()

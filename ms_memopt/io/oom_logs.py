@@ -610,7 +610,7 @@ class _Scanner:
         if reports:
             last = reports[-1]
             if (report.line - last.line <= REPEAT_LINES and last.framework == report.framework
-                    and last.request is not None and report.request is not None
+                    and last.rank == report.rank and last.request is not None and report.request is not None
                     and abs(last.request.value - report.request.value) <= _SAME_REQUEST):
                 # the same failure again: re-raised, logged twice, or MindSpore's pieces in turn
                 for name, fig in report.figures.items():
