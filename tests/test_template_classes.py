@@ -8,9 +8,20 @@ import pytest
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event
-from ms_memopt.templates.classes import (calibration_plan, classify, is_class_name, novelty_name,
-                                         possible_novelties)
-from ms_memopt.templates.template import dims_tag, fidelity, generate, learn, template_from_dict
+from ms_memopt.templates.classes import (
+    calibration_plan,
+    classify,
+    is_class_name,
+    novelty_name,
+    possible_novelties,
+)
+from ms_memopt.templates.template import (
+    dims_tag,
+    fidelity,
+    generate,
+    learn,
+    template_from_dict,
+)
 
 
 class Process:

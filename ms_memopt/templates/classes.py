@@ -107,11 +107,11 @@ def _reach(steps: list[dict[str, int]], shapes: list[dict[str, int]], want: set[
     best = states[0]
     while states:
         grown = []
-        for steps, got in states:
+        for schedule, got in states:
             for shape in shapes:
-                kind = classify(steps + [shape])[-1]
+                kind = classify(schedule + [shape])[-1]
                 if kind in want and kind not in got:
-                    grown.append((steps + [shape], got | {kind}))
+                    grown.append((schedule + [shape], got | {kind}))
         grown.sort(key=lambda s: (-len(s[1]), len(s[0])))
         states = grown[:beam]
         if states and len(states[0][1]) > len(best[1]):

@@ -672,7 +672,7 @@ def _learn_layered(dim: str, recordings: list, steps: list[_Step], prologues: li
 
 
 # --- classes keyed by what is new (ms_memopt/templates/classes.py) -------------------------
-def _lines_up(samples: list[_Step], names: list[str], max_degree: int) -> bool:
+def _lines_up(samples: list[_Step]) -> bool:
     """Whether ``samples`` (of two novelty classes) make one class: the same allocations and
     frees (:func:`_align`), and the same sizes where two of them ran at one shape (but scalars of
     8 B or less: MindSpore allocates a few in an order drawn per process)."""
@@ -688,7 +688,7 @@ def _lines_up(samples: list[_Step], names: list[str], max_degree: int) -> bool:
     return True
 
 
-def _merge_novelties(steps: list[_Step], names: list[str], max_degree: int) -> dict[str, list[str]]:
+def _merge_novelties(steps: list[_Step]) -> dict[str, list[str]]:
     """Merge the novelty classes whose steps make the same allocations (MindSpore's caches
     that tell them apart are not in this model): ``class -> the novelties it covers``; the
     steps, their previous classes and their frees of earlier steps renamed in place. A merged
@@ -700,7 +700,7 @@ def _merge_novelties(steps: list[_Step], names: list[str], max_degree: int) -> d
     for kind in sorted((k for k in groups if is_new(k)), key=lambda k: (-len(groups[k]), k)):
         for _name, members, kinds in merged:
             if len(members[0].sizes) == len(groups[kind][0].sizes) and \
-                    _lines_up(members + groups[kind], names, max_degree):
+                    _lines_up(members + groups[kind]):
                 members.extend(groups[kind])
                 kinds.append(kind)
                 break
@@ -866,7 +866,7 @@ def learn(recordings: Sequence[tuple[str, Iterable[Event]]], *, pool: str | None
     for kind in dict.fromkeys(s.kind for s in steps):
         _same_count_across_recordings(kind, [s for s in steps if s.kind == kind], constant, steps + prologues)
     _same_count_across_recordings("prologue", prologues, constant, steps + prologues)
-    covers = _merge_novelties(steps, names, max_degree)
+    covers = _merge_novelties(steps)
     not_exact: list[dict] = []
     positions = 0
     per_recording: dict[str, dict[str, dict]] = {}     # recording -> {part: its own free order}
