@@ -516,9 +516,11 @@ class CompactionCallback(Callback):
             Required with ``when_forecast_within``.
         arenas: :class:`~ms_memopt.analysis.arena.Arena` objects to compact too.
         layout_fn: returns the device pool's current :class:`~ms_memopt.core.layout.Layout` (e.g. a
-            scan source's); when given, the record's before/after figures are measured on it,
-            else they are the most fragmented arena's (``None`` without either: MindSpore has
-            no public API for the pool's largest free block).
+            scan source's); the record's before/after figures are measured on it. Default: the
+            real pool followed from its log when :func:`ms_memopt.mindspore.poolcapture.start` ran
+            before ``import mindspore`` (the source the scans read then too), else the most
+            fragmented arena's figures (``None`` without arenas: MindSpore has no public API for
+            the pool's largest free block).
         live: relocate the network's and optimizer's Parameters (plus registered ones).
             ``"auto"`` (default): on CPU only. On Ascend a Parameter lives in the pool's
             *persistent* memory (``set_from_persistent_mem(tensor->is_parameter())``), and a
@@ -654,8 +656,21 @@ class CompactionCallback(Callback):
             barrier.agree(step, True)  # nobody starts the next step while a peer still moves memory
         return record
 
+    def _pool_layout_fn(self) -> Callable[[], Any] | None:
+        """``layout_fn``, or the real pool's layout from its log when that is followed."""
+        if self.layout_fn is not None:
+            return self.layout_fn
+        from ms_memopt.mindspore import poolcapture
+
+        if poolcapture.active() is None:
+            return None
+        from ms_memopt.mindspore.pool_log_source import PoolLogSource
+
+        return PoolLogSource().layout
+
     def _compact(self, step: int, rank: int, network: Any, optimizer: Any) -> dict:
-        pool_before = measure(self.layout_fn()) if self.layout_fn is not None else None
+        layout_fn = self._pool_layout_fn()
+        pool_before = measure(layout_fn()) if layout_fn is not None else None
         record_mark("compaction_begin")      # only under ms-memopt record: the pool log's window
         t0 = time.perf_counter()
         arena_reports = [a.compact() for a in self.arenas]
@@ -671,7 +686,7 @@ class CompactionCallback(Callback):
         if recording():
             wait_for_queued_ops()      # the pool calls the compaction queued come before its end mark
         record_mark("compaction_end")
-        pool_after = measure(self.layout_fn()) if self.layout_fn is not None else None
+        pool_after = measure(layout_fn()) if layout_fn is not None else None
         # the record's before/after figures are the most fragmented arena's (all are listed)
         worst = max(arena_reports, key=lambda r: (r.frag_ratio_before is not None, r.frag_ratio_before or 0.0),
                     default=None)
