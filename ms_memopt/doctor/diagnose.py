@@ -143,7 +143,7 @@ class Diagnosis:
     def to_dict(self) -> dict:
         return {"trace": self.trace, "format": self.format, "family": self.family, "allocator": self.allocator,
                 "allocator_why": self.allocator_why, "allocator_options": self.allocator_options,
-                "capacity": self.capacity, "events": self.events, "peak_allocated": self.peak_allocated,
+                "capacity": self.capacity, "capacity_why": self.capacity_why, "events": self.events, "peak_allocated": self.peak_allocated,
                 "peak_reserved": self.peak_reserved, "verdict": asdict(self.verdict),
                 "blockers": [asdict(b) for b in self.blockers], "window_bytes": self.window_bytes,
                 "remedies": [r.to_dict() for r in self.remedies], "summary": self.summary,
