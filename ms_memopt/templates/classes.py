@@ -3,9 +3,9 @@
 MindSpore's PyNative runtime makes extra allocations the first time it runs a step, and the first
 time it meets a new shape; a step it has run before at a seen shape repeats the same allocations
 in the same order. Which extra allocations a new step makes depends on *which* of its shapes the
-process has not run before, because each of MindSpore's per-shape caches is keyed by the shapes of
-one op's inputs (the pyboost op and kernel caches, the infer caches: a kernel is resized and its
-shape-dependent scalars made again at a shape the cache has not seen): an op on ``[seq, seq]``
+process has not run before, because MindSpore's per-shape state is kept per op, keyed by that op's
+input shapes (PyNative's output-abstract cache, ``InferOperation::GetOutputAbstractByCache``: per
+primitive, input abstracts -> output abstract; a miss runs the infer): an op on ``[seq, seq]``
 (a causal mask) misses only at a new length, an op on ``[batch, seq, hidden]`` at a new pair, an
 op on a flattened ``[batch * seq, vocab]`` (a loss) at a new token count. Recorded on MindSpore
 2.10 CPU (docs/simulation.md, "Step classes keyed by what is new"): the demo GPT makes 607
