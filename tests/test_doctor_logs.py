@@ -492,3 +492,40 @@ def test_mindformers_folder_info_and_error_logs_and_a_dump_per_rank(tmp_path, ca
     text = capsys.readouterr().out
     assert "blockers    1 live blocks" in text and "largest hole 1.80 GiB" in text
     assert (tmp_path / "rep" / "memory_map.png").stat().st_size > 0
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None)
+@given(req=st.integers(1, 90 * GiB), total=st.integers(8 * GiB, 96 * GiB), data=st.data())
+def test_a_sure_verdict_is_the_rule_on_the_exact_bytes(req, total, data):
+    """Whatever the rounding of the printed figures, a verdict marked sure is oom_kind on the bytes the
+    allocator had (the rule is monotone in each figure, so both ends of every range agreeing settles it)."""
+    free = data.draw(st.integers(0, total))
+    reserved = data.draw(st.integers(0, total - free))
+    allocated = data.draw(st.integers(0, reserved))
+    this = min(total - free, reserved + data.draw(st.integers(0, 2 * GiB)))
+    report, v = verdict_of(cuda_21plus(req, total, free, allocated, reserved, this=this))
+    held = max(0, total - free - reserved - (1 << 30))
+    exact = oom_kind(req, reserved - allocated, free, held)
+    if v.sure:
+        assert v.kind == exact
+    else:
+        assert v.caveat and "rounding" in v.caveat
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(1, 400), min_size=1, max_size=30))
+def test_any_split_of_the_stream_gives_the_same_reports(cuts):
+    text = ("epoch: 1 step: 7, loss is 2.0\n" * 20 + ms_pool_failure(4509715660, 300 * MiB, state=(70 * GiB, 80 * GiB, 84 * GiB))
+            + "torch noise\n" + npu(2 * GiB, 61 * GiB, 56 * GiB, 56 * GiB, GiB, 59 * GiB) + "\n").encode()
+    parts, pos = [], 0
+    for cut in cuts:
+        parts.append(text[pos:pos + cut])
+        pos += cut
+    parts.append(text[pos:])
+    whole = [(r.line, r.step, r.request.value, sorted(r.figures)) for r in scan_bytes([text]).reports]
+    assert [(r.line, r.step, r.request.value, sorted(r.figures)) for r in scan_bytes(parts).reports] == whole
+    assert len(whole) == 2

@@ -91,6 +91,8 @@ MAX_LINE = 1 << 16
 WINDOW_LINES = 14
 #: a message repeated within this many lines (re-raised, logged twice, error.log + info.log) is one report
 REPEAT_LINES = 400
+#: reports kept per log (an inference server retrying for days prints millions); the rest are counted
+MAX_REPORTS = 10000
 #: two requests this close are one (MindSpore's pool aligns the kernel's size up to 512 B; PyTorch rounds)
 _SAME_REQUEST = 4096
 #: the byte strings one of which every OOM message contains (checked before any regex)
@@ -177,6 +179,7 @@ class LogScan:
     first_error_time: str | None = None
     last_step: int | None = None
     bytes_read: int = 0
+    reports_dropped: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -623,6 +626,9 @@ class _Scanner:
                 if last.cut and not report.cut:
                     last.cut, last.wording, last.text = False, report.wording, report.text
                 return
+        if len(reports) >= MAX_REPORTS:
+            self.scan.reports_dropped += 1       # memory stays bounded on a log of endless retries
+            return
         reports.append(report)
 
     def _close_window(self) -> None:
