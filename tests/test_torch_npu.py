@@ -437,3 +437,31 @@ def test_the_real_snapshots_tell_their_framework_without_frames(name, framework)
     data = safe_load(SHARED.parent / name)
     trace = [{k: v for k, v in e.items() if k != "frames"} for e in data["device_traces"][0]]
     assert snapshot_origin({"segments": []}, trace).framework == framework
+
+
+_growing = st.lists(st.one_of(
+    st.tuples(st.just("malloc"), st.one_of(st.integers(1, 4096), st.integers(1, 3 * MiB), st.integers(1, 50 * MiB))),
+    st.tuples(st.just("free"), st.integers(0, 10**6))), min_size=1, max_size=60)
+
+
+@settings(max_examples=30, deadline=None)
+@given(ops=_growing, start=st.integers(0, 100))
+def test_a_recording_started_late_restores_its_expandable_ranges(tmp_path_factory, ops, start):
+    """Recording started after the pool had grown: the mapped runs at the start are the
+    recording's expandable ranges again (not fixed segments), its live blocks torch_npu-sized, so
+    the rest replays exactly."""
+    ops = [("malloc", 1000), ("malloc", 3 * MiB)] + ops
+    data = _record_expandable(ops, capacity=4 << 30)
+    entries = data["device_traces"][0]
+    cut = min(start, len(entries))
+    while cut < len(entries) and entries[cut]["action"] == "free_completed":
+        cut += 1                                   # a free's two entries stay together
+    data["device_traces"][0] = entries[cut:]
+    path = tmp_path_factory.mktemp("late") / "snap.pickle"
+    path.write_bytes(pickle.dumps(data, protocol=4))
+    trace = read_torch_snapshot(path)
+    assert trace.initial.expandable
+    for fast_path in ([False, True] if fast.FAST_MODELS else [False]):
+        result = replay(trace, create("torch-npu-expandable", fast=fast_path), sample_every=0)
+        assert result.address_match in (None, 1.0)
+        assert result.final_layout_match

@@ -31,9 +31,11 @@ Layout exported for the metrics: each maximal run of *mapped* blocks of a range 
 ``allocated + free_total == reserved``; a free block spans as many pages as it covers (holes
 are contiguous in virtual space, unlike the per-segment holes of the ``torch`` model).
 
-When restoring a recorded state (``restore``), the recorded segments become fixed ranges that
-are fully mapped and never grow (a real allocator switched to expandable segments keeps its
-old segments); new memory comes from the expandable ranges.
+When restoring a recorded state (``restore``, :func:`restore_ranges`), the mapped runs of a
+recording made with expandable segments (``Layout.expandable``) become expandable ranges again,
+their gaps unmapped; other recorded segments become fixed ranges that are fully mapped and never
+grow (a real allocator switched to expandable segments keeps its old segments); new memory comes
+from the expandable ranges.
 
 Example:
     >>> m = TorchExpandableAllocator(capacity=2**30)
@@ -46,10 +48,13 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 
 from ms_memopt.allocators.base import AllocatorModel
-from ms_memopt.allocators.torch import LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, check_divisions, is_small_segment, round_size
+from typing import Callable
+
+from ms_memopt.allocators.torch import (LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, check_divisions,
+                                        is_small_segment, merged_blocks, round_size)
 from ms_memopt.core.layout import Block, Layout, Segment
 
-__all__ = ["TorchExpandableAllocator"]
+__all__ = ["TorchExpandableAllocator", "restore_ranges", "range_size_for", "page_size"]
 
 VIRTUAL_BASE = 1 << 44
 UNBOUNDED_RANGE = 1 << 40       # virtual range size when the capacity is unknown
@@ -59,6 +64,59 @@ _MASK = (1 << _SHIFT) - 1
 _UNMAPPED, _FREE, _LIVE = 0, 1, 2
 # positions in a block record
 _SIZE, _PREV, _NEXT, _STATE, _POOL, _RANGE = range(6)
+
+
+def range_size_for(capacity: int | None) -> int:
+    """The virtual range a pool reserves: 1 1/8 x the device memory (``ExpandableSegment``:
+    ``device_total + device_total / 8``), :data:`UNBOUNDED_RANGE` when unknown (bytes)."""
+    return UNBOUNDED_RANGE if capacity is None else capacity + capacity // 8
+
+
+def page_size(small: bool) -> int:
+    """PyTorch's expandable pages: 2 MiB in the small pool, 20 MiB in the large one (bytes)."""
+    return SMALL_BUFFER if small else LARGE_BUFFER
+
+
+def restore_ranges(layout: Layout, page_size: Callable[[bool], int], range_size: int) -> list[tuple]:
+    """The virtual ranges a model with expandable segments starts from for ``layout``, as
+    ``(base, size, page, stream, small, fixed, pieces)``; ``pieces`` ``[(addr, size, state)]``
+    tile the range (state 0 free, 1 live, 2 unmapped), free neighbours merged.
+
+    A layout of mapped runs (``layout.expandable``, a recording with expandable segments): one
+    expandable range per stretch of runs of one (stream, pool) whose starts are whole pages
+    (``page_size(small)``) apart, from its first run, ``range_size`` long or up to the next
+    range; the gaps are unmapped. Otherwise each segment is a fixed, fully mapped range that
+    goes back only whole (a process switched to expandable segments keeps its old segments).
+    """
+    segments = sorted(layout.segments, key=lambda s: s.addr)
+    if not layout.expandable:
+        return [(seg.addr, seg.size, seg.size, seg.stream, is_small_segment(seg), True,
+                 [(addr, size, int(live)) for addr, size, live in merged_blocks(seg)]) for seg in segments]
+    stretches: list[tuple[tuple[int, bool], int, list[Segment]]] = []
+    for seg in segments:
+        small = is_small_segment(seg)
+        key, page = (seg.stream, small), page_size(small)
+        if stretches and stretches[-1][0] == key and (seg.addr - stretches[-1][2][0].addr) % page == 0:
+            stretches[-1][2].append(seg)
+        else:
+            stretches.append((key, page, [seg]))
+    plans = []
+    for i, ((stream, small), page, runs) in enumerate(stretches):
+        base, end = runs[0].addr, runs[-1].end
+        size = max(range_size, end - base)
+        size = (size + page - 1) // page * page
+        if i + 1 < len(stretches):
+            size = max(end - base, min(size, stretches[i + 1][2][0].addr - base))
+        pieces, cursor = [], base
+        for run in runs:
+            if run.addr > cursor:
+                pieces.append((cursor, run.addr - cursor, 2))
+            pieces += [(addr, psize, int(live)) for addr, psize, live in merged_blocks(run)]
+            cursor = run.end
+        if base + size > cursor:
+            pieces.append((cursor, base + size - cursor, 2))
+        plans.append((base, size, page, stream, small, False, pieces))
+    return plans
 
 
 class _Range:
@@ -88,7 +146,7 @@ class TorchExpandableAllocator(AllocatorModel):
         super().__init__(capacity)
         check_divisions(roundup_power2_divisions)
         self.divisions = roundup_power2_divisions or 0
-        self.range_size = UNBOUNDED_RANGE if capacity is None else capacity + capacity // 8
+        self.range_size = range_size_for(capacity)
         self._reset()
 
     def _reset(self) -> None:
@@ -185,8 +243,8 @@ class TorchExpandableAllocator(AllocatorModel):
         return self._blocks[addr][_SIZE]
 
     def _page_size(self, small: bool) -> int:
-        """The range's page: ``ExpandableSegment``'s ``segment_size`` (2 MiB small, 20 MiB large)."""
-        return SMALL_BUFFER if small else LARGE_BUFFER
+        """The range's page: ``ExpandableSegment``'s ``segment_size`` (:func:`page_size`)."""
+        return page_size(small)
 
     def _expandable(self, key: int) -> int:
         block = self._blocks[key & _MASK]
@@ -432,31 +490,29 @@ class TorchExpandableAllocator(AllocatorModel):
                     self._unmap(start, addr, end)
 
     def restore(self, layout: Layout) -> None:
+        """Start from ``layout``: its ranges as :func:`restore_ranges` plans them."""
         self._reset()
-        for seg in sorted(layout.segments, key=lambda s: s.addr):
-            small = is_small_segment(seg)
-            free_list, _ = self._lists(seg.stream, small)
-            rng = _Range(seg.addr, seg.size, seg.size, seg.stream, small, fixed=True)
-            self._ranges[seg.addr] = rng
-            self.reserved += seg.size
+        states = (_FREE, _LIVE, _UNMAPPED)
+        for base, size, page, stream, small, fixed, pieces in restore_ranges(layout, self._page_size, self.range_size):
+            free_list, unmapped = self._lists(stream, small)
+            rng = _Range(base, size, page, stream, small, fixed)
+            self._ranges[base] = rng
             prev = None
-            for b in seg.blocks or [Block(seg.addr, seg.size, False)]:
-                self._blocks[b.addr] = [b.size, prev, None, _LIVE if b.live else _FREE, free_list, rng]
+            for addr, psize, state in pieces:
+                self._blocks[addr] = [psize, prev, None, states[state], free_list, rng]
                 if prev is not None:
-                    self._blocks[prev][_NEXT] = b.addr
-                prev = b.addr
-                if b.live:
-                    self.allocated += b.size
-            addr = seg.addr
-            while addr is not None:
-                nxt = self._blocks[addr][_NEXT]
-                if self._blocks[addr][_STATE] == _FREE:
-                    # merging may swallow ``nxt``; continue after the merged block
-                    addr = self._merge_free(addr)
-                    nxt = self._blocks[addr][_NEXT]
-                addr = nxt
-            self._next_base = max(self._next_base, seg.end)
-        self._next_base = (self._next_base + (1 << 30) - 1) // (1 << 30) * (1 << 30)
+                    self._blocks[prev][_NEXT] = addr
+                prev = addr
+                if state == 2:
+                    insort(unmapped, addr)
+                    continue
+                self.reserved += psize
+                if state == 1:
+                    self.allocated += psize
+                else:
+                    insort(free_list, psize << _SHIFT | addr)
+            self._next_base = max(self._next_base, base + size)
+        self._next_base = (self._next_base + GIB - 1) // GIB * GIB
         self._note_usage()
 
     # --- state ----------------------------------------------------------------------------

@@ -51,11 +51,11 @@ Example:
 from __future__ import annotations
 
 from ms_memopt.allocators.torch import ROUND_LARGE, TorchCachingAllocator, allocation_size, round_size
-from ms_memopt.allocators.torch_expandable import TorchExpandableAllocator
+from ms_memopt.allocators.torch_expandable import TorchExpandableAllocator, page_size
 from ms_memopt.core.errors import InputError
 
 __all__ = ["TorchNpuCachingAllocator", "TorchNpuExpandableAllocator", "PAD", "EXTRA_LARGE_BUFFER",
-           "ALIGN_ROUND_LARGE", "npu_round_size"]
+           "ALIGN_ROUND_LARGE", "npu_round_size", "npu_page_size"]
 
 MiB = 1 << 20
 PAD = 32                        # round_size: kPadSize
@@ -72,6 +72,12 @@ def npu_round_size(size: int, divisions: int = 0) -> int:
         (512, 512, 1024, 37888)
     """
     return round_size(size + PAD, divisions)
+
+
+def npu_page_size(small: bool, large_page: int | None) -> int:
+    """torch_npu's expandable page (``find_expandable_block``): PyTorch's, or ``large_page``
+    (``segment_size_mb``, ``page_size:1g``) in the large pool (bytes)."""
+    return page_size(small) if small or large_page is None else large_page
 
 
 def _check_bool(value, key: str) -> bool:
@@ -146,9 +152,7 @@ class TorchNpuExpandableAllocator(TorchExpandableAllocator):
 
     def _page_size(self, small: bool) -> int:
         # find_expandable_block: kSmallBuffer | segment_size_mb | kLargeBuffer; 1 GiB with page_size:1g
-        if small or self.large_page is None:
-            return super()._page_size(small)
-        return self.large_page
+        return npu_page_size(small, self.large_page)
 
     def _place(self, addr: int, rsize: int) -> int:
         """malloc's ``base_addr_aligned_size`` step: a request of ``kRoundLarge`` (2 MiB) or more

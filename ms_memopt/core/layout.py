@@ -81,10 +81,14 @@ class Layout:
 
     ``capacity`` is the device memory the pool may use in total (``None`` when unbounded);
     ``device_free = capacity - reserved`` is memory not yet taken from the device.
+    ``expandable``: the segments are the mapped runs of virtual ranges that grow and shrink by
+    pages (PyTorch's and torch_npu's expandable segments, as their snapshots report them), so a
+    model with such ranges starts from them as ranges, not as fixed segments.
     """
 
     segments: list[Segment] = field(default_factory=list)
     capacity: int | None = None
+    expandable: bool = False
 
     @property
     def reserved(self) -> int:

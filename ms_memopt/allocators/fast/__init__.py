@@ -43,7 +43,8 @@ from ms_memopt.allocators.mindspore_vmm import CHUNK, MindSporeVMMPool, ChunkSet
 from ms_memopt.allocators.mindspore_vmm import restore_pieces as vmm_restore_pieces
 from ms_memopt.allocators.pool import PoolModeAllocator
 from ms_memopt.allocators.torch import check_divisions, is_small_segment, merged_blocks
-from ms_memopt.allocators.torch_npu import TorchNpuCachingAllocator, TorchNpuExpandableAllocator
+from ms_memopt.allocators.torch_expandable import page_size, range_size_for, restore_ranges
+from ms_memopt.allocators.torch_npu import TorchNpuCachingAllocator, TorchNpuExpandableAllocator, npu_page_size
 from ms_memopt.core import _build_hash
 from ms_memopt.core.events import FIELDS, ROW_INDEX
 from ms_memopt.core.layout import Block, Layout, Segment
@@ -196,11 +197,15 @@ if ModelCore is not None:
             AllocatorModel.__init__(self, capacity)
             self.divisions = divisions or 0
 
+        def _page_size(self, small: bool) -> int:
+            return page_size(small)
+
         def restore(self, layout: Layout) -> None:
-            """Start from ``layout``: recorded segments become fixed, fully mapped ranges."""
+            """Start from ``layout``: the ranges :func:`~.torch_expandable.restore_ranges` plans."""
             self._reset()
-            for seg in sorted(layout.segments, key=lambda s: s.addr):
-                self._add_range(seg.addr, seg.size, seg.stream, is_small_segment(seg), merged_blocks(seg))
+            for base, size, page, stream, small, fixed, pieces in restore_ranges(layout, self._page_size,
+                                                                                 range_size_for(self.capacity)):
+                self._add_range(base, size, stream, small, pieces, page, fixed)
             self._restored()
             self._note_usage()
 
@@ -247,6 +252,9 @@ if ModelCore is not None:
             self.align, self.large_page = reference.align, reference.large_page
             self.page_size_1g, self.segment_size_mb = page_size_1g, segment_size_mb
             self._init_core(capacity, roundup_power2_divisions, align=self.align, large_page=self.large_page or 0)
+
+        def _page_size(self, small: bool) -> int:
+            return npu_page_size(small, self.large_page)
 
     class FastMindSporeVMMPool(ModelCore, AllocatorModel):
         """:class:`~ms_memopt.allocators.mindspore_vmm.MindSporeVMMPool` in C; its layout and

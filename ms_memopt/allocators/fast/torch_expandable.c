@@ -321,31 +321,41 @@ int fp_x_free(Core *c, u64 addr) {
     return x_merge_free(c, b) < 0 ? -1 : 0;
 }
 
-/* restore one recorded segment as a fixed, fully mapped range: _add_range(addr, size, stream,
- * small, pieces) with ``pieces`` [(addr, size, live), ...] free neighbours merged */
+/* restore one range as torch_expandable.restore_ranges plans it: _add_range(addr, size, stream,
+ * small, pieces, page, fixed) with ``pieces`` [(addr, size, state), ...] tiling it (state 0 free,
+ * 1 live, 2 unmapped; free neighbours merged); page and fixed default to a fixed, fully mapped
+ * range of one page */
 PyObject *fp_x_add_range(Core *c, PyObject *args) {
-    unsigned long long addr, size;
+    unsigned long long addr, size, page = 0;
     long long stream;
-    int small;
+    int small, fixed = 1;
     PyObject *pieces;
-    if (!PyArg_ParseTuple(args, "KKLpO", &addr, &size, &stream, &small, &pieces)) return NULL;
+    if (!PyArg_ParseTuple(args, "KKLpO|Kp", &addr, &size, &stream, &small, &pieces, &page, &fixed)) return NULL;
     Py_ssize_t ai = fp_get_alloc(c, stream, 0, small);
     if (ai < 0) return NULL;
-    int32_t si = x_new_range(c, ai, addr, size, size, 1);
+    int32_t si = x_new_range(c, ai, addr, size, page ? page : size, fixed);
     if (si < 0) return NULL;
-    c->reserved += (long long)size;
     PyObject *seq = PySequence_Fast(pieces, "pieces must be a sequence");
     if (!seq) return NULL;
     int32_t prev = -1;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         unsigned long long paddr, psize;
-        int live;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKp", &paddr, &psize, &live)) { Py_DECREF(seq); return NULL; }
-        int32_t b = fp_buf_new(c, paddr, psize, live ? X_LIVE : X_FREE, prev, -1, si);
+        int state;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKi", &paddr, &psize, &state)) { Py_DECREF(seq); return NULL; }
+        if (state < X_FREE || state > X_UNMAPPED) {
+            PyErr_Format(PyExc_ValueError, "piece state must be 0 (free), 1 (live) or 2 (unmapped), got %d", state);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        int32_t b = fp_buf_new(c, paddr, psize, state, prev, -1, si);
         if (b < 0) { Py_DECREF(seq); return NULL; }
         if (prev < 0) c->segs[si].head = b; else c->bufs[prev].next = b;
-        if (live) c->allocated += (long long)psize;
-        else if (fp_index_buf(c, b) < 0) { Py_DECREF(seq); return NULL; }
+        if (state != X_UNMAPPED) c->reserved += (long long)psize;
+        if (state == X_LIVE) c->allocated += (long long)psize;
+        else if (state == X_FREE ? fp_index_buf(c, b) < 0 : unm_insert(c, &c->allocs[ai], b) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
         prev = b;
     }
     Py_DECREF(seq);

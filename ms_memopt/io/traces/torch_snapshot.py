@@ -49,7 +49,7 @@ from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.lines import open_binary
 from ms_memopt.core.units import short_repr
 from ms_memopt.io.traces.memory_viz import POOL_KEY, RECORDED_BY, STEP_KEY
-from ms_memopt.io.traces.torch_origin import snapshot_origin
+from ms_memopt.io.traces.torch_origin import NPU_PAD, snapshot_origin
 
 __all__ = ["SafeUnpickler", "safe_load", "recorded_by", "pickle_nesting", "MAX_NESTING", "read_torch_snapshot", "looks_like_torch_snapshot",
            "reconstruct_initial", "LIVE_STATES", "round_request"]
@@ -471,7 +471,7 @@ def reconstruct_initial(events: list[Event], final: Layout, pre_live: dict[int, 
         if cursor < end:
             blocks.append(Block(cursor, end - cursor, False))
         out.append(Segment(addr, size, blocks, stream=stream, pool=pool))
-    return Layout(out)
+    return Layout(out, expandable=expandable)
 
 
 def _mapped_before(events: list[Event], segments: dict[int, tuple[int, int, str]]) -> dict[int, tuple[int, int, str]]:
@@ -594,6 +594,8 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     stacks: dict[int, list[str]] = {}     # id(frame list) -> its innermost frames
     next_id = 1
     last_step = None
+    origin = snapshot_origin(data, raw_trace)
+    pad = NPU_PAD if origin.framework == "torch_npu" else 0     # torch_npu's round_size pads each request
     for i, entry in enumerate(raw_trace):
         where = f"device_traces[{device}][{i}]"
         if not isinstance(entry, dict):
@@ -639,7 +641,7 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
                 # freed but never allocated in the trace: alive when recording began
                 bid = next_id
                 next_id += 1
-                pre_live[addr] = (bid, round_request(size))
+                pre_live[addr] = (bid, round_request(size + pad))
             else:
                 del live_size[addr]
             events.append(Event("free", id=bid, size=size, addr=addr, stream=stream, time=time, pool=pool))
@@ -654,7 +656,6 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
             block.id = next_id
             pre_live[block.addr] = (next_id, block.size)
             next_id += 1
-    origin = snapshot_origin(data, raw_trace)
     initial = reconstruct_initial(events, final, pre_live, expandable=origin.expandable)
     meta = {"device": device, "skipped_actions": skipped, "frames": frames,
             "allocator_settings": data.get("allocator_settings") if isinstance(data.get("allocator_settings"), dict)
