@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from ms_memopt.allocators.base import oom_kind
 from ms_memopt.cli import main
@@ -366,6 +367,28 @@ def test_step_before_lines_that_only_look_like_triggers():
     assert scan.reports[0].step == 437
 
 
+def test_a_long_state_dump_is_read_to_its_end_and_a_window_is_bounded():
+    # twenty allocators' state lines between the pool's warning and the runtime's line
+    text = ms_pool_failure(4509715660, 300 * MiB, state=(70 * GiB, 80 * GiB, 84 * GiB))
+    first, rest = text.split("\n", 1)
+    extra = "".join(ms_header("INFO") + f"\t\t{{\"addr_\":0x{i:x},\"size_\":1073741824}}\n" for i in range(40))
+    (r,) = scan_bytes([(first + "\n" + extra + rest).encode()]).reports
+    assert "pool_idle" in r.figures and r.kernel
+    endless = "Memory not enough: current free memory size[0] is smaller than required size[5].\n" + \
+        ms_header("INFO") + "stat info : {}\n" * 5000
+    assert len(scan_bytes([endless.encode()]).reports) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from([b"out of memory", b"Tried to allocate 1.00 GiB", b"\n", b"emory", b"\xff\x00",
+                                 b"Out of Memory!!! Request memory size: ", b"(GPU 0; ", b"12", b"M\n",
+                                 b"stat info : {", b"HCCL timeout ERROR", b"step: 3", b" free; "]), max_size=60))
+def test_garbage_never_raises(pieces):
+    scan = scan_bytes([b"".join(pieces)])
+    for report in scan.reports:
+        crash_verdict(report)
+
+
 def test_no_oom_and_binary_noise_and_long_lines():
     scan = scan_bytes([b"\x00\xff" * 1000 + b"\n" + b"x" * (3 << 20) + b"\nHCCL timeout EI0002\n"])
     assert scan.reports == [] and "EI0002" in scan.first_error
@@ -492,10 +515,6 @@ def test_mindformers_folder_info_and_error_logs_and_a_dump_per_rank(tmp_path, ca
     text = capsys.readouterr().out
     assert "blockers    1 live blocks" in text and "largest hole 1.80 GiB" in text
     assert (tmp_path / "rep" / "memory_map.png").stat().st_size > 0
-
-
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=150, deadline=None)

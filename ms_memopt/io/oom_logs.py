@@ -91,6 +91,12 @@ MAX_LINE = 1 << 16
 WINDOW_LINES = 14
 #: a message repeated within this many lines (re-raised, logged twice, error.log + info.log) is one report
 REPEAT_LINES = 400
+#: the longest message read (a pool state dump with many blocks); a window never grows past it
+MAX_WINDOW_LINES = 400
+#: the lines of MindSpore's pool state dump, after the logger's header (``DumpDynamicMemPoolStateInfo``)
+_STATE_WORDS = ("stat info :", "pool info: Total allocated mem", "Dump state info for", "In used mem buf info for",
+                "Mem block info - total count", "Mem block total size", "Free mem buf total size",
+                "Eager free mem buf total size", '{"addr_"', "stream id : ")
 #: reports kept per log (an inference server retrying for days prints millions); the rest are counted
 MAX_REPORTS = 10000
 #: two requests this close are one (MindSpore's pool aligns the kernel's size up to 512 B; PyTorch rounds)
@@ -655,9 +661,9 @@ class _Scanner:
             text = raw[:MAX_LINE].decode("utf-8", "replace")
             self.window.append(text)
             self.window_left -= 1
-            if self._is_state_line(text) or text.lstrip().startswith(("Dump state info", "In used mem buf", "Mem block", "Free mem buf", "Eager free mem buf", "{", "stream id")):
+            if len(self.window) < MAX_WINDOW_LINES and any(k in text for k in _STATE_WORDS):
                 self.window_left = max(self.window_left, 3)     # a pool state dump: read it to its end
-            if self.window_left <= 0 or _ends_message(text):
+            if self.window_left <= 0 or _ends_message(text) or len(self.window) >= MAX_WINDOW_LINES:
                 self._close_window()
             return
         if any(t in raw for t in TRIGGERS):
