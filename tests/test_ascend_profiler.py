@@ -359,3 +359,27 @@ def test_shared_sample_replayed_beside_the_recording(capsys):
     ge = json.loads(capsys.readouterr().out)
     assert ge["recorded"]["component"] == "GE" and ge["address_match"] is not None
     assert main(["replay", str(db), "--component", "HCCL"]) == 2
+
+
+@pytest.mark.parametrize("writer,shuffle", [("torch_npu", None), ("mindspore", None), ("torch_npu", 5)])
+def test_stream_gives_the_same_events_and_replay(tmp_path, writer, shuffle):
+    from ms_memopt.allocators import create
+    from ms_memopt.io.traces.ascend_profiler import stream_ascend_profiler
+    from ms_memopt.replay.replay import recorded_allocator, replay
+
+    folder = write_profiler_output(tmp_path, QUIRKY, writer=writer, initial={900: 3 * MiB, 901: 5 * MiB},
+                                   shuffle=shuffle)
+    whole = read_ascend_profiler(folder)
+    streamed = load_trace(folder, stream=True)
+    assert bool(streamed.meta.get("streamed")) == (shuffle is None)     # out-of-order rows: read whole
+    assert list(streamed.events) == whole.events == list(stream_ascend_profiler(folder).events)
+    assert streamed.meta["recorded"] == whole.meta["recorded"]
+    name = recorded_allocator(whole).name
+    a, b = replay(whole, create(name)), replay(streamed, create(name))
+    assert (a.peak_allocated, a.peak_reserved, a.final_allocated) == (b.peak_allocated, b.peak_reserved,
+                                                                      b.final_allocated)
+
+
+def test_stream_of_the_shared_sample():
+    folder = _shared("cnn_910b_level1_rank0")
+    assert list(load_trace(folder, stream=True).events) == load_trace(folder).events

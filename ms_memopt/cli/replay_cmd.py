@@ -191,14 +191,19 @@ STREAM_ABOVE = 64 << 20
 
 
 def _large_or_pipe(path: str) -> bool:
-    """A regular file over :data:`STREAM_ABOVE` bytes, or a pipe or device (a missing path: no)."""
+    """A regular file over :data:`STREAM_ABOVE` bytes, a pipe or device, or a folder of the Ascend
+    profiler's output whose file to read is over that size (a missing path: no)."""
     try:
         info = os.stat(path)
     except (OSError, ValueError):
         return False
     if stat.S_ISREG(info.st_mode):
         return info.st_size > STREAM_ABOVE
-    return not stat.S_ISDIR(info.st_mode)
+    if stat.S_ISDIR(info.st_mode):
+        from ms_memopt.io.traces.ascend_profiler import profiler_size
+
+        return profiler_size(path) > STREAM_ABOVE
+    return True
 
 
 def _recorded_lines(rec: dict, out: dict) -> list[str]:

@@ -139,6 +139,7 @@ def _reader(name: str) -> Callable[[str | Path], Trace]:
 STREAMERS: dict[str, str] = {
     "mindspore-pool-log": "ms_memopt.io.traces.ms_pool_log:stream_pool_log",
     "jsonl": "ms_memopt.core.events:stream_jsonl",
+    "ascend-profiler": "ms_memopt.io.traces.ascend_profiler:stream_ascend_profiler",
 }
 
 

@@ -75,7 +75,9 @@ __all__ = [
     "is_profiler_dir",
     "is_sqlite",
     "profiler_file_kind",
+    "profiler_size",
     "read_ascend_profiler",
+    "stream_ascend_profiler",
 ]
 
 FORMAT = "ascend-profiler"
@@ -139,6 +141,20 @@ def is_profiler_dir(path: str | Path) -> bool:
     of ranks' folders (the lowest rank is read)."""
     path = Path(path)
     return path.is_dir() and (_output_dir(path) is not None or bool(_rank_dirs(path)))
+
+
+def profiler_size(path: str | Path) -> int:
+    """Bytes of the file a read of ``path`` goes through (``operator_memory.csv`` of a folder, the
+    file itself otherwise; 0 when there is none): how large a replay's stream would be."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            inputs = _locate(path)
+            target = inputs.operator_memory or inputs.db or inputs.memory_record
+            return target.stat().st_size if target is not None else 0
+        return path.stat().st_size
+    except (OSError, InputError):
+        return 0
 
 
 def _rank_dirs(path: Path) -> list[Path]:
@@ -269,10 +285,14 @@ class _Timeline:
     as a group and ordered by the recorded totals.
     """
 
-    def __init__(self, name: str, *, release_after: bool, size_pad: int) -> None:
+    def __init__(self, name: str, *, release_after: bool, size_pad: int, emit: bool = True) -> None:
         self.name = name
         self.release_after = release_after
         self.size_pad = size_pad
+        self.first_time: int | None = None      # of the first event
+        #: without ``emit`` no Event is kept (a first pass that only learns the figures and the
+        #: initial state: memory is the live tensors)
+        self.emit = emit
         self.fig = _Figures(release_totals="after" if release_after else "before")
         self.events: list[Event] = []
         self.initial: list[tuple[int, int, str | None]] = []   # (id, size, name) allocated before the capture
@@ -471,6 +491,8 @@ class _Timeline:
         time, kind, ident, size, total, reserved, line, name, addr, stream = item
         fig = self.fig
         fig.events += 1
+        if self.first_time is None:
+            self.first_time = time
         running = self.running
         if total is not None:
             before = total - size if kind == 1 else (total + size if self.release_after else total)
@@ -482,7 +504,8 @@ class _Timeline:
                     gap = running - before
                     unseen = self._next_id()
                     self.initial.append((unseen, gap, "before capture (released unseen)"))
-                    self.events.append(Event("free", unseen, 0, None, 0, None, time))
+                    if self.emit:
+                        self.events.append(Event("free", unseen, 0, None, 0, None, time))
                     fig.unseen_releases += 1
                     fig.unseen_release_bytes += gap
                     running = before
@@ -505,12 +528,14 @@ class _Timeline:
         if kind == 1:
             running += size
             self._sizes[ident] = size
-            self.events.append(Event("alloc", ident, size - self.size_pad if size >= _MIN_BLOCK else size, addr,
-                                     stream, None, time, name))
+            if self.emit:
+                self.events.append(Event("alloc", ident, size - self.size_pad if size >= _MIN_BLOCK else size, addr,
+                                         stream, None, time, name))
             fig.events_peak_allocated = max(fig.events_peak_allocated, running)
         elif self._sizes.pop(ident, None) is not None:
             running -= size
-            self.events.append(Event("free", ident, 0, addr, stream, None, time, name))
+            if self.emit:
+                self.events.append(Event("free", ident, 0, addr, stream, None, time, name))
         self.running = running
 
     def initial_events(self, time: int | None) -> list[Event]:
@@ -974,7 +999,7 @@ def _db_int(value, what: str, source: str, line: int) -> int | None:
 
 # --------------------------------------------------------------------------- the reader
 
-def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> Trace:
+def read_ascend_profiler(path: str | Path, *, component: str | None = None, _emit: bool = True) -> Trace:
     """Read the Ascend profiler's memory output of one rank (see the module docstring).
 
     Args:
@@ -1006,7 +1031,7 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> T
         timelines = _read_db(inputs.db, writer, record)
         files.append(inputs.db.name)
     elif inputs.operator_memory is not None:
-        timelines, writer, why = _read_operator_memory(inputs, info, hints)
+        timelines, writer, why = _read_operator_memory(inputs, info, hints, emit=_emit)
         files.append(OPERATOR_MEMORY)
     else:
         writer, why = _writer(inputs, info, hints)
@@ -1027,7 +1052,7 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> T
     events: list[Event] = []
     initial = None
     if chosen is not None:
-        start = next((e.time for e in chosen.events if e.time is not None), None)
+        start = chosen.first_time
         if writer == TORCH_NPU and component == framework:
             initial = chosen.initial_layout()
         events = chosen.events if initial is not None else chosen.initial_events(start) + chosen.events
@@ -1069,17 +1094,70 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None) -> T
         meta["initial_state"] = (f"{len(chosen.initial)} tensors allocated before the capture in "
                                  f"{len(initial.segments)} segments of the recorded reserved total at the first row; "
                                  f"their placement is a guess")
-    return Trace(events, source=source, format=FORMAT, initial=initial, meta=meta)
+    trace = Trace(events, source=source, format=FORMAT, initial=initial, meta=meta)
+    if not _emit and chosen is not None:
+        trace.meta["_stream"] = (inputs.operator_memory, writer, component, chosen.release_after, chosen.fig.unsorted,
+                                 [] if initial is not None else events)
+    return trace
 
 
-def _new_timeline(component: str, writer: str, release_after: bool | None = None) -> _Timeline:
+def stream_ascend_profiler(path: str | Path, *, component: str | None = None) -> Trace:
+    """:func:`read_ascend_profiler` as a stream (``load_trace(..., stream=True)``): the events of
+    ``operator_memory.csv`` are produced as ``trace.events`` is iterated, from a second read of
+    the file, so memory is the live tensors', not the file's events.
+
+    A first read learns what the events need before they start (the initial state, the rule of
+    the release totals) and every figure; a file whose rows are out of time order, the db and a
+    lone ``memory_record.csv`` are read whole, as :func:`read_ascend_profiler` does.
+    """
+    trace = read_ascend_profiler(path, component=component, _emit=False)
+    plan = trace.meta.pop("_stream", None)
+    if plan is None or plan[0] is None or plan[4]:
+        return read_ascend_profiler(path, component=component)
+    trace.events = _ProfilerEvents(*plan[:4], initial_events=plan[5])
+    trace.meta["streamed"] = True
+    return trace
+
+
+class _ProfilerEvents:
+    """One component's events of an ``operator_memory.csv``, made from the file each time they are
+    iterated (after the initial state's allocations, when it is not a layout)."""
+
+    def __init__(self, path: Path, writer: str, component: str, release_after: bool, *,
+                 initial_events: list[Event]) -> None:
+        self.path, self.writer, self.component = path, writer, component
+        self.release_after = release_after
+        self.initial_events = initial_events
+
+    def __iter__(self) -> Iterator[Event]:
+        yield from self.initial_events
+        framework = _FRAMEWORK[self.writer]
+        timeline = _new_timeline(self.component, self.writer, self.release_after)
+        merge = _RowMerge(timeline, str(self.path))
+        events = timeline.events
+        for comp, row in _operator_rows(self.path, {}):
+            if comp is None:
+                comp = WORKSPACE if self.writer == TORCH_NPU and row[4] == 0 and (row[3] or 0) > 0 else framework
+            if comp != self.component:
+                continue
+            merge.push(row)
+            if events:
+                yield from events
+                events.clear()
+        merge.finish()
+        yield from events
+        events.clear()
+
+
+def _new_timeline(component: str, writer: str, release_after: bool | None = None, emit: bool = True) -> _Timeline:
     if release_after is None:
         release_after = component != GE       # CANN reports GE's release with the total before it
     pad = _NPU_PAD if (writer == TORCH_NPU and component == _FRAMEWORK[TORCH_NPU]) else 0
-    return _Timeline(component, release_after=release_after, size_pad=pad)
+    return _Timeline(component, release_after=release_after, size_pad=pad, emit=emit)
 
 
-def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict) -> tuple[dict[str, _Timeline], str, str]:
+def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict, *,
+                          emit: bool = True) -> tuple[dict[str, _Timeline], str, str]:
     """Stream ``operator_memory.csv`` into one timeline per component; read again where needed."""
     path = inputs.operator_memory
     # the writer decides the framework component's name; the file's first rows may say who wrote it
@@ -1108,7 +1186,7 @@ def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict) -> tuple[dic
                 continue
             merge = merges.get(comp)
             if merge is None:
-                timelines[comp] = _new_timeline(comp, writer, release_after.get(comp))
+                timelines[comp] = _new_timeline(comp, writer, release_after.get(comp), emit)
                 merge = merges[comp] = _RowMerge(timelines[comp], str(path))
             merge.push(row)
         for comp, merge in merges.items():
