@@ -9,11 +9,15 @@ Then times, in this process:
 
 * ``read``: ``load_trace(folder)`` (detection, the CSV streamed, rows merged into time-sorted
   events, the recorded totals checked at every row);
-* ``replay``: the events through the model the reader picked (``recorded_allocator``), sampling off.
+* ``replay``: the events through the model the reader picked (``recorded_allocator``), sampling off;
+* ``streamed``: ``load_trace(folder, stream=True)`` replayed (what ``ms-memopt replay`` does for a
+  folder over 64 MiB): the file read twice, the events made as the model takes them; timed first,
+  so the process's peak memory then is the stream's.
 
 Prints a table (wall seconds, and CPU seconds of this process, which a busy machine skews less),
 then as the last line one JSON object: ``{"rows", "events", "read_s", "replay_s", "total_s",
-"read_cpu_s", "replay_cpu_s", "rows_per_s", "allocated_max_diff", "file_mb", "allocator", "target_s"}``.
+"read_cpu_s", "replay_cpu_s", "streamed_s", "streamed_cpu_s", "streamed_peak_rss_mb", "whole_peak_rss_mb",
+"rows_per_s", "allocated_max_diff", "file_mb", "allocator", "target_s"}``.
 Target (issue 34): seconds for 10**6 rows; ``allocated_max_diff`` must be 0.
 
 Usage: python bench/profiler_read.py [--rows N] [--keep DIR]
@@ -22,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -67,7 +73,12 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1_000_000, help="tensors (operator_memory rows)")
     parser.add_argument("--keep", metavar="DIR", default=None,
                         help="write the folder here and keep it (a folder already there of that many rows is reused)")
+    parser.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.generate_only:          # in a process of its own, so the timed process's memory is the reader's
+        events, initial = _run_events(args.rows)
+        write_profiler_output(Path(args.keep), events, initial=initial)
+        return 0
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="profiler_read_"))
     try:
@@ -75,13 +86,21 @@ def main() -> int:
         folder = root / "rank0_ascend_pt"
         stamp = root / f"rows_{args.rows}"
         if not (args.keep and stamp.exists()):
-            events, initial = _run_events(args.rows)
-            folder = write_profiler_output(root, events, initial=initial)
-            del events
+            subprocess.run([sys.executable, __file__, "--rows", str(args.rows), "--keep", str(root), "--generate-only"],
+                           check=True)
             stamp.touch()
         out_dir = folder / "ASCEND_PROFILER_OUTPUT"
         file_mb = sum(p.stat().st_size for p in out_dir.iterdir()) / 2**20
         generated = time.perf_counter() - started
+
+        # streamed first: the process's peak memory then is the stream's (it only grows after)
+        started, cpu = time.perf_counter(), time.process_time()
+        streamed = load_trace(folder, stream=True)
+        chosen = recorded_allocator(streamed)
+        streamed_result = replay(streamed, create(chosen.name, **chosen.options), sample_every=0)
+        stream_s, stream_cpu = time.perf_counter() - started, time.process_time() - cpu
+        stream_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        del streamed
 
         started, cpu = time.perf_counter(), time.process_time()
         trace = load_trace(folder)
@@ -92,6 +111,7 @@ def main() -> int:
         started, cpu = time.perf_counter(), time.process_time()
         result = replay(trace, model, sample_every=0)
         replay_s, replay_cpu = time.perf_counter() - started, time.process_time() - cpu
+        whole_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -102,13 +122,19 @@ def main() -> int:
     print(f"{'step':<10}{'seconds':>10}{'CPU s':>10}{'rows/s':>14}")
     print(f"{'read':<10}{read_s:>10.2f}{read_cpu:>10.2f}{rows / read_s:>14,.0f}")
     print(f"{'replay':<10}{replay_s:>10.2f}{replay_cpu:>10.2f}{rows / replay_s:>14,.0f}")
-    print(f"{'total':<10}{total:>10.2f}{read_cpu + replay_cpu:>10.2f}{rows / total:>14,.0f}")
+    print(f"{'total':<10}{total:>10.2f}{read_cpu + replay_cpu:>10.2f}{rows / total:>14,.0f}   "
+          f"(process peak {whole_rss:,.0f} MiB)")
+    print(f"{'streamed':<10}{stream_s:>10.2f}{stream_cpu:>10.2f}{rows / stream_s:>14,.0f}   "
+          f"(read twice and replayed; process peak {stream_rss:,.0f} MiB; same peaks: "
+          f"{streamed_result.peak_allocated == result.peak_allocated})")
     print(f"events {len(trace.events):,} through {result.allocator} ({allocator.why}); allocated curve off by "
           f"{recorded['allocated_max_diff']} B at most; recorded peak allocated {recorded['peak_allocated']:,} B, "
           f"model {result.peak_allocated:,} B")
     print(json.dumps({"rows": rows, "events": len(trace.events), "read_s": round(read_s, 3),
                       "replay_s": round(replay_s, 3), "total_s": round(total, 3),
                       "read_cpu_s": round(read_cpu, 3), "replay_cpu_s": round(replay_cpu, 3),
+                      "streamed_s": round(stream_s, 3), "streamed_cpu_s": round(stream_cpu, 3),
+                      "streamed_peak_rss_mb": round(stream_rss), "whole_peak_rss_mb": round(whole_rss),
                       "rows_per_s": round(rows / total), "allocated_max_diff": recorded["allocated_max_diff"],
                       "file_mb": round(file_mb, 1), "allocator": result.allocator, "target_s": TARGET_S}))
     return 0
