@@ -103,6 +103,7 @@ MAX_REPORTS = 10000
 _SAME_REQUEST = 4096
 #: the byte strings one of which every OOM message contains (checked before any regex)
 TRIGGERS = (b"out of memory", b"Out of Memory", b"Tried to allocate", b"emory not enough", b"memory isn't enough",
+            b"Allocate memory failed",
             b"Memory isn't enough", b"is more than total mem size", b"stat info :", b"pool info: Total allocated mem",
             b"OutOfMemoryError")
 #: what a chunk is searched for before anything else: every trigger holds one of these (a line holding
@@ -552,7 +553,8 @@ def _mindspore_report(text: str, line: int) -> OOMReport | None:
     return None
 
 
-_BARE = re.compile(r"(CUDA|NPU|HIP|XPU|GPU|MPS)?[ \w]{0,20}(?:out of memory|Out of Memory|OutOfMemoryError|OUT_OF_MEMORY)")
+_BARE = re.compile(r"(CUDA|NPU|HIP|XPU|GPU|MPS)?[ \w]{0,20}(?:out of memory|Out of Memory|OutOfMemoryError|OUT_OF_MEMORY"
+                   r"|Allocate memory failed)")
 
 
 def _bare_report(line_text: str, line: int) -> OOMReport | None:
@@ -564,7 +566,8 @@ def _bare_report(line_text: str, line: int) -> OOMReport | None:
     word = (m.group(1) or "").upper()
     if word == "NPU" or "torch_npu" in line_text:
         framework, allocator = "torch_npu", "npu-caching"
-    elif "mindspore" in line_text or "Out of Memory" in line_text or re.search(r"\[(ERROR|WARNING)\] [A-Z_]+\(", line_text):
+    elif ("mindspore" in line_text or "Out of Memory" in line_text or "Allocate memory failed" in line_text
+          or re.search(r"\[(ERROR|WARNING)\] [A-Z_]+\(", line_text)):
         framework, allocator = "mindspore", "dynamic-pool"
     else:
         framework, allocator = "pytorch", "cuda-caching"
