@@ -6,7 +6,9 @@ rank's folder (``*_ascend_pt`` for torch_npu, ``*_ascend_ms`` for MindSpore) the
 ``npu_module_mem.csv``, or (db export) the SQLite file ``ascend_pytorch_profiler_N.db`` whose
 tables ``OP_MEMORY``, ``MEMORY_RECORD``, ``NPU_MODULE_MEM`` and ``NPU_OP_MEM`` hold the same data.
 :func:`read_ascend_profiler` takes the rank's folder, ``ASCEND_PROFILER_OUTPUT/``, any one of
-the CSV files, or the ``.db``. Facts from the writers' sources (docs/traces.md):
+the CSV files, the ``.db``, or a job's folder of ranks' folders (the lowest rank is read);
+:func:`stream_ascend_profiler` makes the events as they are iterated. Facts from the writers'
+sources (docs/traces.md):
 
 * ``operator_memory.csv``: one row per tensor: ``Size(KB)`` (block bytes / 1024), allocation and
   release time (us), and the pool's total allocated / reserved / active (MB = bytes / 2**20)
@@ -26,11 +28,15 @@ the CSV files, or the ``.db``. Facts from the writers' sources (docs/traces.md):
 * Rows are not sorted by release time (nor, in some files, by allocation time). Allocations and
   releases are merged by time as a stream (memory bounded by the live tensors), the whole
   component sorted only when a row comes out of order. Equal times are ordered by the recorded
-  totals (the event whose "before" total is the running total goes first), else releases first.
+  totals (each event starts where the total stands; the fewest unseen releases; ending where
+  the next event starts), else releases first.
+* torch_npu's workspace allocator reports through the same records with reserved 0: those rows
+  are the ``WORKSPACE`` component.
 * ``memory_record.csv``: the totals over time per component (torch_npu: ``PTA``, ``GE``,
   ``PTA+GE``, ``APP``; db also ``WORKSPACE``; MindSpore: ``MindSpore``, ``GE``,
   ``MindSpore+GE``, ``APP``). MindSpore's "MB" there is KB / 1000 (``MemoryRecordBean``).
-  On its own it gives the recorded curves and events made from the allocated deltas.
+  Beside ``operator_memory.csv`` it is not read (the rows carry the same series); on its own it
+  gives the recorded curves and events made from the allocated deltas.
 * ``npu_module_mem.csv``: reserved memory per CANN module over time (figures only).
 * The db: bytes and ns as integers; names are ``STRING_IDS`` ids. ``NPU_OP_MEM`` holds GE's
   allocate/release records with device addresses: used for the GE component (``addr``).
@@ -39,8 +45,11 @@ Each component is one event stream; the Trace holds the framework's (``PTA`` or 
 ``component=`` picks another) and ``meta["components"]`` the recorded figures of all:
 ``peak_allocated``, ``peak_reserved``, ``allocated_max_diff`` (the largest difference between
 the recorded allocated total and the events' own at any row: 0 when the reader is right), and
-how the initial state was made. ``meta["allocator_candidates"]`` lists the models that fit, best
-first (replay takes the first one registered), ``meta["framework"]`` names the writer.
+how the initial state was made. For torch_npu's ``PTA`` the initial state is ``Trace.initial``:
+the pre-capture tensors laid out in the recorded reserved total (placement guessed; no
+addresses are recorded); elsewhere allocations before the first event.
+``meta["allocator_candidates"]`` lists the models that fit, best first (replay takes the first
+one registered), ``meta["framework"]`` names the writer.
 
 Example:
     >>> trace = read_ascend_profiler("rank0_ascend_pt")                    # doctest: +SKIP
