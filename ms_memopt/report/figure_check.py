@@ -3,7 +3,7 @@
 :func:`figure_problems` looks at a drawn matplotlib figure and lists its defects in words:
 
 * **text outside the figure**: a title, label, tick label, legend entry or annotation that is cut
-  at an edge of the image;
+  at an edge of the image; a label placed on the data that runs out of its axes;
 * **overlapping text**: two pieces of text drawn over each other (forecast labels at one spot,
   region names side by side, a legend over the axis labels);
 * **a legend over data**: a legend inside an axes that covers a point or a segment of a line
@@ -63,6 +63,11 @@ def figure_problems(fig, *, margin: float = MARGIN) -> list[str]:
             if _overlap(box_a, box_b):
                 problems.append(f"text {_quote(a)} overlaps {_quote(b)}")
     for number, ax in enumerate(fig.axes, 1):
+        frame = ax.get_window_extent(renderer).padded(_SLACK)
+        for text in ax.texts:        # a label on the data belongs inside its axes
+            box = text.get_window_extent(renderer)
+            if text.get_visible() and text.get_text().strip() and not _inside(box, frame):
+                problems.append(f"axes {number}: text {_quote(text)} runs out of the axes")
         legend = ax.get_legend()
         if legend is not None and legend.get_visible():
             covered = _covered_artists(ax, legend.get_window_extent(renderer))
@@ -105,6 +110,10 @@ def _tick_labels(axis) -> list:
 def _quote(text) -> str:
     words = " ".join(text.get_text().split())
     return repr(words if len(words) <= 60 else words[:57] + "...")
+
+
+def _inside(box, frame) -> bool:
+    return box.x0 >= frame.x0 and box.x1 <= frame.x1 and box.y0 >= frame.y0 and box.y1 <= frame.y1
 
 
 def _overlap(a, b) -> bool:

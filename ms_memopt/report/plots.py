@@ -82,6 +82,7 @@ def save_figure(fig, path: str | Path, *, dpi: int = 110) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        fig.set_dpi(dpi)        # checked as written: text extents round differently at other resolutions
         fig.savefig(path, dpi=dpi)
         for problem in figure_problems(fig):
             warnings.warn(f"{path}: {problem}", FigureWarning, stacklevel=2)
@@ -448,11 +449,12 @@ def plot_sweep(rows: list[dict], keys: list[str], path: str | Path, *, title: st
                        fontsize=8)
     ax.set_ylabel("job OOM step (first rank)")
     steps = max((r["steps"] for r in rows), default=1)
-    ax.set_ylim(0, steps * 1.15)
+    ax.set_ylim(0, steps * 1.02)
     ax.axhline(steps, color="grey", lw=0.6, ls=":")
-    ax.set_title(f"{title}\n(hatched: every rank survived {steps} steps)", fontsize=9)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
+    width_in = fig.get_size_inches()[0]
+    ax.set_title(wrap_to_width(f"{title}\n(hatched: every rank survived {steps} steps)", width_in, 9), fontsize=9)
+    _finish(fig, "", *_figure_legend_entries([ax]), columns=max(1, len(policies)))
+    fit_to_texts(fig, ax, "y")      # room for the notes above the bars, and no more
     return save_figure(fig, path)
 
 
@@ -597,15 +599,29 @@ def plot_region_budget(plan: dict, path: str | Path, *, title: str = "Per-card m
 
 def fit_to_texts(fig, ax, axis: str = "x") -> None:
     """Extend ``ax``'s upper ``axis`` ("x" or "y") limit just enough for the texts drawn on the
-    data (labels at the ends of bars, figures above rows), and no further."""
+    data (labels at the ends of bars, figures above rows), and no further.
+
+    A text keeps its size in pixels while the limit moves, so the limit is solved for: a text
+    anchored at ``a`` reaching ``e`` pixels past its anchor fits when
+    ``(a - low) / (high - low) * length + e <= length``."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     k = 0 if axis == "x" else 1
     low, high = ax.get_xlim() if axis == "x" else ax.get_ylim()
-    far = max((ax.transData.inverted().transform(t.get_window_extent(renderer).get_points())[:, k].max()
-               for t in ax.texts if t.get_visible()), default=high)
-    if far > high:
-        (ax.set_xlim if axis == "x" else ax.set_ylim)(low, far + 0.01 * (far - low))
+    frame = ax.get_window_extent(renderer)
+    length = frame.width if axis == "x" else frame.height
+    needed = high
+    for text in ax.texts:
+        if not text.get_visible() or not text.get_text().strip():
+            continue
+        anchor = getattr(text, "xy", None) or text.get_position()      # an annotation's point, a text's position
+        anchor_px = ax.transData.transform(anchor)[k]
+        past = text.get_window_extent(renderer).get_points()[1, k] - anchor_px
+        a = anchor[k]
+        if 0 < past < 0.8 * length and a > low:
+            needed = max(needed, low + (a - low) * length / (0.97 * length - past))     # and a 3% margin
+    if needed > high:
+        (ax.set_xlim if axis == "x" else ax.set_ylim)(low, needed)
 
 
 # --- loss ------------------------------------------------------------------------------------------
