@@ -150,7 +150,7 @@ if ModelCore is not None:
         ``max_split_size_mb`` (see :meth:`supports`)."""
 
         name = "torch"
-        kind = "torch"          # the C Model record (torch.c)
+        core_kind = "torch"     # its C Model record (torch.c)
 
         @staticmethod
         def supports(options: dict) -> bool:
@@ -166,7 +166,7 @@ if ModelCore is not None:
             if max_split_size_mb is not None:
                 raise ValueError("max_split_size_mb runs the pure-Python model (create() picks it)")
             check_divisions(divisions)
-            ModelCore.__init__(self, capacity, kind=self.kind, divisions=divisions or 0, **core_options)
+            ModelCore.__init__(self, capacity, kind=self.core_kind, divisions=divisions or 0, **core_options)
             AllocatorModel.__init__(self, capacity)
             self.max_split_size = None
             self.divisions = divisions or 0
@@ -186,14 +186,14 @@ if ModelCore is not None:
         name = "torch-expandable"
         virtual = True
         supports = FastMindSporePool.supports
-        kind = "expandable"     # the C Model record (torch_expandable.c)
+        core_kind = "expandable"    # its C Model record (torch_expandable.c)
 
         def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None) -> None:
             self._init_core(capacity, roundup_power2_divisions)
 
         def _init_core(self, capacity: int | None, divisions: int | None, **core_options) -> None:
             check_divisions(divisions)
-            ModelCore.__init__(self, capacity, kind=self.kind, divisions=divisions or 0, **core_options)
+            ModelCore.__init__(self, capacity, kind=self.core_kind, divisions=divisions or 0, **core_options)
             AllocatorModel.__init__(self, capacity)
             self.divisions = divisions or 0
 
@@ -228,7 +228,7 @@ if ModelCore is not None:
         the 32-byte pad and ``page_size:1g``), without ``max_split_size_mb``."""
 
         name = "torch-npu"
-        kind = "torch_npu"      # torch_npu.c: torch.c's model with the 32-byte pad
+        core_kind = "torch_npu"     # torch_npu.c: torch.c's model with the 32-byte pad
 
         def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
                      roundup_power2_divisions: int | None = None, page_size_1g: bool = False) -> None:
@@ -242,7 +242,7 @@ if ModelCore is not None:
         (torch_expandable.c with the pad, the large page and the 16 KiB alignment)."""
 
         name = "torch-npu-expandable"
-        kind = "npu_expandable"     # torch_npu.c: torch_expandable.c's model with the pad
+        core_kind = "npu_expandable"    # torch_npu.c: torch_expandable.c's model with the pad
 
         def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None,
                      base_addr_aligned_kb: int = 16, segment_size_mb: int | None = None,
