@@ -475,6 +475,10 @@ def test_cli_exit_codes_json_and_report(tmp_path, capsys):
     assert one["verdict"]["kind"] == "fragmentation" and len(one["reports"]) == 1
     assert main(["doctor", str(log), "--fail-on-oom"]) == 1
     capsys.readouterr()
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "dense_100b_1024x910c.yaml"
+    assert main(["doctor", str(log), "--json", "--recipe", str(recipe)]) == 0
+    planned = json.loads(capsys.readouterr().out)["plan"]
+    assert planned["needs"] > 0 and planned["capacity"] > 0 and "ms-memopt plan" in planned["text"]
     plain = tmp_path / "notes.txt"
     plain.write_text("nothing to see\n")
     assert main(["doctor", str(plain)]) == 2

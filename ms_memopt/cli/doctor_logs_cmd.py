@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LOGDIR: read the ranks' logs on local processes (default), Dask or Ray")
     parser.add_argument("--address", default=None, help="LOGDIR: the Dask scheduler or Ray cluster to use")
     parser.add_argument("--workers", type=int, default=None, help="LOGDIR: worker processes (default: every core)")
+    parser.add_argument("--recipe", metavar="YAML", default=None,
+                        help="LOG/LOGDIR: the job's recipe (MindFormers YAML): what ms-memopt plan says the card needs")
     parser.add_argument("--layout", metavar="FILE", default=None,
                         help="LOG: the pool's MemoryDebugInfo<N>.txt at the failure (default: one beside the log)")
 
@@ -65,6 +67,7 @@ def _run_log(args: argparse.Namespace, not_a_trace: InputError | None) -> int:
     from ms_memopt.doctor.crash_logs import diagnose_log
 
     d = diagnose_log(args.trace, layout=args.layout)
+    plan = _plan(args)
     if not d.reports:
         if not_a_trace is not None:
             raise InputError(f"{not_a_trace.message}; nor a log holding an out-of-memory message (MindSpore's "
@@ -72,9 +75,18 @@ def _run_log(args: argparse.Namespace, not_a_trace: InputError | None) -> int:
                              "PyTorch's or torch_npu's 'out of memory. Tried to allocate')",
                              source=not_a_trace.source, line=not_a_trace.line)
     if args.out:
-        write_log_report(d, Path(args.out))
-    print(json.dumps(d.to_dict(), default=str) if args.json else log_text(d, args.out))
+        write_log_report(d, Path(args.out), plan=plan)
+    if args.json:
+        print(json.dumps(dict(d.to_dict(), plan=plan), default=str))
+    else:
+        print(log_text(d, args.out) + (f"\nplan        {plan['text']}" if plan else ""))
     return 1 if args.fail_on_oom and d.reports else 0
+
+
+def _plan(args: argparse.Namespace) -> dict | None:
+    from ms_memopt.doctor.crash_logs import plan_for
+
+    return None if getattr(args, "recipe", None) is None else plan_for(args.recipe)
 
 
 def _run_job(args: argparse.Namespace) -> int:
@@ -82,10 +94,14 @@ def _run_job(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise InputError(f"expected a positive number of workers, got {args.workers}", key="--workers")
+    plan = _plan(args)
     job = diagnose_logdir(args.trace, executor=args.executor, address=args.address, workers=args.workers)
     if args.out:
-        write_job_report(job, Path(args.out))
-    print(json.dumps(job.to_dict(), default=str) if args.json else job_text(job, args.out))
+        write_job_report(job, Path(args.out), plan=plan)
+    if args.json:
+        print(json.dumps(dict(job.to_dict(), plan=plan), default=str))
+    else:
+        print(job_text(job, args.out) + (f"\nplan        {plan['text']}" if plan else ""))
     return 1 if args.fail_on_oom and job.first else 0
 
 
@@ -197,7 +213,11 @@ def _md_remedies(d) -> list[str]:
     return lines + ["", f"Record the run for a full diagnosis next time: `{d.record}`"]
 
 
-def write_log_report(d, out: Path) -> Path:
+def _md_plan(plan: dict | None) -> list[str]:
+    return [] if not plan else ["## What the card needs (ms-memopt plan)", "", plan["text"], ""]
+
+
+def write_log_report(d, out: Path, *, plan: dict | None = None) -> Path:
     """``out/report.md`` for one log (and ``memory_map.png`` when the pool's layout was read)."""
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# ms-memopt doctor: {Path(d.source).name}", ""]
@@ -218,13 +238,14 @@ def write_log_report(d, out: Path) -> Path:
             lines += ["## Blockers", "", "| size | tag | address | pool block |", "|---|---|---|---|"]
             lines += [f"| {format_size(b['size'])} | {b['tag'] or ''} | {b['addr']:#x} | {b['segment']:#x} |"
                       for b in d.blockers] + [""]
-        lines += ["## Reports", ""] + _md_reports(d) + ["", "## Remedies", ""] + _md_remedies(d)
+        lines += ["## Reports", ""] + _md_reports(d) + ["", "## Remedies", ""] + _md_remedies(d) + [""]
+        lines += _md_plan(plan)
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
 
-def write_job_report(job, out: Path) -> Path:
+def write_job_report(job, out: Path, *, plan: dict | None = None) -> Path:
     """``out/report.md`` for a job's folder: the first failure, counts per verdict, every OOM rank."""
     from ms_memopt.doctor.crash_logs import format_counts
 
@@ -236,7 +257,7 @@ def write_job_report(job, out: Path) -> Path:
     first = job.first_diagnosis
     if first is not None and first.reports:
         lines += ["## The first failure", "", f"Log: `{first.source}`", ""] + _md_reports(first) + \
-                 ["", "## Remedies", ""] + _md_remedies(first) + [""]
+                 ["", "## Remedies", ""] + _md_remedies(first) + [""] + _md_plan(plan)
     oom = [(k, d) for k, d in job.ranks.items() if d.reports]
     if oom:
         lines += ["## Ranks with an OOM report", "", "| rank | time | step | verdict | text |", "|---|---|---|---|---|"]

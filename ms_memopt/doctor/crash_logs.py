@@ -62,7 +62,7 @@ from ms_memopt.doctor.remedy_table import RECORD, family_of, remedy_lines
 from ms_memopt.io.oom_logs import Figure, LogScan, OOMReport, rank_of_path, read_oom_log
 
 __all__ = ["CrashVerdict", "CrashRemedy", "LogDiagnosis", "JobDiagnosis", "crash_verdict", "crash_remedies",
-           "diagnose_log", "diagnose_logdir", "find_rank_logs", "scan_rank", "scan_ranks"]
+           "diagnose_log", "diagnose_logdir", "find_rank_logs", "scan_rank", "scan_ranks", "plan_for"]
 
 #: device memory that is held outside the allocator whatever the user does, per framework: PyTorch's
 #: and torch_npu's context and driver (a few hundred MiB to 1 GiB), the 2 GiB MindSpore leaves to the
@@ -368,6 +368,29 @@ def crash_remedies(report: OOMReport, verdict: CrashVerdict) -> list[CrashRemedy
             continue               # already on, or a CPU pool (VMM is Ascend's)
         out.append(CrashRemedy(setting, line.format(**fill), why))
     return out
+
+
+def plan_for(recipe: str | os.PathLike) -> dict:
+    """What ``ms-memopt plan RECIPE`` says the card needs (:func:`~ms_memopt.analysis.estimate.estimate`),
+    for a capacity verdict: ``needs`` (bytes at the worst pipeline stage), ``capacity``, ``fits``,
+    ``headroom`` (negative: short by), ``checkpoint_every`` and one sentence, ``text``.
+
+    Raises:
+        InputError: the recipe cannot be read.
+    """
+    from ms_memopt.analysis.estimate import estimate
+    from ms_memopt.config.recipe import load_recipe
+
+    plan = estimate(load_recipe(recipe)).to_dict()
+    needs, capacity, headroom = plan["total"], plan["capacity"], plan["headroom"]
+    verdict = (f"fits with {format_size(headroom)} to spare" if plan["fits"]
+               else f"does not fit: short by {format_size(-headroom)}")
+    text = (f"ms-memopt plan {Path(recipe).name}: the card needs {format_size(needs)} at its worst stage "
+            f"({plan['worst_stage']}) of the {format_size(capacity)} it holds: {verdict}")
+    if plan.get("checkpoint_every"):
+        text += f"; recompute every {plan['checkpoint_every']} layers"
+    return {"recipe": str(recipe), "needs": needs, "capacity": capacity, "fits": plan["fits"], "headroom": headroom,
+            "checkpoint_every": plan.get("checkpoint_every"), "worst_stage": plan["worst_stage"], "text": text}
 
 
 def record_command(report: OOMReport, verdict: CrashVerdict) -> str:
