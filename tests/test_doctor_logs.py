@@ -191,6 +191,15 @@ def test_torch_npu(glued):
     assert any("If reserved" in n for n in report.notes) == glued
 
 
+def test_remedy_lines_are_the_replay_doctors_own():
+    from ms_memopt.doctor.remedies import SETTINGS
+    from ms_memopt.doctor.remedy_table import UNRESOLVED, remedy_lines
+
+    assert UNRESOLVED == []          # every setting named from remedies.SETTINGS is still there
+    lines = {s.line for s in SETTINGS["torch_npu"]}
+    assert remedy_lines("torch_npu", "fragmentation")[0][1] in lines
+
+
 def test_torch_npu_capacity_and_remedies_in_its_terms():
     d = _diagnosis_of_text(npu(8 * GiB, 61 * GiB, 58 * GiB, 58 * GiB, 1 * GiB, 59 * GiB))
     assert d.verdict.kind == "capacity"
