@@ -306,9 +306,11 @@ def crash_verdict(report: OOMReport, layout: Layout | None = None) -> CrashVerdi
     best = _kind(request.low, free_total.high, device_free.high, None if held is None else held.high)
     if worst != best:
         out.sure = False
-        printed = ", ".join(f.printed for f in (request, free_total, device_free) if not f.exact)
+        figures = (request, free_total, device_free)
+        printed = ", ".join(f.printed for f in figures if not f.exact)
+        spread = max(f.high - f.low for f in figures)
         out.caveat = (f"the printed rounding ({printed}) could make it {worst if worst != out.kind else best}: "
-                      f"the exact bytes differ by at most {format_size(max(request.high - request.low, free_total.high - free_total.low, device_free.high - device_free.low))} per figure")
+                      f"the exact bytes differ by at most {format_size(spread)} per figure")
     if report.allocator == "ascend-two-pointer" and out.kind == "fragmentation" and "static" in report.figures:
         out.sure = False
         out.caveat = ("the two-pointer pool's free memory is one piece: a request it covered cannot fail; "

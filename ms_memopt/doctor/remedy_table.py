@@ -44,18 +44,19 @@ def _replayed(family: str, name: str, fallback: str) -> str:
 def _torch_fragmentation(family: str) -> list[tuple[str, str, str]]:
     var = "PYTORCH_NPU_ALLOC_CONF" if family == "torch_npu" else "PYTORCH_CUDA_ALLOC_CONF"
     # max_split_size_mb's line is taken for 64 MiB and given the report's own value
-    split = _replayed(family, "max_split_size_mb:64", f"export {var}=max_split_size_mb:64").replace("max_split_size_mb:64", "max_split_size_mb:{split_mb}")
+    split = _replayed(family, "max_split_size_mb:64", f"export {var}=max_split_size_mb:64")
+    expandable = _replayed(family, "expandable_segments:True", f"export {var}=expandable_segments:True")
+    gc = _replayed(family, "garbage_collection_threshold:0.8", f"export {var}=garbage_collection_threshold:0.8")
     return [
-        ("expandable_segments:True", _replayed(family, "expandable_segments:True", f"export {var}=expandable_segments:True"),
-         "segments grow in place, so split pieces re-merge instead of staying cut"),
-        ("max_split_size_mb", split, "large cached blocks are not cut for small requests"),
-        ("garbage_collection_threshold", _replayed(family, "garbage_collection_threshold:0.8",
-                   f"export {var}=garbage_collection_threshold:0.8"),
-         "frees unused cached blocks before the pool is full"),
+        ("expandable_segments:True", expandable, "segments grow in place, so split pieces re-merge instead of staying cut"),
+        ("max_split_size_mb", split.replace("max_split_size_mb:64", "max_split_size_mb:{split_mb}"),
+         "large cached blocks are not cut for small requests"),
+        ("garbage_collection_threshold", gc, "frees unused cached blocks before the pool is full"),
     ]
 
 
-_MS_POOL_MODE = ("pool mode", _replayed("mindspore", "pool mode", "enable_pool_mode(net, optimizer, checkpoint_every=k, batch_size=b)"),
+_MS_POOL_MODE = ("pool mode",
+                 _replayed("mindspore", "pool mode", "enable_pool_mode(net, optimizer, checkpoint_every=k, batch_size=b)"),
                  "parameters, activations and optimizer states in regions planned at start-up: no interleaving "
                  "of lifetimes, no holes (docs/pool_mode.md)")
 
