@@ -113,6 +113,9 @@ def test_writer_formats_read_back_exactly(tmp_path, writer, line_end, shuffle):
     assert figures["allocated_max_diff"] == 0
     assert figures["unseen_releases"] == 1 and figures["unseen_release_bytes"] == 3 * MiB
     assert figures["held_initial_bytes"] == 5 * MiB
+    # the initial state laid out in the recorded reserved total (PyTorch's pools, MindSpore's common pool)
+    assert trace.initial.reserved == figures["reserved_first"] and trace.initial.allocated == 8 * MiB
+    assert {seg.pool for seg in trace.initial.segments} == ({"large"} if writer == "torch_npu" else {"common"})
     if writer == "torch_npu":      # MindSpore's float times make all these rows one instant
         assert figures["unsorted"] == (shuffle is not None)
     pad = 32 if writer == "torch_npu" else 0     # torch_npu rounds request + 32 up to the block
@@ -230,13 +233,15 @@ def test_db_following_the_writers_schema(tmp_path):
     out = tmp_path / "rank0_ascend_pt" / "ASCEND_PROFILER_OUTPUT"
     out.mkdir(parents=True)
     # rows out of time order; 1 MiB held before the capture
-    rows = [_op(4096, T0 + 20, None, MiB + 8192, None), _op(4096, T0, T0 + 30, MiB + 4096, MiB + 4096)]
+    rows = [_op(4096, T0 + 20, None, MiB + 8192, None), _op(4096, T0, T0 + 30, MiB + 4096, MiB + 4096),
+            _op(2 * MiB, T0 + 5, None, 2 * MiB, None, reserved=0)]      # the workspace allocator's
     ge = [(1, 0x12C040000000, 2, 65536, T0 + 1, 65536, 2 * MiB), (1, 0x12C040000000, 3, -65536, T0 + 2, 65536, 2 * MiB)]
     _db(out / "ascend_pytorch_profiler_0.db", op_rows=rows, ge_records=ge)
     trace = load_trace(tmp_path / "rank0_ascend_pt")
     assert trace.meta["writer"] == "torch_npu" and trace.meta["files"] == ["ascend_pytorch_profiler_0.db"]
     pta = trace.meta["components"]["PTA"]
     assert pta["allocated_max_diff"] == 0 and pta["held_initial_bytes"] == MiB and pta["unsorted"]
+    assert trace.meta["components"]["WORKSPACE"]["rows"] == 1
     assert trace.meta["components"]["PTA"]["memory_record_rows"] == 1
     assert [e.tag for e in trace.events if e.action == "alloc"] == ["aten::mm", "aten::mm"]
     assert trace.initial.allocated == MiB and trace.initial.reserved == 20 * MiB

@@ -552,18 +552,18 @@ class _Timeline:
         return [Event("alloc", id=ident, size=size - self.size_pad if size >= _MIN_BLOCK else size, time=time,
                       tag=name) for ident, size, name in self.initial]
 
-    def initial_layout(self) -> Layout | None:
-        """The initial state as PyTorch's caching allocator would hold it, sized to the recorded
-        reserved total: tensors of at most 1 MiB in 2 MiB small-pool segments, the others back to
-        back in one large-pool segment whose free tail makes up the recorded reserved memory (the
-        profiler records neither addresses nor segments, so their placement is this guess; the
-        recorded reserved figure and the blocks' sizes are the recording's). None when the first
-        reserved total is unknown."""
+    def initial_layout(self, torch: bool) -> Layout | None:
+        """The initial state laid out in the recorded reserved total: for PyTorch's caching
+        allocator (``torch``) tensors of at most 1 MiB in 2 MiB small-pool segments and the others
+        back to back in one large-pool segment, for MindSpore's pool all in one common segment;
+        a free tail makes up the recorded reserved memory. The profiler records neither addresses
+        nor segments, so the placement is this guess; the reserved figure and the blocks' sizes
+        are the recording's. None when the first reserved total is unknown."""
         reserved = self.fig.reserved_first
         if reserved is None or not self.initial:
             return None
-        small = [(i, s, n) for i, s, n in self.initial if s <= _SMALL_SIZE]
-        large = [(i, s, n) for i, s, n in self.initial if s > _SMALL_SIZE]
+        small = [(i, s, n) for i, s, n in self.initial if torch and s <= _SMALL_SIZE]
+        large = [(i, s, n) for i, s, n in self.initial if not torch or s > _SMALL_SIZE]
         segments: list[Segment] = []
         addr = _LAYOUT_BASE
         blocks: list[Block] = []
@@ -585,7 +585,7 @@ class _Timeline:
             for ident, block, name in large:
                 blocks.append(Block(cursor, block, True, id=ident, tag=name))
                 cursor += block
-            segments.append(_segment(addr, size, blocks, "large"))
+            segments.append(_segment(addr, size, blocks, "large" if torch else "common"))
         return Layout(segments)
 
 
@@ -1062,8 +1062,8 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None, _emi
     initial = None
     if chosen is not None:
         start = chosen.first_time
-        if writer == TORCH_NPU and component == framework:
-            initial = chosen.initial_layout()
+        if component == framework:
+            initial = chosen.initial_layout(torch=writer == TORCH_NPU)
         events = chosen.events if initial is not None else chosen.initial_events(start) + chosen.events
 
     components = {}
@@ -1286,6 +1286,8 @@ def _db_op_memory(db, strings, writer, sort, *, skip_ge, source, only=None, rele
         where = f"OP_MEMORY row {rowid}"
         # GE's rows carry no active totals and no stream (torch_npu's MemoryDbParser)
         comp = GE if (active is None and stream is None and aa is not None) else framework
+        if comp == framework and writer == TORCH_NPU and ar == 0 and (aa or 0) > 0:
+            comp = WORKSPACE        # the workspace allocator's rows (reserved not reported), as in the text export
         if comp == GE and skip_ge:
             continue
         if only is not None and comp != only:
