@@ -499,6 +499,40 @@ class _Timeline:
     def _apply(self, item: tuple) -> None:
         time, kind, ident, size, total, reserved, line, name, addr, stream = item
         fig = self.fig
+        running = self.running
+        if (total is None or running is None or reserved is None or fig.reserved_last is None
+                or (total - size if kind == 1 else (total + size if self.release_after else total)) != running):
+            self._apply_checked(item)       # the first event, a missing total, a fall or a rise
+            return
+        # the common event: it starts where the recorded total stands
+        fig.events += 1
+        fig.checked += 1
+        if total > fig.peak_allocated:
+            fig.peak_allocated = total
+        if reserved != fig.reserved_last:
+            if 0 < reserved - fig.reserved_last < (1 << 30):
+                fig.reserved_small_growths += 1
+            fig.reserved_last = reserved
+            if reserved > fig.peak_reserved:
+                fig.peak_reserved = reserved
+        if kind == 1:
+            running += size
+            self._sizes[ident] = size
+            if self.emit:
+                self.events.append(Event("alloc", ident, size - self.size_pad if size >= _MIN_BLOCK else size, addr,
+                                         stream, None, time, name))
+            if running > fig.events_peak_allocated:
+                fig.events_peak_allocated = running
+        elif self._sizes.pop(ident, None) is not None:
+            running -= size
+            if self.emit:
+                self.events.append(Event("free", ident, 0, addr, stream, None, time, name))
+        self.running = running
+
+    def _apply_checked(self, item: tuple) -> None:
+        """:meth:`_apply` for an event that does not start where the recorded total stands."""
+        time, kind, ident, size, total, reserved, line, name, addr, stream = item
+        fig = self.fig
         fig.events += 1
         if self.first_time is None:
             self.first_time = time
