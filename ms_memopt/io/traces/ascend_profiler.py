@@ -497,9 +497,10 @@ class _Timeline:
         return self._synthetic
 
     def _apply(self, item: tuple) -> None:
-        time, kind, ident, size, total, reserved, line, name, addr, stream = item
+        time, kind, ident, size, total, reserved, _line, name, addr, stream = item
         fig = self.fig
         running = self.running
+        # (comparisons, not max(): this runs for every event)
         if (total is None or running is None or reserved is None or fig.reserved_last is None
                 or (total - size if kind == 1 else (total + size if self.release_after else total)) != running):
             self._apply_checked(item)       # the first event, a missing total, a fall or a rise
@@ -507,13 +508,13 @@ class _Timeline:
         # the common event: it starts where the recorded total stands
         fig.events += 1
         fig.checked += 1
-        if total > fig.peak_allocated:
+        if total > fig.peak_allocated:  # noqa: PLR1730
             fig.peak_allocated = total
         if reserved != fig.reserved_last:
             if 0 < reserved - fig.reserved_last < (1 << 30):
                 fig.reserved_small_growths += 1
             fig.reserved_last = reserved
-            if reserved > fig.peak_reserved:
+            if reserved > fig.peak_reserved:  # noqa: PLR1730
                 fig.peak_reserved = reserved
         if kind == 1:
             running += size
@@ -521,7 +522,7 @@ class _Timeline:
             if self.emit:
                 self.events.append(Event("alloc", ident, size - self.size_pad if size >= _MIN_BLOCK else size, addr,
                                          stream, None, time, name))
-            if running > fig.events_peak_allocated:
+            if running > fig.events_peak_allocated:  # noqa: PLR1730
                 fig.events_peak_allocated = running
         elif self._sizes.pop(ident, None) is not None:
             running -= size
