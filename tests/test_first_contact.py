@@ -175,3 +175,12 @@ def test_an_expandable_snapshot_is_not_offered_what_its_model_lacks():
     assert "has no max_split_size_mb" in why["max_split_size_mb:64"]
     assert all(r.measured for r in d.remedies)
     assert d.summary.startswith("the run as recorded fits in 200.00 MiB")
+
+
+def test_a_multi_policy_export_is_named_when_its_plain_name_is_given(tmp_path, capsys):
+    for policy in ("baseline", "compact"):
+        (tmp_path / f"snapshot.{policy}.pickle").write_bytes(b"")
+    for command in ("replay", "doctor"):
+        assert main([command, str(tmp_path / "snapshot.pickle")]) == 2
+        err = capsys.readouterr().err
+        assert "one file per policy" in err and "snapshot.baseline.pickle" in err and "Traceback" not in err

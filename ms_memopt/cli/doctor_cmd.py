@@ -55,6 +55,11 @@ def run(args: argparse.Namespace) -> int:
     from ms_memopt.doctor.diagnose import compare, diagnose
     from ms_memopt.io.traces import load_trace
 
+    from ms_memopt.io.traces.memory_viz import check_export_path
+
+    for path in (args.trace, args.other):       # simulate wrote FILE.<policy>.pickle: name them
+        if path is not None:
+            check_export_path(path)
     routed = crash_route(args)     # a failed job's log or log folder, not a recording
     if routed is not None:
         return routed

@@ -20,6 +20,7 @@ import sys
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.units import format_size, parse_size
 from ms_memopt.replay.replay import default_allocator, recorded_allocator
+from ms_memopt.io.traces.memory_viz import check_export_path
 from ms_memopt.io.traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
 
 __all__ = ["add_parser", "run", "default_allocator"]
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     # the whole event list; smaller files are read whole, sampled ~200 times as before)
     streamable = (args.policy == "baseline" and not args.export_memory_viz and not args.export_instances
                   and _large_or_pipe(args.trace))
+    check_export_path(args.trace)
     trace = load_trace(args.trace, format=args.format, **({"stream": True} if streamable else {}))
     if args.component is not None:
         if trace.format != "ascend-profiler":

@@ -59,7 +59,7 @@ from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import SEGMENT_ACTIONS, Event, Trace
 from ms_memopt.core.layout import Layout, Segment
 
-__all__ = ["write_memory_viz", "snapshot_dict", "RECORDED_BY", "POOL_KEY", "STEP_KEY"]
+__all__ = ["write_memory_viz", "snapshot_dict", "RECORDED_BY", "POOL_KEY", "STEP_KEY", "check_export_path"]
 
 #: the key of ``allocator_settings`` that says which allocator model made the events (a dict)
 RECORDED_BY = "ms_memopt"
@@ -220,3 +220,20 @@ def write_memory_viz(path: str | Path, trace_or_events: Trace | Iterable[Event],
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as handle:
         pickle.dump(data, handle, protocol=4)
+
+
+def check_export_path(path: str | Path) -> None:
+    """A recording path that does not exist, where ``simulate --export-memory-viz FILE.pickle``
+    with several policies wrote one file per policy (``FILE.<policy>.pickle``) instead: an
+    :class:`InputError` naming those files, so the next command can be given one of them.
+
+    Raises:
+        InputError: ``path`` is missing and per-policy files of it exist.
+    """
+    path = Path(path)
+    if path.exists() or not path.suffix:
+        return
+    written = sorted(path.parent.glob(f"{path.stem}.*{path.suffix}"))
+    if written:
+        raise InputError("no such file; simulate --export-memory-viz wrote one file per policy: "
+                         + ", ".join(str(p) for p in written) + " (give one of them)", source=str(path))
