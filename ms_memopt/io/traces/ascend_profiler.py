@@ -59,9 +59,7 @@ Example:
 from __future__ import annotations
 
 import csv
-import heapq
 import re
-import sqlite3
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -71,9 +69,21 @@ from sys import intern
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
-from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.lines import iter_lines
-from ms_memopt.io.traces.fields import parse_int
+from ms_memopt.io.traces.ascend_profiler_db import read_db
+from ms_memopt.io.traces.ascend_profiler_timeline import (
+    FRAMEWORK,
+    GE,
+    MINDSPORE,
+    NPU_PAD,
+    TORCH_NPU,
+    WORKSPACE,
+    OutOfOrder,
+    RowMerge,
+    Timeline,
+    better_figures,
+    new_timeline,
+)
 
 __all__ = [
     "FORMAT",
@@ -103,21 +113,8 @@ _OPERATOR_COLUMNS = ("Name", "Size(KB)", "Allocation Time(us)", "Release Time(us
 _RECORD_COLUMNS = ("Component", "Timestamp(us)", "Total Allocated(MB)", "Total Reserved(MB)")
 _MODULE_COLUMNS = ("Component", "Timestamp(us)", "Total Reserved(MB)")
 
-TORCH_NPU, MINDSPORE = "torch_npu", "mindspore"
-GE = "GE"
-WORKSPACE = "WORKSPACE"
-_FRAMEWORK = {TORCH_NPU: "PTA", MINDSPORE: "MindSpore"}
 _GE_PREFIX = "cann::"
 _KB, _MB = 1024, 1 << 20
-# torch_npu's NPUCachingAllocator::round_size adds 32 bytes before rounding up to 512: a block of
-# S bytes is what a request of S - 32 becomes (and PyTorch's own rule rounds S - 32 up to S too)
-_NPU_PAD = 32
-_MIN_BLOCK = 512
-_SYNTHETIC_ID = 1 << 40     # ids of initial tensors no row names (rows use their line number)
-_MAX_TIE_SEARCH = 64        # equal-time groups larger than this keep the default order
-# PyTorch's (and torch_npu's) small pool: blocks of at most 1 MiB in 2 MiB segments
-_SMALL_SIZE, _SMALL_SEGMENT = 1 << 20, 2 << 20
-_LAYOUT_BASE = 0x12C000000000   # where the initial state is placed (an Ascend device address range)
 
 
 # --------------------------------------------------------------------------- detection
@@ -251,438 +248,6 @@ def _number(text: str | None, what: str, source: str, line: int) -> float | None
     if not value <= 1e18:          # inf and nan too
         raise InputError(f"{what}: expected a finite number, got {text.strip()[:40]!r}", source=source, line=line)
     return value
-
-
-# --------------------------------------------------------------------------- one component's timeline
-
-@dataclass(slots=True)
-class _Figures:
-    """What the recording says of one component, and how the events matched it (bytes)."""
-
-    rows: int = 0
-    events: int = 0
-    checked: int = 0                  # events with a recorded total to compare against
-    peak_allocated: int | None = None
-    peak_reserved: int | None = None
-    reserved_first: int | None = None
-    reserved_last: int | None = None
-    allocated_first: int | None = None    # before the first event: the initial state
-    allocated_last: int | None = None
-    allocated_max_diff: int = 0
-    first_diff_line: int | None = None
-    unseen_releases: int = 0
-    unseen_release_bytes: int = 0
-    initial_rows: int = 0             # rows with no allocation time
-    held_initial_bytes: int = 0       # allocated before the capture and never released in it
-    live_at_end: int = 0
-    unsorted: bool = False
-    release_totals: str = "after"     # the recorded total of a release: "after" it or "before"
-    ties_ordered_by_totals: int = 0
-    events_peak_allocated: int = 0    # the events' own curve's peak (equal to peak_allocated when it matches)
-    initial_unexplained: int = 0      # rows and falls before the capture exceed what the first totals say
-    reserved_small_growths: int = 0   # rises of the recorded reserved total by less than 1 GiB
-
-    def to_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self.__slots__}
-
-
-class _Timeline:
-    """One component's time-sorted events -> :class:`Event` list, checked against the totals.
-
-    Events come in as tuples ``(time, kind, id, size, total_alloc, total_reserved, line, name,
-    addr, stream)``, ``kind`` 0 = release, 1 = allocation, sorted by time; equal times are held
-    as a group and ordered by the recorded totals.
-    """
-
-    def __init__(self, name: str, *, release_after: bool, size_pad: int, emit: bool = True) -> None:
-        self.name = name
-        self.release_after = release_after
-        self.size_pad = size_pad
-        self.first_time: int | None = None      # of the first event
-        #: without ``emit`` no Event is kept (a first pass that only learns the figures and the
-        #: initial state: memory is the live tensors)
-        self.emit = emit
-        self.fig = _Figures(release_totals="after" if release_after else "before")
-        self.events: list[Event] = []
-        self.initial: list[tuple[int, int, str | None]] = []   # (id, size, name) allocated before the capture
-        self.running: int | None = None
-        self._group: list[tuple] = []
-        self._group_time: int | None = None
-        self._synthetic = _SYNTHETIC_ID
-        self._sizes: dict[int, int] = {}      # live id -> recorded size
-
-    # -- input
-    def add_initial(self, ident: int, size: int, name: str | None) -> None:
-        """A tensor allocated before the capture (a row without an allocation time)."""
-        self.initial.append((ident, size, name))
-        self._sizes[ident] = size
-        self.fig.initial_rows += 1
-
-    def feed(self, item: tuple) -> None:
-        time, group_time = item[0], self._group_time
-        if time != group_time and group_time is not None:
-            if time < group_time:
-                raise _OutOfOrder()
-            group = self._group
-            if len(group) == 1:          # the common case: no other event at that time
-                self._apply(group.pop())
-            else:
-                self._flush(self._before(item))
-        self._group_time = time
-        self._group.append(item)
-
-    def finish(self) -> None:
-        self._flush()
-        fig = self.fig
-        if self.running is not None:
-            fig.allocated_last = self.running
-        first = fig.allocated_first
-        explicit = sum(size for _, size, _ in self.initial)
-        if first is not None:
-            # what the first totals say was allocated, less what rows and falls account for
-            held = first - explicit
-            if held > 0:
-                ident = self._next_id()
-                self.initial.insert(0, (ident, held, "before capture"))
-                fig.held_initial_bytes = held
-            elif held < 0:
-                fig.initial_unexplained = -held
-        fig.live_at_end = len(self._sizes)
-
-    # -- ordering
-    def _before(self, item: tuple) -> int | None:
-        total = item[4]
-        if total is None:
-            return None
-        if item[1] == 1:
-            return total - item[3]
-        return total + item[3] if self.release_after else total
-
-    def _flush(self, next_before: int | None = None) -> None:
-        group, self._group = self._group, []
-        if not group:
-            return
-        if len(group) == 1:
-            self._apply(group[0])
-            return
-        group.sort(key=lambda it: (it[1], it[6]))    # releases first, then file order
-        allocating = {it[2] for it in group if it[1] == 1}
-        if len(group) > _MAX_TIE_SEARCH:
-            # too many to search: releases of tensors live before, allocations, then the rest
-            early = [it for it in group if it[1] == 0 and it[2] not in allocating]
-            late = [it for it in group if it[1] == 0 and it[2] in allocating]
-            for item in early + [it for it in group if it[1] == 1] + late:
-                self._apply(item)
-            return
-        order = self._search(group, next_before)
-        if order is not None:
-            if order != group:
-                self.fig.ties_ordered_by_totals += 1
-            for item in order:
-                self._apply(item)
-            return
-        while group:
-            eligible = [i for i, it in enumerate(group) if it[1] == 1 or it[2] not in allocating] or [0]
-            pick = eligible[0]
-            if self.running is not None:
-                match = next((i for i in eligible if self._before(group[i]) == self.running), None)
-                if match is None:
-                    match = self._best_start(group, eligible)
-                if match is not None and match != pick:
-                    self.fig.ties_ordered_by_totals += 1
-                    pick = match
-            item = group.pop(pick)
-            if item[1] == 1:
-                allocating.discard(item[2])
-            self._apply(item)
-
-    def _search(self, group: list[tuple], next_before: int | None) -> list[tuple] | None:
-        """An order of an equal-time group in which every event starts at the running total,
-        allowing the fewest unseen releases (falls with no row) between them; None when the
-        group has no totals or the search runs past its budget. Releases never precede their
-        own allocation. An order that ends where the next event starts (``next_before``) wins
-        over one with fewer falls that does not; then the one releasing the fewest bytes unseen,
-        then the default order (releases first, file order)."""
-        befores = [self._before(it) for it in group]
-        if any(b is None for b in befores):
-            return None
-        n = len(group)
-        alloc_at = {it[2]: i for i, it in enumerate(group) if it[1] == 1}
-        budget = [4000]
-        used = [False] * n
-        order: list[int] = []
-        found: list[tuple] = []          # (score, order)
-
-        def score(end: int, fallen: int) -> tuple:
-            if next_before is None or end == next_before:
-                return (0, fallen)
-            return (1 if end > next_before else 2, fallen)
-
-        def dfs(running: int, gaps: int, fallen: int) -> bool:
-            """True to stop: a perfect order found (or the budget spent, raising)."""
-            if len(order) == n:
-                found.append((score(running, fallen), list(order)))
-                return found[-1][0][0] == 0 and (found[-1][0][1] == 0 or level[0] == 0)
-            budget[0] -= 1
-            if budget[0] < 0:
-                raise _Budget()
-            for exact in (True, False):
-                if not exact and not gaps:
-                    break
-                for i in range(n):
-                    if used[i] or (group[i][1] == 0 and group[i][2] in alloc_at and not used[alloc_at[group[i][2]]]):
-                        continue
-                    before = befores[i]
-                    if (before == running) if exact else (before < running):
-                        used[i] = True
-                        order.append(i)
-                        stop = dfs(self._after(group[i], before), gaps if exact else gaps - 1,
-                                   fallen if exact else fallen + running - before)
-                        used[i] = False
-                        order.pop()
-                        if stop:
-                            return True
-            return False
-
-        # the first group of a component starts from an unknown total: each event may open it, the
-        # lowest first (of two orders the totals allow, the one with less memory released unseen)
-        starts = [self.running] if self.running is not None else sorted(set(befores))
-        level = [0]
-        try:
-            for gaps in range(n + 1):
-                level[0] = gaps
-                for start in starts:
-                    dfs(start, gaps, 0)
-                    if found:
-                        break
-                # the fewest falls whose order ends where the next event starts; more falls only
-                # when none of that many does
-                if any(f[0][0] == 0 for f in found):
-                    break
-        except _Budget:
-            pass
-        if not found:
-            return None
-        best = min(found, key=lambda f: f[0])[1]
-        return [group[i] for i in best]
-
-    def _after(self, item: tuple, before: int) -> int:
-        return before + item[3] if item[1] == 1 else before - item[3]
-
-    def _best_start(self, group: list[tuple], eligible: list[int]) -> int | None:
-        """No event of an equal-time group starts at the running total: a pre-capture tensor was
-        released unseen just before. The event to go first is the one after which the others
-        chain exactly on the recorded totals (most of them; the first such on a tie)."""
-        best, best_score = None, -1
-        for index in eligible:
-            before = self._before(group[index])
-            if before is None or before > self.running:
-                continue
-            running = self._after(group[index], before)
-            rest = group[:index] + group[index + 1:]
-            score = 0
-            while rest:
-                nxt = next((j for j, it in enumerate(rest) if self._before(it) == running), None)
-                if nxt is None:
-                    break
-                item = rest.pop(nxt)
-                running = self._after(item, running)
-                score += 1
-            if score > best_score:
-                best, best_score = index, score
-        return best
-
-    def _next_id(self) -> int:
-        self._synthetic += 1
-        return self._synthetic
-
-    def _apply(self, item: tuple) -> None:
-        time, kind, ident, size, total, reserved, _line, name, addr, stream = item
-        fig = self.fig
-        running = self.running
-        # (comparisons, not max(): this runs for every event)
-        if (total is None or running is None or reserved is None or fig.reserved_last is None
-                or (total - size if kind == 1 else (total + size if self.release_after else total)) != running):
-            self._apply_checked(item)       # the first event, a missing total, a fall or a rise
-            return
-        # the common event: it starts where the recorded total stands
-        fig.events += 1
-        fig.checked += 1
-        if total > fig.peak_allocated:  # noqa: PLR1730
-            fig.peak_allocated = total
-        if reserved != fig.reserved_last:
-            if 0 < reserved - fig.reserved_last < (1 << 30):
-                fig.reserved_small_growths += 1
-            fig.reserved_last = reserved
-            if reserved > fig.peak_reserved:  # noqa: PLR1730
-                fig.peak_reserved = reserved
-        if kind == 1:
-            running += size
-            self._sizes[ident] = size
-            if self.emit:
-                self.events.append(Event("alloc", ident, size - self.size_pad if size >= _MIN_BLOCK else size, addr,
-                                         stream, None, time, name))
-            if running > fig.events_peak_allocated:  # noqa: PLR1730
-                fig.events_peak_allocated = running
-        elif self._sizes.pop(ident, None) is not None:
-            running -= size
-            if self.emit:
-                self.events.append(Event("free", ident, 0, addr, stream, None, time, name))
-        self.running = running
-
-    def _apply_checked(self, item: tuple) -> None:
-        """:meth:`_apply` for an event that does not start where the recorded total stands."""
-        time, kind, ident, size, total, reserved, line, name, addr, stream = item
-        fig = self.fig
-        fig.events += 1
-        if self.first_time is None:
-            self.first_time = time
-        running = self.running
-        if total is not None:
-            before = total - size if kind == 1 else (total + size if self.release_after else total)
-            if running is None:
-                running = fig.allocated_first = before
-            elif before != running:
-                if before < running:
-                    # the totals fell with no row: a tensor allocated before the capture was released
-                    gap = running - before
-                    unseen = self._next_id()
-                    self.initial.append((unseen, gap, "before capture (released unseen)"))
-                    if self.emit:
-                        self.events.append(Event("free", unseen, 0, None, 0, None, time))
-                    fig.unseen_releases += 1
-                    fig.unseen_release_bytes += gap
-                    running = before
-                elif before - running > fig.allocated_max_diff:
-                    fig.allocated_max_diff = before - running
-                    fig.first_diff_line = line
-            fig.checked += 1
-            if fig.peak_allocated is None or total > fig.peak_allocated:
-                fig.peak_allocated = total       # (a release's "before" total is the previous event's)
-        elif running is None:
-            running = fig.allocated_first = sum(s for _, s, _ in self.initial)
-        if reserved is not None:
-            if fig.reserved_first is None:
-                fig.reserved_first = reserved
-            elif 0 < reserved - fig.reserved_last < (1 << 30):
-                fig.reserved_small_growths += 1
-            fig.reserved_last = reserved
-            if fig.peak_reserved is None or reserved > fig.peak_reserved:
-                fig.peak_reserved = reserved
-        if kind == 1:
-            running += size
-            self._sizes[ident] = size
-            if self.emit:
-                self.events.append(Event("alloc", ident, size - self.size_pad if size >= _MIN_BLOCK else size, addr,
-                                         stream, None, time, name))
-            fig.events_peak_allocated = max(fig.events_peak_allocated, running)
-        elif self._sizes.pop(ident, None) is not None:
-            running -= size
-            if self.emit:
-                self.events.append(Event("free", ident, 0, addr, stream, None, time, name))
-        self.running = running
-
-    def initial_events(self, time: int | None) -> list[Event]:
-        """The initial state as allocations before the first event (the profiler records no addresses of it)."""
-        return [Event("alloc", id=ident, size=size - self.size_pad if size >= _MIN_BLOCK else size, time=time,
-                      tag=name) for ident, size, name in self.initial]
-
-    def initial_layout(self, torch: bool) -> Layout | None:
-        """The initial state laid out in the recorded reserved total: for PyTorch's caching
-        allocator (``torch``) tensors of at most 1 MiB in 2 MiB small-pool segments and the others
-        back to back in one large-pool segment, for MindSpore's pool all in one common segment;
-        a free tail makes up the recorded reserved memory. The profiler records neither addresses
-        nor segments, so the placement is this guess; the reserved figure and the blocks' sizes
-        are the recording's. None when the first reserved total is unknown."""
-        reserved = self.fig.reserved_first
-        if reserved is None or not self.initial:
-            return None
-        small = [(i, s, n) for i, s, n in self.initial if torch and s <= _SMALL_SIZE]
-        large = [(i, s, n) for i, s, n in self.initial if not torch or s > _SMALL_SIZE]
-        segments: list[Segment] = []
-        addr = _LAYOUT_BASE
-        blocks: list[Block] = []
-        used = 0
-        for ident, size, name in small:
-            if used + size > _SMALL_SEGMENT:
-                segments.append(_segment(addr, _SMALL_SEGMENT, blocks, "small"))
-                addr, blocks, used = addr + _SMALL_SEGMENT, [], 0
-            blocks.append(Block(addr + used, size, True, id=ident, tag=name))
-            used += size
-        if blocks:
-            segments.append(_segment(addr, _SMALL_SEGMENT, blocks, "small"))
-            addr += _SMALL_SEGMENT
-        held = sum(s for _, s, _ in large)
-        room = reserved - (addr - _LAYOUT_BASE)
-        if large or room > 0:
-            size = max(held, room)
-            cursor, blocks = addr, []
-            for ident, block, name in large:
-                blocks.append(Block(cursor, block, True, id=ident, tag=name))
-                cursor += block
-            segments.append(_segment(addr, size, blocks, "large" if torch else "common"))
-        return Layout(segments)
-
-
-def _segment(addr: int, size: int, blocks: list[Block], pool: str) -> Segment:
-    end = blocks[-1].end if blocks else addr
-    if end < addr + size:
-        blocks = blocks + [Block(end, addr + size - end, False)]
-    return Segment(addr, size, blocks, pool=pool)
-
-
-class _Budget(Exception):
-    """An equal-time group's search went on too long: the greedy order is taken."""
-
-
-class _OutOfOrder(Exception):
-    """A row's time lies before what was already emitted: the component is read again, sorted."""
-
-
-class _RowMerge:
-    """Rows (tensor with allocation and release) -> time-sorted events, merging releases from a heap.
-
-    Rows must come sorted by allocation time; memory is the live tensors' releases.
-    """
-
-    def __init__(self, timeline: _Timeline, source: str) -> None:
-        self.timeline = timeline
-        self.source = source
-        self.heap: list[tuple] = []
-        self.last_alloc: int | None = None
-
-    def push(self, row: tuple) -> None:
-        # row: (alloc_ns, release_ns, size, a_total, a_reserved, r_total, r_reserved, line, name, addr, stream)
-        alloc_ns, release_ns, size, a_total, a_res, r_total, r_res, line, name, addr, stream = row
-        timeline = self.timeline
-        timeline.fig.rows += 1
-        if alloc_ns is None:
-            if release_ns is None:
-                timeline.add_initial(line, size, name)
-                return
-            if timeline._group_time is not None and release_ns < timeline._group_time:
-                raise _OutOfOrder()
-            timeline.add_initial(line, size, name)
-            heapq.heappush(self.heap, (release_ns, 0, line, size, r_total, r_res, line, name, addr, stream))
-            return
-        if self.last_alloc is not None and alloc_ns < self.last_alloc:
-            raise _OutOfOrder()
-        self.last_alloc = alloc_ns
-        heap = self.heap
-        while heap and heap[0][0] <= alloc_ns:
-            timeline.feed(heapq.heappop(heap))     # (time, 0, line, ...): ordered by time, then line
-        timeline.feed((alloc_ns, 1, line, size, a_total, a_res, line, name, addr, stream))
-        if release_ns is not None:
-            if release_ns < alloc_ns:
-                raise InputError(f"release time before allocation time ({release_ns / 1000:.3f} < "
-                                 f"{alloc_ns / 1000:.3f} us)", source=self.source, line=line)
-            heapq.heappush(heap, (release_ns, 0, line, size, r_total, r_res, line, name, addr, stream))
-
-    def finish(self) -> None:
-        heap = self.heap
-        while heap:
-            self.timeline.feed(heapq.heappop(heap))
-        self.timeline.finish()
 
 
 # --------------------------------------------------------------------------- inputs
@@ -996,53 +561,6 @@ def _module_series(path: Path) -> dict[str, int]:
     return {m: v for m, v in sorted(peaks.items()) if v > 0}
 
 
-class _Strings:
-    """``STRING_IDS`` of a profiler db, looked up once per id."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-        self.cache: dict[int, str] = {}
-        self.has = _has_table(db, "STRING_IDS")
-
-    def __call__(self, ident) -> str | None:
-        if ident is None or not isinstance(ident, int):
-            return None if ident is None else str(ident)
-        if ident not in self.cache:
-            value = None
-            if self.has:
-                got = self.db.execute("SELECT value FROM STRING_IDS WHERE id = ?", (ident,)).fetchone()
-                value = got[0] if got else None
-            self.cache[ident] = value if value is not None else str(ident)
-        return self.cache[ident]
-
-
-def _has_table(db: sqlite3.Connection, name: str) -> bool:
-    return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
-
-
-def _open_db(path: Path) -> sqlite3.Connection:
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
-    except sqlite3.Error as exc:
-        raise InputError(f"not a readable SQLite database ({exc})", source=str(path)) from None
-    return db
-
-
-def _db_int(value, what: str, source: str, line: int) -> int | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, str):
-        return parse_int(value, what, source=source, line=line)
-    if not isinstance(value, int):
-        raise InputError(f"{what}: expected an integer, got {value!r}", source=source, line=line)
-    return value
-
-
-# --------------------------------------------------------------------------- the reader
-
 def read_ascend_profiler(path: str | Path, *, component: str | None = None, _emit: bool = True) -> Trace:
     """Read the Ascend profiler's memory output of one rank (see the module docstring).
 
@@ -1068,11 +586,11 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None, _emi
     hints: dict[str, str] = {}
     record = _record_series(inputs.memory_record, hints) if inputs.memory_record is not None else {}
     modules = _module_series(inputs.npu_module_mem) if inputs.npu_module_mem is not None else {}
-    timelines: dict[str, _Timeline] = {}
+    timelines: dict[str, Timeline] = {}
     files: list[str] = []
     if inputs.db is not None:
         writer, why = _writer(inputs, info, hints)
-        timelines = _read_db(inputs.db, writer, record)
+        timelines = read_db(inputs.db, writer, record)
         files.append(inputs.db.name)
     elif inputs.operator_memory is not None:
         timelines, writer, why = _read_operator_memory(inputs, info, hints, emit=_emit)
@@ -1086,7 +604,7 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None, _emi
     if inputs.npu_module_mem is not None:
         files.append(NPU_MODULE_MEM)
 
-    framework = _FRAMEWORK[writer]
+    framework = FRAMEWORK[writer]
     if component is None:
         component = framework if framework in timelines else next(iter(timelines), framework)
     elif component not in timelines and timelines:
@@ -1132,8 +650,8 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None, _emi
     if inputs.notes:
         meta["notes"] = inputs.notes
     if writer == TORCH_NPU and component == framework:
-        meta["size_rule"] = (f"events ask for the recorded block size - {_NPU_PAD} B: torch_npu's round_size adds "
-                             f"{_NPU_PAD} B and rounds up to 512 B, so the model's block is the recorded one")
+        meta["size_rule"] = (f"events ask for the recorded block size - {NPU_PAD} B: torch_npu's round_size adds "
+                             f"{NPU_PAD} B and rounds up to 512 B, so the model's block is the recorded one")
     if initial is not None:
         meta["initial_state"] = (f"{len(chosen.initial)} tensors allocated before the capture in "
                                  f"{len(initial.segments)} segments of the recorded reserved total at the first row; "
@@ -1175,9 +693,9 @@ class _ProfilerEvents:
 
     def __iter__(self) -> Iterator[Event]:
         yield from self.initial_events
-        framework = _FRAMEWORK[self.writer]
-        timeline = _new_timeline(self.component, self.writer, self.release_after)
-        merge = _RowMerge(timeline, str(self.path))
+        framework = FRAMEWORK[self.writer]
+        timeline = new_timeline(self.component, self.writer, self.release_after)
+        merge = RowMerge(timeline, str(self.path))
         events = timeline.events
         for comp, row in _operator_rows(self.path, {}):
             if comp is None:
@@ -1193,15 +711,8 @@ class _ProfilerEvents:
         events.clear()
 
 
-def _new_timeline(component: str, writer: str, release_after: bool | None = None, emit: bool = True) -> _Timeline:
-    if release_after is None:
-        release_after = component != GE       # CANN reports GE's release with the total before it
-    pad = _NPU_PAD if (writer == TORCH_NPU and component == _FRAMEWORK[TORCH_NPU]) else 0
-    return _Timeline(component, release_after=release_after, size_pad=pad, emit=emit)
-
-
 def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict, *,
-                          emit: bool = True) -> tuple[dict[str, _Timeline], str, str]:
+                          emit: bool = True) -> tuple[dict[str, Timeline], str, str]:
     """Stream ``operator_memory.csv`` into one timeline per component; read again where needed."""
     path = inputs.operator_memory
     # the writer decides the framework component's name; the file's first rows may say who wrote it
@@ -1212,11 +723,11 @@ def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict, *,
     for key, value in local_hints.items():
         hints.setdefault(key, value)
     writer, why = _writer(inputs, info, hints)
-    framework = _FRAMEWORK[writer]
+    framework = FRAMEWORK[writer]
 
-    def run(only: str | None, sort: bool, release_after: dict[str, bool]) -> dict[str, _Timeline]:
-        timelines: dict[str, _Timeline] = {}
-        merges: dict[str, _RowMerge] = {}
+    def run(only: str | None, sort: bool, release_after: dict[str, bool]) -> dict[str, Timeline]:
+        timelines: dict[str, Timeline] = {}
+        merges: dict[str, RowMerge] = {}
         rows = _operator_rows(path, {})
         if sort:
             rows = sorted((r for r in rows if only is None or (r[0] or _framework_or_workspace(r[1])) == only),
@@ -1230,8 +741,8 @@ def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict, *,
                 continue
             merge = merges.get(comp)
             if merge is None:
-                timelines[comp] = _new_timeline(comp, writer, release_after.get(comp), emit)
-                merge = merges[comp] = _RowMerge(timelines[comp], str(path))
+                timelines[comp] = new_timeline(comp, writer, release_after.get(comp), emit)
+                merge = merges[comp] = RowMerge(timelines[comp], str(path))
             merge.push(row)
         for comp, merge in merges.items():
             merge.finish()
@@ -1243,188 +754,37 @@ def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict, *,
 
     try:
         timelines = run(None, False, {})
-    except _OutOfOrder:
+    except OutOfOrder:
         timelines = {}
         names = {(comp or _framework_or_workspace(row)) for comp, row in _operator_rows(path, {})}
         for name in sorted(names):
             try:
                 timelines.update(run(name, False, {}))
-            except _OutOfOrder:
+            except OutOfOrder:
                 timelines.update(run(name, True, {}))
     for name in list(timelines):
         if timelines[name].fig.allocated_max_diff:
             # the release totals may be the other way round (taken before the release, as CANN's)
             flipped = not timelines[name].release_after
             again = run(name, timelines[name].fig.unsorted, {name: flipped})[name]
-            if _better(again.fig, timelines[name].fig):
+            if better_figures(again.fig, timelines[name].fig):
                 timelines[name] = again
     order = [framework] + sorted(n for n in timelines if n != framework)
     return {n: timelines[n] for n in order if n in timelines}, writer, why
 
 
-def _better(new: _Figures, old: _Figures) -> bool:
-    return (new.allocated_max_diff, new.unseen_release_bytes) < (old.allocated_max_diff, old.unseen_release_bytes)
-
-
-def _read_db(path: Path, writer: str, record: dict) -> dict[str, _Timeline]:
-    """``OP_MEMORY`` (the framework's tensors) and ``NPU_OP_MEM`` (GE's records with addresses)."""
-    db = _open_db(path)
-    source = str(path)
-    strings = _Strings(db)
-    framework = _FRAMEWORK[writer]
-    timelines: dict[str, _Timeline] = {}
-    try:
-        if not _has_table(db, "OP_MEMORY") and not _has_table(db, "NPU_OP_MEM"):
-            tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
-            raise InputError(f"no OP_MEMORY or NPU_OP_MEM table (tables: {', '.join(tables[:12]) or 'none'}); "
-                             f"the profiler writes them with profile_memory=True", source=source)
-        ge_from_op_mem = _has_table(db, "NPU_OP_MEM")
-        if _has_table(db, "OP_MEMORY"):
-            for sort in (False, True):
-                try:
-                    timelines = _db_op_memory(db, strings, writer, sort, skip_ge=ge_from_op_mem, source=source)
-                    break
-                except _OutOfOrder:
-                    continue
-            if any(t.fig.allocated_max_diff for t in timelines.values()):
-                for name, timeline in list(timelines.items()):
-                    if timeline.fig.allocated_max_diff:
-                        again = _db_op_memory(db, strings, writer, True, skip_ge=ge_from_op_mem, source=source,
-                                              only=name, release_after={name: not timeline.release_after})[name]
-                        if _better(again.fig, timeline.fig):
-                            timelines[name] = again
-        if ge_from_op_mem:
-            timeline = _db_npu_op_mem(db, strings, writer, source)
-            if timeline is not None:
-                timelines[GE] = timeline
-        record.update(_db_memory_record(db, strings, source))
-    except sqlite3.Error as exc:
-        raise InputError(f"SQLite error reading the memory tables: {exc}", source=source) from None
-    finally:
-        db.close()
-    order = [framework] + sorted(n for n in timelines if n != framework)
-    return {n: timelines[n] for n in order if n in timelines}
-
-
-_OP_MEMORY_SQL = ("SELECT rowid, name, size, allocationTime, releaseTime, allocationTotalAllocated, "
-                  "allocationTotalReserved, releaseTotalAllocated, releaseTotalReserved, streamPtr, "
-                  "allocationTotalActive FROM OP_MEMORY")
-
-
-def _db_op_memory(db, strings, writer, sort, *, skip_ge, source, only=None, release_after=None):
-    framework = _FRAMEWORK[writer]
-    sql = _OP_MEMORY_SQL + (" ORDER BY allocationTime IS NOT NULL, allocationTime, rowid" if sort else " ORDER BY rowid")
-    timelines: dict[str, _Timeline] = {}
-    merges: dict[str, _RowMerge] = {}
-    streams: dict[str, dict] = {}
-    for rowid, name, size, at, rt, aa, ar, ra, rr, stream, active in db.execute(sql):
-        where = f"OP_MEMORY row {rowid}"
-        # GE's rows carry no active totals and no stream (torch_npu's MemoryDbParser)
-        comp = GE if (active is None and stream is None and aa is not None) else framework
-        if comp == framework and writer == TORCH_NPU and ar == 0 and (aa or 0) > 0:
-            comp = WORKSPACE        # the workspace allocator's rows (reserved not reported), as in the text export
-        if comp == GE and skip_ge:
-            continue
-        if only is not None and comp != only:
-            continue
-        size = _db_int(size, "size", where, rowid)
-        if size is None or size < 0:
-            raise InputError(f"size: expected a non-negative integer, got {size!r}", source=source, key=where)
-        row = (_db_int(at, "allocationTime", where, rowid), _db_int(rt, "releaseTime", where, rowid), size,
-               _db_int(aa, "allocationTotalAllocated", where, rowid), _db_int(ar, "allocationTotalReserved", where, rowid),
-               _db_int(ra, "releaseTotalAllocated", where, rowid), _db_int(rr, "releaseTotalReserved", where, rowid),
-               rowid, strings(name), None)
-        merge = merges.get(comp)
-        if merge is None:
-            timelines[comp] = _new_timeline(comp, writer, (release_after or {}).get(comp))
-            merge = merges[comp] = _RowMerge(timelines[comp], source)
-            streams[comp] = {}
-        ids = streams[comp]
-        merge.push(row + (ids.setdefault(stream, len(ids)),))
-    for comp, merge in merges.items():
-        merge.finish()
-        timelines[comp].fig.unsorted = sort
-    return timelines
-
-
-def _db_npu_op_mem(db, strings, writer, source) -> _Timeline | None:
-    """GE's allocate/release records (``NPU_OP_MEM``, time-sorted) with their device addresses."""
-    timeline = _new_timeline(GE, writer)
-    open_ids: dict[tuple, int] = {}
-    sizes: dict[int, int] = {}
-    any_rows = False
-    pending: list[tuple] = []
-    for rowid, name, addr, kind, size, time, total, reserved in db.execute(
-            "SELECT rowid, operatorName, addr, type, size, timestampNs, totalAllocate, totalReserve FROM NPU_OP_MEM "
-            "ORDER BY timestampNs, rowid"):
-        any_rows = True
-        where = f"NPU_OP_MEM row {rowid}"
-        kind_name = strings(kind)
-        size = _db_int(size, "size", where, rowid)
-        time = _db_int(time, "timestampNs", where, rowid)
-        addr = _db_int(addr, "addr", where, rowid)
-        if size is None or time is None:
-            raise InputError("size and timestampNs must be integers", source=source, key=where)
-        size = abs(size)
-        total = _db_int(total, "totalAllocate", where, rowid)
-        reserved = _db_int(reserved, "totalReserve", where, rowid)
-        op = strings(name)
-        key = (op, addr)
-        if kind_name == "allocate":
-            timeline.fig.rows += 1
-            open_ids[key] = rowid
-            sizes[rowid] = size
-            pending.append((time, 1, rowid, size, total, reserved, rowid, op, addr, 0))
-        elif kind_name == "release":
-            ident = open_ids.pop(key, None)
-            if ident is None:
-                # released in the capture, allocated before it: a tensor of the initial state
-                ident = rowid
-                timeline.add_initial(ident, size, op)
-                timeline.fig.rows += 1
-            pending.append((time, 0, ident, size, total, reserved, rowid, op, addr, 0))
-        else:
-            raise InputError(f"type {kind_name!r}: expected allocate or release", source=source, key=where)
-    if not any_rows:
-        return None
-    for item in pending:
-        timeline.feed(item)
-    timeline.finish()
-    return timeline
-
-
-def _db_memory_record(db, strings, source) -> dict[str, dict]:
-    if not _has_table(db, "MEMORY_RECORD"):
-        return {}
-    series: dict[str, dict] = {}
-    for rowid, component, time, allocated, reserved in db.execute(
-            "SELECT rowid, component, timestamp, totalAllocated, totalReserved FROM MEMORY_RECORD ORDER BY rowid"):
-        where = f"MEMORY_RECORD row {rowid}"
-        name = strings(component) or "?"
-        entry = series.setdefault(name, {"rows": 0, "peak_allocated": None, "peak_reserved": None, "points": []})
-        entry["rows"] += 1
-        a = _db_int(allocated, "totalAllocated", where, rowid)
-        r = _db_int(reserved, "totalReserved", where, rowid)
-        if a is not None and (entry["peak_allocated"] is None or a > entry["peak_allocated"]):
-            entry["peak_allocated"] = a
-        if r is not None and (entry["peak_reserved"] is None or r > entry["peak_reserved"]):
-            entry["peak_reserved"] = r
-        entry["points"].append((_db_int(time, "timestamp", where, rowid), a, r, rowid))
-    return series
-
-
-def _from_record(record: dict[str, dict], writer: str) -> dict[str, _Timeline]:
+def _from_record(record: dict[str, dict], writer: str) -> dict[str, Timeline]:
     """``memory_record.csv`` alone: each change of a component's allocated total is one event.
 
     A rise is an allocation of its size; a fall frees the newest live tensor of that size, else
     it is a tensor of the initial state released (the file names no tensor, so the pairing is a
     guess; the curve is the recorded one by construction).
     """
-    timelines: dict[str, _Timeline] = {}
+    timelines: dict[str, Timeline] = {}
     for component, entry in record.items():
         if "+" in component or component in ("APP", "WORKSPACE"):
             continue        # sums of the others, and the whole process: not one pool's events
-        timeline = _new_timeline(component, writer, True)
+        timeline = new_timeline(component, writer, True)
         live_by_size: dict[int, list[int]] = {}
         points = sorted((p for p in entry["points"] if p[0] is not None and p[1] is not None),
                         key=lambda p: (p[0], p[3]))

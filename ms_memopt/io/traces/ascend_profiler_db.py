@@ -1,0 +1,224 @@
+"""The Ascend profiler's SQLite export (``ascend_pytorch_profiler_N.db``): its memory tables as timelines.
+
+``OP_MEMORY`` as ``operator_memory.csv`` but bytes and ns as integers and names as ``STRING_IDS``
+ids (torch_npu's ``TableColumnsManager``); GE's rows there have no active totals and no stream.
+``NPU_OP_MEM`` (msprof's) holds GE's allocate/release records with device addresses: when present
+the GE component is read from it. ``MEMORY_RECORD`` as ``memory_record.csv``. Called by
+:func:`ms_memopt.io.traces.ascend_profiler.read_ascend_profiler`; bad values are an
+:class:`~ms_memopt.core.errors.InputError` naming the table and row.
+"""
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from ms_memopt.core.errors import InputError
+from ms_memopt.io.traces.ascend_profiler_timeline import (
+    FRAMEWORK,
+    GE,
+    TORCH_NPU,
+    WORKSPACE,
+    OutOfOrder,
+    RowMerge,
+    Timeline,
+    better_figures,
+    new_timeline,
+)
+from ms_memopt.io.traces.fields import parse_int
+
+__all__ = ["read_db"]
+
+
+def read_db(path: Path, writer: str, record: dict) -> dict[str, Timeline]:
+    """``OP_MEMORY`` (the framework's tensors) and ``NPU_OP_MEM`` (GE's records with addresses)."""
+    db = _open_db(path)
+    source = str(path)
+    strings = _Strings(db)
+    framework = FRAMEWORK[writer]
+    timelines: dict[str, Timeline] = {}
+    try:
+        if not _has_table(db, "OP_MEMORY") and not _has_table(db, "NPU_OP_MEM"):
+            tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+            raise InputError(f"no OP_MEMORY or NPU_OP_MEM table (tables: {', '.join(tables[:12]) or 'none'}); "
+                             f"the profiler writes them with profile_memory=True", source=source)
+        ge_from_op_mem = _has_table(db, "NPU_OP_MEM")
+        if _has_table(db, "OP_MEMORY"):
+            for sort in (False, True):
+                try:
+                    timelines = _db_op_memory(db, strings, writer, sort, skip_ge=ge_from_op_mem, source=source)
+                    break
+                except OutOfOrder:
+                    continue
+            if any(t.fig.allocated_max_diff for t in timelines.values()):
+                for name, timeline in list(timelines.items()):
+                    if timeline.fig.allocated_max_diff:
+                        again = _db_op_memory(db, strings, writer, True, skip_ge=ge_from_op_mem, source=source,
+                                              only=name, release_after={name: not timeline.release_after})[name]
+                        if better_figures(again.fig, timeline.fig):
+                            timelines[name] = again
+        if ge_from_op_mem:
+            timeline = _db_npu_op_mem(db, strings, writer, source)
+            if timeline is not None:
+                timelines[GE] = timeline
+        record.update(_db_memory_record(db, strings, source))
+    except sqlite3.Error as exc:
+        raise InputError(f"SQLite error reading the memory tables: {exc}", source=source) from None
+    finally:
+        db.close()
+    order = [framework] + sorted(n for n in timelines if n != framework)
+    return {n: timelines[n] for n in order if n in timelines}
+
+
+_OP_MEMORY_SQL = ("SELECT rowid, name, size, allocationTime, releaseTime, allocationTotalAllocated, "
+                  "allocationTotalReserved, releaseTotalAllocated, releaseTotalReserved, streamPtr, "
+                  "allocationTotalActive FROM OP_MEMORY")
+
+
+def _db_op_memory(db, strings, writer, sort, *, skip_ge, source, only=None, release_after=None):
+    framework = FRAMEWORK[writer]
+    sql = _OP_MEMORY_SQL + (" ORDER BY allocationTime IS NOT NULL, allocationTime, rowid" if sort else " ORDER BY rowid")
+    timelines: dict[str, Timeline] = {}
+    merges: dict[str, RowMerge] = {}
+    streams: dict[str, dict] = {}
+    for rowid, name, size, at, rt, aa, ar, ra, rr, stream, active in db.execute(sql):
+        where = f"OP_MEMORY row {rowid}"
+        # GE's rows carry no active totals and no stream (torch_npu's MemoryDbParser)
+        comp = GE if (active is None and stream is None and aa is not None) else framework
+        if comp == framework and writer == TORCH_NPU and ar == 0 and (aa or 0) > 0:
+            comp = WORKSPACE        # the workspace allocator's rows (reserved not reported), as in the text export
+        if comp == GE and skip_ge:
+            continue
+        if only is not None and comp != only:
+            continue
+        size = _db_int(size, "size", where, rowid)
+        if size is None or size < 0:
+            raise InputError(f"size: expected a non-negative integer, got {size!r}", source=source, key=where)
+        row = (_db_int(at, "allocationTime", where, rowid), _db_int(rt, "releaseTime", where, rowid), size,
+               _db_int(aa, "allocationTotalAllocated", where, rowid), _db_int(ar, "allocationTotalReserved", where, rowid),
+               _db_int(ra, "releaseTotalAllocated", where, rowid), _db_int(rr, "releaseTotalReserved", where, rowid),
+               rowid, strings(name), None)
+        merge = merges.get(comp)
+        if merge is None:
+            timelines[comp] = new_timeline(comp, writer, (release_after or {}).get(comp))
+            merge = merges[comp] = RowMerge(timelines[comp], source)
+            streams[comp] = {}
+        ids = streams[comp]
+        merge.push(row + (ids.setdefault(stream, len(ids)),))
+    for comp, merge in merges.items():
+        merge.finish()
+        timelines[comp].fig.unsorted = sort
+    return timelines
+
+
+def _db_npu_op_mem(db, strings, writer, source) -> Timeline | None:
+    """GE's allocate/release records (``NPU_OP_MEM``, time-sorted) with their device addresses."""
+    timeline = new_timeline(GE, writer)
+    open_ids: dict[tuple, int] = {}
+    sizes: dict[int, int] = {}
+    any_rows = False
+    pending: list[tuple] = []
+    for rowid, name, addr, kind, size, time, total, reserved in db.execute(
+            "SELECT rowid, operatorName, addr, type, size, timestampNs, totalAllocate, totalReserve FROM NPU_OP_MEM "
+            "ORDER BY timestampNs, rowid"):
+        any_rows = True
+        where = f"NPU_OP_MEM row {rowid}"
+        kind_name = strings(kind)
+        size = _db_int(size, "size", where, rowid)
+        time = _db_int(time, "timestampNs", where, rowid)
+        addr = _db_int(addr, "addr", where, rowid)
+        if size is None or time is None:
+            raise InputError("size and timestampNs must be integers", source=source, key=where)
+        size = abs(size)
+        total = _db_int(total, "totalAllocate", where, rowid)
+        reserved = _db_int(reserved, "totalReserve", where, rowid)
+        op = strings(name)
+        key = (op, addr)
+        if kind_name == "allocate":
+            timeline.fig.rows += 1
+            open_ids[key] = rowid
+            sizes[rowid] = size
+            pending.append((time, 1, rowid, size, total, reserved, rowid, op, addr, 0))
+        elif kind_name == "release":
+            ident = open_ids.pop(key, None)
+            if ident is None:
+                # released in the capture, allocated before it: a tensor of the initial state
+                ident = rowid
+                timeline.add_initial(ident, size, op)
+                timeline.fig.rows += 1
+            pending.append((time, 0, ident, size, total, reserved, rowid, op, addr, 0))
+        else:
+            raise InputError(f"type {kind_name!r}: expected allocate or release", source=source, key=where)
+    if not any_rows:
+        return None
+    for item in pending:
+        timeline.feed(item)
+    timeline.finish()
+    return timeline
+
+
+def _db_memory_record(db, strings, source) -> dict[str, dict]:
+    if not _has_table(db, "MEMORY_RECORD"):
+        return {}
+    series: dict[str, dict] = {}
+    for rowid, component, time, allocated, reserved in db.execute(
+            "SELECT rowid, component, timestamp, totalAllocated, totalReserved FROM MEMORY_RECORD ORDER BY rowid"):
+        where = f"MEMORY_RECORD row {rowid}"
+        name = strings(component) or "?"
+        entry = series.setdefault(name, {"rows": 0, "peak_allocated": None, "peak_reserved": None, "points": []})
+        entry["rows"] += 1
+        a = _db_int(allocated, "totalAllocated", where, rowid)
+        r = _db_int(reserved, "totalReserved", where, rowid)
+        if a is not None and (entry["peak_allocated"] is None or a > entry["peak_allocated"]):
+            entry["peak_allocated"] = a
+        if r is not None and (entry["peak_reserved"] is None or r > entry["peak_reserved"]):
+            entry["peak_reserved"] = r
+        entry["points"].append((_db_int(time, "timestamp", where, rowid), a, r, rowid))
+    return series
+
+
+class _Strings:
+    """``STRING_IDS`` of a profiler db, looked up once per id."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.cache: dict[int, str] = {}
+        self.has = _has_table(db, "STRING_IDS")
+
+    def __call__(self, ident) -> str | None:
+        if ident is None or not isinstance(ident, int):
+            return None if ident is None else str(ident)
+        if ident not in self.cache:
+            value = None
+            if self.has:
+                got = self.db.execute("SELECT value FROM STRING_IDS WHERE id = ?", (ident,)).fetchone()
+                value = got[0] if got else None
+            self.cache[ident] = value if value is not None else str(ident)
+        return self.cache[ident]
+
+
+def _has_table(db: sqlite3.Connection, name: str) -> bool:
+    return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
+
+def _open_db(path: Path) -> sqlite3.Connection:
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.Error as exc:
+        raise InputError(f"not a readable SQLite database ({exc})", source=str(path)) from None
+    return db
+
+
+def _db_int(value, what: str, source: str, line: int) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, str):
+        return parse_int(value, what, source=source, line=line)
+    if not isinstance(value, int):
+        raise InputError(f"{what}: expected an integer, got {value!r}", source=source, line=line)
+    return value
+
+
+# --------------------------------------------------------------------------- the reader
