@@ -432,6 +432,8 @@ def _operator_rows(path: Path, writer_hints: dict) -> Iterator[tuple[str | None,
     i_ra, i_rr = col["Release Total Allocated(MB)"], col["Release Total Reserved(MB)"]
     width = len(header)
     streams: dict[str, int] = {}
+    last_ar = last_rr = None           # the reserved totals' text last parsed, and its bytes
+    last_ar_bytes = last_rr_bytes = 0
     try:
         for cells in reader:
             line = reader.line_num
@@ -447,21 +449,29 @@ def _operator_rows(path: Path, writer_hints: dict) -> Iterator[tuple[str | None,
                     writer_hints[TORCH_NPU] = "operator_memory.csv's times ending in a TAB (torch_npu's writer)"
             name = intern(cells[i_name])          # one string per operator name, not per row
             ge = name.startswith(_GE_PREFIX)
-            stream = streams.setdefault(cells[stream_col].strip() if stream_col is not None else "", len(streams))
+            raw_stream = cells[stream_col] if stream_col is not None else ""
+            stream = streams.get(raw_stream)
+            if stream is None:          # numbered by the pointer, whatever spaces surround it
+                stream = streams[raw_stream] = streams.setdefault(raw_stream.strip(), len(set(streams.values())))
             try:
-                # the common row, every field present: float() takes the TAB, the ns are the digits
+                # the common row, every field present: float() takes the TAB, the ns are the digits;
+                # the reserved totals seldom change, so a text seen last time is not parsed again
                 at, rt = cells[i_at].strip(), cells[i_rt].strip()
                 size = float(cells[i_size])
-                a_total, a_res = float(cells[i_aa]), float(cells[i_ar])
-                r_total, r_res = float(cells[i_ra]), float(cells[i_rr])
+                a_total, r_total = float(cells[i_aa]), float(cells[i_ra])
+                if cells[i_ar] != last_ar:
+                    last_ar, last_ar_bytes = cells[i_ar], round(float(cells[i_ar]) * _MB)
+                if cells[i_rr] != last_rr:
+                    last_rr, last_rr_bytes = cells[i_rr], round(float(cells[i_rr]) * _MB)
                 if at[-4:-3] != "." or rt[-4:-3] != "." or not (
-                        0 <= size < 1e15 and 0 <= a_total < 1e12 and 0 <= a_res < 1e12 and 0 <= r_total < 1e12
-                        and 0 <= r_res < 1e12):
+                        0 <= size < 1e15 and 0 <= a_total < 1e12 and 0 <= r_total < 1e12
+                        and 0 <= last_ar_bytes < 1e18 and 0 <= last_rr_bytes < 1e18):
                     raise ValueError
-                row = (int(at.replace(".", "", 1)), int(rt.replace(".", "", 1)), round(size * _KB), round(a_total * _MB),
-                       round(a_res * _MB), round(r_total * _MB), round(r_res * _MB), line,
+                row = (int(at.replace(".", "", 1)), int(rt.replace(".", "", 1)), int(size * _KB + 0.5),
+                       int(a_total * _MB + 0.5), last_ar_bytes, int(r_total * _MB + 0.5), last_rr_bytes, line,
                        intern(name[len(_GE_PREFIX):]) if ge else name, None, stream)
-            except ValueError:
+            except (ValueError, OverflowError):
+                last_ar = last_rr = None        # parsed afresh next time
                 row = _operator_row(cells, (i_size, i_at, i_rt, i_aa, i_ar, i_ra, i_rr), source, line,
                                     intern(name[len(_GE_PREFIX):]) if ge else name, stream)
             yield (GE if ge else None), row
