@@ -82,6 +82,7 @@ def test_shared_sample_each_file_and_the_db_alone():
     ge = read_ascend_profiler(db, component="GE")
     allocs = [e for e in ge.events if e.action == "alloc" and e.addr is not None]
     assert len(allocs) == 57 and ge.meta["components"]["GE"]["allocated_max_diff"] == 0
+    assert ge.meta["modules_peak_reserved"] == modules.meta["modules_peak_reserved"]     # NPU_MODULE_MEM
 
 
 # --------------------------------------------------------------------------- each writer's format
@@ -248,6 +249,13 @@ def test_db_following_the_writers_schema(tmp_path):
     ge_trace = read_ascend_profiler(out / "ascend_pytorch_profiler_0.db", component="GE")
     assert [(e.action, e.addr) for e in ge_trace.events] == [("alloc", 0x12C040000000), ("free", 0x12C040000000)]
     assert ge_trace.meta["components"]["GE"]["allocated_max_diff"] == 0
+
+
+def test_db_bad_cell_names_file_table_and_row(tmp_path):
+    path = _db(tmp_path / "ascend_pytorch_profiler_0.db", op_rows=[_op("lots", T0, None, MiB, None)])
+    with pytest.raises(InputError, match="OP_MEMORY row 1: size: expected an integer") as info:
+        load_trace(path)
+    assert info.value.source == str(path)
 
 
 def test_db_without_memory_tables_names_them(tmp_path):

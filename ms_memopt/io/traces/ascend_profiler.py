@@ -70,7 +70,7 @@ from sys import intern
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.lines import iter_lines
-from ms_memopt.io.traces.ascend_profiler_db import read_db
+from ms_memopt.io.traces.ascend_profiler_db import read_db, read_db_modules
 from ms_memopt.io.traces.ascend_profiler_timeline import (
     FRAMEWORK,
     GE,
@@ -601,6 +601,7 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None, _emi
     if inputs.db is not None:
         writer, why = _writer(inputs, info, hints)
         timelines = read_db(inputs.db, writer, record)
+        modules = read_db_modules(inputs.db)
         files.append(inputs.db.name)
     elif inputs.operator_memory is not None:
         timelines, writer, why = _read_operator_memory(inputs, info, hints, emit=_emit)

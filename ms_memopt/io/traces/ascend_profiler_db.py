@@ -26,7 +26,7 @@ from ms_memopt.io.traces.ascend_profiler_timeline import (
 )
 from ms_memopt.io.traces.fields import parse_int
 
-__all__ = ["read_db"]
+__all__ = ["read_db", "read_db_modules"]
 
 
 def read_db(path: Path, writer: str, record: dict) -> dict[str, Timeline]:
@@ -74,6 +74,26 @@ _OP_MEMORY_SQL = ("SELECT rowid, name, size, allocationTime, releaseTime, alloca
                   "allocationTotalActive FROM OP_MEMORY")
 
 
+def read_db_modules(path: Path) -> dict[str, int]:
+    """Peak reserved bytes per CANN module of ``NPU_MODULE_MEM`` (names from ``ENUM_MODULE``), the
+    modules that held any; empty without the table."""
+    db = _open_db(path)
+    try:
+        if not _has_table(db, "NPU_MODULE_MEM"):
+            return {}
+        names = dict(db.execute("SELECT id, name FROM ENUM_MODULE")) if _has_table(db, "ENUM_MODULE") else {}
+        peaks = {}
+        for module, peak in db.execute("SELECT moduleId, max(totalReserved) FROM NPU_MODULE_MEM GROUP BY moduleId"):
+            value = _db_int(peak, "totalReserved", str(path), f"NPU_MODULE_MEM module {module}")
+            if value:
+                peaks[str(names.get(module, module))] = value
+        return dict(sorted(peaks.items()))
+    except sqlite3.Error as exc:
+        raise InputError(f"SQLite error reading NPU_MODULE_MEM: {exc}", source=str(path)) from None
+    finally:
+        db.close()
+
+
 def _db_op_memory(db, strings, writer, sort, *, skip_ge, source, only=None, release_after=None):
     framework = FRAMEWORK[writer]
     sql = _OP_MEMORY_SQL + (" ORDER BY allocationTime IS NOT NULL, allocationTime, rowid" if sort else " ORDER BY rowid")
@@ -90,12 +110,12 @@ def _db_op_memory(db, strings, writer, sort, *, skip_ge, source, only=None, rele
             continue
         if only is not None and comp != only:
             continue
-        size = _db_int(size, "size", where, rowid)
+        size = _db_int(size, "size", source, where)
         if size is None or size < 0:
             raise InputError(f"size: expected a non-negative integer, got {size!r}", source=source, key=where)
-        row = (_db_int(at, "allocationTime", where, rowid), _db_int(rt, "releaseTime", where, rowid), size,
-               _db_int(aa, "allocationTotalAllocated", where, rowid), _db_int(ar, "allocationTotalReserved", where, rowid),
-               _db_int(ra, "releaseTotalAllocated", where, rowid), _db_int(rr, "releaseTotalReserved", where, rowid),
+        row = (_db_int(at, "allocationTime", source, where), _db_int(rt, "releaseTime", source, where), size,
+               _db_int(aa, "allocationTotalAllocated", source, where), _db_int(ar, "allocationTotalReserved", source, where),
+               _db_int(ra, "releaseTotalAllocated", source, where), _db_int(rr, "releaseTotalReserved", source, where),
                rowid, strings(name), None)
         merge = merges.get(comp)
         if merge is None:
@@ -123,14 +143,14 @@ def _db_npu_op_mem(db, strings, writer, source) -> Timeline | None:
         any_rows = True
         where = f"NPU_OP_MEM row {rowid}"
         kind_name = strings(kind)
-        size = _db_int(size, "size", where, rowid)
-        time = _db_int(time, "timestampNs", where, rowid)
-        addr = _db_int(addr, "addr", where, rowid)
+        size = _db_int(size, "size", source, where)
+        time = _db_int(time, "timestampNs", source, where)
+        addr = _db_int(addr, "addr", source, where)
         if size is None or time is None:
             raise InputError("size and timestampNs must be integers", source=source, key=where)
         size = abs(size)
-        total = _db_int(total, "totalAllocate", where, rowid)
-        reserved = _db_int(reserved, "totalReserve", where, rowid)
+        total = _db_int(total, "totalAllocate", source, where)
+        reserved = _db_int(reserved, "totalReserve", source, where)
         op = strings(name)
         key = (op, addr)
         if kind_name == "allocate":
@@ -166,13 +186,13 @@ def _db_memory_record(db, strings, source) -> dict[str, dict]:
         name = strings(component) or "?"
         entry = series.setdefault(name, {"rows": 0, "peak_allocated": None, "peak_reserved": None, "points": []})
         entry["rows"] += 1
-        a = _db_int(allocated, "totalAllocated", where, rowid)
-        r = _db_int(reserved, "totalReserved", where, rowid)
+        a = _db_int(allocated, "totalAllocated", source, where)
+        r = _db_int(reserved, "totalReserved", source, where)
         if a is not None and (entry["peak_allocated"] is None or a > entry["peak_allocated"]):
             entry["peak_allocated"] = a
         if r is not None and (entry["peak_reserved"] is None or r > entry["peak_reserved"]):
             entry["peak_reserved"] = r
-        entry["points"].append((_db_int(time, "timestamp", where, rowid), a, r, rowid))
+        entry["points"].append((_db_int(time, "timestamp", source, where), a, r, rowid))
     return series
 
 
@@ -209,16 +229,14 @@ def _open_db(path: Path) -> sqlite3.Connection:
     return db
 
 
-def _db_int(value, what: str, source: str, line: int) -> int | None:
+def _db_int(value, what: str, source: str, where: str) -> int | None:
+    """An integer cell (None when NULL); the error names the file, the table and row, and the column."""
     if value is None or value == "":
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, str):
-        return parse_int(value, what, source=source, line=line)
+        return parse_int(value, f"{where}: {what}", source=source)
     if not isinstance(value, int):
-        raise InputError(f"{what}: expected an integer, got {value!r}", source=source, line=line)
+        raise InputError(f"{where}: {what}: expected an integer, got {value!r}", source=source)
     return value
-
-
-# --------------------------------------------------------------------------- the reader
