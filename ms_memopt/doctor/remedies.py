@@ -243,7 +243,7 @@ def _run(trace: Trace, setting: Setting, capacity: int | None) -> ReplayResult:
             trace = replace(trace, initial=None)
         return replay_policy(trace, setting.policy, allocator=setting.allocator, capacity=capacity, options=options)
     timeline: list = []
-    model = create(setting.allocator, capacity, fast=False, **options)
+    model = create(setting.allocator, capacity, **options)      # the compiled path where built: the same answers
     on_step = None
     if setting.policy == "empty_cache":
         def on_step(step: int, current: AllocatorModel, addresses: dict) -> AllocatorModel:
