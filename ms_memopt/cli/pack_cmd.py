@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import time
 from pathlib import Path
 
 from ms_memopt.analysis.planner import DEFAULT_STALL, DEFAULT_TIME_LIMIT, Buffer, pack
@@ -45,7 +47,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="OFFSETS.csv", help="write id,offset rows here")
 
 
-def load_buffers(path: str | os.PathLike) -> list[Buffer]:
+def load_buffers(path: str | os.PathLike, *, deadline: float | None = None) -> list[Buffer]:
     """Buffers from an instance CSV (detected by its header) or, failing that, an event trace.
 
     Raises:
@@ -57,7 +59,7 @@ def load_buffers(path: str | os.PathLike) -> list[Buffer]:
     if Path(name).is_dir():
         raise InputError("is a directory, expected an instance CSV or a trace file", source=name)
     if looks_like_instance(name) or _first_line(name).lower().startswith("id,"):
-        return read_instance(name)  # an instance, or close enough for its reader's precise complaint
+        return read_instance(name, deadline=deadline)  # an instance, or close enough for its reader's precise complaint
     trace = load_trace(name)
     buffers = buffers_from_events(list(trace.events))
     if not buffers:
@@ -95,12 +97,16 @@ def run(args: argparse.Namespace) -> int:
     capacity = _parse_capacity(args.capacity)
     if args.time_limit is not None and not args.time_limit >= 0:
         raise InputError(f"expected seconds >= 0, got {args.time_limit}", source="--time-limit")
-    if not args.gap >= 0:
-        raise InputError(f"expected a gap >= 0, got {args.gap}", source="--gap")
+    if not (args.gap >= 0 and math.isfinite(args.gap)):
+        raise InputError(f"expected a finite gap >= 0, got {args.gap}", source="--gap")
     if args.stall is not None and not args.stall >= 0:
         raise InputError(f"expected seconds >= 0, got {args.stall}", source="--stall")
-    buffers = load_buffers(args.instance)
-    solution = pack(buffers, capacity=capacity, time_limit=args.time_limit, gap=args.gap,
+    # the time limit covers reading and every step after it, not the search alone
+    limit = DEFAULT_TIME_LIMIT if args.time_limit is None else args.time_limit
+    started = time.perf_counter()
+    buffers = load_buffers(args.instance, deadline=started + limit)
+    remaining = max(0.0, limit - (time.perf_counter() - started))
+    solution = pack(buffers, capacity=capacity, time_limit=remaining, gap=args.gap,
                     stall=args.stall, progress=not args.no_progress)
     if args.out:
         ordered = {b.id: solution.offsets[b.id] for b in buffers}

@@ -23,9 +23,10 @@ Example:
 """
 from __future__ import annotations
 
-import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from ms_memopt.core.sortedkeys import SortedKeys
 
 __all__ = ["KINDS", "RECENT_FREES", "Inconsistencies", "TraceChecker"]
 
@@ -69,54 +70,6 @@ class Inconsistencies:
                          for kind in KINDS if kind in self.counts)
 
 
-class _SortedStarts:
-    """Sorted integer keys in blocks of at most 2 * ``_BLOCK``: insert, remove and predecessor in
-    about a logarithm plus a short list move (a plain sorted list moves the whole list)."""
-
-    _BLOCK = 512
-
-    def __init__(self) -> None:
-        self._blocks: list[list[int]] = []
-        self._maxes: list[int] = []
-
-    def add(self, key: int) -> None:
-        if not self._blocks:
-            self._blocks.append([key])
-            self._maxes.append(key)
-            return
-        at = min(bisect.bisect_left(self._maxes, key), len(self._blocks) - 1)
-        block = self._blocks[at]
-        bisect.insort(block, key)
-        self._maxes[at] = block[-1]
-        if len(block) > 2 * self._BLOCK:
-            self._blocks[at:at + 1] = [block[:self._BLOCK], block[self._BLOCK:]]
-            self._maxes[at:at + 1] = [block[self._BLOCK - 1], block[-1]]
-
-    def remove(self, key: int) -> None:
-        at = bisect.bisect_left(self._maxes, key)
-        if at == len(self._blocks):
-            return
-        block = self._blocks[at]
-        i = bisect.bisect_left(block, key)
-        if i < len(block) and block[i] == key:
-            del block[i]
-            if block:
-                self._maxes[at] = block[-1]
-            else:
-                del self._blocks[at]
-                del self._maxes[at]
-
-    def before(self, key: int) -> int | None:
-        """The largest key below ``key``, or ``None``."""
-        at = bisect.bisect_left(self._maxes, key)
-        if at < len(self._blocks):
-            block = self._blocks[at]
-            i = bisect.bisect_left(block, key)
-            if i:
-                return block[i - 1]
-        return self._blocks[at - 1][-1] if at else None
-
-
 class TraceChecker:
     """Feed every event of a trace with its line (:meth:`feed`); :attr:`found` holds what was wrong."""
 
@@ -124,7 +77,7 @@ class TraceChecker:
         self.found = Inconsistencies()
         self._live: dict[int, tuple[int, int] | None] = {}    # id -> recorded (addr, end) or None
         self._ends: dict[int, int] = {}                         # live recorded start -> end
-        self._starts = _SortedStarts()
+        self._starts = SortedKeys()
         self._freed: OrderedDict[int, None] = OrderedDict()
         self._segments: set[int] = set()
 

@@ -14,12 +14,12 @@ Example:
 """
 from __future__ import annotations
 
-import bisect
 import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.sortedkeys import SortedKeys
 
 __all__ = ["Buffer", "Solution", "lower_bound", "arena_of", "validate", "check_buffers", "MAX_MAGNITUDE",
            "range_problem",
@@ -226,23 +226,23 @@ def validate(buffers: Sequence[Buffer], offsets: Mapping[str, int], *,
     # Events: frees (kind 0) before allocations (kind 1) at the same time: half-open lifetimes.
     events = [(b.upper, 0, i) for i, b in enumerate(placed)] + [(b.lower, 1, i) for i, b in enumerate(placed)]
     events.sort()
-    live_keys: list[tuple[int, int]] = []  # (offset, index) of live buffers, sorted by offset
+    # (offset, index) of the live buffers in order: blocks, not one list (inserting into one list of a
+    # million live buffers moved megabytes each time)
+    live_keys = SortedKeys()
     ends: dict[int, int] = {}
     for time, kind, index in events:
         buf = placed[index]
         key = (offsets[buf.id], index)
         if kind == 0:
-            pos = bisect.bisect_left(live_keys, key)
-            if pos < len(live_keys) and live_keys[pos] == key:
-                del live_keys[pos]
+            live_keys.remove(key)
             continue
-        pos = bisect.bisect_left(live_keys, key)
         start, end = key[0], key[0] + buf.size
         clash = None
-        if pos > 0 and ends[live_keys[pos - 1][1]] > start:
-            clash = live_keys[pos - 1][1]
-        elif pos < len(live_keys) and live_keys[pos][0] < end:
-            clash = live_keys[pos][1]
+        below, above = live_keys.before(key), live_keys.at_or_after(key)
+        if below is not None and ends[below[1]] > start:
+            clash = below[1]
+        elif above is not None and above[0] < end:
+            clash = above[1]
         if clash is not None:
             other = placed[clash]
             o_start = offsets[other.id]
@@ -252,7 +252,7 @@ def validate(buffers: Sequence[Buffer], offsets: Mapping[str, int], *,
             if len(problems) >= limit:
                 return problems
             continue  # keep the live set overlap-free so later checks stay meaningful
-        live_keys.insert(pos, key)
+        live_keys.add(key)
         ends[index] = end
     return problems
 

@@ -154,7 +154,7 @@ def pack(buffers: Iterable[Buffer], capacity: int | None = None, time_limit: flo
         if not items:
             best.offer({}, "empty")
         for run, (order, fit) in enumerate(GREEDY_RUNS if items else ()):
-            best.offer(greedy_place(items, order=order, fit=fit), f"greedy:{order}/{fit}")
+            best.offer(greedy_place(items, order=order, fit=fit, deadline=deadline), f"greedy:{order}/{fit}")
             if best.arena is not None and best.arena <= goal:
                 break
             if run >= 1 and time.perf_counter() > greedy_until:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
+import time
 from pathlib import Path
 from typing import IO, Iterable, Iterator, Mapping
 
@@ -44,13 +45,14 @@ def looks_like_instance(path: str | os.PathLike) -> bool:
     return is_instance_header(head.decode("utf-8", errors="replace").split("\n", 1)[0])
 
 
-def read_instance(source: str | os.PathLike | IO[str]) -> list[Buffer]:
+def read_instance(source: str | os.PathLike | IO[str], *, deadline: float | None = None) -> list[Buffer]:
     """Read an ``id,lower,upper,size`` CSV into buffers, checking every row.
 
     Raises:
         InputError: with the file and 1-based line for: a missing file, an empty file, a
             missing header or column, a short row, a non-integer, a negative size,
-            ``lower >= upper``, a duplicate id, or a header without any row.
+            ``lower >= upper``, a duplicate id, or a header without any row; or reading still
+            going at ``deadline`` (a ``time.perf_counter()`` value: ``pack --time-limit`` covers reading).
     """
     if isinstance(source, (str, os.PathLike)):
         name = str(source)
@@ -58,8 +60,8 @@ def read_instance(source: str | os.PathLike | IO[str]) -> list[Buffer]:
             raise InputError("no such file", source=name)
         # bounded lines, gzip as a stream, a pipe read once (core.lines)
         with open_text(source, expected="an id,lower,upper,size CSV file") as handle:
-            return _read(handle, name)
-    return _read(source, getattr(source, "name", "<instance>"))
+            return _read(handle, name, deadline)
+    return _read(source, getattr(source, "name", "<instance>"), deadline)
 
 
 def _rows(reader: Iterator[list[str]], name: str) -> Iterator[list[str]]:
@@ -75,7 +77,7 @@ def _rows(reader: Iterator[list[str]], name: str) -> Iterator[list[str]]:
         yield row
 
 
-def _read(handle: IO[str], name: str) -> list[Buffer]:
+def _read(handle: IO[str], name: str, deadline: float | None = None) -> list[Buffer]:
     reader = csv.reader(handle)
     rows = _rows(reader, name)
     header = next(rows, None)
@@ -97,6 +99,9 @@ def _read(handle: IO[str], name: str) -> list[Buffer]:
     total = 0
     for row in rows:
         line = reader.line_num
+        if deadline is not None and not line % 4096 and time.perf_counter() > deadline:
+            raise InputError(f"the time limit ran out while reading ({len(buffers):,} rows read); give more time",
+                             source=name, line=line, key="--time-limit")
         if not any(cell.strip() for cell in row):
             continue
         if len(row) < width:
