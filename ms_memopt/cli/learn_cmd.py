@@ -84,8 +84,11 @@ def run(args) -> int:
                          key="recordings")
     if args.out is None:
         raise InputError("give --out MODEL.template.json", key="--out")
-    if args.max_degree < 0:
-        raise InputError(f"expected a degree >= 0, got {args.max_degree}", key="--max-degree")
+    from ms_memopt.templates.template import MAX_TEMPLATE_DEGREE
+
+    if not 0 <= args.max_degree <= MAX_TEMPLATE_DEGREE:
+        raise InputError(f"expected a degree from 0 to {MAX_TEMPLATE_DEGREE}, got {args.max_degree}",
+                         key="--max-degree")
     if not str(args.out).endswith(".template.json"):
         raise InputError("the template file's name must end with .template.json (simulate recognises it by that)",
                          key="--out")

@@ -53,12 +53,14 @@ Example:
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.units import short_repr
 from ms_memopt.core.events import Event
 from ms_memopt.templates.alignment import inserted_runs
 from ms_memopt.templates.classes import (CLASSES, FEATURE_NAMES, FIRST, LEGACY_NEW, REPEAT, classify, features,
@@ -1267,12 +1269,23 @@ def read_schedule(path: str | Path, dims: Sequence[str] | None = None) -> list[d
 
     source = str(path)
     with open_input(path, expected="a schedule CSV (a header of dim names, one row of integers per step)") as handle:
-        rows = list(csv.reader(handle))
-    lines = [(n, row) for n, row in enumerate(rows, 1) if any(cell.strip() for cell in row)]
-    if not lines:
+        try:
+            return _schedule_rows(csv.reader(handle), source, dims)
+        except csv.Error as exc:    # a bare CR, a cell over csv.field_size_limit()
+            raise InputError(f"not a CSV row ({exc})", source=source, line=handle.line) from None
+
+
+#: steps a schedule may list (read row by row; 10**6 steps is about 250 MB of rows)
+MAX_SCHEDULE_ROWS = 1_000_000
+
+
+def _schedule_rows(reader, source: str, dims: Sequence[str] | None) -> list[dict[str, int]]:
+    lines = ((n, row) for n, row in enumerate(reader, 1) if any(cell.strip() for cell in row))
+    first = next(lines, None)
+    if first is None:
         raise InputError("empty schedule; expected a header of dim names (seq,batch) and one row per step",
                          source=source, line=1)
-    header_line, header = lines[0]
+    header_line, header = first
     header = [h.strip() for h in header]
     for column, name in enumerate(header, 1):
         if not name.isidentifier():
@@ -1283,16 +1296,20 @@ def read_schedule(path: str | Path, dims: Sequence[str] | None = None) -> list[d
         raise InputError(f"the header names {header}; the template's dims are {list(dims)}", source=source,
                          line=header_line)
     out = []
-    for number, row in lines[1:]:
+    for number, row in lines:
         if len(row) != len(header):
             raise InputError(f"{len(row)} cells, the header has {len(header)}", source=source, line=number)
+        if len(out) >= MAX_SCHEDULE_ROWS:
+            raise InputError(f"more than {MAX_SCHEDULE_ROWS:,} steps; expected a schedule of at most that many",
+                             source=source, line=number)
         step = {}
         for column, (name, cell) in enumerate(zip(header, row), 1):
-            try:
-                step[name] = int(cell.strip())
-            except ValueError:
-                raise InputError(f"column {column} ({name}): expected an integer, got {cell.strip()!r}",
-                                 source=source, line=number) from None
+            text = cell.strip()
+            value = int(text) if len(text) <= 12 and text.lstrip("-").isdigit() else None
+            if value is None or not -_DIM_LIMIT < value < _DIM_LIMIT:
+                raise InputError(f"column {column} ({name}): expected an integer, got {text[:40]!r} (dims are "
+                                 "within int32)", source=source, line=number)
+            step[name] = value
         out.append(step)
     if not out:
         raise InputError("no step rows after the header", source=source, line=header_line)
@@ -1315,14 +1332,29 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+#: a template's numbers are checked when it is loaded, so evaluating it stays cheap: coefficients
+#: (integers, or "p/q" of two integers) within int64, exponents within MAX_TEMPLATE_DEGREE, dims
+#: within int32 (a coefficient "1e9" is not "p/q"; exponents of 1e9 took minutes and gigabytes to
+#: evaluate; a coefficient of 10**5 digits failed converting to text)
+MAX_TEMPLATE_DEGREE = 8
+_COEF_LIMIT = 2**63
+_DIM_LIMIT = 2**31
+_FRACTION = re.compile(r"-?\d{1,19}(?:/\d{1,19})?")
+
+
 def _check_coef(c, where: str, source: str) -> None:
     if _is_int(c):
+        _need(-_COEF_LIMIT < c < _COEF_LIMIT, where, f"a coefficient is within int64, got {short_repr(c)}", source)
         return
-    _need(isinstance(c, str), where, f"a coefficient is an integer or a \"p/q\" string, got {c!r}", source)
+    _need(isinstance(c, str) and _FRACTION.fullmatch(c) is not None, where,
+          f"a coefficient is an integer or a \"p/q\" string of two integers within int64, got {short_repr(c)}",
+          source)
     try:
-        Fraction(c)
+        value = Fraction(c)
     except (ValueError, ZeroDivisionError):
         raise InputError(f"{where}: bad coefficient {c!r}", source=source) from None
+    _need(abs(value.numerator) < _COEF_LIMIT and value.denominator < _COEF_LIMIT, where,
+          f"a coefficient is within int64, got {c!r}", source)
 
 
 def _check_part(part, where: str, dims: list[str], classes: set[str], source: str) -> None:
@@ -1331,12 +1363,15 @@ def _check_part(part, where: str, dims: list[str], classes: set[str], source: st
         _need(key in part, f"{where}", f"missing key {key!r}", source)
     _need(_is_int(part["samples"]) and part["samples"] >= 1, f"{where}.samples", "expected a positive integer", source)
     _need(isinstance(part["seen"], list) and all(isinstance(s, dict) and set(s) == set(dims) and
-                                                 all(_is_int(v) for v in s.values()) for s in part["seen"]),
-          f"{where}.seen", f"expected a list of {{dim: int}} objects over {dims}", source)
+                                                 all(_is_int(v) and -_DIM_LIMIT < v < _DIM_LIMIT for v in s.values())
+                                                 for s in part["seen"]),
+          f"{where}.seen", f"expected a list of {{dim: int}} objects over {dims}, each value within int32", source)
     basis = part["basis"]
     _need(isinstance(basis, list) and len(basis) >= 1 and all(
-        isinstance(b, list) and len(b) == len(dims) and all(_is_int(e) and e >= 0 for e in b) for b in basis),
-        f"{where}.basis", f"expected a list of exponent lists, {len(dims)} non-negative integers each", source)
+        isinstance(b, list) and len(b) == len(dims) and all(_is_int(e) and e >= 0 for e in b)
+        and sum(b) <= MAX_TEMPLATE_DEGREE for b in basis),
+        f"{where}.basis", f"expected a list of exponent lists, {len(dims)} non-negative integers each, of total "
+        f"degree at most {MAX_TEMPLATE_DEGREE}", source)
     _check_ops(part["ops"], f"{where}.ops", basis, classes, source)
     after = part.get("ops_after", {})
     _need(isinstance(after, dict), f"{where}.ops_after", "expected an object {class: ops}", source)
