@@ -17,7 +17,7 @@ from ms_memopt.core.units import format_size
 #: demo recipe takes ~1 ms, one of the 100B recipe ~20 ms, so 10**7 is minutes to hours, not days
 MAX_WORK = 10_000_000
 
-__all__ = ["MAX_WORK", "add_job_arguments", "configure_job", "compact_rule", "dash", "judged_figures", "parse_policies", "parse_stages", "run_jobs"]
+__all__ = ["MAX_WORK", "check_work", "add_job_arguments", "configure_job", "compact_rule", "dash", "judged_figures", "parse_policies", "parse_stages", "run_jobs"]
 
 
 def add_job_arguments(parser) -> None:
@@ -62,7 +62,7 @@ def _check_counts(args) -> None:
         raise InputError(f"expected a seed from 0 to 2**63 - 1, got {args.seed}", key="--seed")
 
 
-def check_work(job, seeds: int, args) -> int:
+def check_work(job, seeds: int, args, *, unit: str = "seeds") -> int:
     """State the work a job asks for (steps x simulated ranks x policies x seeds, on stderr unless
     ``--json``) and refuse more than ``--max-work`` rank-steps before anything is simulated:
     ``--steps 10**12`` ran silently forever, ``--seeds 1000000`` built a million jobs first."""
@@ -71,7 +71,7 @@ def check_work(job, seeds: int, args) -> int:
     steps, ranks, policies = job.cfg.steps, max(1, len(job.streams)), max(1, len(job.policies))
     work = steps * ranks * policies * seeds
     limit = getattr(args, "max_work", MAX_WORK)
-    statement = (f"{steps:,} steps x {ranks:,} simulated ranks x {policies} policies x {seeds:,} seeds "
+    statement = (f"{steps:,} steps x {ranks:,} simulated ranks x {policies} policies x {seeds:,} {unit} "
                  f"= {work:,} rank-steps")
     if limit is not None and work > limit:
         raise InputError(f"{statement}: more than {limit:,}; lower --steps, --seeds, --ranks or --policy, or "

@@ -41,7 +41,7 @@ def run(args) -> int:
     from ms_memopt.report.plots import plot_sweep
     from ms_memopt.simulation.simulate import POLICIES
     from ms_memopt.simulation.sweep import parse_settings, sweep_recipes, sweep_rows
-    from ms_memopt.cli.simulate_job import configure_job, parse_policies, parse_stages
+    from ms_memopt.cli.simulate_job import check_work, configure_job, parse_policies, parse_stages
 
     policies = parse_policies(args.policy, POLICIES)
     if args.steps is not None and args.steps < 1:
@@ -49,9 +49,14 @@ def run(args) -> int:
     grid = parse_settings(args.set)
     points = sweep_recipes(args.recipe, grid)
     stages = parse_stages(args.stages)
-    jobs = [configure_job(job_from_recipe(p.recipe, policies=policies, seed=args.seed, ranks=args.ranks,
-                                          stages=stages, steps=args.steps, label=p.label), p.recipe, args)
-            for p in points]
+
+    def job_of(p):
+        return configure_job(job_from_recipe(p.recipe, policies=policies, seed=args.seed, ranks=args.ranks,
+                                             stages=stages, steps=args.steps, label=p.label), p.recipe, args)
+
+    jobs = [job_of(points[0])]
+    check_work(jobs[0], len(points), args, unit="grid points")     # before the other points' jobs are built
+    jobs += [job_of(p) for p in points[1:]]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = _PartialRows(out_dir / "sweep.partial.jsonl")

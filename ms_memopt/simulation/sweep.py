@@ -26,10 +26,11 @@ import yaml
 
 from ms_memopt.config.recipe import Recipe, recipe_from_dict
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.lines import open_text
 from ms_memopt.simulation.timing import TIMING_KEYS
 from ms_memopt.io.yamltext import parse_yaml
 
-__all__ = ["SweepPoint", "apply_setting", "grid_points", "parse_settings", "sweep_recipes", "sweep_rows"]
+__all__ = ["MAX_GRID_POINTS", "SweepPoint", "apply_setting", "grid_points", "parse_settings", "sweep_recipes", "sweep_rows"]
 
 
 def parse_settings(items: list[str]) -> dict[str, list[Any]]:
@@ -79,9 +80,24 @@ class SweepPoint:
         return ", ".join(f"{key.rsplit('.', 1)[-1]}={value}" for key, value in self.settings)
 
 
+#: grid points a sweep may have (each is a whole job; checked before any is built)
+MAX_GRID_POINTS = 10_000
+
+
 def grid_points(grid: dict[str, list[Any]]) -> list[tuple[tuple[str, Any], ...]]:
-    """Every combination, the first key varying slowest."""
+    """Every combination, the first key varying slowest.
+
+    Raises:
+        InputError: more than :data:`MAX_GRID_POINTS` combinations (10**6 points ran silently at 1.9 GB).
+    """
     keys = list(grid)
+    count = 1
+    for key in keys:
+        count *= max(1, len(grid[key]))
+        if count > MAX_GRID_POINTS:
+            sizes = " x ".join(str(len(grid[k])) for k in keys)
+            raise InputError(f"a grid of {sizes} settings is more than {MAX_GRID_POINTS:,} points; "
+                             "sweep fewer values", key="--set")
     return [tuple(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
 
 
@@ -129,7 +145,8 @@ def sweep_recipes(path: str | Path, grid: dict[str, list[Any]]) -> list[SweepPoi
 
     path = Path(path)
     base = load_recipe(path)                     # the file's own errors first
-    data = parse_yaml(path.read_text(encoding="utf-8"), source=str(path)) or {}
+    with open_text(path, expected="a recipe (YAML)") as handle:
+        data = parse_yaml(handle.read(), source=str(path)) or {}
     points = []
     for settings in grid_points(grid):
         point = copy.deepcopy(data)
