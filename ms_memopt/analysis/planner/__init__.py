@@ -157,7 +157,7 @@ def pack(buffers: Iterable[Buffer], capacity: int | None = None, time_limit: flo
             best.offer(greedy_place(items, order=order, fit=fit, deadline=deadline), f"greedy:{order}/{fit}")
             if best.arena is not None and best.arena <= goal:
                 break
-            if run >= 1 and time.perf_counter() > greedy_until:
+            if (run >= 1 and time.perf_counter() > greedy_until) or time.perf_counter() > deadline:
                 break  # greedy by size has run (never worse than it); leave the rest to the search
         if best.arena is None:  # cannot happen unless every greedy run was wrong; stack them
             best.offer(_stacked(items), "stack")
