@@ -81,11 +81,11 @@ def _optimality(solution) -> str:
 
 
 def _first_line(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.readline().strip()
-    except (OSError, UnicodeDecodeError):
-        return ""
+    """The first line of ``path`` (a pipe's head is kept for the reader; a FIFO without a writer
+    is an InputError after a wait, not a hang: :func:`ms_memopt.core.lines.read_head`)."""
+    from ms_memopt.core.lines import read_head
+
+    return read_head(path, 65536).decode("utf-8", errors="replace").split("\n", 1)[0].strip()
 
 
 def _parse_capacity(text: str | None) -> int | None:
