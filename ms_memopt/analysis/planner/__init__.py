@@ -58,6 +58,7 @@ class _Best:
         self.capacity = capacity
         self.fit_at: float | None = None  # perf_counter() when a placement first fit the capacity
         self.offsets: dict[str, int] | None = None
+        self.validated: dict[str, int] | None = None      # the offsets validate() passed
         self.arena: int | None = None
         self.method = ""
         self.lower_bound = bound
@@ -99,6 +100,7 @@ class _Best:
                           RuntimeWarning, stacklevel=3)
             return False
         self.offsets, self.arena, self.method = offsets, arena, method
+        self.validated = offsets
         if self.fit_at is None and self.capacity is not None and arena <= self.capacity:
             self.fit_at = time.perf_counter()
         self._progressed()
@@ -169,7 +171,9 @@ def pack(buffers: Iterable[Buffer], capacity: int | None = None, time_limit: flo
             stop = _improve(best, goal, deadline, stall_seconds)
     finally:
         bar.close()
-    problems = validate(items, best.offsets)
+    # offer() validated every placement it kept: checking the best one again costs a pass of
+    # n log n over the buffers (seconds at a million) after the time limit, for nothing
+    problems = [] if best.offsets is best.validated else validate(items, best.offsets)
     seconds = time.perf_counter() - started
     ratio = best.arena / bound if bound else 1.0
     return Solution(offsets=best.offsets, arena=best.arena, lower_bound=bound, ratio=ratio,
