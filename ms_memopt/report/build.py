@@ -26,13 +26,13 @@ Example:
 """
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 from ms_memopt.core.errors import InputError
-from ms_memopt.core.jsontext import read_json_lines
-from ms_memopt.core.units import format_size
+from ms_memopt.core.jsontext import parse_json, read_json_lines
+from ms_memopt.core.lines import open_text
+from ms_memopt.core.units import format_size, short_repr
 from ms_memopt.io.layouts import read_layouts
 from ms_memopt.report.memory_map import plot_memory_map
 from ms_memopt.report.plots import plot_fragmentation_timeline, plot_loss, plot_region_budget, plot_scan_timeline
@@ -43,8 +43,31 @@ __all__ = ["build_report", "doctor_hint", "REPORT_NAME"]
 REPORT_NAME = "report.md"
 
 
+#: the type each common key of our JSONL logs must have when present (a list as ``policy``
+#: raised TypeError: unhashable type while grouping)
+_ROW_TYPES = {"policy": str, "kind": str, "step": int, "rank": int, "stage": int, "seed": int, "label": str}
+
+
 def _rows_of(path: Path) -> list[dict]:
-    return [obj for _, obj in read_json_lines(path)]
+    rows = []
+    for number, obj in read_json_lines(path):
+        for key, kind in _ROW_TYPES.items():
+            value = obj.get(key)
+            if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+                raise InputError(f"{key!r} must be {'a string' if kind is str else 'an integer'}, got "
+                                 f"{short_repr(value)}", source=str(path), line=number)
+        rows.append(obj)
+    return rows
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON file of ours (run.json, plan.json) as an object: bounded, and an InputError naming it
+    when it is not JSON or not an object."""
+    with open_text(path, expected="a JSON file written by ms-memopt") as handle:
+        data = parse_json(handle.read(), source=str(path))
+    if not isinstance(data, dict):
+        raise InputError(f"expected a JSON object, got {type(data).__name__}", source=str(path))
+    return data
 
 
 def _scan_logs(directory: Path) -> dict[int, list[dict]]:
@@ -201,7 +224,7 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
         found = True
         lines += ["## Training run", ""]
         if run_meta.is_file():
-            meta = json.loads(run_meta.read_text(encoding="utf-8"))
+            meta = _json_object(run_meta)
             model = meta.get("model") or {}
             lines += [f"- recipe: `{meta.get('recipe')}`; device **{meta.get('device')}**; optimizer "
                       f"{meta.get('optimizer')}; pool mode {'on' if meta.get('pool_mode') else 'off'}",
@@ -287,7 +310,7 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
 
     # the plan
     if plan is None and (root / "plan.json").is_file():
-        plan = json.loads((root / "plan.json").read_text(encoding="utf-8"))
+        plan = _json_object(root / "plan.json")
     if plan:
         found = True
         plot_region_budget(plan, root / "region_budget.png",
@@ -422,8 +445,10 @@ def _step_time_section(root: Path, title: str) -> list[str]:
     if not path.is_file():
         return []
     try:
-        policies = json.loads(path.read_text(encoding="utf-8"))["policies"]
-    except (ValueError, KeyError, TypeError) as exc:
+        policies = _json_object(path)["policies"]
+        if not isinstance(policies, dict):
+            raise TypeError(f"'policies' is a {type(policies).__name__}")
+    except (KeyError, TypeError) as exc:
         raise InputError(f"not a timing file: {exc}", source=str(path)) from None
     from ms_memopt.report.plots import plot_step_times
 
