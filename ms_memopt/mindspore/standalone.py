@@ -565,9 +565,14 @@ def _train(recipe: Recipe, out: Path, *, device: str, steps: int | None, resume_
     train_net = nn.TrainOneStepCell(net_with_loss, optimizer)
     train_net.set_train(True)
     if resume_from is not None:
-        params = ms.load_checkpoint(str(resume_from[1]))
-        params.pop("step", None)
-        missing, _ = ms.load_param_into_net(train_net, params, strict_load=True)
+        try:    # a checkpoint cut short or not MindSpore's: MindSpore raises ValueError or RuntimeError
+            params = ms.load_checkpoint(str(resume_from[1]))
+            params.pop("step", None)
+            missing, _ = ms.load_param_into_net(train_net, params, strict_load=True)
+        except (ValueError, RuntimeError, TypeError, OSError, EOFError) as exc:
+            raise InputError(f"cannot resume from this checkpoint ({type(exc).__name__}: {str(exc)[:300]}); "
+                             "delete it to resume from the one before, or run without --resume",
+                             source=str(resume_from[1])) from None
         if missing:
             raise InputError(f"checkpoint does not match the recipe's model: missing {missing[:5]}",
                              source=str(resume_from[1]))
