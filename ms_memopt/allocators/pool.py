@@ -382,8 +382,9 @@ class PoolModeAllocator(AllocatorModel):
 
 
 def _region_sizes(regions) -> dict[str, int]:
-    if regions is None:
-        raise ValueError("pool mode needs region sizes")
+    if regions is None:     # an InputError (a ValueError): whatever chose the pool model gave no sizes
+        raise InputError("the pool model needs region sizes from a recipe (memopt.pool); replay and templates "
+                         "carry none: choose another allocator", key="--allocator")
     if isinstance(regions, dict):
         return {str(k): int(v) for k, v in regions.items()}
     items = getattr(regions, "regions", regions)

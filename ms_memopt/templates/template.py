@@ -1466,7 +1466,12 @@ def template_from_dict(data, source: str = "template") -> Template:
                 _need(prev in names, f"{at}.parts.{name}.ops_after.{prev}", "unknown class", source)
                 _check_ops(ops, f"{at}.parts.{name}.ops_after.{prev}", parts[name]["basis"], names, source)
     allocator = data.get("allocator") or "mindspore-bestfit"
-    _need(isinstance(allocator, str), "allocator", "expected a model name", source)
+    from ms_memopt.allocators import MODELS
+
+    # pool mode's model needs region sizes from a recipe, which a template does not carry
+    _need(isinstance(allocator, str) and allocator in MODELS and allocator != "pool", "allocator",
+          f"expected the model that recorded it, one of {', '.join(m for m in sorted(MODELS) if m != 'pool')}, "
+          f"got {short_repr(allocator)}", source)
     fit = data.get("fit") or {}
     _need(isinstance(fit, dict), "fit", "expected an object", source)
     return Template(dims=list(dims), prologue=data["prologue"], classes=dict(classes), pool=data.get("pool"),
