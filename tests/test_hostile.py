@@ -385,3 +385,52 @@ def test_yaml_aliases_within_budget_or_refused_fast(levels, width):
     else:
         assert width ** levels <= 10**6 and len(data) == levels
     assert time.monotonic() - started < 10
+
+
+# --- every output option of every subcommand: a bad path exits 2 naming it (in-process: fast) -------
+
+def _cli(argv: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from ms_memopt.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:       # argparse
+            code = exc.code if isinstance(exc.code, int) else 2
+    return code, err.getvalue()
+
+
+_FILE_OUTPUTS = [
+    ["replay", str(DATA / "events.jsonl"), "--export-memory-viz"],
+    ["replay", str(DATA / "events.jsonl"), "--export-instances"],
+    ["pack", str(DATA / "instances_small.csv"), "--no-progress", "--out"],
+    ["simulate", str(RECIPE), "--steps", "2", "--json", "--export-memory-viz"],
+    ["simulate", str(RECIPE), "--steps", "2", "--json", "--export-events"],
+]
+_DIR_OUTPUTS = [
+    ["simulate", str(RECIPE), "--steps", "2", "--json", "--out"],
+    ["sweep", str(RECIPE), "--set", "memopt.workload.seed=1", "--steps", "2", "--json", "--out"],
+    ["doctor", str(DATA / "events.jsonl"), "--out"],
+]
+
+
+@pytest.mark.parametrize("argv", _FILE_OUTPUTS, ids=lambda a: f"{a[0]} {a[-1]}")
+@pytest.mark.parametrize("target", ["a directory", "/dev/full", "/proc/nope/x"])
+def test_a_bad_output_file_exits_2_naming_it(tmp_path, argv, target):
+    if argv[-1] == "--export-memory-viz" and argv[0] == "simulate" and target != "/proc/nope/x":
+        pytest.skip("simulate writes PATH.POLICY.pickle beside PATH: only a missing folder is a bad path")
+    path = str(tmp_path) if target == "a directory" else target
+    code, err = _cli([*argv, path])
+    assert code == 2 and f"ms-memopt {argv[0]}: error:" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", _DIR_OUTPUTS, ids=lambda a: f"{a[0]} {a[-1]}")
+@pytest.mark.parametrize("target", ["/dev/full", "/proc/nope"])
+def test_a_bad_output_folder_exits_2_naming_it(argv, target):
+    code, err = _cli([*argv, target])
+    assert code == 2 and f"ms-memopt {argv[0]}: error: {target}" in err, err
