@@ -434,3 +434,20 @@ def test_a_bad_output_file_exits_2_naming_it(tmp_path, argv, target):
 def test_a_bad_output_folder_exits_2_naming_it(argv, target):
     code, err = _cli([*argv, target])
     assert code == 2 and f"ms-memopt {argv[0]}: error: {target}" in err, err
+
+
+def test_a_trace_too_long_to_hold_whole_is_refused_pointing_at_replay(monkeypatch):
+    """Commands that hold a trace whole (doctor, learn, pack on a trace) stop at MAX_EVENTS_IN_MEMORY."""
+    import ms_memopt.core.events as events
+    import ms_memopt.io.traces.ms_pool_log as pool_log
+    from ms_memopt.io.traces import load_trace
+
+    monkeypatch.setattr(events, "MAX_EVENTS_IN_MEMORY", 100)
+    monkeypatch.setattr(pool_log, "MAX_EVENTS_IN_MEMORY", 100)
+    for path in (POOL_LOG, DATA / "events.jsonl"):
+        if path.suffix == ".jsonl":
+            monkeypatch.setattr(events, "MAX_EVENTS_IN_MEMORY", 3)
+        with pytest.raises(InputError, match="as a stream"):
+            load_trace(path)
+        trace = load_trace(path, stream=True)           # what replay does: no limit
+        assert sum(1 for _ in trace.events) > 3

@@ -39,7 +39,11 @@ from ms_memopt.core.jsontext import parse_json
 from ms_memopt.core.layout import Layout
 from ms_memopt.core.units import short_repr
 
-__all__ = ["Event", "Trace", "ACTIONS", "SEGMENT_ACTIONS", "FIELDS", "ROW_INDEX", "JSONL_FORMAT", "EventWriter", "write_jsonl", "read_jsonl", "iter_jsonl", "stream_jsonl"]
+__all__ = ["Event", "Trace", "ACTIONS", "SEGMENT_ACTIONS", "FIELDS", "ROW_INDEX", "JSONL_FORMAT", "EventWriter", "write_jsonl", "read_jsonl", "iter_jsonl", "stream_jsonl", "MAX_EVENTS_IN_MEMORY", "too_many_events"]
+
+#: events a reader holds in a list (about 160 bytes each: ~640 MB); past it, a command that reads a
+#: trace whole refuses it and says that ``replay`` reads it as a stream (memory bounded by the state)
+MAX_EVENTS_IN_MEMORY = 4_000_000
 
 ACTIONS = ("alloc", "free", "segment_alloc", "segment_free", "segment_map", "segment_unmap", "empty_cache", "step",
            "mark")
@@ -239,8 +243,18 @@ def read_jsonl(path: str | Path) -> Trace:
     with open_input(path, expected="an ms-memopt JSONL event file") as handle:
         meta = _jsonl_header(handle, source)
         checker = TraceChecker()
-        events = list(iter_jsonl(handle, source, checker))
+        events = []
+        for event in iter_jsonl(handle, source, checker):
+            events.append(event)
+            if len(events) > MAX_EVENTS_IN_MEMORY:
+                raise too_many_events(source)
     return Trace(events, source=source, format="jsonl", meta=meta, inconsistencies=checker.found.to_meta())
+
+
+def too_many_events(source: str) -> InputError:
+    """The error of a trace too long to hold whole (:data:`MAX_EVENTS_IN_MEMORY`)."""
+    return InputError(f"more than {MAX_EVENTS_IN_MEMORY:,} events: this command holds the whole trace in memory; "
+                      "`ms-memopt replay` reads a trace this long as a stream, or cut the recording", source=source)
 
 
 class _JsonlEvents:

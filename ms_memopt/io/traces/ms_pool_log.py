@@ -99,7 +99,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ms_memopt.core.errors import InputError
-from ms_memopt.core.events import Event, Trace
+from ms_memopt.core.events import MAX_EVENTS_IN_MEMORY, Event, Trace, too_many_events
 from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.lines import is_regular_file, iter_lines
 from ms_memopt.core.lines import read_head as lines_read_head
@@ -591,6 +591,8 @@ def _parse(path: str | Path, pid: int | None) -> tuple["PoolLogParser", list[Eve
         found = feed(line)
         if found:
             extend(found)
+            if len(events) > MAX_EVENTS_IN_MEMORY:
+                raise too_many_events(str(path))
     return parser, events
 
 
