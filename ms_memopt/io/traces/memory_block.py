@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.lines import open_input
-from ms_memopt.core.events import Event, Trace
+from ms_memopt.core.events import Event, MAX_EVENTS_IN_MEMORY, Trace, too_many_events
 from ms_memopt.io.traces.fields import parse_address, parse_int
 
 __all__ = ["FORMAT", "NEVER_FREED", "REQUIRED_COLUMNS", "looks_like_memory_block", "read_memory_block"]
@@ -183,6 +183,8 @@ def _read_rows_fast(handle, columns: list[str], trailing: bool, source: str) -> 
         else:
             fields = _split_row(text, columns, free_text, trailing, source, line)
         rows += 1
+        if rows > MAX_EVENTS_IN_MEMORY // 2:    # an alloc and a free a row, held whole to sort by time
+            raise too_many_events(source)
         try:  # fast path; any doubt goes through the checks that name the field
             start, end, size = int(fields[i_start]), int(fields[i_end]), int(fields[i_size])
             addr = int(fields[i_addr], 0) or None

@@ -39,7 +39,7 @@ from pathlib import Path
 from ms_memopt.core.consistency import TraceChecker
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.lines import open_input
-from ms_memopt.core.events import Event, Trace
+from ms_memopt.core.events import Event, MAX_EVENTS_IN_MEMORY, Trace, too_many_events
 from ms_memopt.io.traces.fields import parse_address, parse_int
 
 __all__ = ["FORMAT", "REQUIRED_COLUMNS", "looks_like_msmemscope", "read_msmemscope", "parse_attr"]
@@ -162,6 +162,8 @@ def _read(handle, source: str) -> Trace:
             total = _attr_int(attr, "total", source, line)
             devices.add(device)
             rows.append(_Row(time, order, line, event, kind, handle_id, addr, size, total, device))
+            if len(rows) > MAX_EVENTS_IN_MEMORY:      # rows are held whole: the file is not in time order
+                raise too_many_events(source)
     except csv.Error as exc:
         raise InputError(f"malformed CSV ({exc})", source=source, line=reader.line_num) from None
     unit = time_column[len("Timestamp"):].strip("() ") or "ns"
