@@ -2,9 +2,10 @@
 its Python script, in an empty directory holding only copies of the repository's ``recipes/`` and
 ``bench/`` (what a clone has), so a step that needs a file from elsewhere fails here.
 
-Each command runs as written, in its own process (the ``ms-memopt`` of this interpreter), except
-those whose README comment gives a time in minutes (``# ~6 min``): they are shortened to
-``--steps 20`` and one rank stream (``run``: 3 steps), as the README says. A command fails the test
+Each command runs as written (through ``ms_memopt.cli.main`` in this process, ``run`` in a process of
+its own, as its pool log must be switched on before MindSpore is imported), except those whose
+README comment gives a time in minutes (``# ~6 min``): they are shortened to ``--steps 20`` and one
+rank stream (``run``: 3 steps), as the README says. A command fails the test
 when it exits non-zero, prints a traceback, or prints a warning of ours: a Python warning raised
 in ``ms_memopt`` (a figure that :func:`ms_memopt.report.figure_check.figure_problems` finds
 defective is a ``FigureWarning``), or a ``warning:`` line of our CLI. The script runs as the README
@@ -18,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -102,27 +104,43 @@ def test_problems_of_finds_our_warnings_and_tracebacks_only():
     assert problems_of("Traceback (most recent call last):\n  File ...\n") == ["a traceback"]
 
 
+def _in_process(argv: list[str], capsys) -> tuple[int, str]:
+    """``ms-memopt ARGV`` through :func:`ms_memopt.cli.main` in this process (no interpreter start per
+    command): its exit code, and its stderr with the Python warnings it raised written as Python
+    writes them (``path:line: Category: message``)."""
+    from ms_memopt.cli import main
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(argv)
+    err = capsys.readouterr().err
+    return code, err + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, "")
+                               for w in caught)
+
+
 @pytest.mark.mindspore
 @pytest.mark.slow
-def test_every_tour_command_and_the_script_work_from_a_clean_clone(tmp_path):
+def test_every_tour_command_and_the_script_work_from_a_clean_clone(tmp_path, monkeypatch, capsys):
     text = README.read_text(encoding="utf-8")
     shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
     shutil.copytree(ROOT / "bench", tmp_path / "bench")
+    monkeypatch.chdir(tmp_path)
     # `record -- python ...` runs the PATH's python: this interpreter's, as in the virtualenv
-    env = dict(os.environ, PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
-    ran = []
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
     for argv, short in tour_commands(text):
         if short:
             argv = shortened(argv)
-        done = subprocess.run([sys.executable, "-m", "ms_memopt", *argv], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
+        if argv[0] == "run":     # in a process of its own: its pool log must be on before MindSpore is imported
+            done = subprocess.run([sys.executable, "-m", "ms_memopt", *argv], capture_output=True, text=True,
+                                  timeout=600)
+            code, err = done.returncode, done.stderr
+        else:
+            code, err = _in_process(argv, capsys)
         command = "ms-memopt " + shlex.join(argv)
-        assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stderr[-3000:]}"
-        assert not problems_of(done.stderr), f"{command}:\n" + "\n".join(problems_of(done.stderr))
-        ran.append(command)
+        assert code == 0, f"{command} exited {code}:\n{err[-3000:]}"
+        assert not problems_of(err), f"{command}:\n" + "\n".join(problems_of(err))
     (tmp_path / "train.py").write_text(tour_script(text), encoding="utf-8")
-    done = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "train.py"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"the README's script exited {done.returncode}:\n{done.stderr[-3000:]}"
     assert not problems_of(done.stderr), "the README's script:\n" + "\n".join(problems_of(done.stderr))
     # what the tour promises to leave behind

@@ -133,6 +133,7 @@ def record(command: list[str], out: str | Path, *, raw: str | Path | None = None
             if interrupts > 1:
                 proc.kill()
     code = proc.wait()
+    proc.stderr.close()      # read to its end above; closed here, not left to the garbage collector
     bar.close()
     if raw_file is not None:
         raw_sink.guard(raw_file.close)
