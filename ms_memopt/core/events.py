@@ -190,47 +190,76 @@ def _finite_number(value: object) -> bool:
         return False
 
 
+_FIELD_SET = frozenset(FIELDS)
+_SIZE_REQUIRED = frozenset({"alloc", "segment_alloc", "segment_map", "segment_unmap"})
+_ID_REQUIRED = frozenset({"alloc", "free"})
+
+
 def iter_jsonl(lines: Iterable[str], source: str, checker: TraceChecker | None = None) -> Iterator[Event]:
     """Parse JSONL event lines (the header already consumed); errors name ``source`` and line.
-    ``checker`` sees every event with its line (what cannot have happened: :mod:`ms_memopt.core.consistency`)."""
+    ``checker`` sees every event with its line (what cannot have happened: :mod:`ms_memopt.core.consistency`).
+
+    A line whose fields are plainly right (integers where integers go, strings or nothing for
+    ``pool`` and ``tag``, a float or int time) is built at once; any doubt goes through the checks
+    that name the field (the same messages), so the common line costs a JSON decode and little more.
+    """
+    segment_actions = frozenset(SEGMENT_ACTIONS)
+    actions = frozenset(ACTIONS)
     for number, text in enumerate(lines, start=2):
-        text = text.strip()
-        if not text:
+        if not text or text.isspace():
             continue
         obj = parse_json(text, source=source, line=number)
-        if not isinstance(obj, dict):
+        if type(obj) is not dict:
             raise InputError(f"expected a JSON object, got {type(obj).__name__}", source=source, line=number)
-        action = obj.get("action")
-        if action not in ACTIONS:
-            raise InputError(f"unknown action {action!r}; expected one of {', '.join(ACTIONS)}",
+        get = obj.get
+        action = get("action")
+        if type(action) is not str or action not in actions:
+            raise InputError(f"unknown action {short_repr(action)}; expected one of {', '.join(ACTIONS)}",
                              source=source, line=number)
-        unknown = set(obj) - set(_FIELDS)
-        if unknown:
-            raise InputError(f"unknown keys {sorted(unknown)}; expected some of {', '.join(_FIELDS)}",
+        if not _FIELD_SET.issuperset(obj):
+            unknown = set(obj) - _FIELD_SET
+            raise InputError(f"unknown keys {sorted(map(str, unknown))}; expected some of {', '.join(_FIELDS)}",
                              source=source, line=number)
-        size = _int_field(obj, "size", source, number,
-                          required=action in ("alloc", "segment_alloc", "segment_map", "segment_unmap")) or 0
-        addr = _int_field(obj, "addr", source, number, required=action in SEGMENT_ACTIONS)
-        time = obj.get("time")
-        if time is not None and not _finite_number(time):
-            raise InputError(f"'time' must be a finite number, got {short_repr(time)}", source=source, line=number)
-        for name in ("pool", "tag"):
-            if obj.get(name) is not None and not isinstance(obj[name], str):
-                raise InputError(f"{name!r} must be a string, got {obj[name]!r}", source=source, line=number)
-        event = Event(
-            action=action,
-            id=_int_field(obj, "id", source, number, required=action in ("alloc", "free")),
-            size=size,
-            addr=addr,
-            stream=_int_field(obj, "stream", source, number) or 0,
-            pool=obj.get("pool"),
-            time=time,
-            tag=obj.get("tag"),
-            step=_int_field(obj, "step", source, number),
-        )
+        ident, size, addr, stream, step = get("id"), get("size"), get("addr"), get("stream"), get("step")
+        time, pool, tag = get("time"), get("pool"), get("tag")
+        plain = ((type(ident) is int or (ident is None and action not in _ID_REQUIRED))
+                 and (type(size) is int and size >= 0 or (size is None and action not in _SIZE_REQUIRED))
+                 and (type(addr) is int and addr >= 0 or (addr is None and action not in segment_actions))
+                 and (stream is None or type(stream) is int) and (step is None or type(step) is int)
+                 and (pool is None or type(pool) is str) and (tag is None or type(tag) is str)
+                 and (time is None or (type(time) is float and time - time == 0) or type(time) is int))
+        if plain and type(time) is int and not _finite_number(time):
+            plain = False
+        if plain:
+            event = Event(action, ident, size or 0, addr, stream or 0, pool, time, tag, step)
+        else:
+            event = _checked_event(obj, action, source, number)
         if checker is not None:
             checker.feed(event, number)
         yield event
+
+
+def _checked_event(obj: dict, action: str, source: str, number: int) -> Event:
+    """The event of a JSONL object, each field checked with a message naming it."""
+    size = _int_field(obj, "size", source, number, required=action in _SIZE_REQUIRED) or 0
+    addr = _int_field(obj, "addr", source, number, required=action in SEGMENT_ACTIONS)
+    time = obj.get("time")
+    if time is not None and not _finite_number(time):
+        raise InputError(f"'time' must be a finite number, got {short_repr(time)}", source=source, line=number)
+    for name in ("pool", "tag"):
+        if obj.get(name) is not None and not isinstance(obj[name], str):
+            raise InputError(f"{name!r} must be a string, got {obj[name]!r}", source=source, line=number)
+    return Event(
+        action=action,
+        id=_int_field(obj, "id", source, number, required=action in _ID_REQUIRED),
+        size=size,
+        addr=addr,
+        stream=_int_field(obj, "stream", source, number) or 0,
+        pool=obj.get("pool"),
+        time=time,
+        tag=obj.get("tag"),
+        step=_int_field(obj, "step", source, number),
+    )
 
 
 def read_jsonl(path: str | Path) -> Trace:
