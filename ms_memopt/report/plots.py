@@ -292,8 +292,14 @@ def _same_until(reference: list[Sample], samples: list[Sample]) -> str | None:
 def _run_edges(first_step: int, last_step: int) -> tuple[float, float]:
     """The x axis on the steps that ran, with a 2% margin: markers and forecasts beyond them
     would squeeze the run into a corner (a forecast beyond is named in the legend instead)."""
-    margin = max(0.5, 0.02 * (last_step - first_step))
-    return first_step - margin, last_step + margin
+    return _padded(first_step, last_step)
+
+
+def _padded(low: float, high: float) -> tuple[float, float]:
+    """``(low, high)`` widened by 2% of the span (at least 0.05; half a unit around a single value)."""
+    span = high - low
+    margin = max(0.02 * span, 0.05) if span > 0 else 0.5
+    return low - margin, high + margin
 
 
 def _draw_markers(axes, markers: list[Marker], series: dict[str, list[Sample]], colors: dict[str, str],
@@ -497,7 +503,7 @@ def plot_step_times(policies: dict[str, dict], path: str | Path, *, title: str =
     left.set_xlabel("step" + (f" (faint: every step; thick: the median per {window} steps)" if window > 1 else ""))
     left.set_ylabel("job step (s)")
     if longest:
-        left.set_xlim(0.5 - 0.01 * longest, longest + 0.5 + 0.01 * longest)
+        left.set_xlim(*_padded(1, longest))
     width_in = fig.get_size_inches()[0]
     left.set_title(wrap_to_width(title, width_in * 0.7, 9), fontsize=9)
     right.set_xticks(range(len(names)), names, fontsize=8)
