@@ -162,11 +162,16 @@ def _artist_name(artist, kind: str) -> str:
 def _axis_overshoot(ax, renderer, margin: float) -> list[str]:
     """Each linear axis whose limits run past what is drawn (data, and text placed in data
     coordinates) by more than ``margin`` of its span."""
-    data = ax.dataLim
-    if not (np.isfinite(data.get_points()).all()) or data.width < 0 or data.height < 0:
+    # axes that share an axis (panels over one x axis) share its data: a panel may have less of it
+    lo, hi = [math.inf, math.inf], [-math.inf, -math.inf]
+    for k, group in enumerate((ax.get_shared_x_axes(), ax.get_shared_y_axes())):
+        for sibling in group.get_siblings(ax):
+            data = sibling.dataLim
+            if np.isfinite(data.get_points()).all() and data.width >= 0 and data.height >= 0:
+                lo[k] = min(lo[k], (data.x0, data.y0)[k])
+                hi[k] = max(hi[k], (data.x1, data.y1)[k])
+    if not all(math.isfinite(v) for v in (*lo, *hi)):
         return []
-    lo = [data.x0, data.y0]
-    hi = [data.x1, data.y1]
     inverse = ax.transData.inverted()
     for text in ax.texts:         # labels placed on the data (bar values, annotations) count as drawn
         if not text.get_visible() or not text.get_text().strip() or text.get_transform() != ax.transData:
