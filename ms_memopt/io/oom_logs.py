@@ -76,6 +76,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ms_memopt.core.errors import InputError
 from ms_memopt.core.lines import open_binary
 
 __all__ = ["Figure", "OOMReport", "LogScan", "read_oom_log", "scan_bytes", "parse_message", "rank_of_path",
@@ -86,6 +87,9 @@ MiB = 1 << 20
 CHUNK_BYTES = 4 << 20
 #: a line longer than this is cut for parsing (progress bars redrawn with \r make megabyte lines)
 MAX_LINE = 1 << 16
+#: bytes without any line end after which the input is refused (a long line is cut to MAX_LINE and
+#: read on; an endless one, /dev/zero, would never end)
+MAX_ENDLESS = 256 << 20
 #: lines after a trigger that may still belong to its message (MindSpore's statistic block, a
 #: wrapped PyTorch message)
 WINDOW_LINES = 14
@@ -730,12 +734,17 @@ def scan_bytes(chunks, *, source: str = "<log>", rank: int | None = None) -> Log
     carry = b""
     total = 0
     tail = b""
+    endless = 0                                     # bytes since the last line end
     for chunk in chunks:
         total += len(chunk)
         first = chunk.find(b"\n")
         if first < 0:                               # no line ends in this chunk
             carry = (carry + chunk)[:MAX_LINE]
+            endless += len(chunk)
+            if endless > MAX_ENDLESS:               # /dev/zero, a disk image: not a text log, and no end
+                raise InputError(f"no line end in {MAX_ENDLESS >> 20} MiB; expected a text log", source=source)
             continue
+        endless = len(chunk) - chunk.rfind(b"\n") - 1
         last = chunk.rfind(b"\n")
         if carry:                                   # the line that straddles the previous chunk
             head = carry + chunk[:first]
