@@ -77,7 +77,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ms_memopt.core.errors import InputError
-from ms_memopt.core.lines import open_binary
+from ms_memopt.core.lines import open_binary, read_head
 
 __all__ = ["Figure", "OOMReport", "LogScan", "read_oom_log", "scan_bytes", "parse_message", "rank_of_path",
            "TRIGGERS", "ANCHORS"]
@@ -861,6 +861,10 @@ def read_oom_log(path: str | os.PathLike, *, rank: int | None = None) -> LogScan
     """
     source = str(path)
     rank = rank_of_path(path) if rank is None else rank
+    head = read_head(path, 1 << 16, expected="a text log", gunzip=True)
+    text = head.decode("utf-8", errors="replace")
+    if b"\x00" in head or text.count("\ufffd") > max(16, len(text) // 20):    # /dev/urandom never ends
+        raise InputError("binary data; expected a text log (a job's stdout/stderr, plain or gzip)", source=source)
     with open_binary(path, expected="a text log") as stream:
         def chunks():
             while True:
