@@ -348,7 +348,8 @@ def test_plot_timeline_labels_in_the_unit_of_the_data(tmp_path, monkeypatch):
 
     def capture(fig, path, **kw):
         seen["labels"] = [ax.get_ylabel() for ax in fig.axes]
-        seen["legend"] = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]   # one below the panels
+        seen["legend"] = [t.get_text() for legend in legends for t in legend.get_texts()]
         return real_save(fig, path, **kw)
 
     monkeypatch.setattr(plots, "save_figure", capture)

@@ -26,7 +26,8 @@ def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
     """One row per snapshot: the pool's segments laid end to end in address order (gaps between
     segments, which no request can use, are left out), live blocks coloured by purpose, free
     blocks (holes) light grey, segment/region boundaries as black ticks with the region name
-    where it fits inside its region. Above each row its free total, largest hole and frag ratio.
+    where it fits inside its region. Above each row, from its start, its free total, largest hole
+    and frag ratio.
     ``outline``: ``(addr, size)`` ranges drawn with a red frame in every row where they lie
     (``ms-memopt doctor``'s blockers).
 
@@ -81,8 +82,9 @@ def plot_memory_map(snapshots: Sequence[LayoutSnapshot], path: str | Path, *,
             ax.broken_barh(framed, (y - 0.34, 0.68), facecolors="none", edgecolor="red", linewidth=1.2, zorder=5)
         m = measure(snap.layout)
         ratio = "n/a" if m.frag_ratio is None else f"{m.frag_ratio:.2f}"
-        ax.text(offset / div, y + 0.38, f" free {format_size(m.free_total)}, largest hole "
-                f"{format_size(m.largest_free)}, frag {ratio}", fontsize=8, va="bottom", ha="right")
+        # above the row, from its start: a row shorter than the widest still has room for it
+        ax.text(0, y + 0.38, f"free {format_size(m.free_total)}, largest hole "
+                f"{format_size(m.largest_free)}, frag {ratio}", fontsize=8, va="bottom", ha="left")
     all_regions = {seg.pool for snap in snapshots for seg in snap.layout.segments}
     ax.set_yticks(range(rows))
     ax.set_yticklabels([snap.label for snap in reversed(snapshots)])
