@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("draws the region budget figure, which --no-plots turns off; "
                          "drop one of them", key="--plan")
     # without scan logs the report can still draw a run's or a simulation's other logs
-    merged = merge_ranks(args.directory) if args.no_plots or find_scan_logs(args.directory) else None
+    merged = (merge_ranks(args.directory, progress=not args.json)
+              if args.no_plots or find_scan_logs(args.directory) else None)
     report = None
     if not args.no_plots:
         from ms_memopt.report.build import build_report

@@ -154,20 +154,26 @@ def read_scan_records(path: str | Path) -> list[tuple[int, dict]]:
             for number, record in read_json_lines(path)]
 
 
-def merge_ranks(directory: str | Path) -> MergedRun:
-    """Read every rank's scan log under ``directory`` and summarise each step across ranks.
+def merge_ranks(directory: str | Path, *, progress: bool = False) -> MergedRun:
+    """Read every rank's scan log under ``directory`` and summarise each step across ranks;
+    ``progress``: a bar on stderr over the logs read (a job of many ranks,
+    :func:`ms_memopt.core.progress.progress_bar`).
 
     Raises:
         InputError: no scan logs, or a malformed line or record (names file and line).
     """
+    from ms_memopt.core.progress import progress_bar
+
     logs = find_scan_logs(directory)
     if not logs:
         raise InputError("no scan logs (expected rank_N/scan.jsonl)", source=str(directory))
     by_step: dict[int, dict[int, dict]] = {}
     counts: dict[int, int] = {}
     errors: list[dict] = []
-    for dir_rank, paths in logs.items():
-        for path in paths:
+    files = [(dir_rank, path) for dir_rank, paths in logs.items() for path in paths]
+    with progress_bar(len(files), "reading scan logs", "log", enabled=progress and len(files) > 1) as bar:
+        for dir_rank, path in files:
+            bar.update(1)
             for _, rec in read_scan_records(path):
                 kind = rec.get("kind", "scan")
                 if kind not in ("scan", "source_error"):
