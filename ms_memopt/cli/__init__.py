@@ -93,6 +93,14 @@ def _about_user_path(exc: OSError, args: argparse.Namespace) -> bool:
     return False
 
 
+def _outputs(args: argparse.Namespace) -> str:
+    """The output paths the user gave (``--out``, ``--export-*``, ``--raw``), for a write error that
+    names no file (a full disk)."""
+    given = [str(v) for k, v in vars(args).items() if v and isinstance(v, (str, os.PathLike))
+             and (k in ("out", "raw") or k.startswith("export_"))]
+    return " or ".join(given)
+
+
 def _same_file(a: str, b: str) -> bool:
     try:
         return os.path.realpath(a) == os.path.realpath(b)
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         if not _about_user_path(exc, args):
             raise
-        where = exc.filename if exc.filename is not None else "an output file"
+        where = exc.filename if exc.filename is not None else _outputs(args) or "an output file"
         return fail(f"{where}: cannot {'write' if exc.filename is None else 'use'} it: "
                     f"{exc.strerror or exc}")
     except RecursionError:
