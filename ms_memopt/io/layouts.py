@@ -92,14 +92,27 @@ def write_layouts(path: str | Path, snapshots: Iterable[LayoutSnapshot]) -> Path
     return path
 
 
-def read_layouts(directory_or_file: str | Path) -> list[LayoutSnapshot]:
+def read_layouts(directory_or_file: str | Path, *, at_most: int | None = None) -> list[LayoutSnapshot]:
     """Snapshots from ``layouts.jsonl`` (a directory's, its ``rank_N/``'s, or the file given);
-    a torn last line is ignored. Empty list when there is none."""
+    a torn last line is ignored. Empty list when there is none.
+
+    ``at_most``: keep no more than this many, evenly spread over the file (every k-th, k doubling
+    as the file goes on), so memory stays bounded whatever the number of lines; every line is
+    still checked.
+    """
     path = Path(directory_or_file)
     files = [path] if path.is_file() else sorted([path / LAYOUTS_NAME, *path.glob(f"rank_*/{LAYOUTS_NAME}")])
-    out = []
+    out: list[LayoutSnapshot] = []
+    stride, seen = 1, 0
     for file in files:
         if not file.is_file():
             continue
-        out += [layout_from_dict(obj, source=str(file), line=number) for number, obj in read_json_lines(file)]
+        for number, obj in read_json_lines(file):
+            snapshot = layout_from_dict(obj, source=str(file), line=number)
+            seen += 1
+            if at_most is None or (seen - 1) % stride == 0:
+                out.append(snapshot)
+            if at_most is not None and len(out) > at_most:
+                out = out[::2]
+                stride *= 2
     return out

@@ -41,6 +41,8 @@ from ms_memopt.report.simulation_info import COLUMNS, SimulationInfo, read_simul
 __all__ = ["build_report", "doctor_hint", "REPORT_NAME"]
 
 REPORT_NAME = "report.md"
+#: layout snapshots drawn in the memory map at most (evenly spread when a log holds more)
+MAX_MAP_ROWS = 24
 
 
 #: the type each common key of our JSONL logs must have when present (a list as ``policy``
@@ -298,7 +300,7 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
         lines += _simulation_section(root, timeline, problems, title or root.name, info)
 
     # layouts
-    snapshots = read_layouts(root)
+    snapshots = read_layouts(root, at_most=MAX_MAP_ROWS)    # one figure row each: a bounded figure
     if snapshots:
         found = True
         plot_memory_map(snapshots, root / "memory_map.png",
