@@ -160,7 +160,39 @@ def pickle_nesting(data: bytes, *, limit: int = MAX_NESTING) -> int:
     table, lengths = _OPCODES, _LENGTH_BYTES
     append, from_bytes = stack.append, int.from_bytes
     while pos < end:
-        entry = table[data[pos]]
+        code = data[pos]
+        # the opcodes a snapshot is mostly made of, first and without the table: a short string
+        # (SHORT_BINUNICODE), a small int (BININT1), MEMOIZE, BINPUT, BINGET, MARK, NONE
+        if code == 0x8C:
+            if pos + 1 < end:
+                start = pos + 2
+                pos = start + data[pos + 1]
+                strings = [strings[1], (start, pos)]
+                append(scalar)
+                continue
+        elif code == 0x4B or code == 0x4E:
+            pos += 2 if code == 0x4B else 1
+            append(scalar)
+            continue
+        elif code == 0x94:
+            if stack:
+                memo[len(memo)] = stack[-1]
+            pos += 1
+            continue
+        elif code == 0x71 or code == 0x68:
+            if pos + 1 < end:
+                if code == 0x71:
+                    if stack:
+                        memo[data[pos + 1]] = stack[-1]
+                else:
+                    append(memo.get(data[pos + 1], scalar))
+                pos += 2
+                continue
+        elif code == 0x28:
+            marks.append(len(stack))
+            pos += 1
+            continue
+        entry = table[code]
         if entry is None:
             raise ValueError(f"malformed: unknown opcode {data[pos]:#x} at byte {pos}")
         kind, arg, items, pops, pushes, name, text = entry
