@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 from ms_memopt.cli import main
 from ms_memopt.config.recipe import Recipe, load_recipe, recipe_from_dict
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.events import Event
 from ms_memopt.io.traces import FORMATS, load_trace
 from ms_memopt.io.traces.torch_snapshot import read_torch_snapshot
 
@@ -246,6 +247,19 @@ def _jsonl(events: list, extra_lines: list[str] = ()) -> bytes:
     return (_JSONL_HEADER + "".join(line + "\n" for line in lines)).encode()
 
 
+def _profiler_csv() -> bytes:
+    """An ``operator_memory.csv`` as torch_npu's profiler writes it (TAB-ended times, CRLF), alone."""
+    import tempfile
+
+    from ms_memopt.io.traces.ascend_profiler_writer import write_profiler_output
+
+    events = [Event("alloc", id=i, size=512 * i, time=1000 * i) for i in range(1, 6)]
+    events += [Event("free", id=i, time=10_000 + 1000 * i) for i in range(1, 5)]
+    with tempfile.TemporaryDirectory() as folder:
+        out = write_profiler_output(folder, events)
+        return (out / "ASCEND_PROFILER_OUTPUT" / "operator_memory.csv").read_bytes()
+
+
 #: format name -> seed bytes read through load_trace
 _TRACE_SEEDS = {
     "torch-snapshot": pickle.dumps(_snapshot(), protocol=4),
@@ -256,6 +270,7 @@ _TRACE_SEEDS = {
     "instances": (DATA / "instances_small.csv").read_bytes(),
     # the head of a real VLOG_v=12906 capture: a block, allocs and frees, with unrelated lines
     "mindspore-pool-log": b"".join(gzip.open(DATA / "pool_log" / "mlp_jit.log.gz").readlines()[:80]),
+    "ascend-profiler": _profiler_csv(),
 }
 
 
