@@ -243,7 +243,10 @@ def _run(trace: Trace, setting: Setting, capacity: int | None) -> ReplayResult:
             trace = replace(trace, initial=None)
         return replay_policy(trace, setting.policy, allocator=setting.allocator, capacity=capacity, options=options)
     timeline: list = []
-    model = create(setting.allocator, capacity, **options)      # the compiled path where built: the same answers
+    # the compiled path where built gives the same placements; but only the pure-Python PyTorch models count
+    # their slow path (release-and-retry), which the remedies table reports, so those stay in Python
+    fast = not setting.allocator.startswith("torch")
+    model = create(setting.allocator, capacity, fast=fast, **options)
     on_step = None
     if setting.policy == "empty_cache":
         def on_step(step: int, current: AllocatorModel, addresses: dict) -> AllocatorModel:
