@@ -21,32 +21,27 @@ from __future__ import annotations
 
 from ms_memopt.doctor.remedies import SETTINGS
 
-__all__ = ["FAMILIES", "REMEDIES", "RECORD", "UNRESOLVED", "remedy_lines", "family_of"]
+__all__ = ["FAMILIES", "REMEDIES", "RECORD", "remedy_lines", "family_of"]
 
 #: framework name in a crash report -> allocator family (the keys of ``remedies.SETTINGS``)
 FAMILIES = {"mindspore": "mindspore", "torch_npu": "torch_npu", "pytorch": "torch"}
 
 
-#: ``(family, setting)`` names this table expected in ``remedies.SETTINGS`` and did not find (a rename
-#: there): their lines fall back to the text below, and tests/test_doctor_logs.py fails until they match
-UNRESOLVED: list[tuple[str, str]] = []
-
-
-def _replayed(family: str, name: str, fallback: str) -> str:
-    """The line of the replayed setting ``name`` of ``family`` (``remedies.SETTINGS``)."""
+def _replayed(family: str, name: str) -> str:
+    """The line of the replayed setting ``name`` of ``family`` (``remedies.SETTINGS``, the one source of
+    the lines; a setting renamed there fails at import, so the two tables cannot drift apart)."""
     for setting in SETTINGS.get(family, []):
         if setting.setting == name:
             return setting.line
-    UNRESOLVED.append((family, name))
-    return fallback
+    raise KeyError(f"remedies.SETTINGS[{family!r}] has no setting {name!r}")
 
 
 def _torch_fragmentation(family: str) -> list[tuple[str, str, str]]:
     var = "PYTORCH_NPU_ALLOC_CONF" if family == "torch_npu" else "PYTORCH_CUDA_ALLOC_CONF"
     # max_split_size_mb's line is taken for 64 MiB and given the report's own value
-    split = _replayed(family, "max_split_size_mb:64", f"export {var}=max_split_size_mb:64")
-    expandable = _replayed(family, "expandable_segments:True", f"export {var}=expandable_segments:True")
-    gc = _replayed(family, "garbage_collection_threshold:0.8", f"export {var}=garbage_collection_threshold:0.8")
+    split = _replayed(family, "max_split_size_mb:64")
+    expandable = _replayed(family, "expandable_segments:True")
+    gc = _replayed(family, "garbage_collection_threshold:0.8")
     return [
         ("expandable_segments:True", expandable, "segments grow in place, so split pieces re-merge instead of staying cut"),
         ("max_split_size_mb", split.replace("max_split_size_mb:64", "max_split_size_mb:{split_mb}"),
@@ -56,23 +51,21 @@ def _torch_fragmentation(family: str) -> list[tuple[str, str, str]]:
 
 
 _MS_POOL_MODE = ("pool mode",
-                 _replayed("mindspore", "pool mode", "enable_pool_mode(net, optimizer, checkpoint_every=k, batch_size=b)"),
+                 _replayed("mindspore", "pool mode"),
                  "parameters, activations and optimizer states in regions planned at start-up: no interleaving "
                  "of lifetimes, no holes (docs/pool_mode.md)")
 
 REMEDIES: dict[tuple[str, str], list[tuple[str, str, str]]] = {
     ("mindspore", "fragmentation"): [
-        ("enable_vmm:True", _replayed("mindspore", "enable_vmm:True", 'export MS_ALLOC_CONF="enable_vmm:True"'),
+        ("enable_vmm:True", _replayed("mindspore", "enable_vmm:True"),
          "virtual memory: free 2 MiB pages anywhere on the card serve one request, so holes in "
          "different pool blocks add up (910B/910_93 with a recent driver; the default there)"),
-        ("compaction", _replayed("mindspore", "compaction at the step ends", "CompactionCallback(every=1)"),
+        ("compaction", _replayed("mindspore", "compaction at the step ends"),
          "moves live tensors down after the optimizer step so the holes merge into one (docs/compaction.md)"),
         _MS_POOL_MODE,
-        ("init_size", _replayed("mindspore", "init_size=capacity (pre-grown)",
-                              'ms.runtime.set_memory(init_size="{capacity_gb}")').replace("{capacity_gb}", "{peak}"),
+        ("init_size", _replayed("mindspore", "init_size=capacity (pre-grown)").replace("{capacity_gb}", "{peak}"),
          "one pool block from the start instead of blocks grown one by one, whose holes never merge"),
-        ("increase_size", _replayed("mindspore", "increase_size=2.00 GiB",
-                                   'ms.runtime.set_memory(increase_size="2GB")').replace('"2GB"', '"{grow}"'),
+        ("increase_size", _replayed("mindspore", "increase_size=2.00 GiB").replace('"2GB"', '"{grow}"'),
          "a growth unit at least the request: a new block can always hold it"),
     ],
     ("mindspore", "capacity"): [
