@@ -4,7 +4,7 @@ first rank.
 A 1024-card job stops when *any* card runs out of memory. Cards differ by
 
 * **pipeline stage**: each stage has its own workload (layers, micro-batches in flight under
-  1F1B, communication; :func:`ms_memopt.workload.step.spec_from_recipe` with ``stage=``), and
+  1F1B, communication; :func:`ms_memopt.simulation.spec.spec_from_recipe` with ``stage=``), and
 * **data-parallel group**: each sees different data, so different sequence lengths and so a
   different layout; each (stage, data-parallel group) stream gets its own seed.
 

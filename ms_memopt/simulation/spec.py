@@ -55,7 +55,11 @@ class RankStream:
 
 
 def stream_seed(job_seed: int, stage: int, data_parallel: int) -> int:
-    """The workload seed of one stream (see the module docstring).
+    """The workload seed of one stream: the stream of stage 0, data-parallel group 0 takes the job
+    seed itself (so a one-card recipe simulates exactly as
+    :func:`~ms_memopt.simulation.simulate.simulate` does); every other stream takes
+    ``numpy.random.SeedSequence([job_seed, stage, group])``'s first 32-bit word
+    (:mod:`ms_memopt.simulation.job`).
 
     Example:
         >>> stream_seed(7, 0, 0)
@@ -139,7 +143,7 @@ def job_from_recipe(recipe, *, policies: tuple[str, ...] = POLICIES, seed: int |
                     ranks: int | None = None, stages: list[int] | None = None, label: str = "",
                     **overrides) -> JobSpec:
     """The :class:`JobSpec` of a recipe: its streams (:func:`rank_streams`), each stage's
-    workload, and :func:`~ms_memopt.simulation.simulate.config_from_recipe` with ``overrides``
+    workload, and :func:`config_from_recipe` with ``overrides``
     (``steps=...``, ``capacity=...``)."""
     seed = recipe.memopt.workload.seed if seed is None else seed
     streams = rank_streams(recipe, seed=seed, ranks=ranks, stages=stages)
