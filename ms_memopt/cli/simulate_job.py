@@ -299,7 +299,6 @@ def _unpriced(figures: dict) -> None:
 
 
 def _print_table(results, policies, cfg, many: bool, *, priced: bool = True) -> None:
-    from ms_memopt.report.simulation_info import COLUMNS
 
     print(f"{cfg.steps} steps, allocator {cfg.allocator} {cfg.allocator_options or ''}, "
           f"capacity {format_size(cfg.capacity)}, scan every {cfg.scan_every}; {compact_rule(cfg)}")

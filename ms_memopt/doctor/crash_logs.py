@@ -50,14 +50,13 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 
 from ms_memopt.allocators.base import oom_kind
-from ms_memopt.analysis.compaction.planner import cheapest_window
+from ms_memopt.analysis.compaction.planner import cheapest_opening
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.layout import Layout
 from ms_memopt.core.metrics import measure
-from ms_memopt.core.units import format_size
+from ms_memopt.core.units import aligned, format_size
 from ms_memopt.doctor.remedy_table import RECORD, family_of, remedy_lines
 from ms_memopt.io.oom_logs import Figure, LogScan, OOMReport, rank_of_path, read_oom_log
 
@@ -415,20 +414,7 @@ def _layout_beside(path: Path) -> Path | None:
 def layout_blockers(layout: Layout, request: int) -> list[dict]:
     """The live blocks whose moving opens a hole of ``request`` bytes in one pool block, cheapest first
     (the compaction planner's window); ``[]`` when no block's holes add up to the request."""
-    best = None
-    need = max(512, (request + 511) // 512 * 512)
-    for seg in layout.segments:
-        live = [b for b in seg.blocks if b.live]
-        addrs = np.array([b.addr for b in live], dtype=np.int64)
-        sizes = np.array([b.size for b in live], dtype=np.int64)
-        pinned = np.array([bool(b.pinned) for b in live], dtype=bool)
-        found = cheapest_window(addrs, sizes, pinned, seg.addr, seg.end, need)
-        if found is None:
-            continue
-        targets, cost = found
-        moved = [b for b, t in zip(live, targets.tolist()) if t != b.addr]
-        if best is None or cost < best[0]:
-            best = (cost, moved, seg)
+    best = cheapest_opening(layout, aligned(request))
     if best is None:
         return []
     return [{"addr": b.addr, "size": b.size, "tag": b.tag, "segment": best[2].addr, "pool": best[2].pool}

@@ -52,18 +52,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
 from ms_memopt.allocators import create
 from ms_memopt.allocators.base import AllocatorModel
-from ms_memopt.analysis.compaction.planner import cheapest_window
+from ms_memopt.analysis.compaction.planner import cheapest_opening
 from ms_memopt.analysis.estimate import estimate
 from ms_memopt.config.recipe import load_recipe
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Trace
 from ms_memopt.core.layout import Layout
 from ms_memopt.core.metrics import frag_ratio
-from ms_memopt.core.units import format_size
+from ms_memopt.core.units import aligned, format_size
 from ms_memopt.doctor.remedies import Remedy, SkippedSetting, family_of_model, measure_remedies, remedy_settings, summary
 from ms_memopt.replay.replay import ReplayResult, recorded_allocator, replay
 
@@ -213,21 +212,8 @@ def _blockers(trace: Trace, base: str, capacity: int | None, verdict: Verdict,
         return [], None, None        # a capacity failure: moving blocks would not make room
     before = replay(trace, create(base, capacity, fast=False, **options), stop=verdict.event, sample_every=0)
     layout, ids = before.final_layout, before.live_ids
-    request = max(512, (verdict.request + 511) // 512 * 512)
-    best = None
-    for seg in layout.segments:
-        live = [b for b in seg.blocks if b.live]
-        if not live and seg.size < request:
-            continue
-        addrs = np.array([b.addr for b in live], dtype=np.int64)
-        sizes = np.array([b.size for b in live], dtype=np.int64)
-        found = cheapest_window(addrs, sizes, np.zeros(len(live), dtype=bool), seg.addr, seg.end, request)
-        if found is None:
-            continue
-        targets, cost = found
-        moved = [b for b, t in zip(live, targets.tolist()) if t != b.addr]
-        if best is None or cost < best[0]:
-            best = (cost, moved, live)
+    request = aligned(verdict.request)
+    best = cheapest_opening(layout, request, respect_pinned=False)
     if not verdict.failed or capacity is not None:
         # Free memory spread over segments that never merge: the blocks that pin whole segments.
         # Emptied, a segment goes back to the device, and with what is not reserved yet a new

@@ -37,7 +37,6 @@ def _replayed(family: str, name: str) -> str:
 
 
 def _torch_fragmentation(family: str) -> list[tuple[str, str, str]]:
-    var = "PYTORCH_NPU_ALLOC_CONF" if family == "torch_npu" else "PYTORCH_CUDA_ALLOC_CONF"
     # max_split_size_mb's line is taken for 64 MiB and given the report's own value
     split = _replayed(family, "max_split_size_mb:64")
     expandable = _replayed(family, "expandable_segments:True")

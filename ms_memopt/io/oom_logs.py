@@ -74,7 +74,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.lines import open_binary, read_head

@@ -45,7 +45,7 @@ from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.metrics import LayoutMetrics, measure
 
 __all__ = ["Move", "Run", "CompactionPlan", "plan_compaction", "apply_plan", "slide_targets",
-           "cheapest_window", "coalesce_runs", "run_bounds"]
+           "cheapest_window", "cheapest_opening", "coalesce_runs", "run_bounds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +158,27 @@ def slide_targets(addrs: np.ndarray, sizes: np.ndarray, pinned: np.ndarray, star
             targets[cut:] = addrs[cut:]
             stopped_by = "max_bytes"
     return targets, stopped_by
+
+
+def cheapest_opening(layout: Layout, target: int, *, respect_pinned: bool = True
+                     ) -> tuple[int, list[Block], Segment] | None:
+    """The cheapest set of live blocks whose sliding opens a hole of ``target`` bytes in one segment
+    of ``layout``: ``(bytes moved, the blocks that move, their segment)`` over every segment
+    (:func:`cheapest_window` in each), or ``None`` when no segment's holes add up to ``target``.
+    ``respect_pinned=False`` treats every block as movable (a model's layout, which pins nothing)."""
+    best = None
+    for seg in layout.segments:
+        live = [b for b in seg.blocks if b.live]
+        addrs = np.array([b.addr for b in live], dtype=np.int64)
+        sizes = np.array([b.size for b in live], dtype=np.int64)
+        pinned = np.array([bool(b.pinned) and respect_pinned for b in live], dtype=bool)
+        found = cheapest_window(addrs, sizes, pinned, seg.addr, seg.end, target)
+        if found is None:
+            continue
+        targets, cost = found
+        if best is None or cost < best[0]:
+            best = (cost, [b for b, t in zip(live, targets.tolist()) if t != b.addr], seg)
+    return best
 
 
 def cheapest_window(addrs: np.ndarray, sizes: np.ndarray, pinned: np.ndarray, start: int, end: int,
