@@ -299,7 +299,6 @@ def _unpriced(figures: dict) -> None:
 
 
 def _print_table(results, policies, cfg, many: bool, *, priced: bool = True) -> None:
-
     print(f"{cfg.steps} steps, allocator {cfg.allocator} {cfg.allocator_options or ''}, "
           f"capacity {format_size(cfg.capacity)}, scan every {cfg.scan_every}; {compact_rule(cfg)}")
     print(f"{'policy':<9} {'seed':>4} {'ranks':>5} {'job_oom':>7} {'rank':>5} {'stage':>5} {'oom_kind':<13} "
