@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from ms_memopt.core.layout import Layout
-from ms_memopt.core.metrics import LayoutMetrics, measure
+from ms_memopt.core.metrics import LayoutMetrics, measure, pool_largest_free
 
 __all__ = ["AllocatorModel", "OOMRecord", "oom_kind"]
 
@@ -74,7 +74,14 @@ class OOMRecord:
     """A request the model could not serve; sizes in bytes, measured at the moment of failure.
 
     ``kind`` is ``"fragmentation"`` when ``size <= free_total + device_free`` (enough memory
-    in total, but not in one piece), else ``"capacity"``: :func:`oom_kind`.
+    in total, but not in one piece), else ``"capacity"``: :func:`oom_kind`. Under a capacity the
+    free memory counted is at most ``capacity - allocated``: a pool restored from a recording
+    can start above the card, and what it holds beyond the card is not the card's to give.
+
+    ``pool``: the pool inside the model that serves a request of this size on this stream
+    (``"small"``/``"large"`` in PyTorch's and torch_npu's allocators, a pool-mode region; ``None``
+    when any of the model's pools may serve it); ``pool_largest_free``: the largest hole there,
+    the one piece that could have held the request (``largest_free`` is over every pool).
     """
 
     size: int
@@ -87,10 +94,20 @@ class OOMRecord:
     device_free: int | None = None
     tag: str | None = None
     event_index: int | None = None
+    pool: str | None = None
+    pool_largest_free: int | None = None
+
+    @property
+    def usable_free(self) -> int:
+        """Free memory inside the pool that the card could give, bytes: ``free_total`` capped at
+        ``capacity - allocated`` (they differ only when the pool holds more than the card)."""
+        if self.capacity is None:
+            return self.free_total
+        return max(0, min(self.free_total, self.capacity - self.allocated))
 
     @property
     def kind(self) -> str:
-        return oom_kind(self.size, self.free_total, self.device_free)
+        return oom_kind(self.size, self.usable_free, self.device_free)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -108,6 +125,8 @@ class AllocatorModel(ABC):
     name: ClassVar[str] = "abstract"
     #: True when free ranges are contiguous in *virtual* space across physical chunks.
     virtual: ClassVar[bool] = False
+    #: True when each stream has pools of its own (PyTorch, MindSpore); pool mode's regions serve all
+    pools_per_stream: ClassVar[bool] = True
 
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = capacity
@@ -191,10 +210,15 @@ class AllocatorModel(ABC):
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
 
-    def _record_oom(self, size: int, stream: int, tag: str | None) -> None:
-        m = self.metrics()
+    def _record_oom(self, size: int, stream: int, tag: str | None, pool: str | None = None) -> None:
+        """Record a failed request; ``pool``: the pool (a :attr:`Segment.pool` name) that serves it
+        on ``stream``, whose largest hole is the piece that was too small."""
+        layout = self.layout()
+        m = measure(layout)
         device_free = None if self.capacity is None else max(self.capacity - self.reserved, 0)
         self.ooms.append(OOMRecord(size=size, stream=stream, free_total=m.free_total,
                                    largest_free=m.largest_free, reserved=m.reserved,
                                    allocated=m.allocated, capacity=self.capacity,
-                                   device_free=device_free, tag=tag))
+                                   device_free=device_free, tag=tag, pool=pool,
+                                   pool_largest_free=None if pool is None else pool_largest_free(
+                                       layout, pool, stream if self.pools_per_stream else None)))

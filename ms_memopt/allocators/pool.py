@@ -258,6 +258,7 @@ class PoolModeAllocator(AllocatorModel):
     """
 
     name = "pool"
+    pools_per_stream = False
     #: the region type (ms_memopt.allocators.fast has a compiled one with the same methods;
     #: its FastPoolModeAllocator repeats :meth:`region_for`, :meth:`malloc` and :meth:`free` in
     #: C, so a change of their rules, or of _Region's, goes to ms_memopt/allocators/fast/pool.c
@@ -331,7 +332,7 @@ class PoolModeAllocator(AllocatorModel):
             if addr is None:   # larger than the whole region's free space in ring order
                 addr = region.take(size, False)
         if addr is None:
-            self._record_oom(size, stream, tag)
+            self._record_oom(size, stream, tag, pool=region.name)
             return None
         if evicting:
             region.order[addr] = size

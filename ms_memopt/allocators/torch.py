@@ -197,7 +197,7 @@ class TorchCachingAllocator(AllocatorModel):
             if self._recorded:
                 self._recorded.clear()
             if addr is None:
-                self._record_oom(size, stream, tag)
+                self._record_oom(size, stream, tag, pool="small" if small else "large")
                 return None
         block = blocks[addr]
         remaining = block[_SIZE] - rsize
@@ -341,7 +341,12 @@ class TorchCachingAllocator(AllocatorModel):
         """release_available_cached_blocks: free cached blocks >= max_split_size of this pool."""
         ms = self.max_split_size
         target = max(rsize, ms)
+        # An oversize block is a whole segment in PyTorch (it is never split), and release_block
+        # frees it as one; a state restored from a recording (a profiler capture's tensors placed
+        # by guess) can hold an oversize free block inside a split segment: that one stays.
         i = bisect_left(free_list, target << _SHIFT)
+        while i < len(free_list) and not self._idle(free_list[i] & _MASK):
+            i += 1
         if i < len(free_list):
             self._release(free_list[i] & _MASK)
             return True
@@ -350,6 +355,8 @@ class TorchCachingAllocator(AllocatorModel):
         for key in reversed(free_list):
             if released >= target or (key >> _SHIFT) < ms:
                 break
+            if not self._idle(key & _MASK):
+                continue
             candidates.append(key & _MASK)
             released += key >> _SHIFT
         if released < target:

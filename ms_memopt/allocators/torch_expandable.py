@@ -186,7 +186,7 @@ class TorchExpandableAllocator(AllocatorModel):
                 addr = self._map_for(rsize, stream, small, free_list, unmapped)
             if addr is None:
                 self._map_hints.clear()
-                self._record_oom(size, stream, tag)
+                self._record_oom(size, stream, tag, pool="small" if small else "large")
                 return None
             del free_list[bisect_left(free_list, blocks[addr][_SIZE] << _SHIFT | addr)]
         if self._map_hints:     # they announced this request's mappings, no later one's

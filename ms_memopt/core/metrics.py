@@ -18,7 +18,7 @@ from typing import Iterable
 
 from ms_memopt.core.layout import Layout
 
-__all__ = ["LayoutMetrics", "measure", "frag_ratio", "hole_histogram", "fits"]
+__all__ = ["LayoutMetrics", "measure", "frag_ratio", "hole_histogram", "fits", "pool_largest_free"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +109,20 @@ def measure(layout: Layout) -> LayoutMetrics:
 def fits(layout: Layout, nbytes: int) -> bool:
     """Whether a request of ``nbytes`` fits in an existing hole (without growing the pool)."""
     return any(size >= nbytes for size in layout.hole_sizes())
+
+
+def pool_largest_free(layout: Layout, pool: str, stream: int | None = 0) -> int:
+    """The largest hole, in bytes, among the segments of one pool on one stream (``None``: any
+    stream): the piece a
+    request that only this pool serves could get (PyTorch's small pool never serves a large
+    request, nor its large pool a small one).
+
+    Example:
+        >>> from ms_memopt.core.layout import Block, Segment
+        >>> small = Segment(0, 2048, [Block(0, 1536, True), Block(1536, 512, False)], pool="small")
+        >>> large = Segment(4096, 8192, [Block(4096, 8192, False)], pool="large")
+        >>> pool_largest_free(Layout([small, large]), "small")
+        512
+    """
+    return max((b.size for seg in layout.segments if seg.pool == pool and (stream is None or seg.stream == stream)
+                for b in seg.blocks if not b.live), default=0)

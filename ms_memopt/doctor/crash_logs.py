@@ -58,15 +58,40 @@ from ms_memopt.core.layout import Layout
 from ms_memopt.core.metrics import measure
 from ms_memopt.core.units import aligned, format_size
 from ms_memopt.doctor.remedy_table import RECORD, family_of, remedy_lines
-from ms_memopt.io.oom_logs import Figure, LogScan, OOMReport, rank_of_path, read_oom_log
+from ms_memopt.io.oom_logs import Figure, LogScan, OOMReport, contradictions, rank_of_path, read_oom_log
 
-__all__ = ["CrashVerdict", "CrashRemedy", "LogDiagnosis", "JobDiagnosis", "crash_verdict", "crash_remedies",
+__all__ = ["RuntimeShare", "RUNTIME_SHARE", "CrashVerdict", "CrashRemedy", "LogDiagnosis", "JobDiagnosis", "crash_verdict", "crash_remedies",
            "diagnose_log", "diagnose_logdir", "find_rank_logs", "scan_rank", "scan_ranks", "plan_for"]
 
-#: device memory that is held outside the allocator whatever the user does, per framework: PyTorch's
-#: and torch_npu's context and driver (a few hundred MiB to 1 GiB), the 2 GiB MindSpore leaves to the
-#: Ascend runtime and HCCL by default; only what is held beyond it counts towards "outside"
-RUNTIME_RESERVE = {"pytorch": 1 << 30, "torch_npu": 1 << 30, "mindspore": 2 << 30}
+@dataclass(frozen=True)
+class RuntimeShare:
+    """Device memory a framework's runtime holds outside its allocator whatever the user does,
+    per device family, in bytes: ``share`` is what it typically takes, ``margin`` how far beyond
+    it the unaccounted memory must go before the verdict says "outside" (the runtime's own take
+    varies with the driver, the libraries loaded and the communicators); ``takes`` says what it
+    is and ``check`` the command that tells who holds the card's memory."""
+
+    share: int
+    margin: int
+    takes: str
+    check: str
+
+
+#: per framework (its device family). CUDA: a context with PyTorch's kernels, cuBLAS and cuDNN
+#: takes 0.3-1.5 GiB by GPU and CUDA version (lazy module loading, CUDA 11.7+, lowers it).
+#: Ascend under torch_npu: the CANN runtime's context and HCCL's buffers (HCCL_BUFFSIZE, 200 MiB
+#: a communicator by default). MindSpore leaves the Ascend runtime and HCCL 2 GiB by default
+#: (``max_device_memory`` below the card's size).
+RUNTIME_SHARE = {
+    "pytorch": RuntimeShare(1 << 30, 1 << 30, "a CUDA context with its kernels and libraries (0.3-1.5 GiB)",
+                            "nvidia-smi --query-compute-apps=pid,used_memory --format=csv"),
+    "torch_npu": RuntimeShare(1 << 30, 1 << 30, "the CANN runtime's context and HCCL's buffers",
+                              "npu-smi info (its process table)"),
+    "mindspore": RuntimeShare(2 << 30, 1 << 30, "what MindSpore leaves the Ascend runtime and HCCL by default",
+                              "npu-smi info (its process table)"),
+}
+#: unaccounted device memory below this is not worth a word in the verdict
+_UNACCOUNTED_SHOWN = 64 << 20
 #: ranks whose first OOM is this close to the earliest one are "first" too (clocks of different hosts)
 FIRST_WINDOW_SECONDS = 1.0
 _DEBUG_DUMP = re.compile(r"MemoryDebugInfo\d*\.txt$")
@@ -98,6 +123,11 @@ class CrashVerdict:
     setting: str | None = None
     failed: bool = True
     text: str = ""
+    #: device memory held neither by the pool nor free (the runtime's own, other processes, a
+    #: limit), as printed; "outside" only when it passes the runtime's share by its margin
+    unaccounted: int | None = None
+    #: bytes the message says other processes held (PyTorch 2.1+: "Process N has ...")
+    held_by_others: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,16 +204,48 @@ def _exact(value: int) -> Figure:
     return Figure(value, value, value, f"{value}B")
 
 
-def _terms(report: OOMReport) -> tuple[Figure | None, Figure | None, Figure | None, Figure | None, str | None, str | None]:
-    """``(free_total, device_free, held_elsewhere, capacity, missing, setting)`` of a report."""
+@dataclass
+class _Terms:
+    """What the rule needs from one report, each a range of bytes (``None``: not printed).
+
+    ``unaccounted``: device memory held neither by the allocator's pool nor free (the runtime's
+    own, other processes, a limit); ``held``: what of it counts as held elsewhere (beyond the
+    runtime's share and its margin, or withheld by a limit); ``seen``: bytes other processes
+    were printed to hold (PyTorch 2.1+ lists them), the evidence that settles "outside"."""
+
+    free_total: Figure | None = None
+    device_free: Figure | None = None
+    held: Figure | None = None
+    capacity: Figure | None = None
+    missing: str | None = None
+    setting: str | None = None
+    unaccounted: Figure | None = None
+    seen: Figure | None = None
+
+
+def _beyond_share(unaccounted: Figure | None, framework: str) -> Figure | None:
+    """The unaccounted memory beyond the runtime's share, counted only past the margin: each end
+    of the range alike, so the rule stays monotone and the rounding caveat still holds."""
+    if unaccounted is None:
+        return None
+    runtime = RUNTIME_SHARE[framework]
+    beyond = _diff(unaccounted, _exact(runtime.share))
+
+    def past(v: int) -> int:
+        return v if v > runtime.margin else 0
+    return Figure(past(beyond.value), past(beyond.low), past(beyond.high), beyond.printed)
+
+
+def _terms(report: OOMReport) -> _Terms:
+    """The rule's terms of a report (see :class:`_Terms` and the module's doc)."""
     f = report.figures
     if report.allocator == "mps":
         # the MPS allocator refuses what would pass its limit (the high watermark): free = allowed - in use
         allowed = f.get("allowed")
         in_use = _sum(f.get("allocated"), f.get("other_allocations") or _exact(0))
         if allowed is None:
-            return None, None, None, None, "the limit (max allowed)", "nothing to set: keep the message whole"
-        return _exact(0), _diff(allowed, in_use), None, None, None, None
+            return _Terms(missing="the limit (max allowed)", setting="nothing to set: keep the message whole")
+        return _Terms(_exact(0), _diff(allowed, in_use))
     if report.framework in ("pytorch", "torch_npu"):
         conf = "PYTORCH_NPU_ALLOC_CONF" if report.framework == "torch_npu" else "PYTORCH_CUDA_ALLOC_CONF"
         free_total = f.get("reserved_unallocated")
@@ -191,12 +253,12 @@ def _terms(report: OOMReport) -> tuple[Figure | None, Figure | None, Figure | No
         capacity = f.get("capacity")
         if free_total is None or device_free is None:
             missing = "reserved but unallocated memory" if free_total is None else "the device's free memory"
-            return free_total, device_free, None, capacity, missing, (
-                f"nothing to set: the allocator prints it by default ({conf} changes nothing here); keep the "
-                f"message whole (log str(exc) of the OutOfMemoryError, not a cut copy)")
+            return _Terms(free_total, device_free, None, capacity, missing,
+                          f"nothing to set: the allocator prints it by default ({conf} changes nothing here); keep "
+                          f"the message whole (log str(exc) of the OutOfMemoryError, not a cut copy)")
         reserved = _sum(f.get("allocated"), free_total)
-        held = _diff(_diff(_diff(capacity, device_free), reserved), _exact(RUNTIME_RESERVE[report.framework])) \
-            if capacity is not None else None
+        unaccounted = _diff(_diff(capacity, device_free), reserved) if capacity is not None else None
+        held = _beyond_share(unaccounted, report.framework)
         if "allowed" in f and reserved is not None:
             # a memory fraction: the pool may reserve up to "allowed"; the rest of the free memory is withheld
             room = _diff(f["allowed"], reserved)
@@ -205,28 +267,31 @@ def _terms(report: OOMReport) -> tuple[Figure | None, Figure | None, Figure | No
             withheld = _diff(device_free, usable)
             held = withheld if held is None else _sum(held, withheld)
             device_free = usable
-        return free_total, device_free, held, capacity, None, None
+        return _Terms(free_total, device_free, held, capacity, unaccounted=unaccounted,
+                      seen=f.get("processes_in_use"))
     # MindSpore
     if report.allocator == "ascend-two-pointer":
         capacity, used = f.get("capacity"), f.get("ms_used")
         static = f.get("static")
         dynamic = f.get("dynamic_graph") or f.get("dynamic_total")
-        held = _diff(_diff(capacity, used), _exact(RUNTIME_RESERVE["mindspore"]))
+        unaccounted = _diff(capacity, used)
+        held = _beyond_share(unaccounted, "mindspore")
         if used is not None and static is None and f.get("used_peak") is not None:
             # kernel by kernel: nothing in use beyond the used peak, so at least MindSpore's share minus that
             # peak was free (in the pool's blocks or not yet reserved): a lower bound
             free_lower = _diff(used, f["used_peak"])
             free_lower = Figure(free_lower.low, free_lower.low, free_lower.low, free_lower.printed)
             if report.request is not None and report.request.high <= free_lower.low:
-                return free_lower, _exact(0), held, capacity, None, None
+                return _Terms(free_lower, _exact(0), held, capacity, unaccounted=unaccounted)
         if used is None or static is None or dynamic is None:
-            return None, None, held, capacity, "the pool's free memory at the failure (static and dynamic sizes)", \
-                "GLOG_v=1 (the pool's state at the failure) or MS_ALLOC_CONF=\"memory_tracker:True\""
+            return _Terms(None, None, held, capacity, "the pool's free memory at the failure (static and dynamic sizes)",
+                          "GLOG_v=1 (the pool's state at the failure) or MS_ALLOC_CONF=\"memory_tracker:True\"",
+                          unaccounted=unaccounted)
         gap = _diff(_diff(used, static), dynamic)     # one contiguous piece between the two pointers
-        return gap, _exact(0), held, capacity, None, None
+        return _Terms(gap, _exact(0), held, capacity, unaccounted=unaccounted)
     if "ms_total" in f:                                # the VMM / eager-free path: every unused byte is one pool
         in_use = _sum(f.get("pool_in_use"), f.get("pool_used_by_event") or _exact(0))
-        return _diff(f["ms_total"], in_use), _exact(0), None, None, None, None
+        return _Terms(_diff(f["ms_total"], in_use), _exact(0))
     idle = f.get("pool_idle")
     device_free = f.get("device_free")
     if device_free is None and "device_granted" in f:
@@ -238,7 +303,7 @@ def _terms(report: OOMReport) -> tuple[Figure | None, Figure | None, Figure | No
             "GLOG_v=1 (MindSpore logs the pool's state at a failed allocation at INFO level)"
     elif device_free is None:
         missing, setting = "the device memory the pool could still take", "GLOG_v=2 (the default; keep WARNING lines)"
-    return idle, device_free, None, None, missing, setting
+    return _Terms(idle, device_free, None, None, missing, setting)
 
 
 def _kind(request: int, free_total: int | None, device_free: int | None, held: int | None) -> str:
@@ -258,16 +323,30 @@ def crash_verdict(report: OOMReport, layout: Layout | None = None) -> CrashVerdi
         'fragmentation'
     """
     request = report.request
-    free_total, device_free, held, capacity, missing, setting = _terms(report)
+    terms = _terms(report)
+    free_total, device_free, held, capacity = terms.free_total, terms.device_free, terms.held, terms.capacity
+    missing, setting = terms.missing, terms.setting
     out = CrashVerdict(kind="undecidable", request=None if request is None else request.value,
                        free_total=None if free_total is None else free_total.value,
                        device_free=None if device_free is None else device_free.value,
                        held_elsewhere=None if held is None else held.value,
-                       capacity=None if capacity is None else capacity.value)
+                       capacity=None if capacity is None else capacity.value,
+                       unaccounted=None if terms.unaccounted is None else terms.unaccounted.value,
+                       held_by_others=None if terms.seen is None else terms.seen.value)
     if report.blocks_idle:
         out.largest_free_bound = max(report.blocks_idle)
     if layout is not None:
         out.largest_free = measure(layout).largest_free
+    report.contradictions = contradictions(report)
+    if report.contradictions:
+        # figures that cannot all be true: no verdict is computed from them
+        out.sure = False
+        out.missing = "figures that agree with each other (" + "; ".join(report.contradictions) + ")"
+        out.setting = "nothing to set: read the figures from the allocator itself (torch.cuda.memory_stats(), " \
+                      "torch_npu.npu.memory_stats(), MindSpore's GLOG_v=1 pool state) at the failure"
+        out.caveat = "the printed figures contradict each other: the verdict is uncertain"
+        out.text = _text(out, report)
+        return out
     if request is None:
         out.missing = "the request's size and the allocator's figures"
         out.setting = ("nothing to set: the caching allocator prints them with its own OOM; this one came from the "
@@ -314,9 +393,21 @@ def crash_verdict(report: OOMReport, layout: Layout | None = None) -> CrashVerdi
         out.sure = False
         out.caveat = ("the two-pointer pool's free memory is one piece: a request it covered cannot fail; "
                       "the figures are rounded down to MiB (or the failure was of the other pointer)")
-    if "allocated exceeds the total capacity (Windows counts shared system memory)" in report.notes:
-        out.caveat = ((out.caveat + "; ") if out.caveat else "") + \
-            "the figures disagree (allocated exceeds capacity: Windows counts shared memory), read with care"
+    if out.kind == "fragmentation" and out.largest_free is not None and out.largest_free >= request.low:
+        # the pool's own map shows a hole the request fits: its placement did not fail it
+        out.kind, out.sure = "undecidable", False
+        out.missing = (f"why the pool's largest hole ({_gib(out.largest_free)}) did not serve the request (another "
+                       "stream's or pool's memory, a limit, or the request rounded up past it)")
+        out.setting = "MS_ALLOC_CONF=\"memory_tracker:True\" records every block with its stream and pool"
+    if out.kind == "outside" and not (terms.seen is not None and terms.seen.low > RUNTIME_SHARE[report.framework].margin
+                                      if report.framework in RUNTIME_SHARE else False) and "allowed" not in report.figures:
+        # beyond the runtime's usual share, but nothing printed says who holds it
+        out.sure = False
+        runtime = RUNTIME_SHARE[report.framework]
+        out.caveat = ((out.caveat + "; ") if out.caveat else "") + (
+            f"likely, not certain: {_gib(out.unaccounted)} of the card was held neither by the pool nor free, "
+            f"{_gib(out.held_elsewhere)} beyond the {_gib(runtime.share)} {runtime.takes} usually takes; "
+            f"`{runtime.check}` at the failure shows whether another process held it")
     out.text = _text(out, report)
     return out
 
@@ -339,6 +430,11 @@ def _text(v: CrashVerdict, report: OOMReport) -> str:
         parts[-1] += f", the largest piece at most {_gib(v.largest_free_bound)}"
     if v.held_elsewhere:
         parts.append(f"{_gib(v.held_elsewhere)} of the card held elsewhere beyond the runtime's own")
+    elif v.unaccounted and v.unaccounted >= _UNACCOUNTED_SHOWN and report.framework in RUNTIME_SHARE:
+        runtime = RUNTIME_SHARE[report.framework]
+        parts.append(f"{_gib(v.unaccounted)} of the card held neither by the pool nor free, within what "
+                     f"{runtime.takes} can take ({_gib(runtime.share + runtime.margin)} at most counted as its own; "
+                     f"`{runtime.check}` tells)")
     head = "; ".join(parts)
     word = {"fragmentation": "FRAGMENTATION: the free memory covered the request, not in one piece",
             "capacity": "CAPACITY: all free memory together did not cover the request",

@@ -92,6 +92,9 @@ class Verdict:
     reserved: int | None = None
     allocated: int | None = None
     text: str = ""
+    #: the pool that serves the request (``"small"``/``"large"``, a pool-mode region; ``None``:
+    #: any); ``largest_free`` is that pool's largest piece
+    pool: str | None = None
 
 
 @dataclass
@@ -180,21 +183,86 @@ class _GrowthWatch:
         return addr
 
 
+def _live_peak(trace: Trace) -> tuple[int, int | None]:
+    """The most bytes the recording's tensors hold at once, each request rounded up to the 512 B
+    every modelled allocator hands out at least (the tensors alive before its first event
+    included), and the event where: no placement on any card holds less. ``(bytes, event
+    index)``; the index is ``None`` when the peak is the recorded initial state."""
+    live: dict = {}
+    held = peak = 0
+    if trace.initial is not None:
+        for block in trace.initial.live_blocks():
+            held += block.size
+            if block.id is not None:
+                live[block.id] = block.size
+        peak = held
+    where = None
+    for i, e in enumerate(trace.events):
+        if e.action == "alloc":
+            if e.id in live:
+                continue
+            live[e.id] = size = aligned(e.size)
+            held += size
+            if held > peak:
+                peak, where = held, i
+        elif e.action == "free":
+            held -= live.pop(e.id, 0)
+    return peak, where
+
+
+def _pool_words(pool: str | None, virtual: bool) -> str:
+    """Where a request is served, in the allocator's own terms."""
+    if pool in ("small", "large"):
+        limit = "1 MiB or less" if pool == "small" else "over 1 MiB"
+        mapped = " (its mapped pages: free pages are unmapped and mapped again only as the card allows)" \
+            if virtual else ""
+        return f"the {pool} pool, which alone serves requests of {limit}{mapped}"
+    if pool is not None:
+        return f"pool mode's {pool!r} region"
+    return "the pool"
+
+
+def _failure(trace: Trace, oom, capacity: int | None, virtual: bool) -> tuple[str, str]:
+    """``(kind, text)`` of the first failed request: whether the card is already too small, then
+    the pool that serves the request and its largest piece, so the words never contradict the
+    figures (a small request is not served by the large pool's hole)."""
+    start = trace.initial
+    head = ""
+    if capacity is not None and start is not None and start.reserved > capacity:
+        head = (f"the recording starts with {format_size(start.reserved)} reserved ({format_size(start.allocated)} "
+                f"in live tensors) before its first event, more than the {format_size(capacity)} card; ")
+    peak, where = _live_peak(trace)
+    asked = f"the first request that failed asked {format_size(oom.size)} at event {oom.event_index}"
+    if capacity is not None and peak > capacity:
+        at = "before the first event" if where is None else f"at event {where}"
+        return "capacity", (head + f"its live tensors reach {format_size(peak)} {at}, more than the card: no "
+                            f"placement holds this run ({asked}): capacity: the card is too small for this step")
+    usable = oom.usable_free
+    device = oom.device_free or 0
+    piece = oom.largest_free if oom.pool_largest_free is None else oom.pool_largest_free
+    text = (f"needed {format_size(oom.size)} in one piece from {_pool_words(oom.pool, virtual)}; the largest piece "
+            f"was {format_size(piece)}" + (" in that pool" if oom.pool is not None else ""))
+    free = f"{format_size(usable)} were free in the pool" + (
+        f" ({format_size(oom.free_total)} held, {format_size(usable)} of it within the card)"
+        if usable != oom.free_total else "") + (f" (+{format_size(device)} not yet reserved)" if device else "")
+    if oom.pool is not None and oom.largest_free > piece:
+        free += f", its largest piece {format_size(oom.largest_free)} in a pool this request cannot use"
+    if oom.kind == "fragmentation":
+        return "fragmentation", head + f"{text}; {free}: fragmentation"
+    return "capacity", head + f"{text}; {free}: capacity: the card is too small for this step"
+
+
 def _verdict(trace: Trace, base: str, capacity: int | None, options: dict) -> tuple[Verdict, ReplayResult]:
     model = create(base, capacity, fast=False, **options)
     watch = _GrowthWatch(model, trace)
     result = replay(trace, model)
     if result.ooms:
         oom = result.ooms[0]
-        kind = oom.kind
+        kind, text = _failure(trace, oom, capacity, model.virtual)
+        largest = oom.largest_free if oom.pool_largest_free is None else oom.pool_largest_free
         ratio = frag_ratio(oom.free_total, oom.largest_free) if oom.largest_free else None
-        device = oom.device_free or 0
-        text = (f"needed {format_size(oom.size)} in one piece; {format_size(oom.free_total)} were free in the pool"
-                + (f" (+{format_size(device)} not yet reserved)" if device else "")
-                + f", the largest piece was {format_size(oom.largest_free)}: "
-                + ("fragmentation" if kind == "fragmentation" else "capacity: the card is too small for this step"))
-        return Verdict(kind, True, oom.size, oom.free_total, oom.largest_free, ratio, oom.event_index,
-                       oom.reserved, oom.allocated, text), result
+        return Verdict(kind, True, oom.size, oom.free_total, largest, ratio, oom.event_index,
+                       oom.reserved, oom.allocated, text, pool=oom.pool), result
     if watch.worst is None:
         return Verdict("none", False, text="no request failed, and the pool never grew while its free memory "
                        "would have covered the request"), result

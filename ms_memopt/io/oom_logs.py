@@ -78,8 +78,8 @@ from dataclasses import asdict, dataclass, field
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.lines import open_binary, read_head
 
-__all__ = ["Figure", "OOMReport", "LogScan", "read_oom_log", "scan_bytes", "parse_message", "rank_of_path",
-           "TRIGGERS", "ANCHORS"]
+__all__ = ["Figure", "OOMReport", "LogScan", "read_oom_log", "scan_bytes", "parse_message", "contradictions",
+           "rank_of_path", "TRIGGERS", "ANCHORS"]
 
 MiB = 1 << 20
 #: bytes read at a time (a window spanning two chunks is completed from the next)
@@ -150,6 +150,7 @@ class OOMReport:
     read from; ``time``: the logger's timestamp nearest before the report; ``line``: its first line
     (1-based). ``blocks_idle``: per pool block idle bytes when the best-fit pool's state was
     printed. ``cut``: the message ended before its last figure. ``notes``: what was odd.
+    ``contradictions``: figures that cannot hold together (:func:`contradictions`).
     """
 
     framework: str
@@ -170,6 +171,9 @@ class OOMReport:
     notes: list[str] = field(default_factory=list)
     text: str = ""
     source: str | None = None
+    #: pairs of figures that cannot both be true as the source defines them (reserved below
+    #: allocated, free above the total, ...): :func:`contradictions`, set by the verdict
+    contradictions: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -333,7 +337,12 @@ _T_OLD = {
     "allocated": re.compile(_SIZE + r" already allocated"),
     "active": re.compile(_SIZE + r" current active"),
     "device_free": re.compile(_SIZE + r" free[;)]"),
-    "reserved": re.compile(_SIZE + r" (?:reserved in total by PyTorch|cached)"),
+    "reserved": re.compile(_SIZE + r" reserved in total by PyTorch"),
+    # before 1.4 the last figure was the cache the allocator held and did not use:
+    # format_size(stats.amount_cached - stats.amount_allocated) + " cached)" (c10/cuda/
+    # CUDACachingAllocator.cpp, v1.0.0 to v1.3.1, THCCachingAllocator::malloc); 1.4 printed the
+    # total instead, reserved_bytes "reserved in total by PyTorch"
+    "cached": re.compile(_SIZE + r" cached[;)]"),
 }
 _T_ALLOWED = re.compile(_SIZE + r" allowed;")
 _T_MPS = re.compile(r"MPS backend out of memory \(MPS allocated: " + _SIZE + r"(?:, other allocations: " + _SIZE
@@ -363,6 +372,25 @@ def _mps_report(text: str, line: int) -> OOMReport | None:
     if g[4]:
         report.figures["allowed"] = _torch_size(g[4], g[5])
     return report
+
+
+def _reserved_figures(figures: dict[str, Figure]) -> None:
+    """``reserved`` and ``reserved_unallocated`` from what the old wordings print: the total
+    reserved ("reserved in total by PyTorch", 1.4 to 2.0) less what is allocated, or the unused
+    cache itself ("cached", before 1.4) plus what is allocated. A total below the allocated
+    bytes is left as printed: :func:`contradictions` names it."""
+    allocated = figures.get("allocated")
+    if allocated is None:
+        return
+    if "cached" in figures:
+        cached = figures.pop("cached")
+        figures["reserved_unallocated"] = cached
+        figures["reserved"] = Figure(allocated.value + cached.value, allocated.low + cached.low,
+                                     allocated.high + cached.high, f"{allocated.printed} + {cached.printed}")
+    elif "reserved" in figures and figures["reserved"].high >= allocated.low:
+        r, a = figures["reserved"], allocated
+        figures["reserved_unallocated"] = Figure(max(0, r.value - a.value), max(0, r.low - a.high),
+                                                 max(0, r.high - a.low), f"{r.printed} - {a.printed}")
 
 
 def _torch_report(text: str, line: int) -> OOMReport | None:
@@ -417,14 +445,11 @@ def _torch_report(text: str, line: int) -> OOMReport | None:
             found = pattern.search(rest)
             if found:
                 figures[name] = _torch_size(found.group(1), found.group(2))
-        if " cached)" in rest or " cached;" in rest:
+        if "cached" in figures:
             report.wording = "pytorch<1.4 (cached)"
-        if "reserved" not in figures:
+        _reserved_figures(figures)
+        if "reserved" not in figures and "reserved_unallocated" not in figures:
             report.cut = True
-        elif "allocated" in figures:
-            r, a = figures["reserved"], figures["allocated"]
-            figures["reserved_unallocated"] = Figure(max(0, r.value - a.value), max(0, r.low - a.high),
-                                                     max(0, r.high - a.low), f"{r.printed} - {a.printed}")
         if re.search(r"\)\.?If reserved", rest):
             report.notes.append('no space before "If reserved"')
     else:
@@ -435,10 +460,8 @@ def _torch_report(text: str, line: int) -> OOMReport | None:
             if found:
                 figures[name] = _torch_size(found.group(1), found.group(2))
                 report.wording = "reformatted"
-        if "reserved" in figures and "allocated" in figures:
-            r, a = figures["reserved"], figures["allocated"]
-            figures["reserved_unallocated"] = Figure(max(0, r.value - a.value), max(0, r.low - a.high),
-                                                     max(0, r.high - a.low), f"{r.printed} - {a.printed}")
+        _reserved_figures(figures)
+        if "reserved_unallocated" in figures:
             report.cut = False
     allowed = _T_ALLOWED.search(rest)
     if allowed:
@@ -577,6 +600,49 @@ def _bare_report(line_text: str, line: int) -> OOMReport | None:
     return OOMReport(framework=framework, allocator=allocator, wording="no figures", line=line, cut=True,
                      notes=["an out-of-memory message without the allocator's figures (a driver's or a library's "
                             "error, or a message cut at its first words)"])
+
+
+#: ``(smaller, larger, what the source says)``: figure ``smaller`` can never exceed figure ``larger``
+#: as its source defines them (a sum names several figures with ``+``). PyTorch 2.1+ takes the
+#: processes' memory from NVML and the free memory from cudaMemGetInfo, read at other moments:
+#: those two are not held against the total
+_ORDER = (
+    ("allocated", "reserved", "the allocated bytes are part of the reserved ones"),
+    ("allocated", "active", "active bytes are allocated ones plus those a stream still uses"),
+    ("active", "reserved", "active bytes are part of the reserved ones"),
+    ("allocated", "capacity", "the allocated bytes are on the device"),
+    ("device_free", "capacity", "the device's free memory is part of its total"),
+    ("reserved+device_free", "capacity", "the pool's memory and the free memory are disjoint parts of the device"),
+    ("reserved", "process_in_use", "this process's memory includes what its allocator reserved"),
+    ("ms_used", "capacity", "MindSpore's share is part of the device"),
+    ("static+dynamic_total", "ms_used", "the static and dynamic memory are parts of MindSpore's share"),
+    ("pool_in_use", "reserved", "memory in use is part of what the pool allocated"),
+    ("pool_idle", "reserved", "idle memory is part of what the pool allocated"),
+)
+
+
+def contradictions(report: OOMReport) -> list[str]:
+    """The figures of ``report`` that cannot all be true as their source defines them: one line
+    each, naming both figures as printed. Only a contradiction at every byte their printed
+    rounding allows counts (``smaller.low > larger.high``).
+
+    Example:
+        >>> r = parse_message("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 7.93 GiB total capacity; "
+        ...                   "6.64 GiB already allocated; 21.00 MiB free; 150.86 MiB reserved in total by PyTorch)")
+        >>> contradictions(r)
+        ['allocated (6.64 GiB) exceeds reserved (150.86 MiB), though the allocated bytes are part of the reserved ones']
+    """
+    figures = report.figures
+    out = []
+    for smaller, larger, why in _ORDER:
+        parts = [figures.get(name) for name in smaller.split("+")]
+        big = figures.get(larger)
+        if big is None or any(p is None for p in parts):
+            continue
+        if sum(p.low for p in parts) > big.high:
+            printed = " + ".join(p.printed for p in parts)
+            out.append(f"{smaller.replace('+', ' + ')} ({printed}) exceeds {larger} ({big.printed}), though {why}")
+    return out
 
 
 def parse_message(text: str, line: int = 1) -> OOMReport | None:
