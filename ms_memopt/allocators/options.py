@@ -39,6 +39,21 @@ class OptionType:
                 "int": "an integer", "fraction": "a number in (0, 1)"}.get(
             self.kind, "one of " + ", ".join(self.choices))
 
+    def accepts(self, value) -> bool:
+        """True when ``value``, as a recording stores it (JSON or a pickle: an int, a bool, a
+        float, a name), is of this type: what a recording's options are checked with before use."""
+        if self.kind == "bool":
+            return isinstance(value, bool)
+        if isinstance(value, bool):
+            return False
+        if self.kind == "size":
+            return isinstance(value, int) and 0 <= value < 1 << 63
+        if self.kind == "int":
+            return isinstance(value, int) and -(1 << 63) <= value < 1 << 63
+        if self.kind == "fraction":
+            return isinstance(value, (int, float)) and 0.0 < value < 1.0
+        return isinstance(value, str) and value in self.choices
+
     def parse(self, name: str, text: str):
         value = text.strip()
         if self.kind == "size":

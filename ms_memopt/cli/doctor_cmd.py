@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.outputs import check_output_folder, write_text_in
 from ms_memopt.core.units import format_size, parse_size
 
 __all__ = ["add_parser", "run", "write_report", "recorded_capacity"]
@@ -201,6 +202,7 @@ def write_report(d, out: Path, *, trace=None) -> Path:
     from ms_memopt.io.layouts import LayoutSnapshot
     from ms_memopt.report.memory_map import plot_memory_map
     out.mkdir(parents=True, exist_ok=True)
+    check_output_folder(out, ("report.md", "remedies_timeline.png", "memory_map.png", "memory_viz.pickle"))
     # the recorded setting and the best four others: more lines than that cannot be told apart
     shown = [r for r in d.remedies if r.timeline and r.setting != "baseline"][:4]
     shown += [r for r in d.remedies if r.timeline and r.setting == "baseline"]
@@ -255,9 +257,7 @@ def write_report(d, out: Path, *, trace=None) -> Path:
         if viz:
             lines += ["", f"Open `{viz.name}` in PyTorch's memory viewer (pytorch.org/memory_viz): blocks are "
                       "coloured by purpose, the blockers in categories of their own (`blocker: ...`)."]
-    path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
+    return write_text_in(out, "report.md", "\n".join(lines) + "\n")
 
 
 def _placed_head(d, trace):

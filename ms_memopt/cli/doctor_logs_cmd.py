@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.outputs import check_output_folder, write_text_in
 from ms_memopt.core.units import format_size
 
 __all__ = ["add_arguments", "crash_route", "log_text", "job_text", "write_log_report", "write_job_report"]
@@ -220,6 +221,7 @@ def _md_plan(plan: dict | None) -> list[str]:
 def write_log_report(d, out: Path, *, plan: dict | None = None) -> Path:
     """``out/report.md`` for one log (and ``memory_map.png`` when the pool's layout was read)."""
     out.mkdir(parents=True, exist_ok=True)
+    check_output_folder(out, ("report.md", "memory_map.png"))
     lines = [f"# ms-memopt doctor: {Path(d.source).name}", ""]
     if not d.reports:
         lines.append("No out-of-memory message in this log.")
@@ -240,9 +242,7 @@ def write_log_report(d, out: Path, *, plan: dict | None = None) -> Path:
                       for b in d.blockers] + [""]
         lines += ["## Reports", ""] + _md_reports(d) + ["", "## Remedies", ""] + _md_remedies(d) + [""]
         lines += _md_plan(plan)
-    path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
+    return write_text_in(out, "report.md", "\n".join(lines) + "\n")
 
 
 def write_job_report(job, out: Path, *, plan: dict | None = None) -> Path:
@@ -250,6 +250,7 @@ def write_job_report(job, out: Path, *, plan: dict | None = None) -> Path:
     from ms_memopt.doctor.crash_logs import format_counts
 
     out.mkdir(parents=True, exist_ok=True)
+    check_output_folder(out, ("report.md",))
     lines = [f"# ms-memopt doctor: {job.folder}", "", f"**{job.text}**", "",
              f"Ranks read: {len(job.ranks)}; with an OOM report: {sum(1 for d in job.ranks.values() if d.reports)}; "
              f"failed otherwise (after it): {len(job.followers)}; without an error: {len(job.silent)}.", "",
@@ -270,7 +271,5 @@ def write_job_report(job, out: Path, *, plan: dict | None = None) -> Path:
         lines += [f"| {k} | {(job.ranks[k].first_error or '')[:200].replace('|', '/')} |" for k in job.followers[:64]]
         if len(job.followers) > 64:
             lines.append(f"| ... | {len(job.followers) - 64} more |")
-    path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
+    return write_text_in(out, "report.md", "\n".join(lines) + "\n")
 

@@ -18,6 +18,7 @@ import stat
 import sys
 
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.outputs import check_output_file
 from ms_memopt.core.units import format_size, parse_size
 from ms_memopt.replay.replay import default_allocator, recorded_allocator
 from ms_memopt.io.traces.memory_viz import check_export_path
@@ -102,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     streamable = (args.policy == "baseline" and not args.export_memory_viz and not args.export_instances
                   and _large_or_pipe(args.trace))
     check_export_path(args.trace)
+    for key, target in (("--export-memory-viz", args.export_memory_viz), ("--export-instances", args.export_instances)):
+        if target:      # not a FIFO (it waits for a reader), not the recording itself
+            check_output_file(target, key=key, inputs=[args.trace])
     trace = load_trace(args.trace, format=args.format, **({"stream": True} if streamable else {}))
     if args.component is not None:
         if trace.format != "ascend-profiler":

@@ -59,7 +59,9 @@ Example:
 from __future__ import annotations
 
 import csv
+import os
 import re
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -69,7 +71,7 @@ from sys import intern
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
-from ms_memopt.core.lines import iter_lines
+from ms_memopt.core.lines import iter_lines, read_head
 from ms_memopt.io.traces.ascend_profiler_db import read_db, read_db_modules
 from ms_memopt.io.traces.ascend_profiler_timeline import (
     FRAMEWORK,
@@ -82,6 +84,7 @@ from ms_memopt.io.traces.ascend_profiler_timeline import (
     RowMerge,
     Timeline,
     better_figures,
+    check_held,
     new_timeline,
 )
 
@@ -200,33 +203,55 @@ def _empty(text: str | None) -> bool:
     return text is None or text.strip() in ("", "N/A", "None", "NULL")
 
 
+#: a time is integer ns within int64 (the profiler's clock, ~1.7e18 ns now, is far inside it)
+_NS_LIMIT = 1 << 63
+#: the longest time text read (torch_npu writes 20 characters, MindSpore a float's repr)
+_MAX_TIME_TEXT = 64
+
+
 def _ns(text: str | None, what: str, source: str, line: int) -> int | None:
-    """A microseconds field (``"1736408883694624.810\\t"``, ``1.7364e15``) as integer ns; None when empty."""
+    """A microseconds field (``"1736408883694624.810\\t"``, ``1.7364e15``) as integer ns; None when empty.
+
+    ASCII digits only (``int()`` takes ``'١٢٣'`` and refuses ``'1²3'`` with a ValueError), at most
+    :data:`_MAX_TIME_TEXT` characters, and within int64 ns: anything else is an :class:`InputError`
+    naming the field, the file and the line (a 5,000-digit time, or 10**303 ns, was a traceback).
+    """
     if text is None:
         return None
     text = text.strip()
+    if _empty(text):
+        return None
+    if len(text) > _MAX_TIME_TEXT or not text.isascii():
+        raise InputError(f"{what}: expected a time in microseconds (ASCII digits, at most {_MAX_TIME_TEXT} "
+                         f"characters), got {text[:40]!r}{'...' if len(text) > 40 else ''}", source=source, line=line)
+    value = None
     # torch_npu's form, exactly three decimals: the digits are the ns
     if text[-4:-3] == "." and text[:1].isdigit():
         try:
-            return int(text[:-4] + text[-3:])
+            value = int(text[:-4] + text[-3:])
         except ValueError:
             pass
-    if _empty(text):
-        return None
-    whole, _, frac = text.partition(".")
-    if whole.lstrip("-").isdigit() and (not frac or frac.isdigit()):
-        value = int(whole) * 1000
-        digits = (frac + "000")[:3]
-        if digits:
-            value += (-1 if whole.startswith("-") else 1) * int(digits)
-        return value
-    try:
-        value = Decimal(text) * 1000
-    except InvalidOperation:
-        raise InputError(f"{what}: expected a time in microseconds, got {text[:40]!r}", source=source, line=line) from None
-    if not value.is_finite():
-        raise InputError(f"{what}: expected a finite time, got {text[:40]!r}", source=source, line=line)
-    return int(value.to_integral_value())
+    if value is None:
+        whole, _, frac = text.partition(".")
+        if whole.lstrip("-").isdigit() and (not frac or frac.isdigit()):
+            value = int(whole) * 1000
+            digits = (frac + "000")[:3]
+            if digits:
+                value += (-1 if whole.startswith("-") else 1) * int(digits)
+        else:
+            try:
+                exact = Decimal(text) * 1000
+            except InvalidOperation:
+                raise InputError(f"{what}: expected a time in microseconds, got {text[:40]!r}", source=source,
+                                 line=line) from None
+            if not exact.is_finite() or not -_NS_LIMIT < exact < _NS_LIMIT:
+                raise InputError(f"{what}: expected a finite time within int64 ns, got {text[:40]!r}",
+                                 source=source, line=line)
+            value = int(exact.to_integral_value())
+    if not -_NS_LIMIT < value < _NS_LIMIT:
+        raise InputError(f"{what}: expected a time within int64 ns (about 292 years), got {text[:40]!r}",
+                         source=source, line=line)
+    return value
 
 
 def _bytes(text: str | None, unit: int, what: str, source: str, line: int) -> int | None:
@@ -282,7 +307,9 @@ def _locate(path: Path) -> _Inputs:
         found = _Inputs(rank_dir=out_dir.parent if out_dir.name == OUTPUT_DIR else path)
         for name, attr in ((OPERATOR_MEMORY, "operator_memory"), (MEMORY_RECORD, "memory_record"),
                            (NPU_MODULE_MEM, "npu_module_mem")):
-            if (out_dir / name).is_file():
+            # there in any form: a file that cannot be read (a symlink loop, a folder) is an error
+            # when read, never a silent fall back to the next file
+            if os.path.lexists(out_dir / name):
                 setattr(found, attr, out_dir / name)
         dbs = [p for p in _list(out_dir) if _DB_NAME.match(p.name)]
         if dbs:
@@ -313,11 +340,9 @@ def _locate(path: Path) -> _Inputs:
 
 
 def _head(path: Path, size: int = 4096) -> bytes:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read(size)
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", source=str(path)) from None
+    """The file's first bytes through core.lines (a FIFO with no writer refused in MS_MEMOPT_PIPE_WAIT
+    seconds; a pipe's head kept for the reader): ``--format ascend-profiler`` skips detection."""
+    return read_head(path, size, expected="the Ascend profiler's memory output")
 
 
 def _csv_reader(path: Path, expected: str):
@@ -348,8 +373,17 @@ def _columns(header: list[str], needed: Iterable[str], source: str) -> dict[str,
 
 # --------------------------------------------------------------------------- writer and model
 
+#: the largest sidecar JSON read (the real ones are a few KB)
+MAX_SIDECAR_BYTES = 1 << 20
+
+
 def _profiler_info(rank_dir: Path | None) -> tuple[dict, dict]:
-    """``profiler_info_N.json`` and ``profiler_metadata.json`` of the rank (empty when absent or bad)."""
+    """``profiler_info_N.json`` and ``profiler_metadata.json`` of the rank (empty when absent).
+
+    Raises:
+        InputError: one is there but is not a regular file (a FIFO, ``/dev/zero``), is larger than
+            :data:`MAX_SIDECAR_BYTES`, cannot be read (a symlink loop) or is not a JSON object.
+    """
     info: dict = {}
     metadata: dict = {}
     if rank_dir is None:
@@ -358,19 +392,33 @@ def _profiler_info(rank_dir: Path | None) -> tuple[dict, dict]:
         if candidate.name.startswith("profiler_info") and candidate.suffix == ".json":
             info = _json(candidate)
             break
-    if (rank_dir / "profiler_metadata.json").is_file():
+    if os.path.lexists(rank_dir / "profiler_metadata.json"):
         metadata = _json(rank_dir / "profiler_metadata.json")
     return info, metadata
 
 
 def _json(path: Path) -> dict:
+    """A sidecar JSON object, read in bounded memory and time (never a FIFO's wait or a device's endless bytes)."""
     from ms_memopt.core.jsontext import parse_json
+
+    source = str(path)
+    expected = f"the profiler's {path.name}, a JSON object of at most {MAX_SIDECAR_BYTES} bytes"
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        value = parse_json(text, source=str(path))
-    except (OSError, InputError):
-        return {}
-    return value if isinstance(value, dict) else {}
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"not a regular file (a FIFO, device or folder); expected {expected}", source=source)
+        if info.st_size > MAX_SIDECAR_BYTES:
+            raise InputError(f"{info.st_size} bytes; expected {expected}", source=source)
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_SIDECAR_BYTES + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or exc}; expected {expected}", source=source) from None
+    if len(data) > MAX_SIDECAR_BYTES:
+        raise InputError(f"larger than {MAX_SIDECAR_BYTES} bytes; expected {expected}", source=source)
+    value = parse_json(data.decode("utf-8", errors="replace"), source=source)
+    if not isinstance(value, dict):
+        raise InputError(f"a JSON {type(value).__name__}; expected {expected}", source=source)
+    return value
 
 
 def _writer(inputs: _Inputs, info: dict, hints: dict[str, str]) -> tuple[str, str]:
@@ -467,7 +515,11 @@ def _operator_rows(path: Path, writer_hints: dict) -> Iterator[tuple[str | None,
                         0 <= size < 1e15 and 0 <= a_total < 1e12 and 0 <= r_total < 1e12
                         and 0 <= last_ar_bytes < 1e18 and 0 <= last_rr_bytes < 1e18):
                     raise ValueError
-                row = (int(at.replace(".", "", 1)), int(rt.replace(".", "", 1)), int(size * _KB + 0.5),
+                at_ns, rt_ns = int(at.replace(".", "", 1)), int(rt.replace(".", "", 1))
+                if not (-_NS_LIMIT < at_ns < _NS_LIMIT and -_NS_LIMIT < rt_ns < _NS_LIMIT and at.isascii()
+                        and rt.isascii()):
+                    raise ValueError
+                row = (at_ns, rt_ns, int(size * _KB + 0.5),
                        int(a_total * _MB + 0.5), last_ar_bytes, int(r_total * _MB + 0.5), last_rr_bytes, line,
                        intern(name[len(_GE_PREFIX):]) if ge else name, None, stream)
             except (ValueError, OverflowError):
@@ -538,6 +590,8 @@ def _record_series(path: Path, writer_hints: dict, *, keep_points: bool = True) 
             entry["peak_reserved"] = r
         if keep_points:
             entry["points"].append((time, a, r, line))
+            if line & 0xFFF == 0:
+                check_held(line, source)
     # MindSpore's MemoryRecordBean divides KB by 1000 and calls it MB
     unit = 1000 * _KB if any(name.startswith("MindSpore") for name in series) else _MB
     for entry in series.values():
@@ -741,7 +795,8 @@ def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict, *,
         merges: dict[str, RowMerge] = {}
         rows = _operator_rows(path, {})
         if sort:
-            rows = sorted((r for r in rows if only is None or (r[0] or _framework_or_workspace(r[1])) == only),
+            rows = sorted(_held((r for r in rows if only is None or (r[0] or _framework_or_workspace(r[1])) == only),
+                                str(path)),
                           key=lambda r: (-1 if r[1][0] is None else r[1][0], r[1][7]))
         for comp, row in rows:
             if comp is None:
@@ -782,6 +837,14 @@ def _read_operator_memory(inputs: _Inputs, info: dict, hints: dict, *,
                 timelines[name] = again
     order = [framework] + sorted(n for n in timelines if n != framework)
     return {n: timelines[n] for n in order if n in timelines}, writer, why
+
+
+def _held(rows: Iterable, source: str) -> Iterator:
+    """``rows`` as they come, refused past the events a whole read may hold (they are sorted whole)."""
+    for count, row in enumerate(rows, 1):
+        if count & 0xFFF == 0:
+            check_held(2 * count, source)       # an allocation and a release a row
+        yield row
 
 
 def _from_record(record: dict[str, dict], writer: str) -> dict[str, Timeline]:

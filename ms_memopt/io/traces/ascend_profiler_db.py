@@ -9,7 +9,10 @@ the GE component is read from it. ``MEMORY_RECORD`` as ``memory_record.csv``. Ca
 """
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
+import urllib.parse
 from pathlib import Path
 
 from ms_memopt.core.errors import InputError
@@ -22,6 +25,7 @@ from ms_memopt.io.traces.ascend_profiler_timeline import (
     RowMerge,
     Timeline,
     better_figures,
+    check_held,
     new_timeline,
 )
 from ms_memopt.io.traces.fields import parse_int
@@ -84,7 +88,8 @@ def read_db_modules(path: Path) -> dict[str, int]:
         names = dict(db.execute("SELECT id, name FROM ENUM_MODULE")) if _has_table(db, "ENUM_MODULE") else {}
         peaks = {}
         for module, peak in db.execute("SELECT moduleId, max(totalReserved) FROM NPU_MODULE_MEM GROUP BY moduleId"):
-            value = _db_int(peak, "totalReserved", str(path), f"NPU_MODULE_MEM module {module}")
+            value = _db_int(peak, "totalReserved", str(path), f"NPU_MODULE_MEM module {module}",
+                            non_negative=True)
             if value:
                 peaks[str(names.get(module, module))] = value
         return dict(sorted(peaks.items()))
@@ -114,8 +119,10 @@ def _db_op_memory(db, strings, writer, sort, *, skip_ge, source, only=None, rele
         if size is None or size < 0:
             raise InputError(f"size: expected a non-negative integer, got {size!r}", source=source, key=where)
         row = (_db_int(at, "allocationTime", source, where), _db_int(rt, "releaseTime", source, where), size,
-               _db_int(aa, "allocationTotalAllocated", source, where), _db_int(ar, "allocationTotalReserved", source, where),
-               _db_int(ra, "releaseTotalAllocated", source, where), _db_int(rr, "releaseTotalReserved", source, where),
+               _db_int(aa, "allocationTotalAllocated", source, where, non_negative=True),
+               _db_int(ar, "allocationTotalReserved", source, where, non_negative=True),
+               _db_int(ra, "releaseTotalAllocated", source, where, non_negative=True),
+               _db_int(rr, "releaseTotalReserved", source, where, non_negative=True),
                rowid, strings(name), None)
         merge = merges.get(comp)
         if merge is None:
@@ -141,6 +148,8 @@ def _db_npu_op_mem(db, strings, writer, source) -> Timeline | None:
             "SELECT rowid, operatorName, addr, type, size, timestampNs, totalAllocate, totalReserve FROM NPU_OP_MEM "
             "ORDER BY timestampNs, rowid"):
         any_rows = True
+        if len(pending) & 0xFFF == 0:
+            check_held(len(pending), source)
         where = f"NPU_OP_MEM row {rowid}"
         kind_name = strings(kind)
         size = _db_int(size, "size", source, where)
@@ -149,8 +158,8 @@ def _db_npu_op_mem(db, strings, writer, source) -> Timeline | None:
         if size is None or time is None:
             raise InputError("size and timestampNs must be integers", source=source, key=where)
         size = abs(size)
-        total = _db_int(total, "totalAllocate", source, where)
-        reserved = _db_int(reserved, "totalReserve", source, where)
+        total = _db_int(total, "totalAllocate", source, where, non_negative=True)
+        reserved = _db_int(reserved, "totalReserve", source, where, non_negative=True)
         op = strings(name)
         key = (op, addr)
         if kind_name == "allocate":
@@ -186,13 +195,15 @@ def _db_memory_record(db, strings, source) -> dict[str, dict]:
         name = strings(component) or "?"
         entry = series.setdefault(name, {"rows": 0, "peak_allocated": None, "peak_reserved": None, "points": []})
         entry["rows"] += 1
-        a = _db_int(allocated, "totalAllocated", source, where)
-        r = _db_int(reserved, "totalReserved", source, where)
+        a = _db_int(allocated, "totalAllocated", source, where, non_negative=True)
+        r = _db_int(reserved, "totalReserved", source, where, non_negative=True)
         if a is not None and (entry["peak_allocated"] is None or a > entry["peak_allocated"]):
             entry["peak_allocated"] = a
         if r is not None and (entry["peak_reserved"] is None or r > entry["peak_reserved"]):
             entry["peak_reserved"] = r
         entry["points"].append((_db_int(time, "timestamp", source, where), a, r, rowid))
+        if len(entry["points"]) & 0xFFF == 0:
+            check_held(len(entry["points"]), source)
     return series
 
 
@@ -220,23 +231,49 @@ def _has_table(db: sqlite3.Connection, name: str) -> bool:
     return db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
 
 
+#: the longest string or blob a query may make (names and ids are short; a generated column of
+#: 300 MB in an 800 KB file took 6 GB): SQLite refuses longer ones ("string or blob too big")
+MAX_CELL_BYTES = 1 << 20
+
+
 def _open_db(path: Path) -> sqlite3.Connection:
+    """The db opened read-only and ``immutable``: nothing is written beside it (``mode=ro`` alone still
+    makes ``-wal`` and ``-shm`` files for a WAL db, and fails on a read-only mount). A FIFO or device
+    is refused before SQLite opens it (it would wait forever)."""
+    source = str(path)
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        info = os.stat(path)
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror or exc}", source=source) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError("not a regular file (a FIFO, device or folder); expected an SQLite database "
+                         "(ascend_*_profiler_N.db)", source=source)
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro&immutable=1"
+    try:
+        db = sqlite3.connect(uri, uri=True)
+        db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_CELL_BYTES)
         db.execute("SELECT count(*) FROM sqlite_master").fetchone()
     except sqlite3.Error as exc:
-        raise InputError(f"not a readable SQLite database ({exc})", source=str(path)) from None
+        raise InputError(f"not a readable SQLite database ({exc})", source=source) from None
     return db
 
 
-def _db_int(value, what: str, source: str, where: str) -> int | None:
-    """An integer cell (None when NULL); the error names the file, the table and row, and the column."""
+def _db_int(value, what: str, source: str, where: str, *, non_negative: bool = False) -> int | None:
+    """An integer cell (None when NULL), within int64 (``non_negative``: a size or total, at least 0);
+    the error names the file, the table and row, and the column."""
     if value is None or value == "":
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, str):
-        return parse_int(value, f"{where}: {what}", source=source)
-    if not isinstance(value, int):
-        raise InputError(f"{where}: {what}: expected an integer, got {value!r}", source=source)
+        value = parse_int(value, f"{where}: {what}", source=source)
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{where}: {what}: expected an integer, got {str(value)[:40]!r}", source=source)
+    if not -_INT64 <= value < _INT64:
+        raise InputError(f"{where}: {what}: expected an integer within int64, got {str(value)[:40]}", source=source)
+    if non_negative and value < 0:
+        raise InputError(f"{where}: {what}: expected a non-negative size, got {value}", source=source)
     return value
+
+
+_INT64 = 1 << 63

@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from ms_memopt.core import events as _events
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event
 from ms_memopt.core.layout import Block, Layout, Segment
@@ -39,6 +40,7 @@ __all__ = [
     "RowMerge",
     "Timeline",
     "better_figures",
+    "check_held",
     "new_timeline",
 ]
 
@@ -442,6 +444,13 @@ class OutOfOrder(Exception):
     """A row's time lies before what was already emitted: the component is read again, sorted."""
 
 
+def check_held(count: int, source: str) -> None:
+    """Refuse to hold more than :data:`~ms_memopt.core.events.MAX_EVENTS_IN_MEMORY` events or rows
+    (the cap of every whole-trace reader; ``replay`` reads a long recording as a stream)."""
+    if count > _events.MAX_EVENTS_IN_MEMORY:
+        raise _events.too_many_events(source)
+
+
 class RowMerge:
     """Rows (tensor with allocation and release) -> time-sorted events, merging releases from a heap.
 
@@ -459,6 +468,8 @@ class RowMerge:
         alloc_ns, release_ns, size, a_total, a_res, r_total, r_res, line, name, addr, stream = row
         timeline = self.timeline
         timeline.fig.rows += 1
+        if len(timeline.events) > _events.MAX_EVENTS_IN_MEMORY:
+            raise _events.too_many_events(self.source)
         if alloc_ns is None:
             if release_ns is None:
                 timeline.add_initial(line, size, name)

@@ -39,10 +39,13 @@ from __future__ import annotations
 import bisect
 import io
 import math
+import os
 import pickle
 import pickletools
 from pathlib import Path
 
+from ms_memopt.core import _build_hash
+from ms_memopt.core.consistency import TraceChecker
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import Block, Layout, Segment
@@ -51,7 +54,7 @@ from ms_memopt.core.units import short_repr
 from ms_memopt.io.traces.memory_viz import POOL_KEY, RECORDED_BY, STEP_KEY
 from ms_memopt.io.traces.torch_origin import NPU_PAD, snapshot_origin
 
-__all__ = ["SafeUnpickler", "safe_load", "recorded_by", "pickle_nesting", "MAX_NESTING", "read_torch_snapshot", "looks_like_torch_snapshot",
+__all__ = ["SafeUnpickler", "safe_load", "recorded_by", "pickle_nesting", "nesting_reference", "MAX_NESTING", "read_torch_snapshot", "looks_like_torch_snapshot",
            "reconstruct_initial", "LIVE_STATES", "round_request"]
 
 FORMAT = "torch-snapshot"
@@ -92,9 +95,12 @@ MAX_NESTING = 64
 MAX_PICKLE_BYTES = 2 << 30
 
 
-# what each opcode does to the nesting, for pickle_nesting's scan
+# what each opcode does to the nesting, for pickle_nesting's scan (the compiled scan numbers
+# them in this order: _pickle_scan.c's KINDS, compared when it loads)
+_KINDS = ("SCALAR", "MARK", "EMPTY", "BUILD_MARK", "BUILD_N", "FILL_MARK", "FILL_N", "PUT", "MEMOIZE", "GET", "DUP",
+          "POP", "POP_MARK", "REFUSE_GLOBAL", "REFUSE_PERSISTENT", "NOTHING", "STOP", "OTHER")
 (_SCALAR, _MARK, _EMPTY, _BUILD_MARK, _BUILD_N, _FILL_MARK, _FILL_N, _PUT, _MEMOIZE, _GET, _DUP, _POP, _POP_MARK,
- _REFUSE_GLOBAL, _REFUSE_PERSISTENT, _NOTHING, _STOP, _OTHER) = range(18)
+ _REFUSE_GLOBAL, _REFUSE_PERSISTENT, _NOTHING, _STOP, _OTHER) = range(len(_KINDS))
 _KIND_BY_NAME = {
     "MARK": _MARK, "EMPTY_LIST": _EMPTY, "EMPTY_DICT": _EMPTY, "EMPTY_SET": _EMPTY, "EMPTY_TUPLE": _EMPTY,
     "TUPLE": _BUILD_MARK, "LIST": _BUILD_MARK, "DICT": _BUILD_MARK, "FROZENSET": _BUILD_MARK,
@@ -129,9 +135,51 @@ _OPCODES = _opcode_table()
 _LENGTH_BYTES = {-2: 1, -3: 4, -4: 4, -5: 8}
 
 
+def _compiled_scan():
+    """The compiled scan's ``nesting(data, limit)`` (``_pickle_scan.c``), or None: not built, stale
+    (built from other C sources than the tree's; warned), another numbering of the opcode kinds,
+    or ``MS_MEMOPT_PURE_PYTHON=1``."""
+    if os.environ.get("MS_MEMOPT_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from ms_memopt.io.traces import _pickle_scan
+    except ImportError:
+        return None
+    if _build_hash.check("ms_memopt.io.traces._pickle_scan", getattr(_pickle_scan, "SOURCE_HASH", None),
+                         getattr(_pickle_scan, "__file__", None)):
+        return None
+    if tuple(getattr(_pickle_scan, "KINDS", "").split()) != _KINDS:
+        return None
+    _pickle_scan.set_opcodes(tuple(_OPCODES))
+    return _pickle_scan.nesting
+
+
+_NESTING = _compiled_scan()
+
+
 def pickle_nesting(data: bytes, *, limit: int = MAX_NESTING) -> int:
     """The deepest container nesting the pickle ``data`` would build, found from its opcodes
     without building anything; the scan stops once past ``limit``.
+
+    The scan is :func:`nesting_reference` in C when it is built (``_pickle_scan.c``, about 10 ns
+    an opcode: a 50 MB snapshot in well under a tenth of its unpickling), the reference itself
+    otherwise; both give the same depth, exceptions and messages (``tests/test_pickle_scan.py``).
+
+    Raises:
+        ValueError: ``data`` is not a complete pickle (the message says ``truncated`` when it ends early).
+        pickle.UnpicklingError: an opcode that loads a global or a persistent id.
+
+    Example:
+        >>> pickle_nesting(pickle.dumps({"a": [1, (2, [3])]}, protocol=4))
+        4
+    """
+    if _NESTING is not None:
+        return _NESTING(data, limit)
+    return nesting_reference(data, limit=limit)
+
+
+def nesting_reference(data: bytes, *, limit: int = MAX_NESTING) -> int:
+    """:func:`pickle_nesting` in pure Python: the readable reference of the compiled scan.
 
     Why before loading: the C unpickler builds a tuple nested a million deep without recursion
     (one ``TUPLE1`` byte per level), and then hashing it as a dict key recurses in C without any
@@ -147,7 +195,7 @@ def pickle_nesting(data: bytes, *, limit: int = MAX_NESTING) -> int:
             :class:`SafeUnpickler` refuses it, before anything is built).
 
     Example:
-        >>> pickle_nesting(pickle.dumps({"a": [1, (2, [3])]}, protocol=4))
+        >>> nesting_reference(pickle.dumps({"a": [1, (2, [3])]}, protocol=4))
         4
     """
     scalar = [0]
@@ -567,12 +615,16 @@ def _stack(entry: dict) -> list[str]:
     return [f"{f['name']} ({f['filename']}:{f.get('line')})" for f in (own or python)[:_STACK_DEPTH]]
 
 
-def recorded_by(data: dict) -> dict:
+def recorded_by(data: dict, source: str | None = None) -> dict:
     """What ms-memopt's export says made the snapshot (``allocator_settings["ms_memopt"]``,
     :data:`~ms_memopt.io.traces.memory_viz.RECORDED_BY`) as ``Trace.meta`` keys: ``allocator``
     (a model name), ``allocator_options`` (a dict) and ``recorded_by`` (the whole entry); an
-    empty dict for PyTorch's own snapshots. Values of the wrong type are left out (the model
-    name is checked where it is used: :func:`ms_memopt.replay.replay.recorded_allocator`).
+    empty dict for PyTorch's own snapshots. Entries of the wrong type are left out, and a model
+    name unknown here is checked where it is used (:func:`ms_memopt.replay.replay.recorded_allocator`).
+
+    Raises:
+        InputError: an option the named model takes holds a value of the wrong type (a string
+            where the model compares numbers), naming the key and what it expects.
 
     Example:
         >>> recorded_by({"allocator_settings": {"ms_memopt": {"allocator": "mindspore"}}})["allocator"]
@@ -580,13 +632,21 @@ def recorded_by(data: dict) -> dict:
         >>> recorded_by({"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": ""}})
         {}
     """
+    from ms_memopt.allocators.options import OPTION_TYPES
+
     settings = data.get("allocator_settings")
     entry = settings.get(RECORDED_BY) if isinstance(settings, dict) else None
     if not isinstance(entry, dict) or not isinstance(entry.get("allocator"), str):
         return {}
     options = entry.get("allocator_options")
-    return {"allocator": entry["allocator"], "allocator_options": dict(options) if isinstance(options, dict) else {},
-            "recorded_by": dict(entry)}
+    options = dict(options) if isinstance(options, dict) else {}
+    types = OPTION_TYPES.get(entry["allocator"], {})
+    for key, value in options.items():
+        kind = types.get(key) if isinstance(key, str) else None
+        if kind is not None and not kind.accepts(value):
+            raise InputError(f"allocator_settings.{RECORDED_BY}.allocator_options.{key}: expected {kind.describe()} "
+                             f"for the {entry['allocator']} model, got {short_repr(value)}", source=source)
+    return {"allocator": entry["allocator"], "allocator_options": options, "recorded_by": dict(entry)}
 
 
 def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
@@ -626,6 +686,13 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     stacks: dict[int, list[str]] = {}     # id(frame list) -> its innermost frames
     next_id = 1
     last_step = None
+    # what cannot have happened (core/consistency.py; "line" is the entry's index): live blocks that
+    # overlap, a block freed twice, a segment freed twice; a free (or segment_free) of an address the
+    # trace never touched is a block (segment) alive before recording began, not an error
+    checker = TraceChecker()
+    touched: set[int] = set()           # addresses allocated or freed in the trace
+    segments_live: set[int] = set()
+    segments_gone: set[int] = set()
     origin = snapshot_origin(data, raw_trace)
     pad = NPU_PAD if origin.framework == "torch_npu" else 0     # torch_npu's round_size pads each request
     for i, entry in enumerate(raw_trace):
@@ -656,6 +723,8 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
             tag = _our_tag(entry)
             events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time, tag=tag,
                                 pool=pool))
+            checker.feed(events[-1], i)
+            touched.add(addr)
             if tag is None:
                 raw_frames = entry.get("frames")
                 key = id(raw_frames)
@@ -669,6 +738,10 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
             next_id += 1
         elif action in ("free_completed", "free"):
             bid = live_id.pop(addr, None)
+            if bid is None and addr in touched:
+                checker.found.note("double_free", i)     # dropped: the block was freed already
+                continue
+            touched.add(addr)
             if bid is None:
                 # freed but never allocated in the trace: alive when recording began
                 bid = next_id
@@ -677,7 +750,18 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
             else:
                 del live_size[addr]
             events.append(Event("free", id=bid, size=size, addr=addr, stream=stream, time=time, pool=pool))
+            if addr not in pre_live or pre_live[addr][0] != bid:
+                checker.feed(events[-1], i)
         else:
+            if action == "segment_alloc":
+                segments_live.add(addr)
+                segments_gone.discard(addr)
+            elif action == "segment_free":
+                if addr in segments_gone:
+                    checker.found.note("unknown_segment_free", i)    # dropped: freed already
+                    continue
+                segments_live.discard(addr)
+                segments_gone.add(addr)
             events.append(Event(action, size=size, addr=addr, stream=stream, time=time))
 
     # final live blocks the trace never allocated were alive all along; give them ids too
@@ -691,5 +775,6 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     initial = reconstruct_initial(events, final, pre_live, expandable=origin.expandable)
     meta = {"device": device, "skipped_actions": skipped, "frames": frames,
             "allocator_settings": data.get("allocator_settings") if isinstance(data.get("allocator_settings"), dict)
-            else None, **origin.to_meta(), **recorded_by(data)}
-    return Trace(events, source=source, format=FORMAT, initial=initial, final=final, meta=meta)
+            else None, **origin.to_meta(), **recorded_by(data, source)}
+    return Trace(events, source=source, format=FORMAT, initial=initial, final=final, meta=meta,
+                 inconsistencies=checker.found.to_meta())
