@@ -12,7 +12,7 @@ setup: $(STAMP)
 # per allocator model, the shared code and header, the run loop) with gcc; every C source and header they are built
 # from is a prerequisite (the lists are ms_memopt/core/_build_hash.py's EXTENSIONS), so `make test` rebuilds after an edit. A library built from other sources than the tree's is refused at import anyway
 # (a StaleBuildWarning, and the pure-Python references run): tests/test_build_hash.py fails on it.
-$(STAMP): pyproject.toml setup.py ms_memopt/core/_build_hash.py $(wildcard ms_memopt/native/*.c) ms_memopt/analysis/planner/_search.c $(wildcard ms_memopt/allocators/fast/*.c ms_memopt/allocators/fast/*.h)
+$(STAMP): pyproject.toml setup.py ms_memopt/core/_build_hash.py $(wildcard ms_memopt/native/*.c) ms_memopt/analysis/planner/_search.c $(wildcard ms_memopt/allocators/fast/*.c ms_memopt/allocators/fast/*.h) ms_memopt/io/traces/_pickle_scan.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,mindformers]'

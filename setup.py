@@ -5,7 +5,9 @@
   (``ms_memopt/analysis/planner/_search.c``, loaded by ``ms_memopt/analysis/planner/_native.py``);
 * ``ms_memopt.allocators.fast._fastpool``: the allocator models' fast path, plain C against the
   CPython API (gcc and the Python headers, no extra package; ms_memopt/allocators/fast/__init__.py),
-  one module from one C file per model, the shared code and the run loop (fast/fastpool.h).
+  one module from one C file per model, the shared code and the run loop (fast/fastpool.h);
+* ``ms_memopt.io.traces._pickle_scan``: the pickle nesting guard of snapshot reading, plain C against
+  the CPython API (``ms_memopt/io/traces/_pickle_scan.c``).
 
 Without a compiler the install still succeeds and the package runs its pure-Python references
 (a warning says so).
@@ -109,6 +111,10 @@ setup(
         Extension("ms_memopt.allocators.fast._fastpool", _compiled("ms_memopt.allocators.fast._fastpool"),
                   depends=_headers("ms_memopt.allocators.fast._fastpool"),
                   define_macros=_hash_macro("ms_memopt.allocators.fast._fastpool"),
+                  extra_compile_args=["-O2", "-fvisibility=hidden"]),
+        # the pickle nesting guard, plain C against the CPython API (ms_memopt/io/traces/torch_snapshot.py)
+        Extension("ms_memopt.io.traces._pickle_scan", _compiled("ms_memopt.io.traces._pickle_scan"),
+                  define_macros=_hash_macro("ms_memopt.io.traces._pickle_scan"),
                   extra_compile_args=["-O2", "-fvisibility=hidden"]),
     ],
     cmdclass={"build_ext": _OptionalBuildExt},

@@ -3,9 +3,10 @@
 ``setup.py`` loads this file by path (it imports nothing but the standard library) to take the
 source lists of its extensions from :data:`EXTENSIONS` and to compile :func:`tree_hash` of them
 into each library (the ``MS_MEMOPT_SOURCE_HASH`` macro: ``ms_memopt_source_hash()`` in
-``ms_memopt.native._lib``, ``SOURCE_HASH`` in ``ms_memopt.allocators.fast._fastpool``). At load time
-the three loaders (``ms_memopt/native/__init__.py``, ``ms_memopt/analysis/planner/_native.py`` through
-it, ``ms_memopt/allocators/fast/__init__.py``) call :func:`check`: when the sources are present (a source
+``ms_memopt.native._lib``, ``SOURCE_HASH`` in ``ms_memopt.allocators.fast._fastpool`` and
+``ms_memopt.io.traces._pickle_scan``). At load time the four loaders (``ms_memopt/native/__init__.py``,
+``ms_memopt/analysis/planner/_native.py`` through it, ``ms_memopt/allocators/fast/__init__.py``,
+``ms_memopt/io/traces/torch_snapshot.py``) call :func:`check`: when the sources are present (a source
 tree, an editable install) and their hash differs from the library's, someone edited a ``.c``
 without rebuilding, and the loader refuses the stale library, with a :class:`StaleBuildWarning`
 naming it and the rebuild command, and runs the pure-Python reference instead. Without the
@@ -13,7 +14,7 @@ sources (an installed wheel) the library is used as it is.
 
 Example:
     >>> sorted(EXTENSIONS)
-    ['ms_memopt.allocators.fast._fastpool', 'ms_memopt.native._lib']
+    ['ms_memopt.allocators.fast._fastpool', 'ms_memopt.io.traces._pickle_scan', 'ms_memopt.native._lib']
     >>> len(source_hash([]))
     64
 """
@@ -35,6 +36,8 @@ EXTENSIONS: dict[str, tuple[str, ...]] = {
     "ms_memopt.allocators.fast._fastpool": tuple(f"ms_memopt/allocators/fast/{name}" for name in (
         "fastpool.h", "common.c", "mindspore.c", "mindspore_vmm.c", "torch.c", "torch_expandable.c", "torch_npu.c", "pool.c",
         "_fastpool.c")),
+    # the pickle nesting guard (ms_memopt/io/traces/torch_snapshot.py: pickle_nesting)
+    "ms_memopt.io.traces._pickle_scan": ("ms_memopt/io/traces/_pickle_scan.c",),
 }
 
 #: what rebuilds the compiled libraries
