@@ -88,7 +88,7 @@ def _about_user_path(exc: OSError, args: argparse.Namespace) -> bool:
     for given in _user_paths(args):
         for name in names:      # the path, a file inside it, or a folder on the way to it
             if (name == given or name.startswith(given.rstrip("/") + "/") or given.startswith(name.rstrip("/") + "/")
-                    or _same_file(name, given)):
+                    or _same_file(name, given) or _beside(name, given)):
                 return True
     return False
 
@@ -99,6 +99,15 @@ def _outputs(args: argparse.Namespace) -> str:
     given = [str(v) for k, v in vars(args).items() if v and isinstance(v, (str, os.PathLike))
              and (k in ("out", "raw") or k.startswith("export_"))]
     return " or ".join(given)
+
+
+def _beside(name: str, given: str) -> bool:
+    """``name`` is in the folder of the file ``given``: a file looked for beside it (a crash log's
+    ``MemoryDebugInfo<N>.txt``, a snapshot's per-policy siblings)."""
+    try:
+        return os.path.dirname(os.path.abspath(name)) == os.path.dirname(os.path.abspath(given))
+    except (OSError, ValueError):
+        return False
 
 
 def _same_file(a: str, b: str) -> bool:
