@@ -15,6 +15,7 @@ import gzip
 import json
 import os
 import pickle
+import sqlite3
 import subprocess
 import tempfile
 import sys
@@ -461,3 +462,280 @@ def test_a_trace_too_long_to_hold_whole_is_refused_pointing_at_replay(monkeypatc
             load_trace(path)
         trace = load_trace(path, stream=True)           # what replay does: no limit
         assert sum(1 for _ in trace.events) > 3
+
+
+# --- the Ascend profiler's folder and the other readers (issue 44) --------------------------------------------
+
+T0_US = "1736408883694624.810\t"        # torch_npu's time text: ns with the point moved, then a TAB
+_OPERATOR_HEADER = ("Name,Size(KB),Allocation Time(us),Release Time(us),Active Release Time(us),Duration(us),"
+                    "Active Duration(us),Allocation Total Allocated(MB),Allocation Total Reserved(MB),"
+                    "Allocation Total Active(MB),Release Total Allocated(MB),Release Total Reserved(MB),"
+                    "Release Total Active(MB),Stream Ptr,Device Type")
+_GOOD_ROW = f"a,1.0,{T0_US},,,,,1.0,2.0,1.0,,,,7,NPU:0"
+
+
+def _profiler(tmp_path: Path, rows: list[str] | None = (_GOOD_ROW,), record: list[str] | None = None,
+              modules: list[str] | None = None, name: str = "rank0_ascend_pt") -> Path:
+    """A rank's folder as torch_npu's profiler writes it (only the files asked for)."""
+    out = tmp_path / name / "ASCEND_PROFILER_OUTPUT"
+    out.mkdir(parents=True)
+    if rows is not None:
+        (out / "operator_memory.csv").write_text(_OPERATOR_HEADER + "\n" + "\n".join(rows) + "\n")
+    if record is not None:
+        (out / "memory_record.csv").write_text("Component,Timestamp(us),Total Allocated(MB),Total Reserved(MB),"
+                                               "Device\n" + "\n".join(record) + "\n")
+    if modules is not None:
+        (out / "npu_module_mem.csv").write_text("Component,Timestamp(us),Total Reserved(MB),Device\n"
+                                                + "\n".join(modules) + "\n")
+    return tmp_path / name
+
+
+def _listing(folder: Path) -> dict[str, tuple]:
+    """Every path under ``folder`` with its size and mtime: what reading must leave as it was."""
+    return {str(p.relative_to(folder)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("time", ["1" * 5000 + ".810\t", "1" * 5000, "1\u00b23", "1\u00b23.810\t", "1" * 40 + ".810\t"])
+def test_profiler_time_field_of_many_or_unicode_digits_is_refused(tmp_path, time):
+    """ValueError (int() of 5,000 digits, of '1²3') as a traceback; 40 digits: a time beyond int64 ns."""
+    folder = _profiler(tmp_path, [_GOOD_ROW, f"a,1.0,{time},,,,,1.0,2.0,1.0,,,,7,NPU:0"])
+    code, _, err, _ = _run(["replay", str(folder)])
+    assert code == 2 and "operator_memory.csv:3" in err and "Allocation Time(us)" in err, err
+
+
+@pytest.mark.parametrize("which", ["record", "modules"])
+@pytest.mark.parametrize("time", ["1e300", "9" * 400])
+def test_profiler_huge_time_in_the_totals_files_is_refused(tmp_path, which, time):
+    """OverflowError (a float of 10**303 ns) in doctor and in the export; replay took it."""
+    first = f"PTA,{T0_US.strip()},1.0,2.0,NPU:0"
+    if which == "record":
+        folder = _profiler(tmp_path, None, record=[first, f"PTA,{time},2.0,2.0,NPU:0"])
+        name = "memory_record.csv:3"
+    else:
+        folder = _profiler(tmp_path, None, record=[first], modules=[f"HCCL,{time},2.0,NPU:0"])
+        name = "npu_module_mem.csv:2"
+    for command in (["replay", str(folder)], ["doctor", str(folder), "--out", str(tmp_path / "d")]):
+        code, _, err, _ = _run(command)
+        assert code == 2 and name in err and "Timestamp(us)" in err, err
+
+
+@pytest.mark.parametrize("sidecar", ["profiler_info_0.json", "profiler_metadata.json"])
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "/dev/urandom", "1 GB", "loop"])
+def test_profiler_sidecar_json_is_bounded(tmp_path, sidecar, kind):
+    """A FIFO hung until killed; /dev/zero was read whole (10 GB); a 1 GB file too."""
+    folder = _profiler(tmp_path)
+    path = folder / sidecar
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "1 GB":
+        with open(path, "wb") as out:
+            out.truncate(1 << 30)         # sparse: a gigabyte of NULs that takes no disk
+    elif kind == "loop":
+        path.symlink_to(path.name)
+    else:
+        path.symlink_to(kind)
+    code, _, err, _ = _run(["replay", str(folder)])
+    assert code == 2 and sidecar in err, err
+
+
+def test_profiler_db_fifo_and_forced_format_fifo_are_refused_in_time(tmp_path):
+    out = tmp_path / "rank0_ascend_pt" / "ASCEND_PROFILER_OUTPUT"
+    out.mkdir(parents=True)
+    os.mkfifo(out / "ascend_pytorch_profiler_0.db")
+    code, _, err, _ = _run(["replay", str(tmp_path / "rank0_ascend_pt")])
+    assert code == 2 and "ascend_pytorch_profiler_0.db" in err, err
+    fifo = _fifo(tmp_path)
+    code, _, err, _ = _run(["replay", "--format", "ascend-profiler", str(fifo)])
+    assert code == 2 and "FIFO" in err, err
+
+
+def _wal_db(path: Path, rows: list[tuple], *, generated: str | None = None) -> Path:
+    """A db of torch_npu's OP_MEMORY schema in WAL mode (as the real one is); ``generated``: the
+    ``name`` column is generated by that expression, computed as each row is read."""
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE STRING_IDS (id INTEGER PRIMARY KEY, value TEXT)")
+    db.executemany("INSERT INTO STRING_IDS VALUES (?, ?)", [(1, "PTA"), (2, "aten::mm")])
+    name = f"name BLOB GENERATED ALWAYS AS ({generated}) VIRTUAL" if generated else "name INTEGER"
+    db.execute(f"CREATE TABLE OP_MEMORY ({name}, size INTEGER, allocationTime INTEGER, releaseTime INTEGER, "
+               "allocationTotalAllocated INTEGER, allocationTotalReserved INTEGER, allocationTotalActive INTEGER, "
+               "releaseTotalAllocated INTEGER, releaseTotalReserved INTEGER, releaseTotalActive INTEGER, "
+               "streamPtr INTEGER)")
+    db.executemany(f"INSERT INTO OP_MEMORY ({'' if generated else 'name, '}size, allocationTime, releaseTime, allocationTotalAllocated, "
+                   "allocationTotalReserved, allocationTotalActive, releaseTotalAllocated, releaseTotalReserved, "
+                   "releaseTotalActive, streamPtr) VALUES (" + ("" if generated else "2,") + "?,?,?,?,?,?,?,?,?,5)", rows)
+    db.commit()
+    db.close()
+    return path
+
+
+_T0_NS = 1736408883694624810
+_DB_ROWS = [(4096, _T0_NS, _T0_NS + 30, 1 << 20, 20 << 20, 1 << 20, (1 << 20) - 4096, 20 << 20, 0),
+            (4096, _T0_NS + 40, None, (1 << 20), 20 << 20, 1 << 20, None, None, None)]
+
+
+def test_profiler_db_is_read_without_writing_beside_it(tmp_path):
+    """mode=ro still made -wal and -shm files beside a WAL db (the shared sample grew both)."""
+    out = tmp_path / "rank0_ascend_pt" / "ASCEND_PROFILER_OUTPUT"
+    out.mkdir(parents=True)
+    _wal_db(out / "ascend_pytorch_profiler_0.db", _DB_ROWS)
+    before = _listing(tmp_path)
+    code, out_text, err, _ = _run(["replay", str(tmp_path / "rank0_ascend_pt"), "--json"])
+    assert code == 0 and json.loads(out_text)["allocs"] >= 1, err
+    assert _listing(tmp_path) == before
+    shared = ROOT.parent / "shared" / "data" / "traces" / "ascend_profiler" / "cnn_910b_level1_rank0_db"
+    if shared.exists():
+        before = _listing(shared)
+        code, _, err, _ = _run(["replay", str(shared), "--json"])
+        assert code == 0, err
+        assert _listing(shared) == before
+
+
+def test_profiler_db_negative_total_and_huge_generated_column_are_refused(tmp_path):
+    """A negative total dropped events with no word (the CSV reader exits 2); a generated 300 MB
+    column in an 800 KB file reached 6 GB."""
+    bad = [(4096, _T0_NS, _T0_NS + 30, -(1 << 20), 20 << 20, 1 << 20, 0, 20 << 20, 0)] + _DB_ROWS[1:]
+    path = _wal_db(tmp_path / "ascend_pytorch_profiler_0.db", bad)
+    code, _, err, _ = _run(["replay", str(path)])
+    assert code == 2 and "OP_MEMORY row 1" in err and "allocationTotalAllocated" in err, err
+    (tmp_path / "g").mkdir()
+    path = _wal_db(tmp_path / "g" / "ascend_pytorch_profiler_0.db", _DB_ROWS * 10, generated="zeroblob(300000000)")
+    code, _, err, _ = _run(["replay", str(path)])
+    assert code == 2 and "ascend_pytorch_profiler_0.db" in err, err
+
+
+def test_profiler_unreadable_operator_memory_is_not_replaced_by_memory_record(tmp_path):
+    folder = _profiler(tmp_path, None, record=[f"PTA,{T0_US.strip()},1.0,2.0,NPU:0"])
+    link = folder / "ASCEND_PROFILER_OUTPUT" / "operator_memory.csv"
+    link.symlink_to(link.name)        # a symlink loop: ELOOP, even for root
+    code, _, err, _ = _run(["replay", str(folder)])
+    assert code == 2 and "operator_memory.csv" in err, err
+
+
+def test_profiler_reader_has_the_event_cap_of_the_others(tmp_path, monkeypatch):
+    """10**7 rows reached 4-6 GB: the whole-trace read stops at MAX_EVENTS_IN_MEMORY (replay streams)."""
+    import ms_memopt.core.events as events
+    import ms_memopt.io.traces.ascend_profiler as profiler
+    from ms_memopt.io.traces import load_trace
+
+    rows = [f"a,1.0,{_T0_NS // 1000 + i}.{_T0_NS % 1000:03d}\t,{_T0_NS // 1000 + i}.{_T0_NS % 1000 + 1:03d}\t,,,,"
+            f"1.0,2.0,1.0,0.0,2.0,0.0,7,NPU:0" for i in range(50)]
+    folder = _profiler(tmp_path, rows)
+    monkeypatch.setattr(events, "MAX_EVENTS_IN_MEMORY", 20)
+    monkeypatch.setattr(profiler, "MAX_EVENTS_IN_MEMORY", 20, raising=False)
+    with pytest.raises(InputError, match="as a stream"):
+        load_trace(folder)
+    trace = load_trace(folder, stream=True)
+    assert sum(1 for e in trace.events if e.action == "alloc") >= 50
+
+
+def _snapshot(tmp_path: Path, trace: list[dict], segments: list[dict] = (), settings: dict | None = None) -> Path:
+    data = {"segments": list(segments), "device_traces": [trace]}
+    if settings is not None:
+        data["allocator_settings"] = settings
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps(data, protocol=4))
+    return path
+
+
+@pytest.mark.parametrize("options", [{"garbage_collection_threshold": "0.5"}, {"max_split_size_mb": "lots"},
+                                     {"roundup_power2_divisions": "4"}, {"page_size_1g": "yes"}])
+def test_snapshot_allocator_settings_values_are_checked(tmp_path, options):
+    """TypeError: '<=' not supported between 'str' and 'int' (the names were checked, the values not)."""
+    trace = [{"action": "alloc", "addr": 0, "size": 512, "stream": 0}]
+    path = _snapshot(tmp_path, trace, settings={"ms_memopt": {"allocator": "torch-npu", "allocator_options": options}})
+    code, _, err, _ = _run(["replay", str(path)])
+    assert code == 2 and "snap.pickle" in err and next(iter(options)) in err, err
+
+
+def test_snapshot_overlapping_live_blocks_are_reported_and_strict_refuses(tmp_path):
+    """Every allocation at one address: a peak 10 times the real one, in silence."""
+    trace = [{"action": "alloc", "addr": 1 << 30, "size": 1 << 20, "stream": 0} for _ in range(8)]
+    path = _snapshot(tmp_path, trace)
+    code, out, err, _ = _run(["replay", str(path), "--json"])
+    assert code == 0 and json.loads(out)["inconsistencies"]["overlapping_addresses"]["count"] == 7, out
+    code, _, err, _ = _run(["replay", str(path), "--strict"])
+    assert code == 2 and "--strict" in err
+
+
+@pytest.mark.parametrize("kind", ["double_free", "unknown_segment_free"])
+def test_snapshot_double_frees_and_unknown_segment_frees_fail_strict(tmp_path, kind):
+    seg = {"action": "segment_alloc", "addr": 1 << 30, "size": 2 << 20, "stream": 0}
+    alloc = {"action": "alloc", "addr": 1 << 30, "size": 512, "stream": 0}
+    free = {"action": "free_completed", "addr": 1 << 30, "size": 512, "stream": 0}
+    if kind == "double_free":
+        trace = [seg, alloc, free, free]
+    else:
+        trace = [seg, alloc, free, dict(seg, action="segment_free"), dict(seg, action="segment_free")]
+    path = _snapshot(tmp_path, trace)
+    code, out, err, _ = _run(["replay", str(path), "--json"])
+    assert code == 0 and kind in json.loads(out).get("inconsistencies", {}), out
+    code, _, err, _ = _run(["replay", str(path), "--strict"])
+    assert code == 2 and kind in err, err
+
+
+def test_replay_refuses_to_export_over_its_input_or_into_a_fifo(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_bytes((DATA / "events.jsonl").read_bytes())
+    code, _, err, _ = _run(["replay", str(path), "--export-memory-viz", str(path)])
+    assert code == 2 and "--export-memory-viz" in err, err
+    assert path.read_bytes() == (DATA / "events.jsonl").read_bytes()
+    code, _, err, _ = _run(["replay", str(path), "--export-memory-viz", str(_fifo(tmp_path))])
+    assert code == 2 and "FIFO" in err, err
+
+
+def test_doctor_does_not_follow_a_symlink_planted_in_its_out_folder(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "report.md").symlink_to(target)
+    code, _, err, _ = _run(["doctor", str(DATA / "events.jsonl"), "--out", str(out)])
+    assert target.read_text() == "keep me\n"
+    assert code == 2 and "report.md" in err, err
+
+
+def test_doctor_log_beside_a_symlink_loop_named_like_a_pool_dump(tmp_path):
+    """OSError: Too many levels of symbolic links, as a traceback."""
+    log = tmp_path / "worker_0.log"
+    log.write_bytes((DATA / "crash_logs" / "ms2.10_cpu_fragmentation_glog1.log").read_bytes())
+    (tmp_path / "MemoryDebugInfo0.txt").symlink_to("MemoryDebugInfo0.txt")
+    code, _, err, _ = _run(["doctor", str(log)])
+    assert code == 2 and "MemoryDebugInfo0.txt" in err, err
+
+
+def test_doctor_report_of_a_log_whose_name_is_not_utf8(tmp_path):
+    """UnicodeEncodeError writing report.md: the log's name, found in the folder, is not UTF-8."""
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    Path(os.fsdecode(bytes(folder) + b"/worker_\xff.log")).write_bytes(
+        (DATA / "crash_logs" / "ms2.10_cpu_fragmentation_glog1.log").read_bytes())
+    code, _, err, _ = _run(["doctor", str(folder), "--out", str(tmp_path / "d")])
+    assert code in (0, 1), err
+    assert b"worker_\xff.log" in (tmp_path / "d" / "report.md").read_bytes()
+
+
+def test_mindspore_oom_request_of_many_digits_is_not_cut_to_twenty(tmp_path):
+    from ms_memopt.io.oom_logs import parse_message
+
+    text = ("Out of Memory!!! Request memory size: " + "9" * 5000 + "B, Memory Statistic:\n"
+            "Device MOC memory size: 62000M\n")
+    report = parse_message(text)
+    assert report is None or report.request is None or report.request.value != int("9" * 20), report
+
+
+def test_a_log_where_every_line_holds_the_anchor_reads_fast(tmp_path):
+    """Every line with 'emory' (the anchor every OOM message holds) went line by line in Python: 2.2 MB/s."""
+    from ms_memopt.io.oom_logs import scan_bytes
+
+    plain = b"INFO step 12 loss 0.25 throughput fine, nothing to see here ........\n" * 150_000
+    anchored = b"INFO step 12 memory 0.25 throughput fine, nothing to see here ......\n" * 150_000
+    assert len(plain) == len(anchored)
+
+    def took(data: bytes) -> float:
+        started = time.perf_counter()
+        scan_bytes([data[i:i + (1 << 20)] for i in range(0, len(data), 1 << 20)], source="x.log")
+        return time.perf_counter() - started
+
+    base = min(took(plain) for _ in range(2))
+    assert min(took(anchored) for _ in range(2)) < 5 * base + 0.05

@@ -82,7 +82,8 @@ def check_output_folder(folder: str | os.PathLike, names: Iterable[str], *, key:
 
 
 def write_text_in(folder: str | os.PathLike, name: str, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``folder/name``, never through a symlink (``O_NOFOLLOW``) nor into a FIFO.
+    """Write ``text`` (UTF-8; a file name that is not UTF-8 as its bytes) to ``folder/name``, never
+    through a symlink (``O_NOFOLLOW``) nor into a FIFO.
 
     Raises:
         InputError: ``folder/name`` is a symlink, FIFO or socket.
@@ -97,6 +98,8 @@ def write_text_in(folder: str | os.PathLike, name: str, text: str) -> Path:
         if exc.errno in (errno.ELOOP, errno.ENXIO):        # ELOOP: a link made since the check; ENXIO: a FIFO with no reader
             raise InputError(f"{path}: a symbolic link or FIFO appeared; not written through it", key="--out") from None
         raise
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+    # a name found inside a folder the user gave may not be UTF-8 (kept as lone surrogates by
+    # Python): written as its own bytes, not a UnicodeEncodeError
+    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as handle:
         handle.write(text)
     return path
