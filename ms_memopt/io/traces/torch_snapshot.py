@@ -411,6 +411,16 @@ def round_request(size: int) -> int:
     return _MIN_BLOCK if size < _MIN_BLOCK else (size + _MIN_BLOCK - 1) // _MIN_BLOCK * _MIN_BLOCK
 
 
+_TRACE_ACTIONS = ("alloc", "free_completed", "segment_alloc", "free", "segment_free", "segment_map",
+                  "segment_unmap")
+_2_64 = 1 << 64
+
+
+def _where(device: int, index: int) -> str:
+    """Where a trace entry is, for a message: ``device_traces[D][I]``."""
+    return f"device_traces[{device}][{index}]"
+
+
 def _int(obj: dict, key: str, where: str, source: str) -> int:
     """A device address or size: an integer in [0, 2**64)."""
     value = obj.get(key) if isinstance(obj, dict) else None
@@ -683,7 +693,7 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     frames: dict[int, list[str]] = {}     # alloc id -> its innermost frames, where recorded
     # a frame list the pickle shares through its memo (one list object for many entries) is read
     # once and its result shared: a 100k-frame list under 200k allocations was walked per allocation
-    stacks: dict[int, list[str]] = {}     # id(frame list) -> its innermost frames
+    stacks: dict[int, tuple] = {}         # id(frame list) -> (our tag, its innermost frames)
     next_id = 1
     last_step = None
     # what cannot have happened (core/consistency.py; "line" is the entry's index): live blocks that
@@ -695,44 +705,54 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
     segments_gone: set[int] = set()
     origin = snapshot_origin(data, raw_trace)
     pad = NPU_PAD if origin.framework == "torch_npu" else 0     # torch_npu's round_size pads each request
+    # per entry, the checks are inlined for the types an honest snapshot holds (exact ints, no
+    # time, no pool or step key), and the full checks of the helpers run on anything else (1.2M
+    # entries: each helper call, each f-string of a message made in advance, cost a tenth of a second)
     for i, entry in enumerate(raw_trace):
-        where = f"device_traces[{device}][{i}]"
-        if not isinstance(entry, dict):
-            raise InputError(f"{where}: expected a dict, got {type(entry).__name__}", source=source)
+        if type(entry) is not dict and not isinstance(entry, dict):
+            raise InputError(f"{_where(device, i)}: expected a dict, got {type(entry).__name__}", source=source)
         action = entry.get("action")
         if action in _SKIPPED_ACTIONS:
             skipped[action] = skipped.get(action, 0) + 1
             continue
-        if action not in ("alloc", "free_completed", "free", "segment_alloc", "segment_free", "segment_map",
-                          "segment_unmap"):
-            raise InputError(f"{where}: unknown action {short_repr(action)}", source=source)
-        addr = _int(entry, "addr", where, source)
-        size = _int(entry, "size", where, source)
+        if action not in _TRACE_ACTIONS:
+            raise InputError(f"{_where(device, i)}: unknown action {short_repr(action)}", source=source)
+        addr, size = entry.get("addr"), entry.get("size")
+        if type(addr) is not int or type(size) is not int or not 0 <= addr < _2_64 or not 0 <= size < _2_64:
+            addr = _int(entry, "addr", _where(device, i), source)
+            size = _int(entry, "size", _where(device, i), source)
         stream = entry.get("stream", 0)
-        if isinstance(stream, bool) or not isinstance(stream, int):
-            raise InputError(f"{where}: expected an integer 'stream', got {short_repr(stream)}", source=source)
-        time = _time_seconds(entry.get("time_us"), where, source)
+        if type(stream) is not int:
+            if isinstance(stream, bool) or not isinstance(stream, int):
+                raise InputError(f"{_where(device, i)}: expected an integer 'stream', got {short_repr(stream)}",
+                                 source=source)
+        time = entry.get("time_us")
+        if time is not None:
+            time = _time_seconds(time, _where(device, i), source)
         # ms-memopt's own exports: the pool and the training step (memory_viz.POOL_KEY, STEP_KEY)
-        pool = entry.get(POOL_KEY) if isinstance(entry.get(POOL_KEY), str) else None
+        pool = entry.get(POOL_KEY)
+        if pool is not None and not isinstance(pool, str):
+            pool = None
         step = entry.get(STEP_KEY)
-        if isinstance(step, int) and not isinstance(step, bool):
+        if step is not None and isinstance(step, int) and not isinstance(step, bool):
             if last_step is not None and step > last_step:
                 events.append(Event("step", step=last_step))        # the end of the step before
             last_step = step
         if action == "alloc":
-            tag = _our_tag(entry)
-            events.append(Event("alloc", id=next_id, size=size, addr=addr, stream=stream, time=time, tag=tag,
-                                pool=pool))
-            checker.feed(events[-1], i)
+            # the tag and the stack depend on the frame list alone: read once per list object
+            raw_frames = entry.get("frames")
+            key = id(raw_frames)
+            known = stacks.get(key)
+            if known is None:
+                tag = _our_tag(entry)
+                known = stacks[key] = (tag, _stack(entry) if tag is None else [])
+            tag, stack = known
+            event = Event("alloc", next_id, size, addr, stream, pool, time, tag, None)
+            events.append(event)
+            checker.feed(event, i)
             touched.add(addr)
-            if tag is None:
-                raw_frames = entry.get("frames")
-                key = id(raw_frames)
-                stack = stacks.get(key)
-                if stack is None:
-                    stack = stacks[key] = _stack(entry)
-                if stack:
-                    frames[next_id] = stack
+            if stack:
+                frames[next_id] = stack
             live_id[addr] = next_id
             live_size[addr] = size
             next_id += 1
@@ -749,9 +769,10 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
                 pre_live[addr] = (bid, round_request(size + pad))
             else:
                 del live_size[addr]
-            events.append(Event("free", id=bid, size=size, addr=addr, stream=stream, time=time, pool=pool))
+            event = Event("free", bid, size, addr, stream, pool, time, None, None)
+            events.append(event)
             if addr not in pre_live or pre_live[addr][0] != bid:
-                checker.feed(events[-1], i)
+                checker.feed(event, i)
         else:
             if action == "segment_alloc":
                 segments_live.add(addr)
@@ -762,7 +783,7 @@ def read_torch_snapshot(path: str | Path, *, device: int = 0) -> Trace:
                     continue
                 segments_live.discard(addr)
                 segments_gone.add(addr)
-            events.append(Event(action, size=size, addr=addr, stream=stream, time=time))
+            events.append(Event(action, None, size, addr, stream, None, time, None, None))
 
     # final live blocks the trace never allocated were alive all along; give them ids too
     for block in final.live_blocks():
