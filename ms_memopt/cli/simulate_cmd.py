@@ -42,6 +42,9 @@ def add_parser(parser) -> None:
                         help="write the events of the rank the job is judged by (model addresses) and final layout as a "
                              "PyTorch memory snapshot for pytorch.org/memory_viz; several policies: "
                              "FILE.<policy>.pickle")
+    parser.add_argument("--export-max-entries", type=int, default=None, metavar="N",
+                        help="keep only the newest N trace entries of --export-memory-viz, and the final state (as "
+                             "PyTorch's _record_memory_history(max_entries=N)); default: every entry")
     parser.add_argument("--fail-on-oom", action="store_true", help="exit 1 when a policy lets the job OOM")
     # a learned step template (MODEL.template.json, ms-memopt learn) instead of a recipe
     parser.add_argument("--schedule", default=None, metavar="FILE.csv",

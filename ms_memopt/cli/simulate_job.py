@@ -89,8 +89,11 @@ def run_jobs(recipe, args, *, priced: bool = True) -> int:
     from ms_memopt.simulation.spec import job_from_recipe
     from ms_memopt.simulation.simulate import POLICIES
 
+    from ms_memopt.io.traces.memory_viz import check_max_entries
+
     policies = parse_policies(args.policy, POLICIES)
     _check_counts(args)
+    check_max_entries(getattr(args, "export_max_entries", None), args.export_memory_viz)
     seeds = range(args.seeds) if args.seeds else [recipe.memopt.workload.seed if args.seed is None
                                                    else args.seed]
 
@@ -109,9 +112,13 @@ def run_jobs(recipe, args, *, priced: bool = True) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         timeline = open(out_dir / "timeline.jsonl", "w", encoding="utf-8")
     viz_paths = _viz_paths(args.export_memory_viz, jobs[0].policies) if args.export_memory_viz else {}
+    for path in viz_paths.values():     # not a FIFO (it waits for a reader), not the recipe itself
+        from ms_memopt.core.outputs import check_output_file
+
+        check_output_file(path, key="--export-memory-viz", inputs=[args.recipe])
     show = None
-    if out_dir is not None or viz_paths:
-        show = ShowRank(layouts=out_dir is not None, placed=tuple(viz_paths))
+    if out_dir is not None or viz_paths:        # the rank shown; its events are recorded after the job
+        show = ShowRank(layouts=out_dir is not None)
     try:
         results = simulate_jobs(jobs, executor=args.executor, address=args.address, workers=args.workers,
                                 progress=not args.json, timeline=timeline, show=show)
@@ -222,21 +229,54 @@ def _write_shown_rank(job, view, out_dir: Path | None, viz_paths: dict[str, Path
             memory_map_title=f"{name}, {where}: the pool at each policy's OOM, or its worst moment",
             policies={policy: judged_figures(result) for policy, result in (results or {}).items()}))
         build_report(out_dir)
-    from ms_memopt.io.traces.memory_viz import write_memory_viz
-    options = {k: v for k, v in job.cfg.allocator_options.items() if k != "fast"}
+    if viz_paths:
+        _export_shown_rank(job, stream, viz_paths, args)
+
+
+def _export_shown_rank(job, stream, viz_paths: dict[str, Path], args) -> None:
+    """The shown rank simulated once more with its placed events streamed into one memory snapshot
+    per policy (:class:`~ms_memopt.replay.viz_export.SnapshotSink`: the segments the model took and
+    gave back, the newest ``--export-max-entries`` entries), naming the allocator model that placed them."""
+    from ms_memopt.replay.viz_export import SnapshotSink
+    from ms_memopt.simulation.job import record_placed
+    from ms_memopt.simulation.pool_sizing import pool_for_workload
+
+    cfg = job.cfg
+    options = {k: v for k, v in cfg.allocator_options.items() if k != "fast"}
+    sinks = {}
     for policy, path in viz_paths.items():
-        run = view.placed.get(policy) if view is not None else None
-        if run is None:         # the policy never ran on this card (pool mode's regions do not fit)
+        pool = None
+        if policy == "pool":            # pool mode's regions from the plan; its rings follow the marks
+            try:
+                pool = pool_for_workload(job.pool_specs[stream.stage] if job.pool_specs is not None
+                                         else job.specs[stream.stage], capacity=cfg.capacity, fast=False)
+            except InputError:
+                print(f"memory viz ({policy}): not written, the policy did not run on rank {stream.rank}",
+                      file=sys.stderr)
+                continue
+        sinks[policy] = SnapshotSink(path, cfg.allocator, capacity=cfg.capacity, options=cfg.allocator_options,
+                                     model=pool, follow=pool is None,
+                                     max_entries=getattr(args, "export_max_entries", None))
+    try:
+        runs = record_placed(job, stream, sinks)
+    except BaseException:
+        for sink in sinks.values():
+            sink.abort()
+        raise
+    for policy, sink in sinks.items():
+        if runs[policy].final is None:
+            sink.abort()
             print(f"memory viz ({policy}): not written, the policy did not run on rank {stream.rank}", file=sys.stderr)
             continue
         # the model that placed the events (pool mode's own placements are replayed through the
         # job's model: pool mode needs its regions from the plan)
-        write_memory_viz(path, run.events, run.final, recorded_by={
-            "source": "ms-memopt simulate", "allocator": job.cfg.allocator, "allocator_options": options,
+        sink.close(runs[policy].final, recorded_by={
+            "source": "ms-memopt simulate", "allocator": cfg.allocator, "allocator_options": options,
             "policy": policy, "recipe": str(args.recipe), "rank": stream.rank, "stage": stream.stage,
-            "seed": stream.seed, "job_seed": job.seed, "steps": job.cfg.steps, "capacity": job.cfg.capacity})
-        print(f"memory viz ({policy}, rank {stream.rank}, seed {stream.seed}, allocator {job.cfg.allocator}): {path}",
-              file=sys.stderr)
+            "seed": stream.seed, "job_seed": job.seed, "steps": cfg.steps, "capacity": cfg.capacity,
+            "entries": sink.writer.entries})
+        print(f"memory viz ({policy}, rank {stream.rank}, seed {stream.seed}, allocator {cfg.allocator}): "
+              f"{viz_paths[policy]}", file=sys.stderr)
 
 
 def judged_figures(result) -> dict:

@@ -157,7 +157,7 @@ def _print_layouts(layouts, paths: list[str], orders: int) -> None:
 
 
 #: the job route's options (they do not combine with --export-events)
-_JOB_ONLY = ("out", "seeds", "export_memory_viz", "compact_trigger", "ranks", "stages")
+_JOB_ONLY = ("out", "seeds", "export_memory_viz", "export_max_entries", "compact_trigger", "ranks", "stages")
 
 
 def _run_job(args, template) -> int:

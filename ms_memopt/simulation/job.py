@@ -49,6 +49,7 @@ __all__ = [
     "RankView",
     "ShowRank",
     "median_job_oom_step",
+    "record_placed",
     "reproducible_figures",
     "simulate_jobs",
 ]
@@ -295,6 +296,38 @@ def _run_stream(task: _Task) -> list:
         view.snapshots = collector.snapshots()
     return [{policy: results[policy] for policy in task.policies}, (sink.getvalue() if sink is not None else None),
             view]
+
+
+def record_placed(job: JobSpec, stream: RankStream, sinks: dict) -> dict:
+    """Simulate one rank stream of ``job`` again (the same seed: the same events and placements),
+    each policy named in ``sinks`` recording its placed events into its sink (a list, or any
+    object with ``append``, e.g. :class:`~ms_memopt.replay.viz_export.SnapshotSink`); the job's
+    own run of every rank keeps none, so only the shown rank is ever recorded.
+
+    Returns ``{policy: PlacedRun}`` (``final``: the model's layout at the end; ``None`` for a
+    policy that cannot run on this card, pool mode's regions too large).
+
+    Example:
+        >>> from ms_memopt.config.recipe import load_recipe
+        >>> from ms_memopt.simulation.spec import job_from_recipe
+        >>> job = job_from_recipe(load_recipe("recipes/demo_cpu.yaml"), policies=("baseline",), steps=2, ranks=1)
+        >>> events = []
+        >>> record_placed(job, job.streams[0], {"baseline": events})["baseline"].final is not None, len(events) > 0
+        (True, True)
+    """
+    from ms_memopt.simulation.simulate import PlacedRun
+
+    cfg = replace(job.cfg, seed=stream.seed)
+    spec = job.specs[stream.stage]
+    pool_spec = job.pool_specs[stream.stage] if job.pool_specs is not None else spec
+    placed = {policy: PlacedRun(events=sink) for policy, sink in sinks.items()}
+    groups = [(spec, tuple(p for p in placed if p != "pool"))]
+    if "pool" in placed and _pool_mode_misfit(pool_spec, cfg) is None:
+        groups.append((pool_spec, ("pool",)))
+    for group_spec, group in groups:
+        if group:
+            simulate(group_spec, cfg, policies=group, seeds=[stream.seed], placed={p: placed[p] for p in group})
+    return placed
 
 
 class _StepProgress:

@@ -51,7 +51,9 @@ Example:
 from __future__ import annotations
 
 import bisect
+import io
 import pickle
+from collections import deque
 from pathlib import Path
 from typing import Iterable
 
@@ -59,7 +61,8 @@ from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import SEGMENT_ACTIONS, Event, Trace
 from ms_memopt.core.layout import Layout, Segment
 
-__all__ = ["write_memory_viz", "snapshot_dict", "RECORDED_BY", "POOL_KEY", "STEP_KEY", "check_export_path"]
+__all__ = ["write_memory_viz", "snapshot_dict", "SnapshotWriter", "trace_size", "MINDSPORE_MODELS",
+           "EXPANDABLE_MODELS", "RECORDED_BY", "POOL_KEY", "STEP_KEY", "check_export_path", "check_max_entries"]
 
 #: the key of ``allocator_settings`` that says which allocator model made the events (a dict)
 RECORDED_BY = "ms_memopt"
@@ -85,12 +88,6 @@ def _frames(name: str) -> list[dict]:
     return [{"filename": _FILE, "line": 0, "name": name}]
 
 
-def _name(event: Event, tag_of: dict[int, str]) -> str:
-    if event.tag == _MOVED:
-        return f"{tag_of.get(event.id, _UNTAGGED)} (moved by compaction)"
-    return event.tag or tag_of.get(event.id, _UNTAGGED)
-
-
 def _segment_starts(events: list[Event], layout: Layout, initial: Layout | None) -> dict:
     """Address of the first alloc inside each segment of ``layout`` that ``initial`` does not
     hold already -> that segment, when the events record no segment events of their own (else
@@ -113,29 +110,115 @@ def _segment_starts(events: list[Event], layout: Layout, initial: Layout | None)
     return starts
 
 
-def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
-                  initial: Layout | None = None, blockers: Iterable[int] = (),
-                  recorded_by: dict | None = None) -> dict:
-    """The snapshot as a dict of builtin types (what :func:`write_memory_viz` pickles).
+#: allocator models of MindSpore's pools: their pool requests are already padded by the runtime
+MINDSPORE_MODELS = ("mindspore", "mindspore-bestfit", "mindspore-vmm")
+#: models that map memory into a reserved range (torch's expandable segments, MindSpore's VMM):
+#: their segments grow and shrink as ``segment_map`` / ``segment_unmap``
+EXPANDABLE_MODELS = ("torch-expandable", "torch-npu-expandable", "mindspore-vmm")
+_ALIGN, _PAD = 512, 32          # MindSpore's GetCommonAlignSize and torch_npu's round_size: (n + 32) up to 512 B
 
-    ``initial`` is the layout before the first event (a snapshot taken mid-run): its segments
-    existed already and get no inferred ``segment_alloc``. ``recorded_by``: which allocator made
-    the events (``{"allocator": "mindspore", "allocator_options": {...}, ...}``, builtin types),
-    stored as ``allocator_settings[RECORDED_BY]``.
 
-    Frees without ``addr`` get the address of their ``alloc`` (by ``id``); an ``alloc``
-    without an address cannot be drawn and raises :class:`InputError`.
+def trace_size(size: int, allocator: str | None) -> int:
+    """The requested size a trace entry carries for a request of ``size`` bytes (bytes).
+
+    PyTorch and torch_npu record the size the caller asked for (``record_trace(ALLOC, ptr,
+    orig_size)``); torch_npu's allocator pads it to ``(size + 32)`` rounded up to 512 B, and
+    readers of the format (MindStudio Insight's converter) rebuild the block by that rule. A
+    MindSpore pool is asked for sizes its runtime padded already by the same rule
+    (``GetCommonAlignSize``): the pool's 512-aligned block less 32 B is the largest tensor padded
+    to it, the size that rebuilds the same block. Other models (or none): ``size`` itself.
+
+    Example:
+        >>> trace_size(4096, "torch-npu"), trace_size(4096, "mindspore"), trace_size(1000, "mindspore-vmm")
+        (4096, 4064, 992)
     """
-    events = list(events)
-    blockers = set(blockers)
-    trace: list[dict] = []
-    addr_of: dict[int, int] = {}
-    tag_of: dict[int, str] = {}
-    live_name: dict[int, str] = {}   # addr -> name of the block the events left live there
-    grow = _segment_starts(events, layout, initial)
-    for index, event in enumerate(events):
+    if allocator in MINDSPORE_MODELS:
+        return max(-(-max(size, 1) // _ALIGN) * _ALIGN - _PAD, 0)
+    return int(size)
+
+
+def _body(obj) -> bytes:
+    """``obj`` pickled (protocol 2) without its header and STOP, so that pieces written apart make
+    one pickle: each piece's memo indices start at 0 and are only read inside the piece."""
+    buffer = io.BytesIO()
+    pickle.Pickler(buffer, protocol=2).dump(obj)
+    return buffer.getvalue()[2:-1]
+
+
+def _appends(entries: list) -> bytes:
+    """``entries`` as opcodes that append them to the list on top of the unpickler's stack."""
+    body = _body(entries)
+    return body[3:] if body[1:3] == b"q\x00" else body[1:]      # the new list and its memo slot dropped
+
+
+class SnapshotWriter:
+    """A PyTorch memory snapshot written as a stream: trace entries go to the file as the events
+    come (:meth:`add`), the final segments at :meth:`close`; memory holds one batch of entries and
+    the live blocks' names and sizes, whatever the length of the run.
+
+    Args:
+        path: the ``.pickle`` file (parent directories are created).
+        allocator: the model that placed the events (:func:`trace_size`; ``None``: sizes as given).
+        device: the device index the snapshot describes.
+        blockers: allocation ids shown in a category of their own (``blocker: <tag>``).
+        max_entries: keep only the newest N trace entries, as PyTorch's
+            ``_record_memory_history(max_entries=N)`` (they wait in memory until :meth:`close`).
+
+    Example:
+        >>> import os, tempfile
+        >>> from ms_memopt.core.layout import Block, Layout, Segment
+        >>> path = os.path.join(tempfile.mkdtemp(), "s.pickle")
+        >>> w = SnapshotWriter(path, allocator="torch-npu")
+        >>> w.add(Event("segment_alloc", size=2 << 20, addr=0x200000))
+        >>> w.add(Event("alloc", id=1, size=500, addr=0x200000))
+        >>> w.close(Layout([Segment(0x200000, 2 << 20, [Block(0x200000, 1024, True),
+        ...                                            Block(0x200400, (2 << 20) - 1024, False)])]))
+        >>> from ms_memopt.io.traces.torch_snapshot import read_torch_snapshot
+        >>> [(e.action, e.size) for e in read_torch_snapshot(path).events]
+        [('segment_alloc', 2097152), ('alloc', 500)]
+    """
+
+    _BATCH = 4096
+
+    def __init__(self, path: str | Path, *, allocator: str | None = None, device: int = 0,
+                 blockers: Iterable[int] = (), max_entries: int | None = None) -> None:
+        self.path = Path(path)
+        self.allocator, self.device = allocator, int(device)
+        self.blockers = set(blockers)
+        self.entries = 0                        # trace entries written (or kept)
+        self._ring = deque(maxlen=max_entries) if max_entries is not None else None
+        self._batch: list[dict] = []
+        self._addr_of: dict[int, int] = {}      # live id -> address
+        self._tag_of: dict[int, str] = {}       # live id -> name
+        self._live: dict[int, tuple[str, int]] = {}   # address -> (name, requested size)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "wb")
+        self._file.write(b"\x80\x02}(" + _body("device_traces") + b"](" + b"]" * (self.device + 1))
+
+    def _emit(self, entry: dict) -> None:
+        self.entries += 1
+        if self._ring is not None:
+            self._ring.append(entry)
+            return
+        self._batch.append(entry)
+        if len(self._batch) >= self._BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._batch:
+            self._file.write(_appends(self._batch))
+            self._batch = []
+
+    def add(self, event: Event, index: int | None = None) -> None:
+        """One event with its address: ``alloc``; ``free`` (its address may come from the alloc,
+        by id), written as ``free_requested`` + ``free_completed``; a segment event. Others are skipped.
+
+        Raises:
+            InputError: an ``alloc`` without an address (event ``index`` named).
+        """
         action = event.action
-        base = {"addr": event.addr, "size": int(event.size), "stream": int(event.stream)}
+        size = trace_size(event.size, self.allocator) if action in ("alloc", "free") else int(event.size)
+        base = {"addr": event.addr, "size": size, "stream": int(event.stream)}
         if event.time is not None:
             base["time_us"] = int(round(event.time * 1e6))
         if action in ("alloc", "free"):
@@ -145,54 +228,96 @@ def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
                 base[STEP_KEY] = int(event.step)
         if action == "alloc":
             if event.addr is None:
-                raise InputError(f"event {index}: alloc of id {event.id} has no address; "
-                                 "use ms_memopt.replay.replay.placed_events() to take a model's placements", key="--export-memory-viz")
-            if grow and event.addr in grow:
-                seg = grow.pop(event.addr)
-                trace.append({"action": "segment_alloc", "addr": seg.addr, "size": seg.size,
-                              "stream": int(seg.stream), "frames": _frames(seg.pool + " pool segment")})
-            name = _name(event, tag_of)
+                raise InputError(f"event {index if index is not None else self.entries}: alloc of id {event.id} "
+                                 "has no address (a recording's events are placed by a model before export)",
+                                 key="--export-memory-viz")
+            name = event.tag or self._tag_of.get(event.id, _UNTAGGED)
+            if event.tag == _MOVED:
+                name = f"{self._tag_of.get(event.id, _UNTAGGED)} (moved by compaction)"
             if event.id is not None:
-                addr_of[event.id] = event.addr
+                self._addr_of[event.id] = event.addr
                 if event.tag != _MOVED:
-                    tag_of[event.id] = name
-            live_name[event.addr] = name
-            category = f"blocker: {name}" if event.id in blockers else name
-            trace.append({"action": "alloc", **base, "frames": _frames(name), "category": category})
+                    self._tag_of[event.id] = name
+            self._live[event.addr] = (name, size)
+            category = f"blocker: {name}" if event.id in self.blockers else name
+            self._emit({"action": "alloc", **base, "frames": _frames(name), "category": category})
         elif action == "free":
-            addr = event.addr if event.addr is not None else addr_of.get(event.id)
+            addr = event.addr if event.addr is not None else self._addr_of.get(event.id)
             if addr is None:
-                continue  # freed before the trace began and never placed: nothing to draw
+                return  # freed before the trace began and never placed: nothing to draw
             base["addr"] = addr
-            live_name.pop(addr, None)
-            frames = _frames(_name(event, tag_of))
-            trace.append({"action": "free_requested", **base, "frames": frames})
-            trace.append({"action": "free_completed", **base, "frames": frames})
+            name, requested = self._live.pop(addr, (None, size))
+            base["size"] = requested if event.size == 0 else size
+            if event.tag == _MOVED:
+                name = f"{self._tag_of.get(event.id, _UNTAGGED)} (moved by compaction)"
+            else:
+                self._addr_of.pop(event.id, None)
+                name = event.tag or self._tag_of.pop(event.id, None) or name or _UNTAGGED
+            frames = _frames(name)
+            self._emit({"action": "free_requested", **base, "frames": frames})
+            self._emit({"action": "free_completed", **base, "frames": frames})
         elif action in SEGMENT_ACTIONS and event.addr is not None:   # expandable segments' maps too
-            trace.append({"action": action, **base, "frames": _frames((event.pool or "device") + " pool segment")})
+            self._emit({"action": action, **base, "frames": _frames((event.pool or "device") + " pool segment")})
 
-    segments = []
-    for seg in sorted(layout.segments, key=lambda s: s.addr):
-        blocks = [{"address": b.addr, "size": b.size, "requested_size": b.size if b.live else 0,
-                   "state": "active_allocated" if b.live else "inactive",
-                   "frames": _frames(b.tag or live_name.get(b.addr, _UNTAGGED)) if b.live else []}
-                  for b in seg.blocks]
-        allocated = sum(b.size for b in seg.blocks if b.live)
-        segments.append({
-            "device": device, "address": seg.addr, "total_size": seg.size,
-            "allocated_size": allocated, "active_size": allocated, "requested_size": allocated,
-            "stream": seg.stream, "segment_type": _segment_type(seg.pool, seg.size),
-            "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": blocks,
-        })
-    settings: dict = {"PYTORCH_CUDA_ALLOC_CONF": "", "written_by": "ms-memopt"}
-    if recorded_by:
-        settings[RECORDED_BY] = dict(recorded_by)
-    return {"segments": segments, "device_traces": [trace] if device == 0 else [[]] * device + [trace],
-            "allocator_settings": settings}
+    def close(self, layout: Layout, recorded_by: dict | None = None) -> None:
+        """Write the final state (``layout``: the segments and blocks at the end of the events)
+        and ``allocator_settings`` (``recorded_by`` under :data:`RECORDED_BY`), and close the file."""
+        if self._ring is not None:
+            self._batch = list(self._ring)
+            self._ring.clear()
+        self._flush()
+        expandable = self.allocator in EXPANDABLE_MODELS
+        segments = []
+        for seg in sorted(layout.segments, key=lambda s: s.addr):
+            blocks = []
+            for b in seg.blocks:
+                name, requested = self._live.get(b.addr, (None, trace_size(b.size, self.allocator)))
+                blocks.append({"address": b.addr, "size": b.size, "requested_size": requested if b.live else 0,
+                               "state": "active_allocated" if b.live else "inactive",
+                               "frames": _frames(b.tag or name or _UNTAGGED) if b.live else []})
+            allocated = sum(b.size for b in seg.blocks if b.live)
+            segments.append({
+                "device": self.device, "address": seg.addr, "total_size": seg.size,
+                "allocated_size": allocated, "active_size": allocated,
+                "requested_size": sum(b["requested_size"] for b in blocks),
+                "stream": seg.stream, "segment_type": _segment_type(seg.pool, seg.size),
+                "segment_pool_id": (0, 0), "is_expandable": expandable, "frames": [], "blocks": blocks,
+            })
+        settings: dict = {"PYTORCH_CUDA_ALLOC_CONF": "", "written_by": "ms-memopt"}
+        if recorded_by:
+            settings[RECORDED_BY] = dict(recorded_by)
+        self._file.write(b"e" + _body("segments") + _body(segments) + _body("allocator_settings")
+                         + _body(settings) + b"u.")
+        self._file.close()
+
+    def abort(self) -> None:
+        """Close and remove a file that will not be finished."""
+        self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
+def snapshot_dict(events: Iterable[Event], layout: Layout, *, device: int = 0,
+                  initial: Layout | None = None, blockers: Iterable[int] = (),
+                  recorded_by: dict | None = None) -> dict:
+    """The snapshot as a dict of builtin types (what :func:`write_memory_viz` writes; read back).
+
+    Example:
+        >>> snapshot_dict([], Layout())["device_traces"]
+        [[]]
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "snapshot.pickle"
+        write_memory_viz(path, list(events), layout, device=device, blockers=blockers, recorded_by=recorded_by,
+                         initial=initial)
+        with open(path, "rb") as handle:
+            return pickle.load(handle)
 
 
 def write_memory_viz(path: str | Path, trace_or_events: Trace | Iterable[Event], layout: Layout | None = None,
-                     *, device: int = 0, blockers: Iterable[int] = (), recorded_by: dict | None = None) -> None:
+                     *, device: int = 0, blockers: Iterable[int] = (), recorded_by: dict | None = None,
+                     initial: Layout | None = None, max_entries: int | None = None) -> None:
     """Write ``trace_or_events`` and ``layout`` as a PyTorch memory snapshot pickle.
 
     Args:
@@ -204,22 +329,51 @@ def write_memory_viz(path: str | Path, trace_or_events: Trace | Iterable[Event],
         blockers: allocation ids shown in a category of their own (``blocker: <tag>``).
         recorded_by: the allocator model that placed the events and its options
             (``{"allocator": "mindspore", "allocator_options": {"increase_size": 1073741824}}``),
-            plus what made them; read back as ``Trace.meta["allocator"]`` (module doc).
+            plus what made them; read back as ``Trace.meta["allocator"]`` (module doc); its
+            ``allocator`` decides the trace entries' sizes (:func:`trace_size`).
+        initial: the layout before the first event (a snapshot taken mid-run): its segments
+            existed already and get no inferred ``segment_alloc``.
+        max_entries: keep the newest N trace entries (:class:`SnapshotWriter`).
     """
-    initial = None
     if isinstance(trace_or_events, Trace):
         events = trace_or_events.events
-        initial = trace_or_events.initial
+        initial = trace_or_events.initial if initial is None else initial
         if layout is None:
             layout = trace_or_events.final
     else:
         events = trace_or_events
-    data = snapshot_dict(events, layout or Layout(), device=device, initial=initial, blockers=blockers,
-                         recorded_by=recorded_by)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as handle:
-        pickle.dump(data, handle, protocol=4)
+    events = list(events)
+    layout = layout or Layout()
+    grow = _segment_starts(events, layout, initial)
+    writer = SnapshotWriter(path, allocator=(recorded_by or {}).get("allocator"), device=device,
+                            blockers=blockers, max_entries=max_entries)
+    try:
+        for index, event in enumerate(events):
+            if grow and event.action == "alloc" and event.addr in grow:
+                seg = grow.pop(event.addr)
+                writer.add(Event("segment_alloc", size=seg.size, addr=seg.addr, stream=seg.stream, pool=seg.pool))
+            writer.add(event, index)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close(layout, recorded_by)
+
+
+def check_max_entries(max_entries: int | None, export: str | None) -> None:
+    """``--export-max-entries N``: a positive count, given with ``--export-memory-viz``.
+
+    Raises:
+        InputError: naming ``--export-max-entries``.
+
+    Example:
+        >>> check_max_entries(100000, "out.pickle")
+    """
+    if max_entries is None:
+        return
+    if max_entries < 1:
+        raise InputError(f"expected a positive number of trace entries, got {max_entries}", key="--export-max-entries")
+    if not export:
+        raise InputError("bounds the trace of --export-memory-viz; give that too", key="--export-max-entries")
 
 
 def check_export_path(path: str | Path) -> None:

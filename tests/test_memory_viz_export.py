@@ -1,0 +1,134 @@
+"""``--export-memory-viz`` as the format's writers write it (issue 44): trace entries carry the
+requested size, blocks their size and requested size, every segment the model frees is freed in
+the trace, the allocator is named, and MindStudio Insight's converter accepts the export of each
+Ascend model (its rules: tests/insight_rules.py). Bounded: written as a stream, the newest
+``--export-max-entries`` entries, only the shown rank recorded."""
+from __future__ import annotations
+
+import os
+import pickle
+from collections import Counter
+
+import pytest
+
+from insight_rules import npu_block, violations
+from ms_memopt.cli import main
+
+RECIPE = "recipes/dense_100b_1024x910c.yaml"
+ASCEND = ("mindspore", "mindspore-vmm", "torch-npu", "torch-npu-expandable")
+STEPS = 6           # torch-npu frees its first segments in step 5
+
+
+def _export(path, allocator, *extra) -> dict:
+    code = main(["simulate", RECIPE, "--steps", str(STEPS), "--ranks", "1", "--policy", "baseline", "--json",
+                 "--allocator", allocator, "--export-memory-viz", str(path), *extra])
+    assert code == 0
+    with open(path, "rb") as handle:
+        return pickle.load(handle)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("viz")
+    return {name: _export(out / f"{name}.pickle", name) for name in ASCEND}
+
+
+@pytest.mark.parametrize("allocator", ASCEND)
+def test_the_converter_rebuilds_every_block_of_each_ascend_model(exports, allocator, capsys):
+    """Before: the MindSpore models' entries carried the block size, rebuilt 512 B larger (over
+    their neighbours); torch-npu's allocations sat in segments freed but never freed in the trace."""
+    assert violations(exports[allocator]) == []
+
+
+def test_segments_the_model_freed_are_freed_in_the_trace(exports):
+    snapshot = exports["torch-npu"]
+    actions = Counter(e["action"] for e in snapshot["device_traces"][0])
+    assert actions["segment_free"] > 0
+    assert actions["segment_alloc"] - actions["segment_free"] == len(snapshot["segments"])
+
+
+@pytest.mark.parametrize("allocator", ["mindspore-vmm", "torch-npu-expandable"])
+def test_expandable_models_map_and_unmap(exports, allocator):
+    snapshot = exports[allocator]
+    actions = Counter(e["action"] for e in snapshot["device_traces"][0])
+    assert actions["segment_map"] > 0 and actions["segment_alloc"] == 0
+    assert all(seg["is_expandable"] for seg in snapshot["segments"])
+
+
+def test_entries_carry_the_requested_size_and_blocks_the_allocators(exports):
+    snapshot = exports["torch-npu"]
+    requested = {}
+    for entry in snapshot["device_traces"][0]:
+        if entry["action"] == "alloc":
+            requested[entry["addr"]] = entry["size"]
+    live = [b for seg in snapshot["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"]
+    assert live
+    for block in live:
+        assert block["requested_size"] == requested[block["address"]]
+        assert block["size"] >= npu_block(block["requested_size"])
+    assert all(b["size"] > b["requested_size"] for b in live)     # padded, and whole when unsplit
+
+
+def test_mindspore_entries_are_the_tensor_sizes_its_runtime_pads_to_the_block(exports):
+    """MindSpore's runtime pads a tensor as torch_npu does ((n + 32) up to 512 B) before the pool
+    sees it: the entry is the largest tensor padded to the pool's block."""
+    for name in ("mindspore", "mindspore-vmm"):
+        live = [b for seg in exports[name]["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"]
+        assert live and all(b["size"] == npu_block(b["requested_size"]) == b["requested_size"] + 32 for b in live)
+
+
+@pytest.mark.parametrize("allocator", ASCEND)
+def test_the_allocator_is_named(exports, allocator):
+    settings = exports[allocator]["allocator_settings"]
+    assert settings["ms_memopt"]["allocator"] == allocator
+    assert settings["ms_memopt"]["entries"] == len(exports[allocator]["device_traces"][0])
+
+
+def test_max_entries_keeps_the_newest_entries_and_the_final_state(exports, tmp_path):
+    full = exports["torch-npu"]
+    bounded = _export(tmp_path / "bounded.pickle", "torch-npu", "--export-max-entries", "5000")
+    assert bounded["device_traces"][0] == full["device_traces"][0][-5000:]
+    assert bounded["segments"] == full["segments"]
+    assert violations(bounded) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--export-max-entries", "0", "--export-memory-viz", "x.pickle"], "positive number of trace entries"),
+    (["--export-max-entries", "10"], "give that too"),
+])
+def test_max_entries_refuses_bad_input(argv, message, capsys, tmp_path):
+    argv = [str(tmp_path / a) if a.endswith(".pickle") else a for a in argv]
+    assert main(["simulate", RECIPE, "--steps", "2", "--ranks", "1", "--policy", "baseline", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "--export-max-entries" in err and message in err
+
+
+def test_the_job_records_only_the_rank_it_shows(tmp_path, monkeypatch):
+    """The job's runs keep no placed events; the shown rank is simulated once more into the file."""
+    import ms_memopt.simulation.job as job_module
+
+    calls = []
+    real = job_module.record_placed
+    monkeypatch.setattr(job_module, "record_placed", lambda job, stream, sinks: calls.append(stream.rank)
+                        or real(job, stream, sinks))
+    path = tmp_path / "job.pickle"
+    assert main(["simulate", RECIPE, "--steps", "2", "--ranks", "3", "--policy", "baseline", "--workers", "1",
+                 "--export-memory-viz", str(path)]) == 0
+    with open(path, "rb") as handle:
+        recorded = pickle.load(handle)["allocator_settings"]["ms_memopt"]
+    assert calls == [recorded["rank"]]
+
+
+def test_the_snapshot_is_written_as_a_stream(tmp_path):
+    from ms_memopt.core.events import Event
+    from ms_memopt.core.layout import Layout
+    from ms_memopt.io.traces.memory_viz import SnapshotWriter
+
+    path = tmp_path / "stream.pickle"
+    writer = SnapshotWriter(path)
+    for i in range(20_000):
+        writer.add(Event("alloc", id=i, size=512, addr=0x200000 + 512 * i))
+    assert os.path.getsize(path) > 20_000 * 20      # on disk before the end
+    writer.close(Layout())
+    with open(path, "rb") as handle:
+        assert len(pickle.load(handle)["device_traces"][0]) == 20_000
