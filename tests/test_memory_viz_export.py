@@ -132,3 +132,60 @@ def test_the_snapshot_is_written_as_a_stream(tmp_path):
     writer.close(Layout())
     with open(path, "rb") as handle:
         assert len(pickle.load(handle)["device_traces"][0]) == 20_000
+
+
+# --- replay ANY --export-memory-viz: the model places the events, then they are exported -------------
+
+SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "traces")
+DATA = os.path.join(os.path.dirname(__file__), "data")
+RECORDINGS = {
+    "ascend profiler folder": os.path.join(SHARED, "ascend_profiler", "cnn_910b_level1_rank0"),
+    "ascend profiler db": os.path.join(SHARED, "ascend_profiler", "cnn_910b_level1_rank0_db"),
+    "torch_npu snapshot": os.path.join(SHARED, "torch_npu", "resnet_adam_default.pickle"),
+    "memory_block.csv": os.path.join(DATA, "memory_block_2.10.csv"),
+    "pool log": os.path.join(DATA, "pool_log", "gpt_varying_seq_4steps.log.gz"),
+    "events.jsonl (two streams, empty_cache)": os.path.join(DATA, "events.jsonl"),
+    "msmemscope": os.path.join(SHARED, "msmemscope", "baseline.csv"),
+}
+
+
+@pytest.mark.parametrize("name", RECORDINGS)
+def test_replay_exports_every_format_it_reads(name, tmp_path, capsys):
+    """Before: a profiler capture was refused ("alloc of id 2 has no address; use
+    ms_memopt.replay.replay.placed_events()"); the others exported the recording's addresses
+    beside the model's final layout."""
+    source = RECORDINGS[name]
+    if not os.path.exists(source):
+        pytest.skip(f"{source} is not here")
+    path = tmp_path / "out.pickle"
+    assert main(["replay", source, "--export-memory-viz", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "ms_memopt." not in err
+    with open(path, "rb") as handle:
+        snapshot = pickle.load(handle)
+    allocator = snapshot["allocator_settings"]["ms_memopt"]["allocator"]
+    entries = snapshot["device_traces"][0]
+    assert any(e["action"] == "alloc" for e in entries) and all(e["addr"] is not None for e in entries)
+    if allocator not in ("torch", "torch-expandable"):      # the converter replays as torch_npu's allocator does
+        assert violations(snapshot) == []
+
+
+def test_replay_export_bounded_and_refused_bad_counts(tmp_path, capsys):
+    source = RECORDINGS["pool log"]
+    path = tmp_path / "out.pickle"
+    assert main(["replay", source, "--export-memory-viz", str(path), "--export-max-entries", "100"]) == 0
+    with open(path, "rb") as handle:
+        assert len(pickle.load(handle)["device_traces"][0]) == 100
+    assert main(["replay", source, "--export-memory-viz", str(path), "--export-max-entries", "-1"]) == 2
+    assert "--export-max-entries" in capsys.readouterr().err
+
+
+def test_an_alloc_without_address_names_no_python_api():
+    from ms_memopt.core.errors import InputError
+    from ms_memopt.core.events import Event
+    from ms_memopt.core.layout import Layout
+    from ms_memopt.io.traces.memory_viz import snapshot_dict
+
+    with pytest.raises(InputError) as info:
+        snapshot_dict([Event("alloc", id=1, size=512)], Layout())
+    assert "no address" in str(info.value) and "ms_memopt." not in str(info.value)

@@ -60,7 +60,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                              "allocated while live, overlapping recorded addresses, a segment freed that was never "
                              "allocated); without it they are counted in the output")
     parser.add_argument("--export-memory-viz", metavar="FILE", default=None,
-                        help="also write the trace and final layout for PyTorch's memory_viz viewer")
+                        help="also write the events as the model placed them, its segments and final layout, as a "
+                             "PyTorch memory snapshot (pytorch.org/memory_viz, MindStudio Insight)")
+    parser.add_argument("--export-max-entries", type=int, default=None, metavar="N",
+                        help="keep only the newest N trace entries of --export-memory-viz, and the final state")
     parser.add_argument("--export-instances", metavar="FILE.csv", default=None,
                         help="also write the trace's buffers as an id,lower,upper,size instance for `ms-memopt pack`")
 
@@ -94,15 +97,19 @@ def run(args: argparse.Namespace) -> int:
     from ms_memopt.allocators import create
     from ms_memopt.allocators.options import parse_allocator_options
     from ms_memopt.replay.replay import replay
+    from ms_memopt.replay.viz_export import export_replay
     from ms_memopt.io.traces import load_trace
+    from ms_memopt.io.traces.memory_viz import check_max_entries
 
     capacity = None if args.capacity is None else parse_size(args.capacity, source="--capacity", positive=True)
     # a plain replay of a large pool log or JSONL (or of a pipe) reads it as a stream: memory holds
-    # the model's state and one chunk of events, whatever the file's size (exports and policies need
-    # the whole event list; smaller files are read whole, sampled ~200 times as before)
-    streamable = (args.policy == "baseline" and not args.export_memory_viz and not args.export_instances
+    # the model's state and one chunk of events, whatever the file's size (an export is written as a
+    # stream too; instances and policies need the whole event list; smaller files are read whole,
+    # sampled ~200 times as before)
+    streamable = (args.policy == "baseline" and not args.export_instances
                   and _large_or_pipe(args.trace))
     check_export_path(args.trace)
+    check_max_entries(args.export_max_entries, args.export_memory_viz)
     for key, target in (("--export-memory-viz", args.export_memory_viz), ("--export-instances", args.export_instances)):
         if target:      # not a FIFO (it waits for a reader), not the recording itself
             check_output_file(target, key=key, inputs=[args.trace])
@@ -134,8 +141,13 @@ def run(args: argparse.Namespace) -> int:
     options = parse_allocator_options(name, args.allocator_option)
     if name == recorded.name and not args.allocator_option:
         options = recorded.options_for(capacity)        # as it recorded: the same pool, the same addresses
+    recorded_by = {"source": "ms-memopt replay", "allocator": name, "allocator_options": options,
+                   "capacity": capacity, "recording": str(trace.source)}
     try:
-        if args.policy == "baseline":
+        if args.policy == "baseline" and args.export_memory_viz:
+            result = export_replay(trace, create(name, capacity, **options), args.export_memory_viz, allocator=name,
+                                   recorded_by=recorded_by, max_entries=args.export_max_entries)
+        elif args.policy == "baseline":
             result = replay(trace, create(name, capacity, **options))
         else:
             from ms_memopt.replay.whatif import replay_policy
@@ -146,13 +158,12 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"{exc}; this trace starts from a recorded state, try --allocator "
                          f"{'torch' if trace.format == 'torch-snapshot' else 'mindspore'}",
                          key="--allocator") from None
+    if args.export_memory_viz and args.policy != "baseline":     # the policy swaps models: baseline's placements
+        export_replay(trace, create(name, capacity, **options), args.export_memory_viz, allocator=name,
+                      recorded_by={**recorded_by, "policy": "baseline"}, max_entries=args.export_max_entries)
     if args.export_memory_viz:
-        from ms_memopt.io.traces.memory_viz import write_memory_viz
-
-        write_memory_viz(args.export_memory_viz, trace, result.final_layout,
-                         recorded_by={"source": "ms-memopt replay", "allocator": name, "allocator_options": options,
-                                      "capacity": capacity, "recording": str(trace.source)})
-        print(f"memory viz: {args.export_memory_viz} (the recording's events, the {name} model's final layout)",
+        print(f"memory viz: {args.export_memory_viz} (the events as the {name} model placed them"
+              f"{'' if args.policy == 'baseline' else ' under the baseline policy'}, its segments and final layout)",
               file=sys.stderr)
     if args.export_instances:
         from ms_memopt.core.placement import lower_bound

@@ -223,7 +223,8 @@ def check_events(events: list, offset: int, source: str) -> None:
 def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = None,
            on_sample: Callable[[int, LayoutMetrics], None] | None = None,
            on_step: Callable[[int, AllocatorModel, dict[int, int]], AllocatorModel] | None = None,
-           stop: int | None = None) -> ReplayResult:
+           stop: int | None = None, on_alloc: Callable[[int, Event, int | None], None] | None = None,
+           on_free: Callable[[int, Event, int], None] | None = None) -> ReplayResult:
     """Replay ``trace`` through ``model``.
 
     Args:
@@ -237,6 +238,9 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
             the model's address; the hook may update it) and returns the model to go on with:
             a policy such as compaction at step ends (:mod:`ms_memopt.replay.whatif`).
         stop: replay only the first ``stop`` events (the state just before event ``stop``).
+        on_alloc, on_free: called after each alloc as ``(index, event, address or None)`` and
+            each free of a placed block as ``(index, event, address)``, the model's addresses
+            (:func:`~ms_memopt.replay.loop.drive`'s hooks).
 
     Returns:
         A :class:`ReplayResult`. ``events_per_s`` counts only the time spent in the model.
@@ -244,7 +248,8 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
     Raises:
         InputError: a size or address beyond any device (:func:`check_bounds`).
     """
-    return _replay(trace, model, sample_every=sample_every, on_sample=on_sample, on_step=on_step, stop=stop)
+    return _replay(trace, model, sample_every=sample_every, on_sample=on_sample, on_step=on_step, stop=stop,
+                   on_alloc=on_alloc, on_free=on_free)
 
 
 #: samples of a streamed trace (its length is not known before it ends): every this many events

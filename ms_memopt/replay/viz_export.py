@@ -36,7 +36,7 @@ from ms_memopt.core.events import Event
 from ms_memopt.core.layout import Layout
 from ms_memopt.io.traces.memory_viz import EXPANDABLE_MODELS, SnapshotWriter
 
-__all__ = ["SegmentShadow", "SnapshotSink", "segment_changes"]
+__all__ = ["SegmentShadow", "SnapshotSink", "export_replay", "segment_changes"]
 
 _MOVED = "compaction"
 
@@ -95,14 +95,16 @@ class SegmentShadow:
     """
 
     def __init__(self, allocator: str, capacity: int | None = None, options: dict | None = None,
-                 initial: Layout | None = None, *, model=None, follow: bool = True) -> None:
+                 initial: Layout | None = None, *, model=None, follow: bool = True, feed: bool = True) -> None:
         from ms_memopt.allocators import create
 
         options = dict(options or {})
         self._fresh = lambda: create(allocator, capacity, **{k: v for k, v in options.items()
                                                              if k not in ("pregrow", "init_size")})
         self.model = model if model is not None else create(allocator, capacity, **options)
-        if initial is not None:
+        self.feed = feed
+        self.initial = initial
+        if initial is not None and feed:
             self.model.restore(initial)
         self.expandable = allocator in EXPANDABLE_MODELS
         self.spans = _spans(initial) if initial is not None else {}
@@ -124,7 +126,10 @@ class SegmentShadow:
         return out
 
     def start(self) -> list[Event]:
-        """The segments the model holds before the first event (pre-grown, or restored)."""
+        """The segments the model holds before the first event (pre-grown; a restored ``initial``
+        layout's were there before the trace began)."""
+        if not self.feed and self.initial is not None:
+            return []           # the model being watched is restored by its own replay
         before, self.spans = self.spans, {}
         out = self._changes()
         return [e for e in out if (e.addr, e.size) not in before]
@@ -133,6 +138,8 @@ class SegmentShadow:
         """Serve ``event`` (an alloc with the recorded address); the segment events just before it."""
         if self.lost is not None:
             return []
+        if not self.feed:
+            return self._changes()
         if event.tag == _MOVED:
             return []
         self._compacting = False
@@ -147,6 +154,8 @@ class SegmentShadow:
         """Free ``event``'s block in the shadow; the segment events just after it."""
         if self.lost is not None:
             return []
+        if not self.feed:
+            return self._changes()
         if event.tag == _MOVED:
             if not self._compacting:        # the simulator's compaction, done the same way
                 from ms_memopt.analysis.compaction.model import compact_model
@@ -180,15 +189,17 @@ class SnapshotSink:
             one (pool mode's regions); ``follow=False`` when its placements cannot be followed from
             the events alone (pool mode's rings follow the step's marks): the segments it holds
             at the start are written first, the rest from the final layout at the end.
+            ``feed=False``: ``model`` is the one placing the events (a replay's, watched from its
+            hooks), read after each event, never fed.
         max_entries, device, blockers: :class:`~ms_memopt.io.traces.memory_viz.SnapshotWriter`'s.
     """
 
     def __init__(self, path: str | Path, allocator: str, *, capacity: int | None = None, options: dict | None = None,
-                 initial: Layout | None = None, model=None, follow: bool = True, max_entries: int | None = None,
-                 device: int = 0, blockers=()) -> None:
+                 initial: Layout | None = None, model=None, follow: bool = True, feed: bool = True,
+                 max_entries: int | None = None, device: int = 0, blockers=()) -> None:
         self.writer = SnapshotWriter(path, allocator=allocator, device=device, blockers=blockers,
                                      max_entries=max_entries)
-        self.shadow = SegmentShadow(allocator, capacity, options, initial, model=model, follow=follow)
+        self.shadow = SegmentShadow(allocator, capacity, options, initial, model=model, follow=follow, feed=feed)
         self.events = 0
         for event in self.shadow.start():
             self.writer.add(event)
@@ -208,7 +219,7 @@ class SnapshotSink:
     def close(self, final: Layout, recorded_by: dict | None = None, *, empty_cache: bool = False) -> None:
         """Finish the file with the run's ``final`` layout. ``empty_cache``: the run called it at
         its end (its segment frees are written before the final state)."""
-        if empty_cache and self.shadow.lost is None:
+        if empty_cache and self.shadow.lost is None and self.shadow.feed:
             self.shadow.model.empty_cache()
             for change in self.shadow._changes():
                 self.writer.add(change)
@@ -222,3 +233,41 @@ class SnapshotSink:
     def abort(self) -> None:
         """Remove the unfinished file."""
         self.writer.abort()
+
+
+def export_replay(trace, model, path: str | Path, *, allocator: str, recorded_by: dict | None = None,
+                  max_entries: int | None = None):
+    """Replay ``trace`` through ``model`` (a fresh model named ``allocator``) and write what it
+    placed as a memory snapshot: every recording ``replay`` reads, a profiler capture without
+    addresses included (the model places each block, then it is exported). Returns the
+    :class:`~ms_memopt.replay.replay.ReplayResult`.
+
+    Example:
+        >>> import os, tempfile
+        >>> from ms_memopt.allocators import create
+        >>> from ms_memopt.core.events import Trace
+        >>> path = os.path.join(tempfile.mkdtemp(), "r.pickle")
+        >>> trace = Trace([Event("alloc", id=1, size=4096), Event("free", id=1)])
+        >>> export_replay(trace, create("torch-npu"), path, allocator="torch-npu").address_match is None
+        True
+    """
+    from ms_memopt.replay.replay import replay
+
+    sink = SnapshotSink(path, allocator, model=model, feed=False, initial=trace.initial, max_entries=max_entries)
+
+    def on_alloc(index: int, event: Event, addr: int | None) -> None:
+        if addr is not None:
+            sink.append(Event("alloc", id=event.id, size=event.size, addr=addr, stream=event.stream,
+                              pool=event.pool, time=event.time, tag=event.tag, step=event.step))
+
+    def on_free(index: int, event: Event, addr: int) -> None:
+        sink.append(Event("free", id=event.id, size=event.size, addr=addr, stream=event.stream,
+                          time=event.time, tag=event.tag, step=event.step))
+
+    try:
+        result = replay(trace, model, on_alloc=on_alloc, on_free=on_free)
+    except BaseException:
+        sink.abort()
+        raise
+    sink.close(result.final_layout, recorded_by)
+    return result

@@ -190,7 +190,9 @@ class SnapshotWriter:
         self._batch: list[dict] = []
         self._addr_of: dict[int, int] = {}      # live id -> address
         self._tag_of: dict[int, str] = {}       # live id -> name
-        self._live: dict[int, tuple[str, int]] = {}   # address -> (name, requested size)
+        self._live: dict[int, tuple[str, int, int]] = {}   # address -> (name, requested size, stream)
+        self._frames: dict[str, list] = {}      # name -> its one frame list (shared: pickled once per batch)
+        self._padded = allocator in MINDSPORE_MODELS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "wb")
         self._file.write(b"\x80\x02}(" + _body("device_traces") + b"](" + b"]" * (self.device + 1))
@@ -209,6 +211,12 @@ class SnapshotWriter:
             self._file.write(_appends(self._batch))
             self._batch = []
 
+    def _frames_of(self, name: str) -> list[dict]:
+        frames = self._frames.get(name)
+        if frames is None:
+            frames = self._frames[name] = _frames(name)
+        return frames
+
     def add(self, event: Event, index: int | None = None) -> None:
         """One event with its address: ``alloc``; ``free`` (its address may come from the alloc,
         by id), written as ``free_requested`` + ``free_completed``; a segment event. Others are skipped.
@@ -217,7 +225,9 @@ class SnapshotWriter:
             InputError: an ``alloc`` without an address (event ``index`` named).
         """
         action = event.action
-        size = trace_size(event.size, self.allocator) if action in ("alloc", "free") else int(event.size)
+        size = int(event.size)
+        if self._padded and action in ("alloc", "free"):
+            size = trace_size(size, self.allocator)
         base = {"addr": event.addr, "size": size, "stream": int(event.stream)}
         if event.time is not None:
             base["time_us"] = int(round(event.time * 1e6))
@@ -238,22 +248,22 @@ class SnapshotWriter:
                 self._addr_of[event.id] = event.addr
                 if event.tag != _MOVED:
                     self._tag_of[event.id] = name
-            self._live[event.addr] = (name, size)
+            self._live[event.addr] = (name, size, int(event.stream))
             category = f"blocker: {name}" if event.id in self.blockers else name
-            self._emit({"action": "alloc", **base, "frames": _frames(name), "category": category})
+            self._emit({"action": "alloc", **base, "frames": self._frames_of(name), "category": category})
         elif action == "free":
             addr = event.addr if event.addr is not None else self._addr_of.get(event.id)
             if addr is None:
                 return  # freed before the trace began and never placed: nothing to draw
             base["addr"] = addr
-            name, requested = self._live.pop(addr, (None, size))
-            base["size"] = requested if event.size == 0 else size
+            name, requested, stream = self._live.pop(addr, (None, size, int(event.stream)))
+            base["size"], base["stream"] = requested, stream    # as PyTorch frees: the block's own
             if event.tag == _MOVED:
                 name = f"{self._tag_of.get(event.id, _UNTAGGED)} (moved by compaction)"
             else:
                 self._addr_of.pop(event.id, None)
                 name = event.tag or self._tag_of.pop(event.id, None) or name or _UNTAGGED
-            frames = _frames(name)
+            frames = self._frames_of(name)
             self._emit({"action": "free_requested", **base, "frames": frames})
             self._emit({"action": "free_completed", **base, "frames": frames})
         elif action in SEGMENT_ACTIONS and event.addr is not None:   # expandable segments' maps too
@@ -271,7 +281,7 @@ class SnapshotWriter:
         for seg in sorted(layout.segments, key=lambda s: s.addr):
             blocks = []
             for b in seg.blocks:
-                name, requested = self._live.get(b.addr, (None, trace_size(b.size, self.allocator)))
+                name, requested, _stream = self._live.get(b.addr, (None, trace_size(b.size, self.allocator), 0))
                 blocks.append({"address": b.addr, "size": b.size, "requested_size": requested if b.live else 0,
                                "state": "active_allocated" if b.live else "inactive",
                                "frames": _frames(b.tag or name or _UNTAGGED) if b.live else []})
