@@ -1,11 +1,15 @@
 """Export events and a layout in PyTorch's memory snapshot format, for pytorch.org/memory_viz.
 
-The file is what ``torch.cuda.memory._dump_snapshot()`` writes: a pickle (protocol 4) of
-``{"segments": [...], "device_traces": [[...]], "allocator_settings": {...}}`` holding only
-builtin types, so :func:`~ms_memopt.io.traces.torch_snapshot.read_torch_snapshot` (and PyTorch's
+The file is what ``torch.cuda.memory._dump_snapshot()`` writes: a pickle of
+``{"device_traces": [[...]], "segments": [...], "allocator_settings": {...}}`` holding only
+builtin types, written as a stream (:class:`SnapshotWriter`: entries in batches, the final
+segments at the end; ``max_entries`` keeps the newest, as PyTorch's ``_record_memory_history``), so :func:`~ms_memopt.io.traces.torch_snapshot.read_torch_snapshot` (and PyTorch's
 viewer) can load it. ``segments`` is the layout (live blocks ``active_allocated``, free ones
 ``inactive``); ``device_traces[0]`` the events: each ``alloc``, each free as
-``free_requested`` + ``free_completed``, ``segment_alloc`` / ``segment_free``.
+``free_requested`` + ``free_completed``, ``segment_alloc`` / ``segment_free`` (``segment_map`` /
+``segment_unmap`` for expandable segments). As torch_npu writes them, an entry carries the
+requested size (:func:`trace_size`: for a MindSpore pool, the tensor its runtime pads to the
+block), a block its ``size`` and ``requested_size``.
 
 We have no stack traces, so each block's one frame names what it is: its tag (``parameter``,
 ``activation``, ``allreduce``, ``shape_cache``, ...) as the frame's function in file
@@ -33,9 +37,8 @@ field for and its tools ignore: ``ms_memopt_pool`` (MindSpore's ``persistent`` p
 parameters and optimizer states go) and ``ms_memopt_step`` (the training step; the reader puts a
 ``step`` event at each step's end, where compaction and ``empty_cache`` act).
 
-To view a model's placements rather than the recorded ones, give it the events of
-:func:`ms_memopt.replay.replay.placed_events` (a trace replayed through a model, with the model's
-addresses).
+A recording's events are exported as a model placed them, with the segments it took and gave
+back: :mod:`ms_memopt.replay.viz_export`.
 
 Example:
     >>> from ms_memopt.core.events import Event
