@@ -199,3 +199,20 @@ def test_an_expandable_export_replays_through_its_model(exports, tmp_path, capsy
     with open(path, "wb") as handle:
         pickle.dump(exports["mindspore-vmm"], handle)
     assert main(["replay", str(path), "--json"]) == 0
+
+
+def test_compaction_and_pool_mode_exports_follow_the_rules(tmp_path, capsys):
+    """A compaction's moves carry the moved block's request (they carried its size: rebuilt 512 B too
+    large); pool mode's blocks are MindSpore's padded sizes, whatever the job's allocator."""
+    path = tmp_path / "cp.pickle"
+    assert main(["simulate", RECIPE, "--steps", str(STEPS), "--ranks", "1", "--policy", "compact,pool", "--json",
+                 "--allocator", "torch-npu", "--compact-every", "2", "--export-memory-viz", str(path)]) == 0
+    assert "could not be followed" not in capsys.readouterr().err
+    moved = {}
+    for policy in ("compact", "pool"):
+        with open(tmp_path / f"cp.{policy}.pickle", "rb") as handle:
+            snapshot = pickle.load(handle)
+        assert violations(snapshot) == []
+        moved[policy] = sum(e["frames"][0]["name"].endswith("(moved by compaction)")
+                            for e in snapshot["device_traces"][0])
+    assert moved["compact"] > 0 and moved["pool"] == 0

@@ -128,15 +128,18 @@ def run_jobs(recipe, args, *, priced: bool = True) -> int:
     first = next(iter(results[0].values()))
     if out_dir is not None and priced:
         _write_timing(out_dir / "timing.json", results[0])
+    bound = _bound(recipe, jobs[0], results[0], policies)
     if show is not None:
-        _write_shown_rank(jobs[0], first.view, out_dir, viz_paths, args, results[0])
+        _write_shown_rank(jobs[0], first.view, out_dir, viz_paths, args, results[0],
+                          bound=bound[1] if bound else "")
 
     if args.json:
         out = {"recipe": str(args.recipe), "steps": cfg.steps, "allocator": cfg.allocator,
                "allocator_options": cfg.allocator_options, "capacity": cfg.capacity,
                "scan_every": cfg.scan_every, "compact_every": cfg.compact_every,
                "compact_trigger": cfg.compact_trigger,
-               "executor": args.executor, "ranks": len(jobs[0].streams), "policies": {}}
+               "executor": args.executor, "ranks": len(jobs[0].streams), "policies": {},
+               **({"placement_need": {**bound[0].to_dict(), "says": bound[1]}} if bound else {})}
         for policy in policies:
             per_seed = [job[policy] for job in results]
             if args.seeds:
@@ -149,8 +152,26 @@ def run_jobs(recipe, args, *, priced: bool = True) -> int:
         print(json.dumps(out))
     else:
         _print_table(results, policies, cfg, bool(args.seeds), priced=priced)
+        if bound:
+            print(f"bound: {bound[1]}")
     any_oom = any(job[p].job_oom_step is not None for job in results for p in policies)
     return 1 if (args.fail_on_oom and any_oom) else 0
+
+
+def _bound(recipe, job, results: dict, policies) -> tuple | None:
+    """The best placement of a learned template's own steps on the shown stream
+    (:mod:`ms_memopt.simulation.bound`) and what it says of the card, when a card is set; a
+    hand-made recipe's step is not a recording's, so it gets none. ``(PlacementNeed, sentence)``."""
+    if not recipe.memopt.workload.template or job.cfg.capacity is None:
+        return None
+    from ms_memopt.simulation.bound import bound_sentence, placement_need
+    from ms_memopt.templates.workload import UNBOUNDED
+
+    if job.cfg.capacity >= UNBOUNDED:
+        return None
+    stream = job.streams[0]
+    need = placement_need(job.specs[stream.stage], job.cfg.steps, seed=stream.seed)
+    return need, bound_sentence(need, job.cfg.capacity, {p: results[p].job_oom_step for p in policies})
 
 
 def parse_policies(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
@@ -206,7 +227,8 @@ def configure_job(job, recipe, args):
     return job
 
 
-def _write_shown_rank(job, view, out_dir: Path | None, viz_paths: dict[str, Path], args, results=None) -> None:
+def _write_shown_rank(job, view, out_dir: Path | None, viz_paths: dict[str, Path], args, results=None,
+                      bound: str = "") -> None:
     """What the job kept of the rank it is judged by (its first failing rank, or the closest call;
     :class:`~ms_memopt.simulation.job.ShowRank`): ``--out`` gets ``layouts.jsonl`` (its pool at each
     policy's OOM or worst moment), ``simulation.json`` (that rank, the heading and the printed
@@ -227,7 +249,7 @@ def _write_shown_rank(job, view, out_dir: Path | None, viz_paths: dict[str, Path
             shown={"rank": stream.rank, "stage": stream.stage, "seed": stream.seed,
                    "policy": job.policies[0]},
             memory_map_title=f"{name}, {where}: the pool at each policy's OOM, or its worst moment",
-            policies={policy: judged_figures(result) for policy, result in (results or {}).items()}))
+            policies={policy: judged_figures(result) for policy, result in (results or {}).items()}, bound=bound))
         build_report(out_dir)
     if viz_paths:
         _export_shown_rank(job, stream, viz_paths, args)
@@ -254,7 +276,8 @@ def _export_shown_rank(job, stream, viz_paths: dict[str, Path], args) -> None:
                 print(f"memory viz ({policy}): not written, the policy did not run on rank {stream.rank}",
                       file=sys.stderr)
                 continue
-        sinks[policy] = SnapshotSink(path, cfg.allocator, capacity=cfg.capacity, options=cfg.allocator_options,
+        sinks[policy] = SnapshotSink(path, cfg.allocator if pool is None else "pool", capacity=cfg.capacity,
+                                     options=cfg.allocator_options,
                                      model=pool, follow=pool is None,
                                      max_entries=getattr(args, "export_max_entries", None))
     try:

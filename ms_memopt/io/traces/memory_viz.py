@@ -64,7 +64,7 @@ from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import SEGMENT_ACTIONS, Event, Trace
 from ms_memopt.core.layout import Layout, Segment
 
-__all__ = ["write_memory_viz", "snapshot_dict", "SnapshotWriter", "trace_size", "MINDSPORE_MODELS",
+__all__ = ["write_memory_viz", "snapshot_dict", "SnapshotWriter", "trace_size", "PADDED_MODELS",
            "EXPANDABLE_MODELS", "RECORDED_BY", "POOL_KEY", "STEP_KEY", "check_export_path", "check_max_entries"]
 
 #: the key of ``allocator_settings`` that says which allocator model made the events (a dict)
@@ -113,8 +113,9 @@ def _segment_starts(events: list[Event], layout: Layout, initial: Layout | None)
     return starts
 
 
-#: allocator models of MindSpore's pools: their pool requests are already padded by the runtime
-MINDSPORE_MODELS = ("mindspore", "mindspore-bestfit", "mindspore-vmm")
+#: allocator models handed sizes MindSpore's runtime padded already: its pools, and pool mode (the
+#: project's regions on MindSpore), which align them to 512 B and add no pad of their own
+PADDED_MODELS = ("mindspore", "mindspore-bestfit", "mindspore-vmm", "pool")
 #: models that map memory into a reserved range (torch's expandable segments, MindSpore's VMM):
 #: their segments grow and shrink as ``segment_map`` / ``segment_unmap``
 EXPANDABLE_MODELS = ("torch-expandable", "torch-npu-expandable", "mindspore-vmm")
@@ -135,7 +136,7 @@ def trace_size(size: int, allocator: str | None) -> int:
         >>> trace_size(4096, "torch-npu"), trace_size(4096, "mindspore"), trace_size(1000, "mindspore-vmm")
         (4096, 4064, 992)
     """
-    if allocator in MINDSPORE_MODELS:
+    if allocator in PADDED_MODELS:
         return max(-(-max(size, 1) // _ALIGN) * _ALIGN - _PAD, 0)
     return int(size)
 
@@ -195,7 +196,8 @@ class SnapshotWriter:
         self._tag_of: dict[int, str] = {}       # live id -> name
         self._live: dict[int, tuple[str, int, int]] = {}   # address -> (name, requested size, stream)
         self._frames: dict[str, list] = {}      # name -> its one frame list (shared: pickled once per batch)
-        self._padded = allocator in MINDSPORE_MODELS
+        self._padded = allocator in PADDED_MODELS
+        self._moving: dict[int, tuple[int, int]] = {}  # id -> (requested size, stream) of a block being moved
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "wb")
         self._file.write(b"\x80\x02}(" + _body("device_traces") + b"](" + b"]" * (self.device + 1))
@@ -251,7 +253,11 @@ class SnapshotWriter:
                 self._addr_of[event.id] = event.addr
                 if event.tag != _MOVED:
                     self._tag_of[event.id] = name
-            self._live[event.addr] = (name, size, int(event.stream))
+            stream = int(event.stream)
+            if event.tag == _MOVED:     # a compaction's move entry: the block's own request, not its size
+                size, stream = self._moving.pop(event.id, (size, stream))
+                base["size"], base["stream"] = size, stream
+            self._live[event.addr] = (name, size, stream)
             category = f"blocker: {name}" if event.id in self.blockers else name
             self._emit({"action": "alloc", **base, "frames": self._frames_of(name), "category": category})
         elif action == "free":
@@ -263,6 +269,7 @@ class SnapshotWriter:
             base["size"], base["stream"] = requested, stream    # as PyTorch frees: the block's own
             if event.tag == _MOVED:
                 name = f"{self._tag_of.get(event.id, _UNTAGGED)} (moved by compaction)"
+                self._moving[event.id] = (requested, stream)
             else:
                 self._addr_of.pop(event.id, None)
                 name = event.tag or self._tag_of.pop(event.id, None) or name or _UNTAGGED
