@@ -134,6 +134,14 @@ def _marked(args, seq: int, batch: int) -> dict:
     return {name: values[name] for name in args.dims.split(",")}
 
 
+def _write_truth(path: str, params, states) -> None:
+    """What the model holds for its weights and AdamWeightDecay's two states per weight, in bytes."""
+    import json
+    nbytes = lambda ts: sum(int(np.prod(t.shape)) * t.itemsize for t in ts)    # noqa: E731
+    Path(path).write_text(json.dumps({"parameters": {"count": len(params), "bytes": nbytes(params)},
+                                      "optimizer": {"count": len(states), "bytes": nbytes(states)}}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=("gpt", "gqa", "llama", "gpt-train"), default="gpt")
@@ -148,6 +156,9 @@ def main() -> None:
                     help="one training step at this length before the setup mark (default: none)")
     ap.add_argument("--dims", default="seq,batch", help="the dims each step mark carries (of seq,batch,hidden,layers)")
     ap.add_argument("--max-seq", type=int, default=128, help="the GPT's position table (longer than every --seqs)")
+    ap.add_argument("--truth", default=None, metavar="FILE.json",
+                    help="write the model's trainable parameters and the optimizer's states (count, bytes) here: "
+                         "what the purposes learned from the recording's lifetimes are checked against")
     args = ap.parse_args()
     if not set(args.dims.split(",")) <= {"seq", "batch", "hidden", "layers"}:
         ap.error(f"--dims: expected names of seq,batch,hidden,layers, got {args.dims}")
@@ -165,6 +176,8 @@ def main() -> None:
     else:
         net = GQADecoder(vocab=args.vocab, hidden=args.hidden, layers=args.layers, seed=args.seed)
     opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-3)
+    if args.truth:
+        _write_truth(args.truth, net.trainable_params(), list(opt.moments1) + list(opt.moments2))
     if args.model == "gpt-train":
         _model_train(args, seqs, batches, (net, opt))
         return

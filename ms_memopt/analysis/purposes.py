@@ -175,7 +175,7 @@ def _update_groups(events: Sequence[Event], start: int, end: int, sizes: set[int
     return runs
 
 
-def learn_purposes(events: Iterable[Event]) -> Purposes:
+def learn_purposes(events: Iterable[Event], *, ended: bool = True) -> Purposes:
     """The purpose of every allocation of a recording with step marks, by its lifetime (see the
     module docstring); a recording without step marks has only persistent and unclassified
     allocations.
@@ -183,6 +183,9 @@ def learn_purposes(events: Iterable[Event]) -> Purposes:
     Args:
         events: the recording's events (``step`` events mark the step ends; a first ``step``
             event without dims ends the prologue).
+        ended: the events run to the process's end, so an allocation never freed was never
+            freed (``False``: a stream cut after its last step, whose last step's kept
+            allocations would be freed later, as a simulator's generated steps).
 
     Returns:
         :class:`Purposes`: the figures per purpose and each allocation id's purpose.
@@ -215,7 +218,7 @@ def learn_purposes(events: Iterable[Event]) -> Purposes:
             if life.id in of or life.id in held:
                 continue
             kept = life.freed is None or life.freed > end
-            if life.freed is None:
+            if life.freed is None and (ended or end != last_mark):
                 of[life.id] = "unclassified"    # never freed after the first step: the runtime's own
             elif kept:
                 of[life.id] = "gradients" if life.made > peak else "unclassified"

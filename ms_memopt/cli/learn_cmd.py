@@ -139,6 +139,8 @@ def run(args) -> int:
                 _print_plan(values)
             except InputError as exc:
                 print(f"  (no plan: {exc})")
+    if template.purposes:
+        _print_purposes(template.purposes)
     print(f"sizes: {template.exact} of {template.positions} allocation positions fitted exactly")
     for miss in template.not_exact[:10]:
         print(f"  not exact: {miss['class']} allocation #{miss['alloc']} (recorded sizes {miss['sizes']}, "
@@ -170,3 +172,19 @@ def _recorded_values(template) -> dict[str, list[int]]:
         if len(values) > 1 and name not in per_run:
             out[name] = values if len(values) <= 3 else [values[0], values[len(values) // 2], values[-1]]
     return out
+
+
+def _print_purposes(purposes: dict) -> None:
+    """What each allocation is for, learned from lifetimes (``analysis.purposes``)."""
+    from ms_memopt.core.units import format_size
+
+    print(f"purposes (from lifetimes in {purposes.get('recording')}; per step: its last full step):")
+    for name, p in purposes["purposes"].items():
+        if not p["count"]:
+            continue
+        where = "" if p["in_pool"] else f" ({p['how']})"
+        peak = f", at most {format_size(p['peak'])} at once" if p["peak"] != p["bytes"] else ""
+        print(f"  {name:<13} {p['count']:>6} allocations, {format_size(p['bytes'])}{peak}{where}")
+    if purposes["purposes"].get("unclassified", {}).get("count"):
+        print("  (unclassified: kept past a step that did not make it in its backward, or never freed after the "
+              "first step)")

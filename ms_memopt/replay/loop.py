@@ -17,6 +17,9 @@ differ only in what they do *around* the model's calls; that is what the hooks a
                 ``model.note_mark(tag, size)`` (the hook calls it when it wants it)
 ``on_sample``   ``(index, model)`` after every ``sample_every``-th event and every ``step`` event;
                 its time is not counted in :attr:`DriveResult.seconds`
+``on_oom``      ``(index, event, model) -> model`` at an allocation that failed: a model returned
+                (a last-resort compaction) is asked for the same request once more, and when it
+                serves it the failure is forgotten (its OOM record dropped)
 ==============  ==================================================================================
 
 A model with a compiled fast path (:func:`ms_memopt.allocators.fast.batch_runner`) runs the
@@ -90,7 +93,7 @@ def drive(events: Sequence, model: AllocatorModel, *, start: int = 0, stop: int 
           forget_evicted: bool = False, watch: dict | set | None = None,
           on_watch: Callable | None = None, on_alloc: Callable | None = None, on_free: Callable | None = None,
           on_evict: Callable | None = None, on_step: Callable | None = None, on_mark: Callable | None = None,
-          sample_every: int = 0, on_sample: Callable | None = None) -> DriveResult:
+          sample_every: int = 0, on_sample: Callable | None = None, on_oom: Callable | None = None) -> DriveResult:
     """Feed ``events[start:stop]`` to ``model`` (the hooks: module docstring).
 
     Args:
@@ -224,6 +227,25 @@ def drive(events: Sequence, model: AllocatorModel, *, start: int = 0, stop: int 
         if len(model.ooms) > oom_seen:
             model.ooms[-1].event_index = index
             oom_seen = len(model.ooms)
+        if failed and on_oom is not None and action == "alloc":
+            retried = on_oom(index, event, model)
+            if retried is not None:
+                model = result.model = retried
+                malloc, free = model.malloc, model.free
+                drain = getattr(model, "drain_evicted", None) if forget else None
+                run = batch_runner(model) if compiled else None
+                addr = (malloc(size, stream=stream, pool=pool, tag=tag) if streams
+                        else malloc(size, pool=pool, tag=tag))
+                if addr is None:            # the record of the second try stands for the request
+                    model.ooms[-1].event_index = index
+                    del model.ooms[-2]
+                else:
+                    failed = False
+                    model.ooms.pop()
+                    addr_of[tid] = addr
+                    if on_alloc is not None:
+                        on_alloc(index, event, addr)
+                oom_seen = len(model.ooms)
         if failed:
             if oom_index is None:
                 oom_index = index

@@ -377,6 +377,8 @@ def _judged_table(info: SimulationInfo) -> list[str]:
     lines += _md_table(["policy", "seed", "ranks", "job_oom", "rank", "stage", "oom_kind", "free@oom", "oom_ranks",
                         "median", "lf_min", "frag_max", "compactions", "peak"], rows)
     lines += ["", "Columns: " + "; ".join(f"**{name}**: {text}" for name, text in COLUMNS.items()) + "."]
+    if info.bound:
+        lines += ["", f"**Bound**: {info.bound}."]
     return lines
 
 

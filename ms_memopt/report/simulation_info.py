@@ -68,6 +68,8 @@ class SimulationInfo:
     shown: dict
     memory_map_title: str
     policies: dict = field(default_factory=dict)
+    #: what the best placement of the run's own steps needs, in words (:func:`~ms_memopt.simulation.bound.bound_sentence`)
+    bound: str = ""
 
 
 def write_simulation_info(directory: str | Path, info: SimulationInfo) -> Path:
@@ -90,7 +92,7 @@ def read_simulation_info(directory: str | Path) -> SimulationInfo | None:
     if not isinstance(data, dict):
         raise InputError("expected a JSON object (written by ms-memopt simulate --out)", source=str(path))
     keys = list(SimulationInfo.__dataclass_fields__)
-    missing = [k for k in keys if k not in data and k != "policies"]
+    missing = [k for k in keys if k not in data and k not in ("policies", "bound")]
     if missing:
         raise InputError(f"missing key {missing[0]!r} (written by ms-memopt simulate --out)", source=str(path))
     if not isinstance(data.get("shown"), dict) or not isinstance(data.get("policies", {}), dict):

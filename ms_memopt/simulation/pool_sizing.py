@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 from ms_memopt.allocators import model_class
-from ms_memopt.allocators.pool import PoolModeAllocator
+from ms_memopt.allocators.pool import REGION_OF_TAG, PoolModeAllocator
 from ms_memopt.core.poolplan import PoolPlan
 
 __all__ = ["moe_load_headroom", "pool_for_workload", "region_sizes_for_template", "region_sizes_for_workload"]
@@ -23,34 +23,73 @@ _ALIGN = 512
 
 
 def pool_for_workload(spec, capacity: int | None = None, *, fast: bool | None = None) -> PoolModeAllocator:
-    """A pool-mode model with regions sized for ``spec`` (:func:`region_sizes_for_workload`),
-    laid out by :meth:`PoolPlan.build`; ``fast`` as :func:`~ms_memopt.allocators.model_class`.
+    """A pool-mode model with regions sized for ``spec`` (:func:`region_sizes_for_workload`, or
+    for a learned template :func:`region_sizes_for_template`), laid out by :meth:`PoolPlan.build`
+    with the activations region a ring; ``fast`` as :func:`~ms_memopt.allocators.model_class`.
 
     Raises:
         InputError: the regions do not fit in ``capacity``.
     """
     if spec.template:
-        plan = PoolPlan.build(region_sizes_for_template(spec, capacity))
-    else:
-        plan = PoolPlan.build(region_sizes_for_workload(spec, capacity), rings=("activations",))
+        sizes, route = region_sizes_for_template(spec, capacity)
+        plan = PoolPlan.build(sizes, rings=("activations",) if "activations" in sizes else ())
+        return model_class("pool", fast=fast)(capacity=capacity, regions=plan, chunked=True, route=route)
+    plan = PoolPlan.build(region_sizes_for_workload(spec, capacity), rings=("activations",))
     return model_class("pool", fast=fast)(capacity=capacity, regions=plan, chunked=True)
 
 
-def region_sizes_for_template(spec, capacity: int | None = None, *, steps: int = 64) -> dict[str, int]:
-    """Region sizes (bytes) for a learned template's steps: a template knows each allocation's
-    pool and lifetime but not its purpose, so pool mode can only keep the persistent pool
-    (Parameters: ``parameters``, its peak over a dry run of the prologue and ``steps`` steps at
-    seed 0, plus 10% and 4 KiB) apart from everything else (``workspace``: the rest of
-    ``capacity``, or twice the dry run's common peak without one)."""
-    from ms_memopt.templates.workload import make_workload, peak_by_pool
+#: a template's regions, in the order of the field report's pool mode; each holds the requests
+#: whose learned purpose it names (:mod:`ms_memopt.analysis.purposes`)
+_TEMPLATE_REGIONS = ("parameters", "optimizer", "gradients", "activations", "workspace")
+
+
+def region_sizes_for_template(spec, capacity: int | None = None, *,
+                              steps: int = 64) -> tuple[dict[str, int], dict[str, str]]:
+    """Region sizes (bytes) for a learned template's steps, by the purpose each allocation's
+    lifetime shows (the template workload tags them: parameters, optimizer, gradients,
+    activations, workspace), and the route of the watched request (the tag of the allocation it
+    stands for).
+
+    Each region's need is its peak over a dry run of the prologue and ``steps`` steps at seed 0
+    (what is never freed exactly, 4 KiB more); with a ``capacity``, what is left after every
+    need is shared among the regions whose use changes with the step's dims (gradients,
+    activations, workspace) in proportion to their needs, so a longer sequence than the dry run
+    drew has room; without one, each of those gets twice its need. A region no allocation asks
+    for is left out. When the needs exceed the capacity, the varying regions share what the
+    fixed ones leave in the same proportion, and the pool fails where one runs out: pool mode's
+    separate regions cannot hold the step in that card.
+    """
+    from ms_memopt.templates.workload import WATCH, make_workload, peak_by_tag
 
     work = make_workload(spec, 0)
     # a schedule ends: the dry run stays within it
-    peak = peak_by_pool(work, min(steps, work.scheduled_steps or steps))
-    parameters = int(peak.get("persistent", 0) * 1.1) + 4096
-    parameters = (parameters + _ALIGN - 1) // _ALIGN * _ALIGN
-    rest = capacity - parameters if capacity is not None else 2 * peak.get("common", 0) + 2**20
-    return {"parameters": parameters, "workspace": max(_ALIGN, rest // _ALIGN * _ALIGN)}
+    peaks = peak_by_tag(work, min(steps, work.scheduled_steps or steps))
+    watch_region = REGION_OF_TAG.get(work.watch_tag or "", "workspace")
+    need: dict[str, int] = {}
+    for tag, peak in peaks.items():
+        region = watch_region if tag == WATCH else REGION_OF_TAG.get(tag or "", "workspace")
+        need[region] = need.get(region, 0) + peak
+    need = {name: need[name] for name in _TEMPLATE_REGIONS if need.get(name)}
+    need.setdefault("workspace", _ALIGN)
+    fixed = ("parameters", "optimizer")
+    sizes = {name: _aligned(n + (4096 if name in fixed else 0)) for name, n in need.items()}
+    varying = [name for name in sizes if name not in fixed]
+    if capacity is None:
+        sizes.update({name: 2 * sizes[name] for name in varying})
+    else:
+        # what is left after every need (or, short of them, what the fixed regions leave) is
+        # shared among the varying regions in proportion to their needs
+        spare = capacity - sum(sizes.values())
+        weight = sum(sizes[name] for name in varying)
+        room = capacity - sum(sizes[name] for name in sizes if name in fixed)
+        for name in varying:
+            share = sizes[name] + spare * sizes[name] // weight if spare > 0 else room * sizes[name] // weight
+            sizes[name] = max(_ALIGN, share // _ALIGN * _ALIGN)
+    return sizes, {WATCH: watch_region}
+
+
+def _aligned(nbytes: int) -> int:
+    return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
 
 
 def moe_load_headroom(spec, samples: int = 1) -> float:

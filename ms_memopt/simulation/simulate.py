@@ -15,8 +15,14 @@ Policies:
 ``baseline``  the allocator alone.
 ``compact``   after the optimizer step every ``compact_every`` steps, and at a scan that warns,
               the layout is compacted (every live block moved to the lowest addresses of its
-              segment, :mod:`ms_memopt.analysis.compaction`), and the model restarts from the compacted
-              layout (``restore``). A scan warns (``compact_trigger``) when the forecast
+              segment, then the least-used segments emptied into holes elsewhere and given back:
+              :mod:`ms_memopt.analysis.compaction.model`), and the model restarts from the compacted
+              layout (``restore``); a compaction whose plan would not raise the largest piece a
+              request could get is not run (``compaction_skips`` says why). At a request that
+              fails, a last-resort compaction runs and the request is asked again (PyNative
+              allows it: the failing op waits; inside a compiled graph the request belongs to the
+              graph's memory plan and cannot wait: docs/compaction.md); the run dies only when even
+              then no piece holds it. A scan warns (``compact_trigger``) when the forecast
               (:mod:`ms_memopt.analysis.forecast`, fed the samples before the watched request and the
               memory in use after each optimizer step) says the request may stop fitting in one
               piece within ``forecast_within`` steps (``"forecast"``, the default), or when its
@@ -79,6 +85,8 @@ __all__ = [
 ]
 
 POLICIES = ("baseline", "compact", "pool")
+#: skipped compactions kept in a result with their reason (the rest are counted)
+MAX_SKIPS_KEPT = 20
 # where a row (a tuple of Event's fields, ms_memopt.core.events.FIELDS) holds what the loop reads
 _ID, _SIZE, _POOL, _TAG = (ROW_INDEX[n] for n in ("id", "size", "pool", "tag"))
 COMPACT_TRIGGERS = ("forecast", "margin")
@@ -158,6 +166,11 @@ class PolicyResult:
     largest_free_min: int | None = None
     largest_free_by_window: list[int] = field(default_factory=list)
     compactions: int = 0
+    #: compactions run at a request that failed (the rest ran after an optimizer step)
+    last_resort_compactions: int = 0
+    #: compactions not run, ``{"step", "why"}`` (the first :data:`MAX_SKIPS_KEPT`); ``compactions_skipped`` counts all
+    compaction_skips: list[dict] = field(default_factory=list)
+    compactions_skipped: int = 0
     frag_before_compaction: float | None = None
     frag_after_compaction: float | None = None
     largest_free_after_compaction_min: int | None = None
@@ -300,13 +313,13 @@ def _make_model(policy: str, spec: WorkloadSpec, cfg: SimConfig) -> AllocatorMod
     return create(cfg.allocator, cfg.capacity, **cfg.allocator_options)
 
 
-def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig) -> tuple[AllocatorModel, Layout, Layout, list]:
-    """:func:`~ms_memopt.analysis.compaction.model.compact_model` with a fresh model of ``cfg``'s allocator
-    (no pre-grown blocks: the compacted layout brings its own)."""
-    from ms_memopt.analysis.compaction.model import compact_model
+def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig, need: int | None = None):
+    """:func:`~ms_memopt.analysis.compaction.model.try_compaction` with a fresh model of ``cfg``'s
+    allocator (no pre-grown blocks: the compacted layout brings its own)."""
+    from ms_memopt.analysis.compaction.model import try_compaction
 
     options = {k: v for k, v in cfg.allocator_options.items() if k not in ("pregrow", "init_size")}
-    return compact_model(model, addr_of, lambda: create(cfg.allocator, cfg.capacity, **options))
+    return try_compaction(model, addr_of, lambda: create(cfg.allocator, cfg.capacity, **options), need=need)
 
 
 class _Run:
@@ -347,6 +360,7 @@ class _Run:
         self.result.collective_bytes = collective_bytes(spec)
         self._stall_counts = [0, 0, 0, 0, 0]
         self.compaction_tensors = 0
+        self.model_before_compaction: AllocatorModel | None = None
 
     def _stall_start(self) -> tuple:
         model = self.model
@@ -397,7 +411,8 @@ class _Run:
                     forget_evicted=True, watch=self.watch, on_watch=self._at_watch, on_mark=self._at_mark,
                     on_alloc=self._at_alloc if recording or tagging else None,
                     on_free=self._at_free if recording or tagging else None,
-                    on_evict=self._at_evict if recording or tagging else None)
+                    on_evict=self._at_evict if recording or tagging else None,
+                    on_oom=self._at_oom if self.compacting else None)
         self.model = run.model
         self.requests = run.allocs
         if run.oom_index is not None:
@@ -479,23 +494,41 @@ class _Run:
             periodic = cfg.compact_every and step % cfg.compact_every == 0
             warned = scan and self._warned(fc)
             if periodic or warned:
-                self.model = model          # the stall counts read the model being compacted
-                self._stall_add(self._stall_from)
-                model, before, after, moves = _compact(model, self.addr_of, cfg)
-                self.model = model
-                self._stall_from = self._stall_start()
-                if self.placed is not None:
-                    _record_moves(self.placed.events, moves, step)
-                _note_compaction(result, track, step, before, after, sum(m.size for m in moves),
-                                 "periodic" if periodic else "warning")
-                # the host work walks every live tensor (mark, offsets), not only the moved ones
-                self.compaction_tensors += sum(1 for _ in before.live_blocks())
-                if forecaster is not None:
+                model = self._compaction(model, "periodic" if periodic else "warning")
+                if forecaster is not None and model is not self.model_before_compaction:
                     forecaster.reset(step)      # the trend described the layout just compacted
         if scan:
             track.watch_min = None
             track.close_window()
         return model
+
+    def _compaction(self, model: AllocatorModel, why: str, need: int | None = None) -> AllocatorModel:
+        """Compact ``model`` when it helps (:func:`_compact`); the model to go on with."""
+        result, step = self.result, self.step
+        self.model = self.model_before_compaction = model   # the stall counts read the model being compacted
+        self._stall_add(self._stall_from)
+        done = _compact(model, self.addr_of, self.cfg, need)
+        self._stall_from = self._stall_start()
+        if done.skipped is not None:
+            result.compactions_skipped += 1
+            if len(result.compaction_skips) < MAX_SKIPS_KEPT:
+                result.compaction_skips.append({"step": step, "why": f"{why}: {done.skipped}"})
+            return model
+        self.model = done.model
+        if self.placed is not None:
+            _record_moves(self.placed.events, done.moves, step)
+        _note_compaction(result, self.track, step, done.before, done.after, done.bytes_moved, why)
+        # the host work walks every live tensor (mark, offsets), not only the moved ones
+        self.compaction_tensors += sum(1 for _ in done.before.live_blocks())
+        return done.model
+
+    def _at_oom(self, index: int, row: tuple, model: AllocatorModel) -> AllocatorModel | None:
+        """A request failed: a last-resort compaction when afterwards a piece holds it."""
+        compacted = self._compaction(model, "last resort", need=row[_SIZE])
+        if compacted is model:
+            return None
+        self.result.last_resort_compactions += 1
+        return compacted
 
     def _warned(self, fc: Forecast | None) -> bool:
         """The ``compact`` policy's warning at a scan (see :class:`SimConfig` ``compact_trigger``)."""

@@ -148,6 +148,9 @@ class Template:
     free_orders: list[dict] = field(default_factory=list)
     layered: dict | None = None
     lacks: list[dict] = field(default_factory=list)
+    #: what each allocation is for, learned from lifetimes in the longest recording
+    #: (:meth:`ms_memopt.analysis.purposes.Purposes.to_dict`); ``None`` for templates made before
+    purposes: dict | None = None
 
     @property
     def exact(self) -> int:
@@ -160,6 +163,7 @@ class Template:
                 "prologue": self.prologue, "classes": self.classes,
                 **({"free_orders": self.free_orders} if self.free_orders else {}),
                 **({"lacks": self.lacks} if self.lacks else {}),
+                **({"purposes": self.purposes} if self.purposes else {}),
                 **({"version": LAYERED_VERSION, "layered": self.layered} if self.layered else {})}
 
     def summary(self) -> dict:
@@ -174,6 +178,7 @@ class Template:
                                    **({"runtime_kept": c["runtime_kept"]} if "runtime_kept" in c else {})}
                             for name, c in self.classes.items()},
                 "lacks": self.lacks,
+                **({"purposes": self.purposes} if self.purposes else {}),
                 **({"layered": {"dim": self.layered["dim"],
                                 "counts": sorted(int(c) for c in self.layered["counts"])}} if self.layered else {})}
 
@@ -956,7 +961,18 @@ def learn_files(paths: Sequence[str | Path], *, max_degree: int = MAX_DEGREE) ->
         pools.add(trace.meta.get("pool"))
     if len(pools) > 1:
         raise InputError(f"the recordings come from different pools: {sorted(map(str, pools))}")
-    return learn(recordings, pool=next(iter(pools)) if pools else None, max_degree=max_degree)
+    template = learn(recordings, pool=next(iter(pools)) if pools else None, max_degree=max_degree)
+    template.purposes = _purposes_of(recordings)
+    return template
+
+
+def _purposes_of(recordings: Sequence[tuple[str, Sequence[Event]]]) -> dict:
+    """The purposes of the recording with the most steps (persistent state does not add up
+    across processes), and which one it was."""
+    from ms_memopt.analysis.purposes import learn_purposes
+
+    name, events = max(recordings, key=lambda r: sum(1 for e in r[1] if e.action == "step"))
+    return {**learn_purposes(events).to_dict(), "recording": name}
 
 
 def _refuse_repeats(names: Sequence[str], shown: Sequence[str] | None = None) -> None:
@@ -1477,7 +1493,24 @@ def template_from_dict(data, source: str = "template") -> Template:
     return Template(dims=list(dims), prologue=data["prologue"], classes=dict(classes), pool=data.get("pool"),
                     allocator=allocator, recordings=list(data.get("recordings") or []),
                     not_exact=list(fit.get("not_exact") or []), positions=int(fit.get("positions") or 0),
-                    free_orders=list(free_orders), layered=layered, lacks=list(data.get("lacks") or []))
+                    free_orders=list(free_orders), layered=layered, lacks=list(data.get("lacks") or []),
+                    purposes=_checked_purposes(data.get("purposes"), source))
+
+
+def _checked_purposes(purposes, source: str) -> dict | None:
+    """A template's ``purposes`` (written by learn): each purpose's figures are counts and bytes."""
+    if purposes is None:
+        return None
+    from ms_memopt.analysis.purposes import PURPOSES
+
+    _need(isinstance(purposes, dict) and isinstance(purposes.get("purposes"), dict), "purposes",
+          "expected {\"purposes\": {purpose: {count, bytes, ...}}}", source)
+    for name, figures in purposes["purposes"].items():
+        _need(name in PURPOSES and isinstance(figures, dict)
+              and all(_is_int(figures.get(k)) and figures[k] >= 0 for k in ("count", "bytes", "peak")),
+              f"purposes.purposes.{name}", f"expected one of {', '.join(PURPOSES)} with integer count, bytes, peak",
+              source)
+    return purposes
 
 
 def load_template(path: str | Path) -> Template:

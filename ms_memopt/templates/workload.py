@@ -14,9 +14,10 @@ What a template does not have, this class adds, and says so:
 * the *watched request* (where the simulator samples ``largest_free`` against a request): the
   largest allocation of each step, tagged :data:`WATCH` (tags do not change where a model places
   a block);
-* a ``parameter`` tag on untagged allocations of the persistent pool, which MindSpore keeps for
-  Parameters (``set_from_persistent_mem(tensor->is_parameter())``): pool mode's regions route
-  by tag;
+* a tag for each untagged allocation's purpose, learned from its lifetime in the generated steps
+  (:func:`~ms_memopt.analysis.purposes.learn_purposes`: ``parameter``, ``optimizer``,
+  ``gradient``, ``activation``, ``workspace``): pool mode's regions route by tag, and the
+  memory map colours by it;
 * the ``optimizer_end`` mark that ends a step (where the ``compact`` policy compacts).
 
 Example:
@@ -39,13 +40,14 @@ from typing import Sequence
 
 import numpy as np
 
+from ms_memopt.analysis.purposes import TAG_OF_PURPOSE, learn_purposes
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import FIELDS, ROW_INDEX, Event
 from ms_memopt.templates.template import Template, generate, load_template, read_schedule
 from ms_memopt.workload.step import StepWorkload, draw_sequence_length
 
 __all__ = ["TemplateWorkload", "SEQ_DIM", "WATCH", "make_workload", "recorded_dims", "template_of",
-           "watched_bytes", "peak_by_pool", "recipe_for_template", "UNBOUNDED"]
+           "watched_bytes", "peak_by_pool", "peak_by_tag", "recipe_for_template", "UNBOUNDED"]
 
 #: the dim that takes the recipe's sequence-length rules
 SEQ_DIM = "seq"
@@ -147,7 +149,17 @@ def watched_bytes(spec) -> int:
 def peak_by_pool(workload, steps: int) -> dict[str, int]:
     """Per pool (``persistent``, ``common``), the most bytes live at once over the prologue and
     the first ``steps`` steps of ``workload`` (sizes rounded up to MindSpore's 512 B)."""
-    live: dict[int, tuple[str, int]] = {}
+    return _peaks(workload, steps, lambda row: row[_POOL] or "common")
+
+
+def peak_by_tag(workload, steps: int) -> dict[str | None, int]:
+    """Per request tag (a learned purpose's, :data:`WATCH`, ``None``), the most bytes live at once
+    over the prologue and the first ``steps`` steps of ``workload`` (sizes rounded up to 512 B)."""
+    return _peaks(workload, steps, lambda row: row[_TAG])
+
+
+def _peaks(workload, steps: int, key) -> dict:
+    live: dict[int, tuple] = {}
     now: Counter = Counter()
     peak: Counter = Counter()
     rows = list(workload.prologue_rows())
@@ -155,13 +167,13 @@ def peak_by_pool(workload, steps: int) -> dict[str, int]:
         rows += workload.step_rows(step)
     for row in rows:
         if row[_ACTION] == "alloc":
-            pool, size = row[_POOL] or "common", -(-max(row[_SIZE], 1) // 512) * 512
-            live[row[_ID]] = (pool, size)
-            now[pool] += size
-            peak[pool] = max(peak[pool], now[pool])
+            group, size = key(row), -(-max(row[_SIZE], 1) // 512) * 512
+            live[row[_ID]] = (group, size)
+            now[group] += size
+            peak[group] = max(peak[group], now[group])
         elif row[_ACTION] == "free" and row[_ID] in live:
-            pool, size = live.pop(row[_ID])
-            now[pool] -= size
+            group, size = live.pop(row[_ID])
+            now[group] -= size
     return dict(peak)
 
 
@@ -189,9 +201,12 @@ def _row(event: Event, step: int | None = None) -> tuple:
     return row if step is None else row[:_STEP] + (step,) + row[_STEP + 1:]
 
 
-def _tagged(row: tuple) -> tuple:
-    if row[_ACTION] == "alloc" and row[_POOL] == "persistent" and row[_TAG] is None:
-        return row[:_TAG] + ("parameter",) + row[_TAG + 1:]
+def _tagged(row: tuple, purpose_of: dict[int, str]) -> tuple:
+    """An untagged allocation tagged with its purpose (:data:`~ms_memopt.analysis.purposes.TAG_OF_PURPOSE`)."""
+    if row[_ACTION] == "alloc" and row[_TAG] is None:
+        tag = TAG_OF_PURPOSE.get(purpose_of.get(row[_ID], ""))
+        if tag is not None:
+            return row[:_TAG] + (tag,) + row[_TAG + 1:]
     return row
 
 
@@ -229,6 +244,10 @@ class TemplateWorkload:
         self._schedule: list[dict[str, int]] = []
         self._steps: list[list[tuple]] = []          # rows of generated steps 1..len
         self._prologue: list[tuple] | None = None
+        self._prologue_events: list[Event] | None = None
+        self._purpose_of: dict[int, str] = {}
+        #: the purpose tag of the allocation each step watches (its largest), from the steps generated
+        self.watch_tag: str | None = None
         self.shapes_seen: set[tuple] = set()
         #: the dims of the last step asked for; ``lengths`` its sequence length (a list, as the
         #: hand-made workload's micro-batches)
@@ -243,9 +262,16 @@ class TemplateWorkload:
         (``hidden``, ``layers``), so it is generated with the schedule's first step (the
         recorded dims when drawing)."""
         if self._prologue is None:      # generated once: every regeneration of the steps starts with it
-            first = self._fixed[0] if self._fixed else dict(self.base)
-            self._prologue = [_tagged(_row(e)) for e in generate(self.template, [first], prologue_only=True)]
+            if not self._steps:
+                self._generate(1)           # the purposes are learned from the steps too
+            self._prologue = [_tagged(_row(e), self._purpose_of) for e in self._first_events()]
         return list(self._prologue)
+
+    def _first_events(self) -> list[Event]:
+        if self._prologue_events is None:
+            first = self._fixed[0] if self._fixed else dict(self.base)
+            self._prologue_events = generate(self.template, [first], prologue_only=True)
+        return self._prologue_events
 
     def step_rows(self, step: int) -> list[tuple]:
         """Step ``step`` (1-based) as rows: a ``step`` event, the template's events at the step's
@@ -291,23 +317,28 @@ class TemplateWorkload:
         warnings: list[str] = []
         events = generate(self.template, self._schedule, warnings=warnings, keep_runtime_leak=self.keep_runtime_leak)
         self.warnings = warnings
-        prologue = len(self.prologue_rows())
+        prologue = len(self._first_events())
+        # a setup mark ends the prologue, as in a recording; the stream is cut after its last step
+        self._purpose_of = learn_purposes(events[:prologue] + [Event("step")] + events[prologue:], ended=False).of
         self._steps = []
         chunk: list[tuple] = []
         number = 1
+        watched: Counter = Counter()
         for event in events[prologue:]:
             if event.action == "step":
-                self._steps.append(self._finish(number, chunk))
+                self._steps.append(self._finish(number, chunk, watched))
                 chunk, number = [], number + 1
             else:
-                chunk.append(_tagged(_row(event, number)))
+                chunk.append(_tagged(_row(event, number), self._purpose_of))
+        self.watch_tag = watched.most_common(1)[0][0] if watched else None
 
     @staticmethod
-    def _finish(step: int, rows: list[tuple]) -> list[tuple]:
+    def _finish(step: int, rows: list[tuple], watched: Counter) -> list[tuple]:
         sizes = [(row[_SIZE], i) for i, row in enumerate(rows) if row[_ACTION] == "alloc"]
         if sizes:
             _, at = max(sizes, key=lambda si: (si[0], -si[1]))      # the first of the largest
             row = rows[at]
+            watched[row[_TAG]] += 1
             rows[at] = row[:_TAG] + (WATCH,) + row[_TAG + 1:]
         return ([("step", None, 0, None, 0, None, None, None, step)] + rows
                 + [("mark", None, 0, None, 0, None, None, "optimizer_end", step)])

@@ -44,7 +44,7 @@ import numpy as np
 from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.metrics import LayoutMetrics, measure
 
-__all__ = ["Move", "Run", "CompactionPlan", "plan_compaction", "apply_plan", "slide_targets",
+__all__ = ["Move", "Run", "CompactionPlan", "plan_compaction", "plan_opening", "apply_plan", "slide_targets",
            "cheapest_window", "cheapest_opening", "coalesce_runs", "run_bounds"]
 
 
@@ -337,6 +337,76 @@ def plan_compaction(layout: Layout, *, max_bytes: int | None = None,
                           bytes_moved=sum(m.size for m in moves), released=released,
                           stopped_by=stopped_by)
     plan.layout = apply_plan(layout, plan, release_empty=release_empty)
+    plan.after = measure(plan.layout)
+    return plan
+
+
+def plan_opening(layout: Layout, need: int) -> CompactionPlan | None:
+    """Open one hole of ``need`` bytes in a compacted layout (every segment's live blocks at its
+    low end, as :func:`plan_compaction` leaves them) by moving some blocks of one segment into the
+    top holes of others of the same pool and stream, then sliding the rest of it down: what the
+    slides and whole-segment evacuations cannot do when every segment is nearly full but the
+    request fits in none. The segment chosen is the one that moves the fewest bytes; its largest
+    blocks that fit a hole elsewhere go first (best fit), the highest of a size first. ``None`` when no segment can be opened
+    so, or a hole of ``need`` is there already.
+
+    Example: two 100 B segments each with 60 B live; 70 B asked: 30 B move out of the second.
+        >>> from ms_memopt.core.layout import Block, Layout, Segment
+        >>> a = Segment(0, 100, [Block(0, 60, True, id=1), Block(60, 40, False)])
+        >>> b = Segment(200, 100, [Block(200, 30, True, id=2), Block(230, 30, True, id=3), Block(260, 40, False)])
+        >>> plan = plan_opening(Layout([a, b]), 70)
+        >>> [(m.block_id, m.src, m.dst) for m in plan.moves], plan.after.largest_free
+        ([(3, 230, 60)], 70)
+    """
+    before = measure(layout)
+    if before.largest_free >= need:
+        return None
+    segments = sorted(layout.segments, key=lambda s: s.addr)
+    best = None
+    for k, seg in enumerate(segments):
+        if seg.size < need:
+            continue
+        live = [b for b in seg.blocks if b.live]
+        deficit = need - (seg.size - sum(b.size for b in live))
+        if deficit <= 0 or any(b.pinned for b in live):
+            continue
+        holes = {j: [list(h) for h in ((b.addr, b.size) for b in other.blocks if not b.live)]
+                 for j, other in enumerate(segments)
+                 if j != k and other.pool == seg.pool and other.stream == seg.stream}
+        moved: list[Move] = []
+        out = 0
+        for block in sorted(live, key=lambda b: (-b.size, -b.addr)):    # the highest of a size: no slide over it
+            if out >= deficit:
+                break
+            spot = min(((j, h) for j, hs in holes.items() for h in hs if h[1] >= block.size),
+                       key=lambda jh: jh[1][1], default=None)
+            if spot is None:
+                continue
+            _, hole = spot
+            moved.append(Move(block.id, block.addr, hole[0], block.size))
+            hole[0] += block.size
+            hole[1] -= block.size
+            out += block.size
+        if out < deficit:
+            continue
+        cost = sum(m.size for m in moved)
+        if best is None or cost < best[0]:
+            best = (cost, k, moved)
+    if best is None:
+        return None
+    _, k, moved = best
+    seg = segments[k]
+    gone = {m.src for m in moved}
+    stay = [b for b in seg.blocks if b.live and b.addr not in gone]
+    cursor, slides = seg.addr, []
+    for block in sorted(stay, key=lambda b: b.addr):
+        if block.addr != cursor:
+            slides.append(Move(block.id, block.addr, cursor, block.size))
+        cursor += block.size
+    moves = moved + slides
+    plan = CompactionPlan(moves=moves, layout=layout, before=before, after=before,
+                          bytes_moved=sum(m.size for m in moves), stopped_by="target_largest_free")
+    plan.layout = apply_plan(layout, plan)
     plan.after = measure(plan.layout)
     return plan
 
