@@ -29,6 +29,7 @@ from ms_memopt.allocators import MODELS
 from ms_memopt.allocators.base import AllocatorModel, OOMRecord
 from ms_memopt.allocators.options import OPTION_TYPES
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.units import short_repr
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.layout import DEVICE_ADDRESS_LIMIT, Layout
 from ms_memopt.core.metrics import LayoutMetrics, frag_ratio, measure
@@ -125,7 +126,15 @@ def recorded_allocator(trace: Trace) -> RecordedAllocator:
         writer = by.get("source") or trace.meta.get("source") or "its writer"
         capacity = by.get("capacity") if isinstance(by.get("capacity"), int) and by["capacity"] > 0 else None
         if named in MODELS and named != "pool":
-            unknown = sorted(set(options) - set(OPTION_TYPES.get(named, {})))
+            types = OPTION_TYPES.get(named, {})
+            unknown = sorted(set(options) - set(types))
+            for key, value in options.items():
+                kind = types.get(key) if isinstance(key, str) else None
+                if kind is not None and not kind.accepts(value):
+                    # a string where the model compares numbers: bad input, not a model to fall back from
+                    raise InputError(f"allocator_settings.ms_memopt.allocator_options.{key}: expected "
+                                     f"{kind.describe()} for the {named} model, got {short_repr(value)}",
+                                     source=trace.source)
             if not unknown:
                 return RecordedAllocator(named, options, f"the recording names it ({writer})", capacity)
             note = f"; it names {named} with an option the model does not take ({unknown[0]})"

@@ -632,9 +632,8 @@ def recorded_by(data: dict, source: str | None = None) -> dict:
     empty dict for PyTorch's own snapshots. Entries of the wrong type are left out, and a model
     name unknown here is checked where it is used (:func:`ms_memopt.replay.replay.recorded_allocator`).
 
-    Raises:
-        InputError: an option the named model takes holds a value of the wrong type (a string
-            where the model compares numbers), naming the key and what it expects.
+    Option values are checked against the model where it is chosen
+    (:func:`ms_memopt.replay.replay.recorded_allocator`): a reader does not know the models.
 
     Example:
         >>> recorded_by({"allocator_settings": {"ms_memopt": {"allocator": "mindspore"}}})["allocator"]
@@ -642,20 +641,12 @@ def recorded_by(data: dict, source: str | None = None) -> dict:
         >>> recorded_by({"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": ""}})
         {}
     """
-    from ms_memopt.allocators.options import OPTION_TYPES
-
     settings = data.get("allocator_settings")
     entry = settings.get(RECORDED_BY) if isinstance(settings, dict) else None
     if not isinstance(entry, dict) or not isinstance(entry.get("allocator"), str):
         return {}
     options = entry.get("allocator_options")
     options = dict(options) if isinstance(options, dict) else {}
-    types = OPTION_TYPES.get(entry["allocator"], {})
-    for key, value in options.items():
-        kind = types.get(key) if isinstance(key, str) else None
-        if kind is not None and not kind.accepts(value):
-            raise InputError(f"allocator_settings.{RECORDED_BY}.allocator_options.{key}: expected {kind.describe()} "
-                             f"for the {entry['allocator']} model, got {short_repr(value)}", source=source)
     return {"allocator": entry["allocator"], "allocator_options": options, "recorded_by": dict(entry)}
 
 
