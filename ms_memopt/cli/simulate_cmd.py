@@ -13,9 +13,11 @@ receives ``timeline.jsonl`` (every rank's samples, stamped with ``rank`` and ``s
 and for the rank the job is judged by (its first failing rank, or the closest call, as the job
 itself ran it: :class:`ms_memopt.simulation.job.ShowRank`) ``layouts.jsonl`` (its pool at each policy's OOM, or at its worst moment when
 it survives) and ``report.md`` with ``fragmentation.png`` and ``memory_map.png``.
-``--export-memory-viz FILE.pickle`` writes that rank's simulated events with the model's addresses and its final
-layout in PyTorch's memory snapshot format (pytorch.org/memory_viz): with one policy to
-``FILE.pickle``, with several one file per policy, ``FILE.<policy>.pickle``. Exit code 0, or 1
+``--export-memory-viz FILE.pickle`` writes that rank's simulated events with the model's addresses, the
+segments it took and gave back, and its final layout in PyTorch's memory snapshot format (pytorch.org/memory_viz,
+MindStudio Insight's converter): that rank alone is simulated once more after the job, straight into the file;
+with one policy to ``FILE.pickle``, with several one file per policy, ``FILE.<policy>.pickle``;
+``--export-max-entries N`` keeps the newest N trace entries. Exit code 0, or 1
 with ``--fail-on-oom`` when a policy lets the job OOM.
 """
 from __future__ import annotations
