@@ -15,7 +15,8 @@ purpose           lifetime
                   step's end, in sizes that mirror the parameters (PyNative keeps them until the next
                   optimizer step)
 ``activations``   made in a step's forward, freed in its backward: alive across the step's peak
-``workspace``     short-lived: made and freed on one side of the step's peak
+``workspace``     short-lived: made and freed on one side of the step's peak, or around it with no
+                  other allocation made meanwhile (an op's scratch)
 ``unclassified``  what fits none: kept past a step that did not make it in backward (a cached
                   output), or never freed after the first step (the runtime's own leak)
 ================  ==================================================================================
@@ -50,6 +51,7 @@ activation over the peak and whose backward makes two gradients kept to the next
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
@@ -205,6 +207,7 @@ def learn_purposes(events: Iterable[Event], *, ended: bool = True) -> Purposes:
     by_step: dict[int, list[_Life]] = {}
     for life in lives:
         by_step.setdefault(life.step, []).append(life)
+    made_at = [life.made for life in lives]          # sorted: lives are in allocation order
     for number, (begin, end) in enumerate(bounds):
         step = number - 1                       # the prologue is step -1
         if step < 0 or end <= begin:
@@ -224,7 +227,7 @@ def learn_purposes(events: Iterable[Event], *, ended: bool = True) -> Purposes:
                 of[life.id] = "gradients" if life.made > peak else "unclassified"
                 if life.made > peak:
                     gradients.append(life)
-            elif life.made <= peak < life.freed:
+            elif life.made <= peak < life.freed and _outlives_an_allocation(made_at, life):
                 of[life.id] = "activations"
             else:
                 of[life.id] = "workspace"
@@ -283,6 +286,12 @@ def _persistent(lives: list[_Life], last_mark: int, first_end: int) -> list[_Lif
             continue
         out.append(life)
     return out
+
+
+def _outlives_an_allocation(made_at: list[int], life: _Life) -> bool:
+    """Another allocation is made while ``life`` lives: it is not an op's workspace, made and
+    freed around one moment (the step's peak may fall on one)."""
+    return bisect_right(made_at, life.made) < len(made_at) and made_at[bisect_right(made_at, life.made)] < life.freed
 
 
 def _split_persistent(persistent: list[_Life], signature: Counter) -> tuple[list[_Life], list[_Life], list[_Life]]:
