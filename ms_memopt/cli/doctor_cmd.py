@@ -165,6 +165,8 @@ def _text(d, out: str | None) -> str:
                      f"{peak}; frag max {_ratio(r.frag_ratio_max)}; slow path "
                      f"{r.slow_path_events}; {'address-verified' if r.verified else 'from the source'}")
         lines.append(f"  {'':<36} set: {r.line}")
+        if r.setting == "pool mode" and r.note:
+            lines.append(f"  {'':<36} {r.note}")
     for s in d.skipped:
         lines.append(f"  {s.setting:<36} not tried: {s.why}")
     if out:

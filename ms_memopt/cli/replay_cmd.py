@@ -75,8 +75,8 @@ def _policy_lines(policy: dict) -> list[str]:
                 f"-> after {_ratio(policy['frag_after_max'])} (worst)"]
     if policy.get("name") == "pool":
         regions = ", ".join(f"{k} {format_size(v)}" for k, v in policy["regions"].items())
-        return [f"policy           pool mode: {regions} ({policy['long_lived']:,} long-lived tensors; sized "
-                "from this recording, a best case)"]
+        return [f"policy           pool mode: {regions} (a region per purpose the recording's lifetimes show; "
+                f"{policy['long_lived']:,} long-lived tensors; sized from this recording, a best case)"]
     return []
 
 

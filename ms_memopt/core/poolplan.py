@@ -30,7 +30,7 @@ from typing import Iterable, Mapping
 
 from ms_memopt.core.errors import InputError
 
-__all__ = ["PURPOSES", "Region", "PoolPlan"]
+__all__ = ["PURPOSES", "Region", "PoolPlan", "share_capacity"]
 
 #: Purposes in layout order. Long-lived, fixed-size regions come first so that the ones whose
 #: size may be tuned later (activations, communication, workspace) sit at the high end.
@@ -185,3 +185,34 @@ class PoolPlan:
             cursor = r.end
         if cursor > self.total:
             raise InputError(f"regions end at {cursor}, beyond total {self.total}", key="total")
+
+
+def share_capacity(needs: Mapping[str, int], capacity: int | None, *, fixed: Iterable[str] = ("parameters", "optimizer"),
+                   alignment: int = 512) -> dict[str, int]:
+    """Region sizes from each region's need (bytes): a ``fixed`` region (never freed) gets its
+    need; what ``capacity`` leaves after every need is shared among
+    the others in proportion to their needs, or, short of the needs, what the fixed ones leave
+    is (the pool then fails where a region runs out). Without a capacity the others get twice
+    their need. Every size is a multiple of ``alignment``.
+
+    Example:
+        >>> share_capacity({"parameters": 1000, "activations": 3000, "workspace": 1000}, 10240)
+        {'parameters': 1024, 'activations': 6656, 'workspace': 2560}
+    """
+    fixed = set(fixed)
+    sizes = {name: max(alignment, _align_up(n, alignment)) for name, n in needs.items()}
+    varying = [name for name in sizes if name not in fixed]
+    if not varying:
+        return sizes
+    if capacity is None:
+        return {name: 2 * size if name in varying else size for name, size in sizes.items()}
+    spare = capacity - sum(sizes.values())
+    weight = sum(sizes[name] for name in varying)
+    room = capacity - sum(size for name, size in sizes.items() if name in fixed)
+    for name in varying:
+        share = sizes[name] + spare * sizes[name] // weight if spare > 0 else room * sizes[name] // weight
+        sizes[name] = max(alignment, share // alignment * alignment)
+    leftover = capacity - sum(sizes.values())       # what rounding down left: the last region's
+    if leftover >= alignment:
+        sizes[varying[-1]] += leftover // alignment * alignment
+    return sizes

@@ -22,6 +22,7 @@ Example:
 """
 from __future__ import annotations
 
+import multiprocessing
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
@@ -33,6 +34,7 @@ from ms_memopt.core.events import Trace
 from ms_memopt.core.units import format_size
 from ms_memopt.io.traces.ms_pool_log import POOL_NAME
 from ms_memopt.replay.replay import ReplayResult, replay
+from ms_memopt.simulation.executors import default_workers
 
 __all__ = ["Setting", "Remedy", "SETTINGS", "FAMILY_OF_MODEL", "EXPANDABLE_OF", "family_of_model",
            "remedy_settings", "measure_remedies", "summary", "SkippedSetting"]
@@ -105,7 +107,8 @@ _MINDSPORE = [
     Setting("compaction at the step ends", "CompactionCallback(every=1) (ms_memopt.mindspore; on Ascend it moves "
             "only what ms-memopt owns, docs/compaction.md)", None, policy="compact", needs=("steps",)),
     Setting("pool mode", "enable_pool_mode(net, optimizer, checkpoint_every=k, batch_size=b) (ms_memopt.mindspore, "
-            "docs/pool_mode.md)", "pool", policy="pool", note="regions sized from this recording: a best case",
+            "docs/pool_mode.md)", "pool", policy="pool",
+            note="regions by the purposes the recording's lifetimes show, sized from this recording: a best case",
             needs=("capacity", "start")),
 ]
 
@@ -243,10 +246,10 @@ def _run(trace: Trace, setting: Setting, capacity: int | None) -> ReplayResult:
             trace = replace(trace, initial=None)
         return replay_policy(trace, setting.policy, allocator=setting.allocator, capacity=capacity, options=options)
     timeline: list = []
-    # the compiled path where built gives the same placements; but only the pure-Python PyTorch models count
-    # their slow path (release-and-retry), which the remedies table reports, so those stay in Python
-    fast = not setting.allocator.startswith("torch")
-    model = create(setting.allocator, capacity, fast=fast, **options)
+    # the compiled path where built (the same placements and slow path); the table reads the first
+    # failure and the count, so only the first is measured in full
+    model = create(setting.allocator, capacity, **options)
+    model.full_oom_records = 1
     on_step = None
     if setting.policy == "empty_cache":
         def on_step(step: int, current: AllocatorModel, addresses: dict) -> AllocatorModel:
@@ -260,35 +263,80 @@ def _run(trace: Trace, setting: Setting, capacity: int | None) -> ReplayResult:
 
 def _remedy(setting: Setting, result: ReplayResult, unbounded: ReplayResult, measured_unbounded: bool) -> Remedy:
     timeline = (result.policy or {}).get("timeline", [])
+    note = setting.note
+    regions = (result.policy or {}).get("regions")
+    if regions:     # pool mode: say which purposes its regions hold
+        note = (f"regions by the purposes the recording's lifetimes show ("
+                + ", ".join(f"{name} {format_size(size)}" for name, size in regions.items())
+                + "), sized from this recording: a best case")
     return Remedy(setting=setting.setting, line=setting.line, allocator=setting.allocator,
                   options=dict(setting.options), peak_reserved=result.peak_reserved,
                   peak_reserved_unbounded=unbounded.peak_reserved, oom_count=len(result.ooms),
                   slow_path_events=result.slow_path_events, frag_ratio_max=result.frag_ratio_max,
                   survives=not result.ooms, verified=(setting.allocator, setting.options) in _VERIFIED
-                  and setting.policy == "baseline", note=setting.note, timeline=timeline,
+                  and setting.policy == "baseline", note=note, timeline=timeline,
                   unbounded=measured_unbounded)
+
+
+def _measure(trace: Trace, setting: Setting, capacity: int | None) -> Remedy:
+    """``setting`` replayed at ``capacity`` (and without one, for its peak) as a :class:`Remedy`;
+    one that could not be measured says why in ``note``."""
+    try:
+        result = _run(trace, setting, capacity)
+        # what the setting saves is its peak without a card's limit (at the capacity every
+        # failing setting peaks at the capacity); pool mode needs the capacity to size regions
+        sized = setting.policy == "pool" or bool(dict(setting.options).get("pregrow"))
+        unbounded = result if capacity is None or sized else _run(trace, setting, None)
+    except (InputError, NotImplementedError, ValueError) as exc:  # e.g. pool regions larger than the card
+        return Remedy(setting.setting, setting.line, setting.allocator, dict(setting.options), 0, 0, 0, 0,
+                      None, False, False, note=f"not measured: {exc}")
+    return _remedy(setting, result, unbounded, not sized or capacity is None)
+
+
+#: (trace, capacity) of the settings being measured: what a forked worker inherits instead of
+#: receiving the trace pickled (a million events)
+_SHARED: tuple | None = None
+
+
+def _measure_shared(setting: Setting) -> Remedy:
+    """:func:`_measure` in a forked worker, on the trace it inherited."""
+    trace, capacity = _SHARED
+    return _measure(trace, setting, capacity)
+
+
+def _measure_all(trace: Trace, settings: list[Setting], capacity: int | None,
+                 progress: Callable[[str], None] | None) -> list[Remedy]:
+    """:func:`_measure` of every setting, in order: on forked workers, one a core, when the system
+    forks and has cores to spare (the workers share the read trace); one after the other otherwise."""
+    global _SHARED
+    workers = min(len(settings), default_workers())
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        remedies = []
+        for setting in settings:
+            if progress is not None:
+                progress(setting.setting)
+            remedies.append(_measure(trace, setting, capacity))
+        return remedies
+    _SHARED = (trace, capacity)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            remedies = []
+            for setting, remedy in zip(settings, pool.imap(_measure_shared, settings)):
+                if progress is not None:
+                    progress(setting.setting)
+                remedies.append(remedy)
+            return remedies
+    finally:
+        _SHARED = None
 
 
 def measure_remedies(trace: Trace, settings: list[Setting], *, capacity: int | None,
                      progress: Callable[[str], None] | None = None) -> list[Remedy]:
     """Replay ``trace`` under each setting (the first is the recorded one) and rank them:
     survives at ``capacity``, then peak reserved without a capacity, then the worst frag ratio;
-    settings that could not be measured last, with why in ``note``."""
-    remedies = []
-    for setting in settings:
-        if progress is not None:
-            progress(setting.setting)
-        try:
-            result = _run(trace, setting, capacity)
-            # what the setting saves is its peak without a card's limit (at the capacity every
-            # failing setting peaks at the capacity); pool mode needs the capacity to size regions
-            sized = setting.policy == "pool" or bool(dict(setting.options).get("pregrow"))
-            unbounded = result if capacity is None or sized else _run(trace, setting, None)
-        except (InputError, NotImplementedError, ValueError) as exc:  # e.g. pool regions larger than the card
-            remedies.append(Remedy(setting.setting, setting.line, setting.allocator, dict(setting.options), 0, 0, 0, 0,
-                                   None, False, False, note=f"not measured: {exc}"))
-            continue
-        remedies.append(_remedy(setting, result, unbounded, not sized or capacity is None))
+    settings that could not be measured last, with why in ``note``. The settings run in parallel
+    where cores allow (forked workers sharing ``trace``: it is read once)."""
+    remedies = _measure_all(trace, settings, capacity, progress)
     measured = [r for r in remedies if r.measured]
     # survivors by what they save; the others by how close they come: the card they need, then failures
     return sorted(measured, key=lambda r: (not r.survives, not r.survives and not r.unbounded,

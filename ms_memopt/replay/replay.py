@@ -233,7 +233,9 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
            on_sample: Callable[[int, LayoutMetrics], None] | None = None,
            on_step: Callable[[int, AllocatorModel, dict[int, int]], AllocatorModel] | None = None,
            stop: int | None = None, on_alloc: Callable[[int, Event, int | None], None] | None = None,
-           on_free: Callable[[int, Event, int], None] | None = None) -> ReplayResult:
+           on_free: Callable[[int, Event, int], None] | None = None,
+           on_oom: Callable[[int, Event, AllocatorModel, dict[int, int]], AllocatorModel | None] | None = None
+           ) -> ReplayResult:
     """Replay ``trace`` through ``model``.
 
     Args:
@@ -250,6 +252,8 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
         on_alloc, on_free: called after each alloc as ``(index, event, address or None)`` and
             each free of a placed block as ``(index, event, address)``, the model's addresses
             (:func:`~ms_memopt.replay.loop.drive`'s hooks).
+        on_oom: called at a failed allocation with ``(index, event, model, addresses)``; a model
+            returned (a last-resort compaction) is asked once more (:func:`~ms_memopt.replay.loop.drive`).
 
     Returns:
         A :class:`ReplayResult`. ``events_per_s`` counts only the time spent in the model.
@@ -258,7 +262,7 @@ def replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = No
         InputError: a size or address beyond any device (:func:`check_bounds`).
     """
     return _replay(trace, model, sample_every=sample_every, on_sample=on_sample, on_step=on_step, stop=stop,
-                   on_alloc=on_alloc, on_free=on_free)
+                   on_alloc=on_alloc, on_free=on_free, on_oom=on_oom)
 
 
 #: samples of a streamed trace (its length is not known before it ends): every this many events
@@ -302,7 +306,7 @@ def _replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = N
             on_sample: Callable[[int, LayoutMetrics], None] | None = None,
             on_step: Callable[[int, AllocatorModel, dict[int, int]], AllocatorModel] | None = None,
             stop: int | None = None, on_alloc: Callable | None = None,
-            on_free: Callable | None = None) -> ReplayResult:
+            on_free: Callable | None = None, on_oom: Callable | None = None) -> ReplayResult:
     """:func:`replay`, with the loop's ``on_alloc``/``on_free`` hooks (:func:`~ms_memopt.replay.loop.drive`)."""
     check_bounds(trace)
     events = trace.events
@@ -333,14 +337,19 @@ def _replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = N
         def policy(index: int, event: Event, current: AllocatorModel) -> AllocatorModel:
             return on_step(event.step or 0, current, address_of)
 
+    last_resort = None
+    if on_oom is not None:
+        def last_resort(index: int, event: Event, current: AllocatorModel) -> AllocatorModel | None:
+            return on_oom(index, event, current, address_of)
+
     if streamed:
         run = drive_chunks(events, model, stop=stop, addr_of=address_of, on_step=policy, on_alloc=on_alloc,
-                           on_free=on_free, sample_every=sample_every, on_sample=sample,
+                           on_free=on_free, sample_every=sample_every, on_sample=sample, on_oom=last_resort,
                            check=lambda part, offset: check_events(part, offset, trace.source))
         total = run.stopped_at
     else:
         run = drive(events, model, stop=stop, addr_of=address_of, on_step=policy, on_alloc=on_alloc,
-                    on_free=on_free, sample_every=sample_every, on_sample=sample)
+                    on_free=on_free, sample_every=sample_every, on_sample=sample, on_oom=last_resort)
         total = len(events)
     model, count = run.model, run.stopped_at
     model_seconds, cpu_seconds = run.seconds, run.cpu_seconds

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ms_memopt.allocators import model_class
 from ms_memopt.allocators.pool import REGION_OF_TAG, PoolModeAllocator
-from ms_memopt.core.poolplan import PoolPlan
+from ms_memopt.core.poolplan import PoolPlan, share_capacity
 
 __all__ = ["moe_load_headroom", "pool_for_workload", "region_sizes_for_template", "region_sizes_for_workload"]
 
@@ -51,7 +51,7 @@ def region_sizes_for_template(spec, capacity: int | None = None, *,
     stands for).
 
     Each region's need is its peak over a dry run of the prologue and ``steps`` steps at seed 0
-    (what is never freed exactly, 4 KiB more); with a ``capacity``, what is left after every
+    (what is never freed, exactly); with a ``capacity``, what is left after every
     need is shared among the regions whose use changes with the step's dims (gradients,
     activations, workspace) in proportion to their needs, so a longer sequence than the dry run
     drew has room; without one, each of those gets twice its need. A region no allocation asks
@@ -71,25 +71,7 @@ def region_sizes_for_template(spec, capacity: int | None = None, *,
         need[region] = need.get(region, 0) + peak
     need = {name: need[name] for name in _TEMPLATE_REGIONS if need.get(name)}
     need.setdefault("workspace", _ALIGN)
-    fixed = ("parameters", "optimizer")
-    sizes = {name: _aligned(n + (4096 if name in fixed else 0)) for name, n in need.items()}
-    varying = [name for name in sizes if name not in fixed]
-    if capacity is None:
-        sizes.update({name: 2 * sizes[name] for name in varying})
-    else:
-        # what is left after every need (or, short of them, what the fixed regions leave) is
-        # shared among the varying regions in proportion to their needs
-        spare = capacity - sum(sizes.values())
-        weight = sum(sizes[name] for name in varying)
-        room = capacity - sum(sizes[name] for name in sizes if name in fixed)
-        for name in varying:
-            share = sizes[name] + spare * sizes[name] // weight if spare > 0 else room * sizes[name] // weight
-            sizes[name] = max(_ALIGN, share // _ALIGN * _ALIGN)
-    return sizes, {WATCH: watch_region}
-
-
-def _aligned(nbytes: int) -> int:
-    return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+    return share_capacity(need, capacity, alignment=_ALIGN), {WATCH: watch_region}
 
 
 def moe_load_headroom(spec, samples: int = 1) -> float:
