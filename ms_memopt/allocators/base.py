@@ -127,6 +127,12 @@ class AllocatorModel(ABC):
     virtual: ClassVar[bool] = False
     #: True when each stream has pools of its own (PyTorch, MindSpore); pool mode's regions serve all
     pools_per_stream: ClassVar[bool] = True
+    #: failed requests recorded in full, each building and measuring the layout (``free_total``,
+    #: ``largest_free``, the serving pool's largest hole); ``None``: every one. Past it a failure is
+    #: recorded from the counters (``free_total`` reserved - allocated, ``largest_free`` from
+    #: :meth:`largest_free`, no ``pool``): on a card far too small a replay fails at most of its
+    #: requests, and a layout at each took doctor minutes (it reads the first failure and the count)
+    full_oom_records: int | None = None
 
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = capacity
@@ -138,7 +144,7 @@ class AllocatorModel(ABC):
         #: requests that took the allocator's slow path: a request that did not fit on the
         #: first try and went through the retry path, whether or not the retry succeeded.
         #: PyTorch: cached memory released and the device asked again (``num_alloc_retries``),
-        #: counted by the pure-Python torch model only. MindSpore (every MindSpore model,
+        #: counted by the caching-allocator models (pure-Python and compiled), not the expandable ones. MindSpore (every MindSpore model,
         #: pure-Python and compiled): the sync-and-retry of ``AbstractDynamicMemPool::AllocMemBuf``
         #: (``DoSyncAllEvents``; with VMM first ``SyncAllStreams`` + ``FreeIdleMemsByEagerFree``),
         #: see :mod:`~ms_memopt.allocators.mindspore`. A surviving setting can still pay for
@@ -213,6 +219,8 @@ class AllocatorModel(ABC):
     def _record_oom(self, size: int, stream: int, tag: str | None, pool: str | None = None) -> None:
         """Record a failed request; ``pool``: the pool (a :attr:`Segment.pool` name) that serves it
         on ``stream``, whose largest hole is the piece that was too small."""
+        if self._counted_oom(size, stream, tag):
+            return
         layout = self.layout()
         m = measure(layout)
         device_free = None if self.capacity is None else max(self.capacity - self.reserved, 0)
@@ -222,3 +230,15 @@ class AllocatorModel(ABC):
                                    device_free=device_free, tag=tag, pool=pool,
                                    pool_largest_free=None if pool is None else pool_largest_free(
                                        layout, pool, stream if self.pools_per_stream else None)))
+
+    def _counted_oom(self, size: int, stream: int, tag: str | None) -> bool:
+        """Record a failed request from the counters alone when :attr:`full_oom_records` are
+        made already (True), else nothing (False: the caller records it in full)."""
+        if self.full_oom_records is None or len(self.ooms) < self.full_oom_records:
+            return False
+        device_free = None if self.capacity is None else max(self.capacity - self.reserved, 0)
+        self.ooms.append(OOMRecord(size=size, stream=stream, free_total=self.reserved - self.allocated,
+                                   largest_free=self.largest_free(), reserved=self.reserved,
+                                   allocated=self.allocated, capacity=self.capacity, device_free=device_free,
+                                   tag=tag))
+        return True

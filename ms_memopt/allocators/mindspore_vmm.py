@@ -314,6 +314,8 @@ class MindSporeVMMPool(AllocatorModel):
 
     # --- internals --------------------------------------------------------------------------
     def _record_oom(self, size: int, stream: int, tag: str | None) -> None:
+        if self._counted_oom(size, stream, tag):
+            return
         m = self.metrics()
         device_free = None if self.capacity is None else max(self.capacity - self.reserved, 0)
         self.ooms.append(OOMRecord(size=size, stream=stream, free_total=m.free_total,

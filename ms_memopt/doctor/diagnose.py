@@ -253,7 +253,9 @@ def _failure(trace: Trace, oom, capacity: int | None, virtual: bool) -> tuple[st
 
 
 def _verdict(trace: Trace, base: str, capacity: int | None, options: dict) -> tuple[Verdict, ReplayResult]:
+    # the pure-Python model: only it names the pool that failed (the compiled twins record no pool)
     model = create(base, capacity, fast=False, **options)
+    model.full_oom_records = 1      # the verdict reads the first failure (a far too small card fails at most requests)
     watch = _GrowthWatch(model, trace)
     result = replay(trace, model)
     if result.ooms:

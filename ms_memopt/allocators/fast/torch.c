@@ -109,7 +109,10 @@ static int torch_release_cached(Core *c) {
 static int32_t torch_grow(Core *c, Py_ssize_t ai, u64 rsize, i64 stream) {
     u64 seg_size = torch_allocation_size(c, rsize);
     int32_t si = torch_new_segment(c, ai, seg_size, stream);
-    if (si == -2 && torch_release_cached(c)) si = torch_new_segment(c, ai, seg_size, stream);
+    if (si == -2 && torch_release_cached(c)) {      /* the slow path: release, then retry */
+        c->slow_path_events += 1;
+        si = torch_new_segment(c, ai, seg_size, stream);
+    }
     if (si < 0) return si;
     int32_t b = c->segs[si].head;
     fp_unindex_buf(c, b);
