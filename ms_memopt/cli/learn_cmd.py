@@ -17,7 +17,13 @@ repeated block count (:mod:`ms_memopt.templates.layers`); counts whose steps do 
 one repeated block are refused (exit 2; the message names what a layer adds and what does not
 hold).
 
+An Ascend profiler capture (torch_npu's or MindSpore's, a rank's folder, ``ASCEND_PROFILER_OUTPUT/``
+or the ``.db``) is learned as a recording cut at the profiler's step markers, the tensors it held
+before the capture as the prologue (:mod:`ms_memopt.templates.capture`); ``--dims-csv FILE``
+gives each captured step's dims (a header of dim names, one row per step).
+
 Example:
+    ms-memopt learn rank0_ascend_pt --out mine.template.json
     ms-memopt learn --plan seq=16,24,32 --plan batch=2,4,6
     ms-memopt learn rec16.jsonl rec24.jsonl rec32.jsonl --out gpt.template.json
 """
@@ -33,7 +39,12 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(parser) -> None:
     parser.add_argument("recordings", nargs="*", metavar="REC.jsonl",
-                        help="recordings with dims step marks (ms-memopt record of a run calling mark_step)")
+                        help="recordings with dims step marks (ms-memopt record of a run calling mark_step), or "
+                             "Ascend profiler captures (a rank's folder, ASCEND_PROFILER_OUTPUT/ or the .db)")
+    parser.add_argument("--dims-csv", action="append", default=[], metavar="FILE.csv",
+                        help="for a profiler capture (one per capture, in order): a header of dim names and one "
+                             "row per captured step (an optional step column numbers them); without it the "
+                             "steps have no dims")
     parser.add_argument("--out", default=None, metavar="MODEL.template.json", help="template file to write")
     parser.add_argument("--plan", action="append", default=[], metavar="DIM=V1,V2,...",
                         help="without recordings: print the calibration to record over these values (one --plan "
@@ -92,7 +103,7 @@ def run(args) -> int:
     if not str(args.out).endswith(".template.json"):
         raise InputError("the template file's name must end with .template.json (simulate recognises it by that)",
                          key="--out")
-    template = learn_files(args.recordings, max_degree=args.max_degree)
+    template = learn_files(args.recordings, max_degree=args.max_degree, dims_csv=args.dims_csv)
     save_template(template, args.out)
     summary = template.summary()
     summary["out"] = str(args.out)
@@ -127,6 +138,9 @@ def run(args) -> int:
         print(f"MindSpore's own leak: {leak['allocs']} allocations a step never freed ({sizes}; "
               f"{leak['pool_bytes']:,} B a step in the pool): op arguments its CPU PyNative ops never free, left out "
               "of simulations (simulate --keep-runtime-leak keeps them)")
+    for entry in template.recordings:
+        if "capture" in entry:
+            _print_capture(entry["path"], entry["capture"])
     if template.lacks:
         print("the calibration lacks:")
         for entry in template.lacks:
@@ -156,6 +170,19 @@ def run(args) -> int:
         print("MindSpore draws some free orders once per process (CPU): simulate --free-order all shows the layouts "
               "they give")
     return 0
+
+
+def _print_capture(path: str, capture: dict) -> None:
+    """What a profiler capture gave: its steps, what it held before the capture, its figures."""
+    from ms_memopt.core.units import format_size
+
+    marks = capture["marks"] or "no step marker"
+    held = capture["held_before"]
+    print(f"capture {path}: {capture['steps']} step(s) ({marks}); held before the capture: {held['tensors']} "
+          f"tensors, {format_size(held['bytes'])} ({format_size(held['held_through'])} held all through: the "
+          f"persistent state); recorded peak allocated {format_size(capture['recorded']['peak_allocated'] or 0)}")
+    for note in capture["notes"]:
+        print(f"  {note}")
 
 
 def _recorded_values(template) -> dict[str, list[int]]:

@@ -28,11 +28,40 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.units import format_size, parse_size
 
-__all__ = ["run"]
+__all__ = ["DEFAULT_FIXED_STEPS", "fixed_dims", "run"]
+
+#: steps run without ``--schedule`` or ``--steps`` for a template whose dims never varied
+DEFAULT_FIXED_STEPS = 10
+
+
+def fixed_dims(template) -> dict[str, int] | None:
+    """The one value of each dim every step of ``template`` was recorded at (``{}``: a template
+    without dims, a profiler capture's), or ``None`` when some dim varied (a schedule is needed).
+
+    Example:
+        >>> from ms_memopt.templates.template import Template
+        >>> part = {"samples": 1, "seen": [{"seq": 8}], "basis": [[0]], "ops": []}
+        >>> fixed_dims(Template(["seq"], part, {"first": part}))
+        {'seq': 8}
+    """
+    seen = {tuple(sorted(s.items())) for part in template.classes.values() for s in part.get("seen", ())}
+    if template.layered or len(seen) > 1:
+        return None
+    return dict(next(iter(seen), ()))
+
+
+def _write_schedule(path: str, dims: dict[str, int], steps: int) -> None:
+    """``steps`` rows of ``dims`` (a ``step`` column numbers them: a template without dims needs one)."""
+    names = list(dims)
+    lines = [",".join(["step"] + names)] + [",".join([str(n)] + [str(dims[k]) for k in names])
+                                              for n in range(1, steps + 1)]
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 def run(args) -> int:
@@ -44,8 +73,17 @@ def run(args) -> int:
 
     template = load_template(args.recipe)
     if not getattr(args, "schedule", None):
-        raise InputError("a template needs --schedule FILE.csv (a header of dims "
-                         f"{','.join(template.dims)}, one row per step)", key="--schedule")
+        fixed = fixed_dims(template)
+        if fixed is None:
+            raise InputError("a template needs --schedule FILE.csv (a header of dims "
+                             f"{','.join(template.dims)}, one row per step)", key="--schedule")
+        with tempfile.TemporaryDirectory(prefix="ms-memopt-schedule-") as folder:
+            args.schedule = str(Path(folder) / "recorded_dims.csv")
+            _write_schedule(args.schedule, fixed, args.steps or DEFAULT_FIXED_STEPS)
+            try:
+                return run(args)
+            finally:
+                args.schedule = None
     if not args.export_events:
         return _run_job(args, template)
     for flag in _JOB_ONLY:

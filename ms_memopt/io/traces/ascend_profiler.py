@@ -72,7 +72,15 @@ from sys import intern
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.lines import iter_lines, read_head
-from ms_memopt.io.traces.ascend_profiler_db import read_db, read_db_modules
+from ms_memopt.io.traces.ascend_profiler_db import read_db, read_db_modules, read_db_steps
+from ms_memopt.io.traces.ascend_profiler_steps import (
+    STEP_TRACE_TIME,
+    TRACE_VIEW,
+    StepMark,
+    StepMarks,
+    step_trace_numbers,
+    trace_view_steps,
+)
 from ms_memopt.io.traces.ascend_profiler_timeline import (
     FRAMEWORK,
     GE,
@@ -99,6 +107,7 @@ __all__ = [
     "profiler_file_kind",
     "profiler_size",
     "read_ascend_profiler",
+    "read_step_marks",
     "stream_ascend_profiler",
 ]
 
@@ -625,7 +634,8 @@ def _module_series(path: Path) -> dict[str, int]:
     return {m: v for m, v in sorted(peaks.items()) if v > 0}
 
 
-def read_ascend_profiler(path: str | Path, *, component: str | None = None, _emit: bool = True) -> Trace:
+def read_ascend_profiler(path: str | Path, *, component: str | None = None, initial_as_events: bool = False,
+                         _emit: bool = True) -> Trace:
     """Read the Ascend profiler's memory output of one rank (see the module docstring).
 
     Args:
@@ -633,6 +643,9 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None, _emi
             ``operator_memory.csv``, ``memory_record.csv``, ``npu_module_mem.csv`` or the ``.db``.
         component: the component whose events the Trace holds (``"PTA"``, ``"MindSpore"``,
             ``"GE"``); default the framework's, else the first with events.
+        initial_as_events: the tensors held before the capture as allocations before the first
+            event (``meta["recorded"]["initial_tensors"]`` of them, first), never as
+            ``Trace.initial``'s layout (a step template's prologue is made of them).
 
     Returns:
         A :class:`Trace` of format ``ascend-profiler``; sizes in bytes, ``time`` in ns.
@@ -680,7 +693,7 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None, _emi
     initial = None
     if chosen is not None:
         start = chosen.first_time
-        if component == framework:
+        if component == framework and not initial_as_events:
             initial = chosen.initial_layout(torch=writer == TORCH_NPU)
         events = chosen.events if initial is not None else chosen.initial_events(start) + chosen.events
 
@@ -726,6 +739,37 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None, _emi
         trace.meta["_stream"] = (inputs.operator_memory, writer, component, chosen.release_after, chosen.fig.unsorted,
                                  [] if initial is not None else events)
     return trace
+
+
+def read_step_marks(path: str | Path) -> StepMarks:
+    """The capture's steps from the profiler's own markers (``ProfilerStep#N``,
+    :mod:`ms_memopt.io.traces.ascend_profiler_steps`): the db's ``STEP_TIME`` table, else
+    ``trace_view.json`` beside the memory files; ``StepMarks.source`` is ``None`` when neither has
+    one (``step_trace_time.csv`` alone numbers steps without placing them: a note says so).
+
+    Example:
+        >>> read_step_marks("rank0_ascend_pt").source                    # doctest: +SKIP
+        'trace_view.json'
+    """
+    inputs = _locate(Path(path))
+    notes: list[str] = []
+    if inputs.db is not None:
+        rows = read_db_steps(inputs.db)
+        if rows:
+            return StepMarks([StepMark(*row) for row in rows], "STEP_TIME", notes)
+        notes.append(f"{inputs.db.name}: no STEP_TIME rows")
+    found = inputs.operator_memory or inputs.memory_record or inputs.npu_module_mem or inputs.db
+    out_dir = found.parent if found is not None else None
+    if out_dir is not None and os.path.lexists(out_dir / TRACE_VIEW):
+        steps = trace_view_steps(out_dir / TRACE_VIEW)
+        if steps:
+            return StepMarks(steps, TRACE_VIEW, notes)
+        notes.append(f"{TRACE_VIEW}: no ProfilerStep#N event (the run called no prof.step())")
+    if out_dir is not None and os.path.lexists(out_dir / STEP_TRACE_TIME):
+        numbers = step_trace_numbers(out_dir / STEP_TRACE_TIME)
+        notes.append(f"{STEP_TRACE_TIME} numbers {len(numbers)} step(s) but gives no start times; "
+                     f"{TRACE_VIEW} or the db places them")
+    return StepMarks([], None, notes)
 
 
 def stream_ascend_profiler(path: str | Path, *, component: str | None = None) -> Trace:

@@ -30,7 +30,7 @@ from ms_memopt.io.traces.ascend_profiler_timeline import (
 )
 from ms_memopt.io.traces.fields import parse_int
 
-__all__ = ["read_db", "read_db_modules"]
+__all__ = ["read_db", "read_db_modules", "read_db_steps"]
 
 
 def read_db(path: Path, writer: str, record: dict) -> dict[str, Timeline]:
@@ -277,3 +277,29 @@ def _db_int(value, what: str, source: str, where: str, *, non_negative: bool = F
 
 
 _INT64 = 1 << 63
+
+
+def read_db_steps(path: Path) -> list[tuple[int, int, int]] | None:
+    """The db's ``STEP_TIME`` rows ``(id, startNs, endNs)`` by start, the profiler's step markers
+    (``ProfilerStep#id``); ``None`` when the table is absent. A NULL or negative cell is an
+    :class:`InputError` naming the table and row."""
+    db = _open_db(path)
+    source = str(path)
+    try:
+        if not _has_table(db, "STEP_TIME"):
+            return None
+        out = []
+        for rowid, ident, start, end in db.execute("SELECT rowid, id, startNs, endNs FROM STEP_TIME"):
+            where = f"STEP_TIME row {rowid}"
+            values = [_db_int(v, what, source, where, non_negative=True)
+                      for v, what in ((ident, "id"), (start, "startNs"), (end, "endNs"))]
+            if None in values:
+                raise InputError(f"{where}: id, startNs and endNs must all be set", source=source)
+            if values[2] < values[1]:
+                raise InputError(f"{where}: endNs {values[2]} before startNs {values[1]}", source=source)
+            out.append(tuple(values))
+        return sorted(out, key=lambda r: (r[1], r[0]))
+    except sqlite3.Error as exc:
+        raise InputError(f"STEP_TIME: not readable ({exc})", source=source) from None
+    finally:
+        db.close()

@@ -52,7 +52,8 @@ def us_text(ns: int, tail: str = "\t") -> str:
 def write_profiler_output(directory: str | Path, events: Iterable[Event], *, writer: str = "torch_npu",
                           rank: int = 0, initial: dict[int, int] | None = None, line_end: str = "\r\n",
                           shuffle: int | None = None, name: str = "aten::empty", ge: Iterable[Event] = (),
-                          alloc_conf: str = "") -> Path:
+                          alloc_conf: str = "", steps: Iterable[tuple[int, int, int]] = (),
+                          step_trace: bool = True) -> Path:
     """Write a rank's profiler folder for ``events`` (alloc/free with ``time`` in ns); return the folder.
 
     Args:
@@ -64,6 +65,10 @@ def write_profiler_output(directory: str | Path, events: Iterable[Event], *, wri
         shuffle: a seed to scramble the rows (files whose rows are not in time order).
         ge: the graph engine's events (torch_npu only): ``cann::`` rows, totals before each release.
         alloc_conf: ``PYTORCH_NPU_ALLOC_CONF`` as ``profiler_metadata.json`` records it.
+        steps: the step markers ``(number, start ns, end ns)``: ``ProfilerStep#N`` events in
+            ``trace_view.json`` as the writer writes them (torch_npu: ``ts`` a string of
+            ``convert_ns2us_str``, ``dur`` a float; MindSpore: both strings of a ``Decimal``)
+            and, with ``step_trace``, a ``step_trace_time.csv`` of their numbers.
     """
     if writer not in ("torch_npu", "mindspore"):
         raise ValueError(f"writer must be torch_npu or mindspore, not {writer!r}")
@@ -99,6 +104,9 @@ def write_profiler_output(directory: str | Path, events: Iterable[Event], *, wri
     for time, allocated, reserved in sorted(ge_records, key=lambda r: r[0]):
         record_rows.append(["GE", us_text(time), allocated / _MB, reserved / _MB, None, None, "NPU:0"])
     _write(out / "memory_record.csv", record_header, record_rows, line_end)
+    steps = list(steps)
+    if steps:
+        _write_steps(out, steps, torch, line_end, step_trace)
     if torch:
         info = {"config": {"common_config": {"profile_memory": True},
                            "experimental_config": {"_export_type": "text"}}, "rank_id": rank}
@@ -108,6 +116,25 @@ def write_profiler_output(directory: str | Path, events: Iterable[Event], *, wri
         info = {"profiler_parameters": {"profile_memory": True}, "ms_version": "2.10.0"}
     (folder / f"profiler_info_{rank}.json").write_text(json.dumps(info, indent=4))
     return folder
+
+
+def _write_steps(out: Path, steps: list[tuple[int, int, int]], torch: bool, line_end: str, step_trace: bool) -> None:
+    """``trace_view.json`` with one ``ProfilerStep#N`` event per step (and a process name event,
+    as the writers put first), and ``step_trace_time.csv`` (its ``Step`` column and durations)."""
+    trace = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "Python" if torch else "MindSpore"}}]
+    for number, start, end in steps:
+        if torch:
+            ts, dur = us_text(start, ""), (end - start) / 1000
+        else:
+            ts, dur = us_text(start, ""), us_text(end - start, "")
+        trace.append({"ph": "X", "name": f"ProfilerStep#{number}", "pid": 1, "tid": 1, "ts": ts, "dur": dur,
+                      "cat": "cpu_op" if torch else "MindSpore", "args": {}})
+    (out / "trace_view.json").write_text(json.dumps(trace))
+    if step_trace:
+        header = ["Step", "Computing", "Communication(Not Overlapped)", "Overlapped", "Communication", "Free",
+                  "Stage", "Bubble", "Communication(Not Overlapped and Exclude Receive)", "Preparing"]
+        rows = [[number, (end - start) / 1000, 0, 0, 0, 0, 0, 0, 0, 0] for number, start, end in steps]
+        _write(out / "step_trace_time.csv", header, rows, line_end)
 
 
 def _rows(events: Iterable[Event], initial: dict[int, int], torch: bool, default_name: str, *,
