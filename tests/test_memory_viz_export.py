@@ -191,9 +191,6 @@ def test_an_alloc_without_address_names_no_python_api():
     assert "no address" in str(info.value) and "ms_memopt." not in str(info.value)
 
 
-@pytest.mark.xfail(reason="io/traces/torch_snapshot._mapped_before walks every event, the step events the reader "
-                          "makes from ms_memopt_step (no address) included; it should skip all but segment_map/unmap",
-                   raises=TypeError, strict=True)
 def test_an_expandable_export_replays_through_its_model(exports, tmp_path, capsys):
     path = tmp_path / "vmm.pickle"
     with open(path, "wb") as handle:

@@ -572,6 +572,8 @@ def _mapped_before(events: list[Event], segments: dict[int, tuple[int, int, str]
     20 MiB pages."""
     runs = [[addr, addr + size, stream, pool] for addr, (size, stream, pool) in sorted(segments.items())]
     for event in reversed(events):
+        if event.action not in ("segment_map", "segment_unmap"):
+            continue            # the reader's own step events carry no address
         start, end = event.addr, event.addr + event.size
         if event.action == "segment_map":
             kept = []
