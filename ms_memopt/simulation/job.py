@@ -206,8 +206,9 @@ class ShowRank:
     policy's OOM or worst moment (:class:`~ms_memopt.simulation.snapshots.LayoutCollector`); ``placed``,
     the policies whose events with the model's addresses to keep (:class:`~ms_memopt.simulation.simulate.PlacedRun`).
 
-    Every rank of the job collects them (its run takes the loop's pure-Python path, which sees
-    every call); only the shown rank's are kept.
+    The ranks run without them (the compiled loop); once every rank is done, the shown one runs
+    again with them (the same seed: the same run, on the loop's pure-Python path, which sees every
+    call and took every rank 2.4x its compiled time when all collected them).
     """
 
     layouts: bool = False
@@ -388,8 +389,7 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
     for j, job in enumerate(jobs):
         for stream in job.streams:
             tasks.append(_Task(stream, job.specs[stream.stage], job.cfg, job.policies, timeline is not None,
-                               show if j == 0 else None,
-                               job.pool_specs[stream.stage] if job.pool_specs is not None else None))
+                               None, job.pool_specs[stream.stage] if job.pool_specs is not None else None))
             owner.append(j)
     from ms_memopt.core.progress import progress_bar
 
@@ -397,25 +397,14 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
     bar = progress_bar(total_steps, "simulate", "step", enabled=progress,
                        postfix=f"ranks 0/{len(tasks)}")
     finished = [0]
-    shown: list = [None, None]          # (key, value) of the first job's shown rank so far
     values: list = [None] * len(tasks)
     left = [len(job.streams) for job in jobs]
 
-    def keep_shown(index: int, value) -> None:
-        """Keep only the view of the rank the first job is judged by (the others' are dropped)."""
-        if value[2] is None:
-            return
-        first = tasks[index].policies[0]
-        key = _shown_key(value[0][first], tasks[index].stream)
-        if shown[0] is None or key < shown[0]:
-            if shown[1] is not None:
-                shown[1][2] = None
-            shown[0], shown[1] = key, value
-        else:
-            value[2] = None
+    def job_done(j: int) -> None:
+        if on_job is not None:
+            on_job(j, _job_results(jobs[j], [(tasks[i], values[i]) for i in range(len(tasks)) if owner[i] == j]))
 
     def on_done(index: int, value) -> None:
-        keep_shown(index, value)
         values[index] = value
         finished[0] += 1
         bar.set_postfix_str(f"ranks {finished[0]}/{len(tasks)}", refresh=False)
@@ -423,12 +412,18 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
             on_stream(finished[0], len(tasks))
         j = owner[index]
         left[j] -= 1
-        if on_job is not None and left[j] == 0:
-            on_job(j, _job_results(jobs[j], [(tasks[i], values[i]) for i in range(len(tasks)) if owner[i] == j]))
+        if left[j] == 0 and not (show is not None and j == 0):     # the first job's after its shown rank
+            job_done(j)
 
     try:
         run_tasks(_run_stream, tasks, executor=executor, address=address, workers=workers,
                   on_done=on_done, processes=processes, on_progress=bar.update)
+        if show is not None and tasks:
+            index = _shown_index(tasks, values, owner)
+            bar.set_postfix_str(f"ranks {finished[0]}/{len(tasks)}, rank {tasks[index].stream.rank} shown",
+                                refresh=False)
+            values[index][2] = _run_stream(replace(tasks[index], show=show, timeline=False))[2]
+            job_done(0)
     finally:
         bar.close()
     out = []
@@ -440,6 +435,13 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
                 if text:
                     timeline.write(text)
     return out
+
+
+def _shown_index(tasks: list, values: list, owner: list) -> int:
+    """The task of the first job's rank it is judged by (:func:`_shown_key` of its first policy's
+    result: the first to fail, else the closest call), from the finished ``values``."""
+    return min((i for i in range(len(tasks)) if owner[i] == 0),
+               key=lambda i: _shown_key(values[i][0][tasks[i].policies[0]], tasks[i].stream))
 
 
 def _job_results(job: JobSpec, streams: list) -> dict[str, JobResult]:

@@ -1,0 +1,21 @@
+"""The rank a job is shown by (its memory map, its layouts) is run again once the job is done, with
+what it keeps, instead of every rank keeping them (issue 43: the ranks run compiled): the same
+figures, the view of the rank the job is judged by, and a sweep's callback sees it."""
+from __future__ import annotations
+
+from ms_memopt.simulation.job import ShowRank, reproducible_figures, simulate_jobs
+from test_job import small_job
+
+
+def test_the_shown_rank_is_the_job_s_closest_and_the_figures_are_unchanged():
+    job = small_job(steps=60, policies=("baseline", "compact"))
+    plain = simulate_jobs([job], workers=1)[0]
+    seen = []
+    shown = simulate_jobs([job], workers=2, show=ShowRank(layouts=True),
+                          on_job=lambda index, result: seen.append((index, result["baseline"].view)))[0]
+    assert reproducible_figures([plain]) == reproducible_figures([shown])
+    base = shown["baseline"]
+    assert base.view is not None and base.view.stream == base.closest.stream
+    assert base.view.snapshots and all(result.view is base.view for result in shown.values())
+    assert plain["baseline"].view is None
+    assert seen and seen[0][0] == 0 and seen[0][1] is base.view
