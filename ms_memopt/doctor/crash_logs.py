@@ -416,9 +416,19 @@ def _gib(nbytes: int | None) -> str:
     return format_size(nbytes, digits=1) if nbytes is not None else "?"
 
 
+def _pool_of(report: OOMReport, request: int) -> str:
+    """The pool a PyTorch-family caching allocator serves ``request`` bytes from (``get_pool``:
+    up to kSmallSize, 1 MiB, the small pool of 2 MiB segments; above, the large pool); the
+    printed free memory is both pools' together."""
+    if report.framework not in ("pytorch", "torch_npu") or report.allocator == "mps":
+        return ""
+    return " from the small pool (requests of 1 MiB or less)" if request <= 1 << 20 else " from the large pool"
+
+
 def _text(v: CrashVerdict, report: OOMReport) -> str:
     """The field report's words: "needed 4.2 GiB in one piece; 14.0 GiB were free, the largest piece 3.0 GiB"."""
-    parts = [f"needed {_gib(v.request)} in one piece" if v.request is not None else "the size asked was not printed"]
+    parts = [f"needed {_gib(v.request)} in one piece{_pool_of(report, v.request)}" if v.request is not None
+             else "the size asked was not printed"]
     free = None if v.free_total is None else v.free_total + (v.device_free or 0)
     if free is not None:
         where = f" ({_gib(v.free_total)} in the pool" + (f", {_gib(v.device_free)} more on the device)"
