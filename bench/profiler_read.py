@@ -2,7 +2,7 @@
 
 Generates a rank's profiler folder as torch_npu's profiler writes it (``operator_memory.csv`` and
 ``memory_record.csv`` in the writer's exact text format: times as ns with the decimal point moved
-and a trailing TAB, ``Size(KB)``, totals in MB, CRLF; ms_memopt.io.traces.ascend_profiler_writer)
+and a trailing TAB, ``Size(KB)``, totals in MB, CRLF; ms_memopt.io.traces.ascend_profiler.writer)
 from the seeded synthetic training trace (ms_memopt.io.traces.synthetic) with ``--rows`` tensors
 (default 10**6), one microsecond per event, the first ten tensors allocated before the capture.
 Then times, in this process:
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ms_memopt.allocators import create
 from ms_memopt.core.events import Event
 from ms_memopt.io.traces import load_trace
-from ms_memopt.io.traces.ascend_profiler_writer import write_profiler_output
+from ms_memopt.io.traces.ascend_profiler.writer import write_profiler_output
 from ms_memopt.io.traces.synthetic import synthetic_trace
 from ms_memopt.replay.replay import recorded_allocator, replay
 

@@ -15,7 +15,7 @@ from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event
 from ms_memopt.io.traces import detect_format, load_trace
 from ms_memopt.io.traces.ascend_profiler import read_ascend_profiler
-from ms_memopt.io.traces.ascend_profiler_writer import us_text, write_profiler_output
+from ms_memopt.io.traces.ascend_profiler.writer import us_text, write_profiler_output
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "ascend_profiler"
 KiB, MiB = 1024, 2**20
@@ -396,3 +396,18 @@ def test_stream_gives_the_same_events_and_replay(tmp_path, writer, shuffle):
 def test_stream_of_the_shared_sample():
     folder = _shared("cnn_910b_level1_rank0")
     assert list(load_trace(folder, stream=True).events) == load_trace(folder).events
+
+
+def test_the_profiler_format_is_one_folder(tmp_path):
+    """issue 44 item 6: its modules live in ``io/traces/ascend_profiler/``, none beside the other formats,
+    and the package names the reader's public functions as the flat module did."""
+    import ms_memopt.io.traces as traces
+    import ms_memopt.io.traces.ascend_profiler as package
+    from ms_memopt.io.traces.ascend_profiler import reader
+
+    flat = sorted(p.name for p in Path(traces.__file__).parent.glob("ascend_profiler_*.py"))
+    assert not flat, flat
+    assert Path(package.__file__).name == "__init__.py"
+    assert {name: getattr(package, name) for name in reader.__all__} == {n: getattr(reader, n) for n in reader.__all__}
+    folder = write_profiler_output(tmp_path, [Event("alloc", id=1, size=512, time=T0)])
+    assert detect_format(folder) == "ascend-profiler" and load_trace(folder).meta["framework"]

@@ -13,8 +13,8 @@ from ms_memopt.cli import main
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event
 from ms_memopt.io.traces.ascend_profiler import read_step_marks
-from ms_memopt.io.traces.ascend_profiler_steps import trace_view_steps
-from ms_memopt.io.traces.ascend_profiler_writer import write_profiler_output
+from ms_memopt.io.traces.ascend_profiler.steps import trace_view_steps
+from ms_memopt.io.traces.ascend_profiler.writer import write_profiler_output
 from ms_memopt.templates.capture import capture_recording
 from ms_memopt.templates.template import learn_files, load_template
 

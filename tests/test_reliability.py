@@ -251,7 +251,7 @@ def _profiler_csv() -> bytes:
     """An ``operator_memory.csv`` as torch_npu's profiler writes it (TAB-ended times, CRLF), alone."""
     import tempfile
 
-    from ms_memopt.io.traces.ascend_profiler_writer import write_profiler_output
+    from ms_memopt.io.traces.ascend_profiler.writer import write_profiler_output
 
     events = [Event("alloc", id=i, size=512 * i, time=1000 * i) for i in range(1, 6)]
     events += [Event("free", id=i, time=10_000 + 1000 * i) for i in range(1, 5)]

@@ -26,7 +26,7 @@ allocator is the capture's recorded one (``meta["allocator_candidates"]``).
 Example:
     >>> import tempfile
     >>> from ms_memopt.core.events import Event
-    >>> from ms_memopt.io.traces.ascend_profiler_writer import write_profiler_output
+    >>> from ms_memopt.io.traces.ascend_profiler.writer import write_profiler_output
     >>> ev = [Event("alloc", id=1, size=4096, time=10_000), Event("free", id=1, time=20_000)]
     >>> folder = write_profiler_output(tempfile.mkdtemp(), ev, steps=[(1, 5_000, 30_000)])
     >>> rec = capture_recording(folder)

@@ -16,7 +16,7 @@ import urllib.parse
 from pathlib import Path
 
 from ms_memopt.core.errors import InputError
-from ms_memopt.io.traces.ascend_profiler_timeline import (
+from ms_memopt.io.traces.ascend_profiler.timeline import (
     FRAMEWORK,
     GE,
     TORCH_NPU,

@@ -72,8 +72,8 @@ from sys import intern
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event, Trace
 from ms_memopt.core.lines import iter_lines, read_head
-from ms_memopt.io.traces.ascend_profiler_db import read_db, read_db_modules, read_db_steps
-from ms_memopt.io.traces.ascend_profiler_steps import (
+from ms_memopt.io.traces.ascend_profiler.db import read_db, read_db_modules, read_db_steps
+from ms_memopt.io.traces.ascend_profiler.steps import (
     STEP_TRACE_TIME,
     TRACE_VIEW,
     StepMark,
@@ -81,7 +81,7 @@ from ms_memopt.io.traces.ascend_profiler_steps import (
     step_trace_numbers,
     trace_view_steps,
 )
-from ms_memopt.io.traces.ascend_profiler_timeline import (
+from ms_memopt.io.traces.ascend_profiler.timeline import (
     FRAMEWORK,
     GE,
     MINDSPORE,
@@ -743,7 +743,7 @@ def read_ascend_profiler(path: str | Path, *, component: str | None = None, init
 
 def read_step_marks(path: str | Path) -> StepMarks:
     """The capture's steps from the profiler's own markers (``ProfilerStep#N``,
-    :mod:`ms_memopt.io.traces.ascend_profiler_steps`): the db's ``STEP_TIME`` table, else
+    :mod:`ms_memopt.io.traces.ascend_profiler.steps`): the db's ``STEP_TIME`` table, else
     ``trace_view.json`` beside the memory files; ``StepMarks.source`` is ``None`` when neither has
     one (``step_trace_time.csv`` alone numbers steps without placing them: a note says so).
 
