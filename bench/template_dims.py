@@ -191,6 +191,7 @@ def main() -> None:
     ap.add_argument("--heldout-batches", default="3,5", help="the both part's held-out batches")
     ap.add_argument("--both-layers", type=int, default=2, help="layers of the both part's models")
     ap.add_argument("--both-hidden", type=int, default=64, help="hidden size of the both part's models")
+    ap.add_argument("--both-vocab", type=int, default=256, help="vocabulary of the both part's models")
     ap.add_argument("--hiddens", default="32,48,64", help="calibration hidden sizes (one run per pattern each)")
     ap.add_argument("--patterns", default="abbccc,abbccc,abccca",
                     help="calibration runs per hidden size (bench/template_fidelity.py --patterns)")
@@ -232,7 +233,8 @@ def main() -> None:
                                  [int(b) for b in args.both_batches.split(",")],
                                  [int(b) for b in args.heldout_batches.split(",")], args.steps, args.max_len,
                                  int(str(args.seed).split(",")[0]),
-                                 ["--layers", str(args.both_layers), "--hidden", str(args.both_hidden)])
+                                 ["--layers", str(args.both_layers), "--hidden", str(args.both_hidden),
+                                  "--vocab", str(args.both_vocab)])
         for model in (args.layers_model.split(",") if "layers" in parts else []):
             results += layers_part(work, [int(n) for n in args.layer_counts.split(",")],
                                    [int(n) for n in args.heldout_layers.split(",")], calib, args.patterns.split(","),

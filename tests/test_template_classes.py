@@ -13,6 +13,7 @@ from ms_memopt.templates.classes import (
     classify,
     is_class_name,
     novelty_name,
+    playable_classes,
     possible_novelties,
 )
 from ms_memopt.templates.template import (
@@ -93,8 +94,24 @@ def test_calibration_plan_plays_every_class_and_every_grid_shape():
     assert played == {"first", *possible_novelties(["seq", "batch"])}
     shapes = {(d["seq"], d["batch"]) for p in plan for d in p}
     assert len(shapes) == 9 and len({(p[0]["seq"], p[0]["batch"]) for p in plan}) == len(plan) >= 3
-    with pytest.raises(ValueError, match="more values"):
-        calibration_plan({"seq": [16, 24], "batch": [2]}, min_processes=1)
+    # one batch: only a new length (and token count) can happen; a plan all the same
+    plan = calibration_plan({"seq": [16, 24], "batch": [2]}, min_processes=1)
+    assert set().union(*(classify(p) for p in plan)) == {"first", "new:seq+tokens", "repeat"}
+
+
+def test_a_plan_for_any_values_plays_every_class_they_can_make():
+    """Issue 42: seq 16/32/40 x batch 2/3/4 share one token count (16 x 4 = 32 x 2), so
+    new:seq, new:batch and new:batch+seq exclude each other in a process: the plan used to
+    say "no plan ... give more values per dim"."""
+    values = {"seq": [16, 32, 40], "batch": [2, 3, 4]}
+    plan = calibration_plan(values)
+    assert set().union(*(classify(p) for p in plan)) == {"first", *possible_novelties(["seq", "batch"])}
+    assert len(plan) == 4 and len({(p[0]["seq"], p[0]["batch"]) for p in plan}) == 4
+    assert playable_classes(values)["new:batch+seq"] == [{"seq": 16, "batch": 4}, {"seq": 32, "batch": 2}]
+    # no two shapes share a token count: the classes that need one are not playable, nor asked for
+    values = {"seq": [17, 19, 23], "batch": [2, 3, 5]}
+    played = set().union(*(classify(p) for p in calibration_plan(values)))
+    assert played == {"first", *playable_classes(values)} and "new:seq" not in played
 
 
 def test_a_held_out_run_of_lengths_and_batches_never_calibrated_is_predicted_exactly():
@@ -153,7 +170,7 @@ def test_learn_prints_the_plan_and_the_leak(tmp_path, capsys):
 
     assert main(["learn", "--plan", "seq=16,24,32", "--plan", "batch=2,4,6"]) == 0
     out = capsys.readouterr().out
-    assert "record 4 processes" in out and "--batch 2,4,2,4,6,2" in out
+    assert "record 3 processes" in out and "--batch 2,4,4,6,4,2" in out
     assert main(["learn", "--plan", "seq=16"]) == 2
     path = tmp_path / "one.jsonl"
     write_jsonl(path, recorded([{"seq": 16, "batch": 2}, {"seq": 24, "batch": 2}, {"seq": 24, "batch": 2}]))
@@ -203,3 +220,12 @@ def test_one_dim_varied_lacks_nothing():
     runs = [[16, 16, 24, 24, 32], [24, 32, 32, 16, 16], [32, 16, 16, 24, 24]]
     template = learn([(f"p{i}", recorded([{"seq": s, "batch": 4} for s in run])) for i, run in enumerate(runs)])
     assert not template.lacks and set(template.classes) == {"first", "repeat", "new:seq+tokens"}
+
+
+def test_learn_names_a_lack_only_when_a_plan_fills_it():
+    """Recorded as the plan says, over values where some classes cannot happen (no shared token
+    count) or happen at one shape only (16 x 4 after 32 x 2): nothing is named lacking."""
+    for values in ({"seq": [17, 19, 23], "batch": [2, 3, 5]}, {"seq": [16, 32, 40], "batch": [2, 3, 4]}):
+        plan = calibration_plan(values)
+        template = learn([(f"p{i}", recorded(p)) for i, p in enumerate(plan)])
+        assert template.lacks == [], (values, template.lacks)

@@ -69,12 +69,9 @@ def _parse_plan(items: list[str]) -> dict[str, list[int]]:
 
 
 def _print_plan(values: dict[str, list[int]]) -> int:
-    from ms_memopt.templates.classes import calibration_plan, classify
+    from ms_memopt.templates.classes import calibration_plan, classify, playable_classes, possible_novelties
 
-    try:
-        plan = calibration_plan(values)
-    except ValueError as exc:
-        raise InputError(str(exc), key="--plan") from None
+    plan = calibration_plan(values)
     print(f"record {len(plan)} processes (one ms-memopt record each), the steps in this order:")
     for k, process in enumerate(plan):
         print(f"process {k}: " + " ".join("x".join(str(d[n]) for n in values) for d in process))
@@ -82,6 +79,10 @@ def _print_plan(values: dict[str, list[int]]) -> int:
             print(f"  --{name} {','.join(str(d[name]) for d in process)}")
     print("(" + "x".join(values) + " per step; classes played: "
           + ", ".join(sorted(set().union(*(classify(p) for p in plan)))) + ")")
+    never = sorted(set(possible_novelties(list(values))) - set(playable_classes(values)))
+    if never:
+        print(f"(no step over these values can be {', '.join(never)}: each needs a token count that two shapes "
+              "of the grid share)")
     return 0
 
 
@@ -149,10 +150,7 @@ def run(args) -> int:
         if values:
             print("record these (ms-memopt learn " + " ".join(f"--plan {n}={','.join(map(str, v))}"
                                                            for n, v in values.items()) + "):")
-            try:
-                _print_plan(values)
-            except InputError as exc:
-                print(f"  (no plan: {exc})")
+            _print_plan(values)
     if template.purposes:
         _print_purposes(template.purposes)
     print(f"sizes: {template.exact} of {template.positions} allocation positions fitted exactly")

@@ -30,7 +30,8 @@ from itertools import combinations
 from typing import Iterable, Sequence
 
 __all__ = ["CLASSES", "FIRST", "REPEAT", "LEGACY_NEW", "FEATURE_NAMES", "features", "classify", "novelty_name",
-           "is_class_name", "possible_novelties", "calibration_plan", "is_new"]
+           "is_class_name", "possible_novelties", "playable_classes", "calibration_plan",
+           "is_new"]
 
 FIRST, REPEAT = "first", "repeat"
 LEGACY_NEW = "new_shape"
@@ -100,23 +101,85 @@ def classify(schedule: Sequence[dict[str, int]]) -> list[str]:
     return out
 
 
-def _reach(steps: list[dict[str, int]], shapes: list[dict[str, int]], want: set[str],
-           beam: int) -> tuple[list[dict[str, int]], frozenset]:
-    """The schedule from ``steps`` on that plays the most classes of ``want`` (a beam search)."""
-    states = [(steps, frozenset())]
-    best = states[0]
+def _step_class(seen: dict[str, set], values: dict[str, object]) -> str:
+    """The class of a step at features ``values`` after a process ran features ``seen`` (not its first)."""
+    return novelty_name(name for name, value in values.items() if value not in seen.get(name, ()))
+
+
+def _search(shapes: list[dict[str, int]], want: set[str],
+            cap: int = 2048) -> tuple[dict[frozenset, dict[int, tuple[int, ...]]], dict[str, set[int]]]:
+    """What one process can play over ``shapes``: every set of classes of ``want`` it can play,
+    with per start (a shape's index) the shortest order of shapes that plays it, and per class
+    the shapes where a step can fall in it.
+
+    What a step is new in depends only on the shapes run before, not on their order, and a step
+    at a shape already run is a repeat: the search walks the sets of shapes run, a shape added
+    at each depth (filler steps that play no class wanted included: a token count seen before
+    needs one), keeping per set only the class sets no other of that set contains. ``cap``
+    states a depth bound a grid of many shapes (those that play the most classes kept)."""
+    feats = [features(shape) for shape in shapes]
+    # a state: (start, the shapes run, the classes played) -> the shortest order of those shapes
+    states: dict[tuple[int, frozenset, frozenset], tuple[int, ...]] = {
+        (i, frozenset([i]), frozenset()): (i,) for i in range(len(shapes))}
+    best: dict[frozenset, dict[int, tuple[int, ...]]] = {}
+    where: dict[str, set[int]] = {}
     while states:
-        grown = []
-        for schedule, got in states:
-            for shape in shapes:
-                kind = classify(schedule + [shape])[-1]
-                if kind in want and kind not in got:
-                    grown.append((schedule + [shape], got | {kind}))
-        grown.sort(key=lambda s: (-len(s[1]), len(s[0])))
-        states = grown[:beam]
-        if states and len(states[0][1]) > len(best[1]):
-            best = states[0]
-    return best
+        for (start, _, got), order in states.items():
+            known = best.setdefault(got, {}).get(start)
+            if known is None or (len(order), order) < (len(known), known):
+                best[got][start] = order
+        grown: dict[tuple[int, frozenset, frozenset], tuple[int, ...]] = {}
+        for (start, ran, got), order in states.items():
+            seen: dict[str, set] = {}
+            for i in ran:
+                for name, value in feats[i].items():
+                    seen.setdefault(name, set()).add(value)
+            for j in range(len(shapes)):
+                if j in ran:
+                    continue
+                kind = _step_class(seen, feats[j])
+                if kind in want:
+                    where.setdefault(kind, set()).add(j)
+                key = (start, ran | {j}, got | {kind} if kind in want else got)
+                if key not in grown or order + (j,) < grown[key]:
+                    grown[key] = order + (j,)
+        by_ran: dict[tuple[int, frozenset], list[frozenset]] = {}
+        for start, ran, got in grown:
+            by_ran.setdefault((start, ran), []).append(got)
+        states = {(*key, got): grown[(*key, got)] for key, gots in by_ran.items() for got in gots
+                  if not any(got < other for other in gots)}
+        if len(states) > cap:
+            states = dict(sorted(states.items(), key=lambda s: (-len(s[0][2]), s[1]))[:cap])
+    return best, where
+
+
+def _grid(values: dict[str, Sequence[int]]) -> list[dict[str, int]]:
+    from itertools import product
+
+    names = list(values)
+    return [dict(zip(names, combo)) for combo in product(*(list(dict.fromkeys(values[n])) for n in names))]
+
+
+def playable_classes(values: dict[str, Sequence[int]]) -> dict[str, list[dict[str, int]]]:
+    """Each class a step of a process playing ``values`` (per dim) can fall in, besides
+    ``first``, with the shapes where it can (in the grid's order).
+
+    A class that needs a token count seen before at another shape (``new:seq``, ``new:batch``,
+    ``new:batch+seq``, ``new:shape``) is playable only where two shapes of the grid share one
+    (``16 x 4`` and ``32 x 2``): over lengths 17, 19, 23 and batches 2, 3, 5 it never occurs.
+
+    Example:
+        >>> sorted(playable_classes({"seq": [17, 19, 23], "batch": [2, 3, 5]}))
+        ['new:batch+seq+tokens', 'new:batch+tokens', 'new:seq+tokens', 'new:tokens', 'repeat']
+        >>> playable_classes({"seq": [16, 32, 40], "batch": [2, 3, 4]})["new:batch+seq"]
+        [{'seq': 16, 'batch': 4}, {'seq': 32, 'batch': 2}]
+    """
+    shapes = _grid(values)
+    want = set(possible_novelties(list(values))) - {REPEAT}
+    _, where = _search(shapes, want)
+    out = {kind: [shapes[j] for j in sorted(js)] for kind, js in sorted(where.items())}
+    out[REPEAT] = list(shapes)
+    return dict(sorted(out.items()))
 
 
 def possible_novelties(dims: Sequence[str], marked: int | None = None) -> list[str]:
@@ -146,60 +209,71 @@ def possible_novelties(dims: Sequence[str], marked: int | None = None) -> list[s
     return sorted(out)
 
 
-def calibration_plan(values: dict[str, Sequence[int]], *, min_processes: int = 3, max_processes: int = 8,
-                     beam: int = 64) -> list[list[dict[str, int]]]:
-    """Schedules for the fewest calibration processes that together play every class
-    :func:`possible_novelties` names, from ``values`` (the values to record per dim), each
+def calibration_plan(values: dict[str, Sequence[int]], *, min_processes: int = 3,
+                     max_combinations: int = 200_000) -> list[list[dict[str, int]]]:
+    """Schedules for the fewest calibration processes that together play every class a step
+    over ``values`` (the values to record per dim) can fall in (:func:`playable_classes`), each
     followed by a repeat of every shape it played (the classes' sizes at more shapes).
 
     A process can make a dim new only as often as it has values left (the first step uses
-    one), so with 3 values per dim each process reaches 2 of the 4 classes where the length is
-    new: 2 processes or more. Processes up to ``min_processes`` start reaching every class
-    again (each class then seen at two shapes or more, its sizes fitted, not assumed). The last
-    process then plays every shape of the grid no process played, twice (a repeat at every
-    shape: the repeat steps' sizes, which the other classes borrow, fitted on the whole grid). Each process starts at another value of every dim (first steps
-    at several shapes); a beam search (``beam`` schedules kept per length, deterministic) picks
-    the steps that reach the most classes not reached yet.
-
-    Raises:
-        ValueError: ``max_processes`` processes do not reach every class (too few values).
+    one), and some classes exclude each other in one process (``new:seq``: ``16 x 4`` before
+    ``32 x 2``; ``new:batch``: ``32 x 2`` before ``16 x 4``), so every set of classes one
+    process can play is searched (:func:`_search`: over the sets of shapes run, filler steps
+    included), and the fewest of those sets that cover every playable class are taken (every
+    combination of 1, 2, ... processes, up to ``max_combinations`` a count, then one at a time,
+    the process that plays the most classes not played yet). Processes up to ``min_processes``
+    then play again the classes played once (each at another shape: its sizes fitted, not
+    assumed). Each process starts at another shape where it can (first steps at several
+    shapes). The last process then plays every shape of the grid no process played, twice (a
+    repeat at every shape: the repeat steps' sizes, which the other classes borrow, fitted on
+    the whole grid). Never fails: a class no process over ``values`` can play is not asked for
+    (:func:`playable_classes` names what is).
 
     Example:
-        >>> plan = calibration_plan({"seq": [16, 24, 32], "batch": [2, 3, 4]})
+        >>> plan = calibration_plan({"seq": [16, 32, 40], "batch": [2, 3, 4]})
         >>> reached = set().union(*(classify(p) for p in plan))
         >>> len(plan), reached == {"first", *possible_novelties(["seq", "batch"])}
         (4, True)
     """
-    from itertools import product
-
-    names = list(values)
-    want = set(possible_novelties(names)) - {REPEAT}
-    reached: set[str] = set()
+    shapes = _grid(values)
+    want = set(possible_novelties(list(values))) - {REPEAT}
+    best, _ = _search(shapes, want)
+    playable = frozenset().union(*best)
+    # the class sets no other contains: a process playing a smaller one is never needed
+    sets = sorted((got for got in best if got and not any(got < other for other in best)),
+                  key=lambda got: (-len(got), sorted(got)))
+    chosen: list[frozenset] = []
+    for count in range(1, len(sets) + 1):
+        if math.comb(len(sets), count) > max_combinations:
+            break
+        chosen = next((list(c) for c in combinations(sets, count) if frozenset().union(*c) == playable), [])
+        if chosen:
+            break
+    while left := playable - frozenset().union(*chosen):
+        chosen.append(max(sets, key=lambda got: (len(got & left), len(got))))
     plans: list[list[dict[str, int]]] = []
-    shapes = [dict(zip(names, combo)) for combo in product(*(values[n] for n in names))]
-    while want - reached or len(plans) < min_processes:
-        if not want - reached:
-            reached = set()             # another round: every class again, at other shapes
-        if len(plans) == max_processes:
-            raise ValueError(f"{max_processes} processes over {dict(values)} do not play "
-                             f"{sorted(want - reached)}: give more values per dim")
-        firsts = [plan[0] for plan in plans]
-        best = None
-        # every start, those no process started at first (first steps at several shapes)
-        for start in sorted(shapes, key=lambda shape: shape in firsts):
-            found = _reach([start], shapes, want - reached, beam)
-            if best is None or len(found[1]) > len(best[1]):
-                best = found
-        if not best[1]:
-            raise ValueError(f"no process over {dict(values)} plays {sorted(want - reached)}: give more values "
-                             "per dim")
-        reached |= best[1]
-        steps = best[0]
-        played = []
-        for step in steps:
-            if step not in played:
-                played.append(step)
-        plans.append(steps + [dict(s) for s in played])
+    starts: set[int] = set()
+
+    def add(got: frozenset, start: int) -> None:
+        starts.add(start)
+        steps = [dict(shapes[i]) for i in best[got][start]]
+        plans.append(steps + [dict(s) for s in steps])
+
+    for got in chosen:
+        # another start than the processes before where this class set allows one
+        add(got, min(best[got], key=lambda i: (i in starts, len(best[got][i]), best[got][i])))
+    while len(plans) < min_processes:
+        again = {k for k in playable if sum(k in got for got in chosen) == 1}
+        # a process not recorded yet: another start, the classes played once again
+        fresh = [(got, i) for got in best if got for i in best[got] if i not in starts]
+        if not fresh:
+            break
+        got, start = max(fresh, key=lambda c: (len(c[0] & again), len(c[0]), -len(best[c[0]][c[1]])))
+        chosen.append(got)
+        add(got, start)
     # the repeat steps at every shape of the grid (a size like batch * seq**2 needs them all)
-    plans[-1] += [dict(s) for s in shapes if all(s not in plan for plan in plans) for _ in range(2)]
+    if plans:
+        plans[-1] += [dict(s) for s in shapes if all(s not in plan for plan in plans) for _ in range(2)]
+    else:       # one shape: its first step, and a repeat
+        plans = [[dict(shapes[0]), dict(shapes[0])]]
     return plans

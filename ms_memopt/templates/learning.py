@@ -12,7 +12,7 @@ from ms_memopt.core.errors import InputError
 from ms_memopt.core.events import Event
 from ms_memopt.templates.alignment import inserted_runs
 from ms_memopt.templates.classes import (FEATURE_NAMES, FIRST, REPEAT, features, is_new, novelty_name,
-                                         possible_novelties)
+                                         playable_classes, possible_novelties)
 from ms_memopt.templates.format import Template, dims_key, parse_dims_tag, show_dims, template_from_dict
 from ms_memopt.templates.layers import learn_layered
 from ms_memopt.templates.polynomial import MAX_DEGREE, coef_value, evaluate, fit_sizes
@@ -644,25 +644,41 @@ def _borrowed(samples: list[_Step], basis: list, coefs: list, exact: list, donor
 
 
 def _lacking(names: list[str], steps: list[_Step], constant: dict[str, set[str]], classes: dict) -> list[dict]:
-    """What the calibration still lacks: each class a step can fall in that no recorded step
-    did (and the shapes to record: a plan, ms_memopt.templates.classes.calibration_plan), and
-    each class recorded at one value only of a dim the recordings vary."""
+    """What the calibration still lacks and a plan over the values recorded can fill
+    (ms_memopt.templates.classes.calibration_plan): each class a step over those values can fall
+    in (``playable_classes``: a class that needs a token count two shapes share is playable only
+    where they do) that no recorded step did, and each class recorded at one value only of a dim
+    the recordings vary where the values recorded let it fall at another."""
     fixed = set().union(*constant.values()) if constant else set()
     varying = [n for n in names if n not in fixed and len({s.dims[n] for s in steps}) > 1]
     covered = {c for name, part in classes.items() for c in part.get("covers", [name])}
     out = []
+    playable: dict[str, list[dict[str, int]]] = {}
     if varying:
+        playable = playable_classes(_plan_values(varying, steps))
         for kind in possible_novelties(varying, marked=len(names)):
-            if kind not in covered:
+            if kind not in covered and kind in playable:
                 out.append({"class": kind, "why": "never recorded: no calibration step was new in exactly these"})
     # a class seen at one value of a dim takes the repeat steps' sizes where its allocations are
     # theirs (_borrowed); only without repeat steps varying that dim are its sizes a guess
     spans = {dim for dim in varying if len({s[dim] for s in classes.get(REPEAT, {}).get("seen", [])}) > 1}
     for name, part in classes.items():
+        # where a plan can play the class (a merged class: any of the novelties it covers)
+        shapes = [shape for kind in part.get("covers", [name]) for shape in playable.get(kind, [])]
         for dim in varying:
             values = sorted({s[dim] for s in part["seen"]})
-            if len(values) == 1 and dim not in spans:
+            if len(values) == 1 and dim not in spans and len({shape[dim] for shape in shapes}) > 1:
                 out.append({"class": name, "dim": dim, "why": f"recorded at {dim}={values[0]} only"})
+    return out
+
+
+def _plan_values(varying: list[str], steps: list[_Step]) -> dict[str, list[int]]:
+    """The values of each varying dim a plan is made over: those recorded, 3 spread ones where
+    more (as ``ms-memopt learn`` prints the plan)."""
+    out = {}
+    for name in varying:
+        values = sorted({s.dims[name] for s in steps})
+        out[name] = values if len(values) <= 3 else [values[0], values[len(values) // 2], values[-1]]
     return out
 
 
