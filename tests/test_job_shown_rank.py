@@ -19,3 +19,9 @@ def test_the_shown_rank_is_the_job_s_closest_and_the_figures_are_unchanged():
     assert base.view.snapshots and all(result.view is base.view for result in shown.values())
     assert plain["baseline"].view is None
     assert seen and seen[0][0] == 0 and seen[0][1] is base.view
+
+
+def test_a_view_with_nothing_to_keep_is_the_rank_alone():
+    job = small_job(steps=40)
+    base = simulate_jobs([job], workers=1, show=ShowRank())[0]["baseline"]
+    assert base.view is not None and base.view.stream == base.closest.stream and not base.view.snapshots

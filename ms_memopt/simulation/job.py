@@ -422,7 +422,9 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
             index = _shown_index(tasks, values, owner)
             bar.set_postfix_str(f"ranks {finished[0]}/{len(tasks)}, rank {tasks[index].stream.rank} shown",
                                 refresh=False)
-            values[index][2] = _run_stream(replace(tasks[index], show=show, timeline=False))[2]
+            collects = show.layouts or show.placed       # else the view is the rank alone: no run
+            values[index][2] = _run_stream(replace(tasks[index], show=show, timeline=False))[2] if collects \
+                else RankView(tasks[index].stream)
             job_done(0)
     finally:
         bar.close()
