@@ -24,7 +24,7 @@ from ms_memopt.replay.replay import default_allocator, recorded_allocator
 from ms_memopt.io.traces.memory_viz import check_export_path
 from ms_memopt.io.traces.ms_pool_log import ASCEND_POOL_NAME, POOL_NAME, recorded_final_layout
 
-__all__ = ["add_parser", "run", "default_allocator"]
+__all__ = ["add_parser", "run", "default_allocator", "check_profiler_folder"]
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +64,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                              "PyTorch memory snapshot (pytorch.org/memory_viz, MindStudio Insight)")
     parser.add_argument("--export-max-entries", type=int, default=None, metavar="N",
                         help="keep only the newest N trace entries of --export-memory-viz, and the final state")
+    parser.add_argument("--export-profiler", metavar="DIR", default=None,
+                        help="also write the run as the model placed it as torch_npu's profiler output of one rank, "
+                             "DIR/rank0_ascend_pt (operator_memory.csv, memory_record.csv, trace_view.json and "
+                             "ascend_pytorch_profiler_0.db), for msprof-analyze compare and MindStudio Insight")
     parser.add_argument("--export-instances", metavar="FILE.csv", default=None,
                         help="also write the trace's buffers as an id,lower,upper,size instance for `ms-memopt pack`")
 
@@ -106,13 +110,15 @@ def run(args: argparse.Namespace) -> int:
     # the model's state and one chunk of events, whatever the file's size (an export is written as a
     # stream too; instances and policies need the whole event list; smaller files are read whole,
     # sampled ~200 times as before)
-    streamable = (args.policy == "baseline" and not args.export_instances
+    streamable = (args.policy == "baseline" and not args.export_instances and not args.export_profiler
                   and _large_or_pipe(args.trace))
     check_export_path(args.trace)
     check_max_entries(args.export_max_entries, args.export_memory_viz)
     for key, target in (("--export-memory-viz", args.export_memory_viz), ("--export-instances", args.export_instances)):
         if target:      # not a FIFO (it waits for a reader), not the recording itself
             check_output_file(target, key=key, inputs=[args.trace])
+    if args.export_profiler:
+        check_profiler_folder(args.export_profiler, inputs=[args.trace])
     trace = load_trace(args.trace, format=args.format, **({"stream": True} if streamable else {}))
     if args.component is not None:
         if trace.format != "ascend-profiler":
@@ -161,6 +167,17 @@ def run(args: argparse.Namespace) -> int:
     if args.export_memory_viz and args.policy != "baseline":     # the policy swaps models: baseline's placements
         export_replay(trace, create(name, capacity, **options), args.export_memory_viz, allocator=name,
                       recorded_by={**recorded_by, "policy": "baseline"}, max_entries=args.export_max_entries)
+    if args.export_profiler:
+        from ms_memopt.replay.profiler_export import export_profiler
+
+        try:
+            folder = export_profiler(trace, create(name, capacity, **options), args.export_profiler)[1]
+        except OSError as exc:        # a folder on the way that is a file, no permission, a full disk
+            raise InputError(f"{args.export_profiler}: cannot write the profiler output: "
+                             f"{exc.strerror or exc}", key="--export-profiler") from None
+        print(f"profiler output: {folder} (the run as the {name} model placed it"
+              f"{'' if args.policy == 'baseline' else ' under the baseline policy'}, in torch_npu's format: "
+              "`msprof-analyze compare -d FOLDER -bp OTHER` reads it)", file=sys.stderr)
     if args.export_memory_viz:
         print(f"memory viz: {args.export_memory_viz} (the events as the {name} model placed them"
               f"{'' if args.policy == 'baseline' else ' under the baseline policy'}, its segments and final layout)",
@@ -201,6 +218,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_human(out, result))
     return 1 if (args.fail_on_oom and result.ooms) else 0
+
+
+def check_profiler_folder(directory: str, *, inputs: list[str]) -> None:
+    """Refuse ``--export-profiler DIR`` where a rank folder cannot be written: DIR not a folder
+    (a file, FIFO), inside an input folder, or already holding ``rank0_ascend_pt`` (a profiler's
+    own output is never overwritten).
+
+    Raises:
+        InputError: naming ``--export-profiler`` and the path.
+    """
+    check_output_file(directory, key="--export-profiler", inputs=inputs)
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise InputError(f"{directory}: is not a folder; --export-profiler takes the folder the rank's folder "
+                         "is written in", key="--export-profiler")
+    rank = os.path.join(directory, "rank0_ascend_pt")
+    if os.path.lexists(rank):
+        raise InputError(f"{rank}: is already there; remove it or choose another folder (a profiler's output "
+                         "is never overwritten)", key="--export-profiler")
 
 
 #: bytes above which a plain replay streams a pool log or JSONL file
