@@ -13,9 +13,13 @@ Timed in one run, each against the floor, a bare ``pickle.load`` of the same fil
 * ``replay``: ``ms-memopt replay SNAPSHOT --json`` (a subprocess, start-up included);
 * ``doctor``: ``ms-memopt doctor SNAPSHOT --capacity 100MiB --json``.
 
-Prints a table (seconds, ratio to the bare load), then as the last line one JSON object:
-``{"entries", "bytes", "load_s", "scan_s", "scan_reference_s", "replay_s", "doctor_s",
-"replay_ratio", "doctor_ratio", "targets": {"replay": 2.5, "doctor": 6.0}, "load_average"}``.
+Each command's CPU seconds (its workers' included) are measured too, against the load's CPU
+seconds: on a machine others keep busy the wall-clock ratios say more about them than about us.
+
+Prints a table (seconds, ratio to the bare load, the same in CPU seconds), then as the last line one
+JSON object: ``{"entries", "bytes", "load_s", "load_cpu_s", "scan_s", "scan_reference_s", "replay_s",
+"replay_cpu_s", "doctor_s", "doctor_cpu_s", "replay_ratio", "replay_cpu_ratio", "doctor_ratio",
+"doctor_cpu_ratio", "targets": {"replay": 2.5, "doctor": 6.0}, "load_average"}``.
 
 Usage: python bench/big_snapshot.py [--entries 1200000] [--keep PATH] [--skip-doctor] [--no-reference]
 """
@@ -25,6 +29,7 @@ import argparse
 import json
 import os
 import pickle
+import resource
 import subprocess
 import sys
 import tempfile
@@ -89,12 +94,19 @@ def _timed(function) -> float:
     return time.perf_counter() - started
 
 
-def _command(*args: str) -> float:
-    """Wall seconds of ``ms-memopt ARGS`` in a subprocess (it must exit 0)."""
-    started = time.perf_counter()
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children (and of the workers they waited for)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _command(*args: str) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``ms-memopt ARGS`` in a subprocess (it must exit 0); the CPU seconds
+    count its workers too, and say what it costs whatever else the machine runs."""
+    started, cpu = time.perf_counter(), _children_cpu()
     subprocess.run([sys.executable, "-m", "ms_memopt", *args], check=True, stdout=subprocess.DEVNULL,
                    cwd=ROOT, env={**os.environ, "TQDM_DISABLE": "1"})
-    return time.perf_counter() - started
+    return time.perf_counter() - started, _children_cpu() - cpu
 
 
 def main() -> None:
@@ -112,23 +124,27 @@ def main() -> None:
         write_big_snapshot(path, args.entries)
     data = path.read_bytes()
     with open(path, "rb") as handle:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         snapshot = pickle.load(handle)
-        load = time.perf_counter() - started
+        load, load_cpu = time.perf_counter() - started, time.process_time() - cpu
     entries = len(snapshot["device_traces"][0])
     del snapshot
-    figures = {"entries": entries, "bytes": len(data), "load_s": load,
+    figures = {"entries": entries, "bytes": len(data), "load_s": load, "load_cpu_s": load_cpu,
                "scan_s": _timed(lambda: reader.pickle_nesting(data)),
-               "scan_reference_s": None if args.no_reference else _timed(lambda: reader.nesting_reference(data)),
-               "replay_s": _command("replay", str(path), "--json")}
+               "scan_reference_s": None if args.no_reference else _timed(lambda: reader.nesting_reference(data))}
+    figures["replay_s"], figures["replay_cpu_s"] = _command("replay", str(path), "--json")
     if not args.skip_doctor:
-        figures["doctor_s"] = _command("doctor", str(path), "--capacity", "100MiB", "--json")
-    print(f"{'what':<24}{'seconds':>10}{'x load':>10}")
-    for key in ("load_s", "scan_s", "scan_reference_s", "replay_s", "doctor_s"):
-        if figures.get(key) is not None:
-            print(f"{key[:-2]:<24}{figures[key]:>10.2f}{figures[key] / load:>10.2f}")
-    figures["replay_ratio"] = figures["replay_s"] / load
-    figures["doctor_ratio"] = figures["doctor_s"] / load if "doctor_s" in figures else None
+        figures["doctor_s"], figures["doctor_cpu_s"] = _command("doctor", str(path), "--capacity", "100MiB", "--json")
+    print(f"{'what':<24}{'seconds':>10}{'x load':>10}{'CPU s':>10}{'x load CPU':>12}")
+    for key in ("load", "scan", "scan_reference", "replay", "doctor"):
+        if figures.get(f"{key}_s") is not None:
+            wall, cpu = figures[f"{key}_s"], figures.get(f"{key}_cpu_s")
+            cpu_text = f"{cpu:>10.2f}{cpu / load_cpu:>12.2f}" if cpu is not None else ""
+            print(f"{key:<24}{wall:>10.2f}{wall / load:>10.2f}{cpu_text}")
+    for key in ("replay", "doctor"):
+        if f"{key}_s" in figures:
+            figures[f"{key}_ratio"] = figures[f"{key}_s"] / load
+            figures[f"{key}_cpu_ratio"] = figures[f"{key}_cpu_s"] / load_cpu
     figures["targets"] = TARGETS
     figures["load_average"] = os.getloadavg()[0]
     print(f"{entries} entries, {len(data) / 1e6:.1f} MB; load average {figures['load_average']:.2f}")
