@@ -143,6 +143,15 @@ def held_out_check(template_path: Path, template, work: Path, name: str, model: 
     figures.update(layouts=len(matches), offset_match_layouts=max(matches),
                    matched_layout=matches.index(max(matches)))
     figures.update(draw_matched(template, rows, recorded, sim["layouts"], matches))
+    if not figures["draw_seen"]:
+        # an order no calibration process drew: simulated in the order its first step shows
+        drawn_path = work / f"{name}_drawn.jsonl"
+        drawn = json.loads(_cli("simulate", str(template_path), "--schedule", str(schedule), "--export-events",
+                                str(drawn_path), "--free-order-from", str(held_path), "--keep-runtime-leak", "--json"))
+        figures.update(offset_match_draw=fidelity(recorded, read_jsonl(drawn_path).events)["offset_match"],
+                       heldout_draw="read from its first step (never drawn in calibration)"
+                       if "free_order_drawn" in drawn else figures["heldout_draw"],
+                       drawn_evidence=drawn.get("free_order_drawn"))
     figures.update(peak_allocated_recorded=json.loads(_cli("replay", str(held_path), "--json"))["peak_allocated"],
                    peak_allocated_simulated=sim["peak_allocated"], warnings=sim["warnings"])
     return figures, seconds

@@ -103,14 +103,17 @@ def run(args) -> int:
     flat = flat_template(template, schedule, warnings=warnings)      # a layered template at the schedule's count
     # which calibration process's free order (flat.free_orders); None: the most common one
     free_order = getattr(args, "free_order", None)
-    order_match = None
+    order_match = drawn = None
     if getattr(args, "free_order_from", None):
         if free_order is not None:
             raise InputError("give --free-order or --free-order-from, not both", key="--free-order-from")
         from ms_memopt.templates.template import free_order_of
         from ms_memopt.io.traces import load_trace
 
-        free_order, order_match = free_order_of(flat, schedule, load_trace(args.free_order_from).events)
+        recorded = load_trace(args.free_order_from).events
+        free_order, order_match = free_order_of(flat, schedule, recorded)
+        if order_match < 1.0:       # an order no calibration process drew: read from its first step
+            flat, free_order, drawn = _drawn_order(flat, schedule, recorded, args.free_order_from, free_order)
     keep = bool(getattr(args, "keep_runtime_leak", False))
     layouts = draw_outcomes(flat, schedule, lambda: create(name, capacity, **options), warnings=warnings,
                             orders=None if free_order == "all" else [free_order], keep_runtime_leak=keep)
@@ -127,6 +130,7 @@ def run(args) -> int:
            "classes": _class_counts(template, schedule), "export_events": args.export_events,
            "free_order": free_order, "free_orders": len(flat.free_orders),
            "free_order_from": getattr(args, "free_order_from", None), "free_order_match": order_match,
+           **({"free_order_drawn": drawn} if drawn is not None else {}),
            "runtime_leak": "kept" if keep else "left out",
            **{k: v for k, v in result.to_dict().items() if k not in ("address_match", "policy")}}
     if free_order == "all":
@@ -164,6 +168,38 @@ def run(args) -> int:
         if free_order == "all":
             _print_layouts(layouts, paths, len(flat.free_orders) + 1)
     return 1 if (getattr(args, "fail_on_oom", False) and any(layout.result.ooms for layout in layouts)) else 0
+
+
+def _drawn_order(flat, schedule, recorded, path: str, closest):
+    """``--free-order-from`` a process whose first step frees in an order no calibration process
+    drew: the template with that order added (read from its first step alone,
+    :func:`~ms_memopt.templates.drawn.drawn_free_order`), its index and the evidence, said on
+    stderr; the closest known order where the first step does not show one."""
+    from dataclasses import replace
+
+    from ms_memopt.templates.template import drawn_free_order
+
+    entry, evidence = drawn_free_order(flat, schedule, recorded, name=f"first step of {path}")
+    if entry is None:
+        print(f"note: {path}'s first step frees in no order the template knows ({evidence['why']}); simulated in "
+              "the closest", file=sys.stderr)
+        return flat, closest, evidence
+    for run in evidence["runs"]:
+        sizes = ", ".join(f"{size:,} B" for size in run["sizes"])
+        print(f"note: {path} drew a free order the template never saw: its first step frees allocations "
+              f"#{', #'.join(map(str, run['allocations']))} of the first step ({sizes}) in the order "
+              f"{_letters(run['drawn'])} where every calibration process freed "
+              f"{_letters(run['default'])} (a, b, ...: those allocations in the order made)",
+              file=sys.stderr)
+    print("note: simulated in that order, the same runs of the later steps' classes reordered alike ("
+          + ", ".join(f"{label}: {n}" for label, n in evidence["reordered"].items()) + ")", file=sys.stderr)
+    flat = replace(flat, free_orders=[*flat.free_orders, entry])
+    return flat, len(flat.free_orders) - 1, evidence
+
+
+def _letters(ranks: list[int]) -> str:
+    """An order of a run's allocations as letters (``a``: the first made)."""
+    return "".join(chr(ord("a") + r) if r < 26 else f"[{r}]" for r in ranks)
 
 
 #: what ``--free-order all`` reports of each layout (bytes; ratios)

@@ -4,6 +4,7 @@ See :mod:`ms_memopt.templates.template` for the whole account.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -634,11 +635,30 @@ def _borrowed(samples: list[_Step], basis: list, coefs: list, exact: list, donor
             candidate[pos] = at if candidate.get(pos, at) == at else None
     coefs = [_rebased(c, basis, d_basis) for c in coefs]
     exact = list(exact)
+    taken = set()
     for pos, at in candidate.items():
         if at is None or not d_allocs[at][5]:
             continue
         theirs = d_allocs[at][1]
         if all(evaluate(theirs, d_basis, point) == step.sizes[pos] for step, point in zip(samples, points)):
+            coefs[pos], exact[pos] = list(theirs), True
+            taken.add(pos)
+    # a size this class alone makes (a tensor the first step creates at its first use): on the
+    # few shapes the class was seen at, a polynomial exact on them need not be the size's
+    # (2*seq + 16*batch - 32 is seq*batch at 16x2, 16x3, 16x4, 32x2), so where the class's own fit
+    # uses a dim, the polynomial of a repeat step's allocation that reproduces every sample is
+    # taken (the one most repeat allocations have: the repeat steps are fitted on the whole grid)
+    zero = [0] * len(names)
+    at_samples: dict[tuple, list] = {}
+    for theirs, _ in Counter(tuple(op[1]) for op in d_allocs if op[5]).most_common():
+        values = tuple(evaluate(list(theirs), d_basis, point) for point in points)
+        at_samples.setdefault(values, list(theirs))
+    for pos in range(len(coefs)):
+        constant = all(coef_value(c) == 0 for c, e in zip(coefs[pos], d_basis) if e != zero)
+        if pos in taken or (exact[pos] and constant):
+            continue
+        theirs = at_samples.get(tuple(step.sizes[pos] for step in samples))
+        if theirs is not None and not all(coef_value(c) == 0 for c, e in zip(theirs, d_basis) if e != zero):
             coefs[pos], exact[pos] = list(theirs), True
     return d_basis, coefs, exact
 

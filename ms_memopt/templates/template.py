@@ -63,8 +63,10 @@ from ms_memopt.templates.format import (FORMAT, LAYERED_VERSION, MAX_SCHEDULE_RO
                                         Template, dims_tag, load_template, parse_dims_tag, read_schedule,
                                         save_template, template_from_dict)
 from ms_memopt.templates.generating import flat_template, free_order_of, generate
+from ms_memopt.templates.drawn import drawn_free_order
 from ms_memopt.templates.learning import learn, learn_files
 
-__all__ = ["Template", "learn", "learn_files", "generate", "flat_template", "free_order_of", "load_template",
+__all__ = ["Template", "learn", "learn_files", "generate", "flat_template", "free_order_of", "drawn_free_order",
+           "load_template",
            "save_template", "fidelity", "parse_dims_tag", "dims_tag", "read_schedule", "template_from_dict",
            "CLASSES", "FORMAT", "VERSION", "LAYERED_VERSION", "MAX_TEMPLATE_DEGREE", "MAX_SCHEDULE_ROWS"]
