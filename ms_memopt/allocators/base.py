@@ -216,11 +216,17 @@ class AllocatorModel(ABC):
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
 
-    def _record_oom(self, size: int, stream: int, tag: str | None, pool: str | None = None) -> None:
-        """Record a failed request; ``pool``: the pool (a :attr:`Segment.pool` name) that serves it
-        on ``stream``, whose largest hole is the piece that was too small."""
+    def serving_pool(self, size: int, stream: int = 0, tag: str | None = None) -> str | None:
+        """The pool (a :attr:`Segment.pool` name) that alone serves a request of ``size`` bytes on
+        ``stream``; ``None`` (the default) when any of the model's pools may serve it."""
+        return None
+
+    def _record_oom(self, size: int, stream: int, tag: str | None) -> None:
+        """Record a failed request, with the pool that serves it (:meth:`serving_pool`) and the
+        largest hole there, the piece that was too small (the compiled twins call this too)."""
         if self._counted_oom(size, stream, tag):
             return
+        pool = self.serving_pool(size, stream, tag)
         layout = self.layout()
         m = measure(layout)
         device_free = None if self.capacity is None else max(self.capacity - self.reserved, 0)

@@ -259,6 +259,12 @@ class PoolModeAllocator(AllocatorModel):
 
     name = "pool"
     pools_per_stream = False
+
+    def serving_pool(self, size: int, stream: int = 0, tag: str | None = None) -> str | None:
+        """The region a request with ``tag`` goes to (never anywhere else): its route, or the
+        workspace (the request's ``pool`` is not known here; :meth:`region_for` has the whole rule)."""
+        name = self.route.get(tag or "") or "workspace"
+        return name if name in self.regions else ("workspace" if "workspace" in self.regions else None)
     #: the region type (ms_memopt.allocators.fast has a compiled one with the same methods;
     #: its FastPoolModeAllocator repeats :meth:`region_for`, :meth:`malloc` and :meth:`free` in
     #: C, so a change of their rules, or of _Region's, goes to ms_memopt/allocators/fast/pool.c
@@ -332,7 +338,7 @@ class PoolModeAllocator(AllocatorModel):
             if addr is None:   # larger than the whole region's free space in ring order
                 addr = region.take(size, False)
         if addr is None:
-            self._record_oom(size, stream, tag, pool=region.name)
+            self._record_oom(size, stream, tag)
             return None
         if evicting:
             region.order[addr] = size

@@ -84,6 +84,22 @@ def round_size(size: int, divisions: int = 0) -> int:
     return (size + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
 
 
+def pool_of_request(size: int, pad: int = 0, divisions: int = 0) -> str:
+    """``"small"`` or ``"large"``: the pool PyTorch's (and torch_npu's) allocator serves a request
+    of ``size`` bytes from (``get_pool``: its rounded size up to kSmallSize, 1 MiB, is small).
+
+    Example:
+        >>> pool_of_request(1 << 20), pool_of_request((1 << 20) + 1)
+        ('small', 'large')
+    """
+    return "small" if round_size(size + pad, divisions) <= SMALL_SIZE else "large"
+
+
+def serving_pool(model, size: int, stream: int = 0, tag: str | None = None) -> str:
+    """:meth:`AllocatorModel.serving_pool` of the PyTorch-family models and their compiled twins."""
+    return pool_of_request(size, model.pad, model.divisions)
+
+
 def check_divisions(divisions: int | None) -> None:
     """Raise :class:`InputError` unless ``divisions`` is ``None`` or a power of two >= 1."""
     d = divisions
@@ -137,6 +153,7 @@ class TorchCachingAllocator(AllocatorModel):
     name = "torch"
     #: bytes added to a request before rounding (torch_npu's ``round_size`` pads 32; CUDA none)
     pad = 0
+    serving_pool = serving_pool
 
     def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
                  roundup_power2_divisions: int | None = None,
@@ -197,7 +214,7 @@ class TorchCachingAllocator(AllocatorModel):
             if self._recorded:
                 self._recorded.clear()
             if addr is None:
-                self._record_oom(size, stream, tag, pool="small" if small else "large")
+                self._record_oom(size, stream, tag)
                 return None
         block = blocks[addr]
         remaining = block[_SIZE] - rsize

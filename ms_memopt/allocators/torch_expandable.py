@@ -50,7 +50,7 @@ from bisect import bisect_left, insort
 from ms_memopt.allocators.base import AllocatorModel
 from typing import Callable
 
-from ms_memopt.allocators.torch import (LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, check_divisions,
+from ms_memopt.allocators.torch import (LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, check_divisions, serving_pool,
                                         is_small_segment, merged_blocks, round_size)
 from ms_memopt.core.layout import Block, Layout, Segment
 
@@ -141,6 +141,7 @@ class TorchExpandableAllocator(AllocatorModel):
     virtual = True
     #: bytes added to a request before rounding (as :attr:`TorchCachingAllocator.pad`)
     pad = 0
+    serving_pool = serving_pool
 
     def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None) -> None:
         super().__init__(capacity)
@@ -186,7 +187,7 @@ class TorchExpandableAllocator(AllocatorModel):
                 addr = self._map_for(rsize, stream, small, free_list, unmapped)
             if addr is None:
                 self._map_hints.clear()
-                self._record_oom(size, stream, tag, pool="small" if small else "large")
+                self._record_oom(size, stream, tag)
                 return None
             del free_list[bisect_left(free_list, blocks[addr][_SIZE] << _SHIFT | addr)]
         if self._map_hints:     # they announced this request's mappings, no later one's

@@ -303,29 +303,29 @@ def _split_persistent(persistent: list[_Life], signature: Counter) -> tuple[list
         return [], [], []
     if not signature:
         signature = _mirrored_prefix(persistent)
-    want = Counter(signature)
-    parameters, later = [], []
-    for life in persistent:
-        if want[life.size] > 0:
-            want[life.size] -= 1
-            parameters.append(life)
-        else:
-            later.append(life)
+    parameters, later = _take_sizes(persistent, Counter(signature))
     if not parameters:
         return [], [], list(persistent)
-    optimizer, rest = [], []
-    budget = Counter({size: n * 8 for size, n in signature.items()})     # at most 8 states a parameter
-    for life in later:
-        if budget[life.size] > 0:
-            budget[life.size] -= 1
-            optimizer.append(life)
-        else:
-            rest.append(life)
+    # at most 8 states a parameter
+    optimizer, rest = _take_sizes(later, Counter({size: n * 8 for size, n in signature.items()}))
     mirrored = sum(life.size for life in optimizer)
     total = sum(life.size for life in parameters)
     if total and mirrored < _MIRROR_SHARE * total:
         rest, optimizer = rest + optimizer, []            # too little mirrors the parameters: not states
     return parameters, optimizer, rest
+
+
+def _take_sizes(lives: list[_Life], want: Counter) -> tuple[list[_Life], list[_Life]]:
+    """The allocations taken in order while ``want`` (size -> count) still asks for their size,
+    and the others."""
+    taken, left = [], []
+    for life in lives:
+        if want[life.size] > 0:
+            want[life.size] -= 1
+            taken.append(life)
+        else:
+            left.append(life)
+    return taken, left
 
 
 def _mirrored_prefix(persistent: list[_Life]) -> Counter:

@@ -130,8 +130,9 @@ def _text(d, out: str | None) -> str:
              f"verdict     {v.kind.upper()}" + (" (a request failed)" if v.failed else "")
              + (f" at event {v.event}" if v.event is not None else "") + f": {v.text}"]
     if d.blockers:
+        of_first = " at the first failure" if v.kind != "fragmentation" else ""
         lines.append(f"blockers    {len(d.blockers)} live blocks, {format_size(d.window_bytes or 0)} to move, would "
-                     f"open the hole (largest first):")
+                     f"open the hole{of_first} (largest first):")
         for b in sorted(d.blockers, key=lambda b: -b.size)[:_SHOWN_BLOCKERS]:
             life = "alive before the recording" if b.allocated_at is None else (
                 f"allocated at event {b.allocated_at}, " + ("never freed" if b.freed_at is None

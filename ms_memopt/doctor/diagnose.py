@@ -95,6 +95,10 @@ class Verdict:
     #: the pool that serves the request (``"small"``/``"large"``, a pool-mode region; ``None``:
     #: any); ``largest_free`` is that pool's largest piece
     pool: str | None = None
+    #: the kind of the failed request itself (``kind`` is ``"capacity"`` whenever the run's own
+    #: live bytes exceed the card, even when its first failure was fragmentation); the blockers
+    #: are that failure's
+    first_kind: str | None = None
 
 
 @dataclass
@@ -232,11 +236,20 @@ def _failure(trace: Trace, oom, capacity: int | None, virtual: bool) -> tuple[st
         head = (f"the recording starts with {format_size(start.reserved)} reserved ({format_size(start.allocated)} "
                 f"in live tensors) before its first event, more than the {format_size(capacity)} card; ")
     peak, where = _live_peak(trace)
-    asked = f"the first request that failed asked {format_size(oom.size)} at event {oom.event_index}"
     if capacity is not None and peak > capacity:
         at = "before the first event" if where is None else f"at event {where}"
+        first = (f"the first request that failed, at event {oom.event_index}, was itself fragmentation: "
+                 + _piece_text(oom, virtual) if oom.kind == "fragmentation" else
+                 f"the first request that failed asked {format_size(oom.size)} at event {oom.event_index}")
         return "capacity", (head + f"its live tensors reach {format_size(peak)} {at}, more than the card: no "
-                            f"placement holds this run ({asked}): capacity: the card is too small for this step")
+                            f"placement holds this run: capacity: the card is too small for this step ({first})")
+    if oom.kind == "fragmentation":
+        return "fragmentation", head + _piece_text(oom, virtual) + ": fragmentation"
+    return "capacity", head + _piece_text(oom, virtual) + ": capacity: the card is too small for this step"
+
+
+def _piece_text(oom, virtual: bool) -> str:
+    """The failed request, the pool that serves it and its largest piece there, the free memory."""
     usable = oom.usable_free
     device = oom.device_free or 0
     piece = oom.largest_free if oom.pool_largest_free is None else oom.pool_largest_free
@@ -247,9 +260,7 @@ def _failure(trace: Trace, oom, capacity: int | None, virtual: bool) -> tuple[st
         if usable != oom.free_total else "") + (f" (+{format_size(device)} not yet reserved)" if device else "")
     if oom.pool is not None and oom.largest_free > piece:
         free += f", its largest piece {format_size(oom.largest_free)} in a pool this request cannot use"
-    if oom.kind == "fragmentation":
-        return "fragmentation", head + f"{text}; {free}: fragmentation"
-    return "capacity", head + f"{text}; {free}: capacity: the card is too small for this step"
+    return f"{text}; {free}"
 
 
 def _verdict(trace: Trace, base: str, capacity: int | None, options: dict) -> tuple[Verdict, ReplayResult]:
@@ -264,7 +275,7 @@ def _verdict(trace: Trace, base: str, capacity: int | None, options: dict) -> tu
         largest = oom.largest_free if oom.pool_largest_free is None else oom.pool_largest_free
         ratio = frag_ratio(oom.free_total, oom.largest_free) if oom.largest_free else None
         return Verdict(kind, True, oom.size, oom.free_total, largest, ratio, oom.event_index,
-                       oom.reserved, oom.allocated, text, pool=oom.pool), result
+                       oom.reserved, oom.allocated, text, pool=oom.pool, first_kind=oom.kind), result
     if watch.worst is None:
         return Verdict("none", False, text="no request failed, and the pool never grew while its free memory "
                        "would have covered the request"), result
@@ -273,12 +284,12 @@ def _verdict(trace: Trace, base: str, capacity: int | None, options: dict) -> tu
             f"was {format_size(largest)}: fragmentation. The pool grew instead (reserved {format_size(reserved)} for "
             f"{format_size(allocated)} in use); a card without that room fails here")
     return Verdict("fragmentation", False, size, free, largest, frag_ratio(free, largest) if largest else None,
-                   index, reserved, allocated, text), result
+                   index, reserved, allocated, text, first_kind="fragmentation"), result
 
 
 def _blockers(trace: Trace, base: str, capacity: int | None, verdict: Verdict,
               options: dict) -> tuple[list[Blocker], int | None, Layout | None]:
-    if verdict.event is None or verdict.request is None or verdict.kind != "fragmentation":
+    if verdict.event is None or verdict.request is None or (verdict.first_kind or verdict.kind) != "fragmentation":
         return [], None, None        # a capacity failure: moving blocks would not make room
     before = replay(trace, create(base, capacity, fast=False, **options), stop=verdict.event, sample_every=0)
     layout, ids = before.final_layout, before.live_ids

@@ -328,7 +328,7 @@ class _Run:
 
     def __init__(self, spec: WorkloadSpec, policy: str, cfg: SimConfig, seed: int,
                  timeline: IO[str] | None, on_watch: Callable[[WatchPoint], None] | None = None,
-                 placed: PlacedRun | None = None) -> None:
+                 placed: PlacedRun | None = None, peek: Callable[[int], list | None] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.cfg = cfg
@@ -361,6 +361,8 @@ class _Run:
         self._stall_counts = [0, 0, 0, 0, 0]
         self.compaction_tensors = 0
         self.model_before_compaction: AllocatorModel | None = None
+        # a learned template's next step, to look ahead at before a compaction at a step end
+        self.peek = peek
 
     def _stall_start(self) -> tuple:
         model = self.model
@@ -493,7 +495,7 @@ class _Run:
         if self.compacting:
             periodic = cfg.compact_every and step % cfg.compact_every == 0
             warned = scan and self._warned(fc)
-            if periodic or warned:
+            if (periodic or warned) and self._averts(model, step, "periodic" if periodic else "warning"):
                 model = self._compaction(model, "periodic" if periodic else "warning")
                 if forecaster is not None and model is not self.model_before_compaction:
                     forecaster.reset(step)      # the trend described the layout just compacted
@@ -521,6 +523,30 @@ class _Run:
         # the host work walks every live tensor (mark, offsets), not only the moved ones
         self.compaction_tensors += sum(1 for _ in done.before.live_blocks())
         return done.model
+
+    def _averts(self, model: AllocatorModel, step: int, why: str) -> bool:
+        """Whether a compaction at this step end is worth it. On a learned template (a PyNative
+        model's own steps, where a request that fails can wait for a last-resort compaction) only
+        when the next step, run on a copy of the pool as it is, fails: the step is then first
+        aid, and until the step before the one the baseline dies in the run is the baseline's
+        (so it never dies sooner). The hand-made workload (a compiled graph, no last resort)
+        compacts at every planned step end."""
+        if self.peek is None:
+            return True
+        rows = self.peek(step + 1)
+        if rows is not None:
+            options = {k: v for k, v in self.cfg.allocator_options.items() if k not in ("pregrow", "init_size")}
+            shadow = create(self.cfg.allocator, self.cfg.capacity, **options)
+            shadow.restore(model.layout())
+            ahead = drive(rows, shadow, addr_of=dict(self.addr_of), streams=False, stop_on_oom=True)
+            if ahead.oom_index is not None:
+                return True
+        result = self.result
+        result.compactions_skipped += 1
+        if len(result.compaction_skips) < MAX_SKIPS_KEPT:
+            result.compaction_skips.append({"step": step, "why": f"{why}: the next step fits the pool as it is "
+                                                                  "(a request that fails gets a last-resort compaction)"})
+        return False
 
     def _at_oom(self, index: int, row: tuple, model: AllocatorModel) -> AllocatorModel | None:
         """A request failed: a last-resort compaction when afterwards a piece holds it."""
@@ -574,8 +600,9 @@ def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig,
                   placed: dict[str, PlacedRun] | None = None) -> list[PolicyResult]:
     """Every policy on one seed, fed the same generated steps (generated once)."""
     placed = placed or {}
-    runs = [_Run(spec, policy, cfg, seed, timeline, on_watch, placed.get(policy)) for policy in policies]
     gen = make_workload(spec, seed)
+    peek = getattr(gen, "peek_rows", None)
+    runs = [_Run(spec, policy, cfg, seed, timeline, on_watch, placed.get(policy), peek) for policy in policies]
     started = time.perf_counter()
     batch = gen.prologue_rows()
     generation = time.perf_counter() - started

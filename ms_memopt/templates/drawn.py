@@ -29,7 +29,7 @@ from typing import Sequence
 from ms_memopt.core.events import Event
 from ms_memopt.templates.classes import FIRST
 from ms_memopt.templates.format import Template, parse_dims_tag
-from ms_memopt.templates.generating import _first_step, flat_template
+from ms_memopt.templates.generating import first_step, flat_template
 from ms_memopt.templates.polynomial import evaluate
 
 __all__ = ["drawn_free_order"]
@@ -87,7 +87,7 @@ def drawn_free_order(template: Template, schedule: Sequence[dict[str, int]],
     """
     flat = flat_template(template, schedule[:1]) if schedule else template
     first = flat.classes.get(FIRST)
-    step = list(_first_step(list(recorded)))
+    step = list(first_step(list(recorded)))
     evidence: dict = {"runs": [], "reordered": {}, "why": None}
     if first is None or not schedule:
         evidence["why"] = "the template has no first step"

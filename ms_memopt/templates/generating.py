@@ -13,7 +13,7 @@ from ms_memopt.templates.format import Template, dims_key, dims_tag, parse_dims_
 from ms_memopt.templates.layers import expand
 from ms_memopt.templates.polynomial import evaluate
 
-__all__ = ["flat_template", "free_order_of", "generate"]
+__all__ = ["first_step", "flat_template", "free_order_of", "generate"]
 
 
 # --- generating ---------------------------------------------------------------------------
@@ -201,11 +201,11 @@ def free_order_of(template: Template, schedule: Sequence[dict[str, int]],
         >>> free_order_of(t, [], [Event("step", tag="dims:seq=8")])
         (None, 1.0)
     """
-    want = _free_sequence(_first_step(list(recorded)))
+    want = _free_sequence(first_step(list(recorded)))
     best: tuple[float, int, int | None] | None = None
     flat = flat_template(template, schedule[:1]) if schedule else template
     for rank, k in enumerate([None, *range(len(flat.free_orders))]):
-        got = _free_sequence(_first_step(generate(flat, list(schedule[:1]), free_order=k, keep_runtime_leak=True))
+        got = _free_sequence(first_step(generate(flat, list(schedule[:1]), free_order=k, keep_runtime_leak=True))
                              ) if schedule else []
         match = sum(1 for a, b in zip(want, got) if a == b) / len(want) if want else 1.0
         if best is None or match > best[0]:
@@ -213,7 +213,7 @@ def free_order_of(template: Template, schedule: Sequence[dict[str, int]],
     return best[2], best[0]
 
 
-def _first_step(events: list[Event]) -> list[Event]:
+def first_step(events: list[Event]) -> list[Event]:
     """The events up to the first step mark with dims (the prologue and the first step)."""
     for i, e in enumerate(events):
         if e.action == "step" and parse_dims_tag(e.tag) is not None:

@@ -283,6 +283,16 @@ class TemplateWorkload:
         self.lengths = [self.dims.get(SEQ_DIM, self.seq_length)]
         return self._steps[step - 1]
 
+    def peek_rows(self, step: int) -> list[tuple] | None:
+        """Step ``step``'s rows without making it the current step (the dims, the shapes seen and
+        the lengths stay those of the last step asked for): what the ``compact`` policy looks
+        ahead at. ``None`` past a given schedule's end."""
+        if self._fixed is not None and step > len(self._fixed):
+            return None
+        if step > len(self._steps):
+            self._generate(step)
+        return self._steps[step - 1]
+
     @property
     def scheduled_steps(self) -> int | None:
         """The steps of a given schedule (asking for more is an error); ``None`` when drawn."""

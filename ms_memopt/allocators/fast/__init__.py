@@ -42,7 +42,8 @@ from ms_memopt.allocators.mindspore import check_options, initial_block, restore
 from ms_memopt.allocators.mindspore_vmm import CHUNK, MindSporeVMMPool, ChunkSet, ranges_largest_free, ranges_layout
 from ms_memopt.allocators.mindspore_vmm import restore_pieces as vmm_restore_pieces
 from ms_memopt.allocators.pool import PoolModeAllocator
-from ms_memopt.allocators.torch import check_divisions, is_small_segment, merged_blocks
+from ms_memopt.allocators.torch import check_divisions, is_small_segment, merged_blocks, serving_pool
+from ms_memopt.allocators.torch_npu import PAD as NPU_PAD
 from ms_memopt.allocators.torch_expandable import page_size, range_size_for, restore_ranges
 from ms_memopt.allocators.torch_npu import TorchNpuCachingAllocator, TorchNpuExpandableAllocator, npu_page_size
 from ms_memopt.core import _build_hash
@@ -179,6 +180,8 @@ if ModelCore is not None:
             self._note_usage()
 
         layout = FastMindSporePool.layout
+        pad = 0
+        serving_pool = serving_pool
 
     class FastTorchExpandableAllocator(ModelCore, AllocatorModel):
         """:class:`~ms_memopt.allocators.torch_expandable.TorchExpandableAllocator` in C."""
@@ -186,6 +189,8 @@ if ModelCore is not None:
         name = "torch-expandable"
         virtual = True
         supports = FastMindSporePool.supports
+        pad = 0
+        serving_pool = serving_pool
         core_kind = "expandable"    # its C Model record (torch_expandable.c)
 
         def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None) -> None:
@@ -229,6 +234,7 @@ if ModelCore is not None:
 
         name = "torch-npu"
         core_kind = "torch_npu"     # torch_npu.c: torch.c's model with the 32-byte pad
+        pad = NPU_PAD
 
         def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
                      roundup_power2_divisions: int | None = None, page_size_1g: bool = False) -> None:
@@ -243,6 +249,7 @@ if ModelCore is not None:
 
         name = "torch-npu-expandable"
         core_kind = "npu_expandable"    # torch_npu.c: torch_expandable.c's model with the pad
+        pad = NPU_PAD
 
         def __init__(self, capacity: int | None = None, roundup_power2_divisions: int | None = None,
                      base_addr_aligned_kb: int = 16, segment_size_mb: int | None = None,
