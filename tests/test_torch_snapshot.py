@@ -377,3 +377,52 @@ def test_fuzzed_bytes_only_raise_input_error(tmp_path, cut, flips):
         read_torch_snapshot(path)
     except InputError as exc:
         assert str(exc).startswith(str(path))
+
+
+# --- the consistency checks folded into the reader's pass -------------------------------------
+def _checked_as_fed(raw: list[dict], events: list[Event]) -> dict:
+    """What TraceChecker says when fed the reader's events as the reader fed it before the checks
+    were folded into its pass: every allocation, every free of an id allocated in the trace, each
+    with its entry's index; the frees the reader drops (an address freed already) are double frees."""
+    from ms_memopt.core.consistency import TraceChecker
+
+    checker, live, touched, allocated = TraceChecker(), set(), set(), set()
+    kept = []
+    for i, entry in enumerate(raw):
+        addr = entry["addr"]
+        if entry["action"] == "alloc":
+            live.add(addr)
+        elif addr not in live and addr in touched:
+            checker.found.note("double_free", i)
+            continue
+        else:
+            live.discard(addr)
+        touched.add(addr)
+        kept.append(i)
+    assert len(kept) == len(events)
+    for i, event in zip(kept, events):
+        if event.action == "alloc":
+            allocated.add(event.id)
+            checker.feed(event, i)
+        elif event.id in allocated:
+            checker.feed(event, i)
+    return checker.found.to_meta()
+
+
+_drawn_entries = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free_completed"]),
+                                    st.integers(0, 40), st.integers(0, 6)), max_size=120)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(drawn=_drawn_entries, flat=st.sampled_from([0, 2, 4096]))
+def test_folded_checks_match_the_trace_checker(tmp_path, monkeypatch, drawn, flat):
+    """Overlaps, double frees and frees of blocks alive before recording, with the live starts in a
+    plain list, a SortedKeys, or moved from one to the other mid-trace: the same counts and first lines."""
+    from ms_memopt.io.traces import torch_snapshot
+
+    monkeypatch.setattr(torch_snapshot, "_FLAT_STARTS", flat)
+    raw = [_entry(action, addr * 512, size * 512) for action, addr, size in drawn]
+    path = _write(tmp_path, {"segments": [_segment(0, 64 * 512, [_block(0, 64 * 512, "inactive")])],
+                             "device_traces": [raw]}, "drawn.pickle")
+    trace = read_torch_snapshot(path)
+    assert trace.inconsistencies == _checked_as_fed(raw, trace.events)
