@@ -6,7 +6,6 @@ estimator and the simulator. :mod:`ms_memopt.mindspore` is the only adapter to M
 """
 from __future__ import annotations
 
-from ms_memopt.analysis.arena import Arena, Handle
 from ms_memopt.core.errors import InputError
 from ms_memopt.core.layout import Block, Layout, Segment
 from ms_memopt.core.metrics import LayoutMetrics, frag_ratio, measure
@@ -16,3 +15,12 @@ __version__ = "0.1.0"
 
 __all__ = ["Arena", "Handle", "InputError", "Block", "Layout", "Segment", "LayoutMetrics", "frag_ratio", "measure",
            "format_size", "parse_count", "parse_size", "__version__"]
+
+
+def __getattr__(name: str):
+    # Arena imports numpy (a tenth of a second): loaded when first asked for, not by every command
+    if name in ("Arena", "Handle"):
+        from ms_memopt.analysis import arena
+
+        return getattr(arena, name)
+    raise AttributeError(f"module 'ms_memopt' has no attribute {name!r}")

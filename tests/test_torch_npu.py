@@ -465,3 +465,33 @@ def test_a_recording_started_late_restores_its_expandable_ranges(tmp_path_factor
         result = replay(trace, create("torch-npu-expandable", fast=fast_path), sample_every=0)
         assert result.address_match in (None, 1.0)
         assert result.final_layout_match
+
+
+def test_origin_reads_all_dict_traces_at_c_speed_and_anything_else_one_by_one():
+    """The frame lists and the segment_map count are gathered in bulk when every entry is a dict;
+    an entry that is not one, or an action that cannot be hashed, takes the entry-by-entry pass,
+    with the same answer; the first frame naming torch_npu is the one reported either way."""
+    from ms_memopt.io.traces.torch_origin import snapshot_origin
+
+    plain = [{"filename": "train.py", "line": 1, "name": "f"}]
+    npu = [{"filename": "/env/torch_npu/npu/memory.py", "line": 2, "name": "g"}]
+    later = [{"filename": "/x/torch_npu/utils/_module.py", "line": 3, "name": "h"}]
+    trace = [{"action": "alloc", "addr": 0, "size": 512, "frames": plain},
+             {"action": "segment_map", "addr": 0, "size": 2 * MiB, "frames": npu},
+             {"action": "alloc", "addr": 512, "size": 512, "frames": plain},
+             {"action": "free_completed", "addr": 0, "size": 512, "frames": later}]
+    segments = [{"address": 0, "total_size": 2 * MiB, "frames": [], "blocks": [{"frames": plain}]}]
+    for entries in (trace, trace + ["not a dict"], trace + [{"action": ["unhashable"], "frames": None}]):
+        origin = snapshot_origin({"segments": segments}, entries)
+        assert (origin.framework, origin.framework_evidence) == (
+            "torch_npu", "a frame names torch_npu (torch_npu/npu/memory.py)")
+        assert origin.expandable and "1 segment_map/segment_unmap" in origin.expandable_evidence
+
+
+def test_the_package_loads_arena_when_asked():
+    import ms_memopt
+    from ms_memopt.analysis.arena import Arena, Handle
+
+    assert (ms_memopt.Arena, ms_memopt.Handle) == (Arena, Handle)
+    with pytest.raises(AttributeError):
+        ms_memopt.nothing_here

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import repeat
 
 __all__ = ["SnapshotOrigin", "snapshot_origin", "NPU_PAD"]
 
@@ -101,18 +101,21 @@ def _frame_lists(segments: list[dict], trace: list) -> list[list]:
     """Each distinct frame list object (``frames`` of a segment, a block, a trace entry), in the
     order first met. The trace's are gathered at C speed when every entry is a dict (a snapshot
     holds 1.2M entries sharing a few lists); all objects stay alive meanwhile, so ids are distinct."""
-    try:
-        if not all(type(entry) is dict for entry in trace):
-            raise TypeError
-        from_trace = map(dict.get, trace, repeat("frames"))
-        head = (entry.get("frames") for entry in _with_frames(segments, ()))
-        lists = {id(frames): frames for frames in chain(head, from_trace)}
-    except TypeError:
+    if _all_dicts(trace):
+        every = [entry.get("frames") for entry in _with_frames(segments, ())]
+        every += map(dict.get, trace, repeat("frames"))
+        lists = dict(zip(map(id, every), every))
+    else:
         lists = {}
         for entry in _with_frames(segments, trace):
             frames = entry.get("frames")
             lists.setdefault(id(frames), frames)
     return [frames for frames in lists.values() if isinstance(frames, list)]
+
+
+def _all_dicts(trace: list) -> bool:
+    """Every entry a dict (at C speed)."""
+    return not set(map(type, trace)) - {dict}
 
 
 def _with_frames(segments: list[dict], trace: list):
@@ -177,7 +180,7 @@ def _expandable(data: dict, segments: list[dict], trace: list) -> tuple[bool, st
     if flagged:
         return True, f"{flagged} of {len(segments)} segments are is_expandable"
     try:
-        if not all(type(e) is dict for e in trace):
+        if not _all_dicts(trace):
             raise TypeError
         actions = Counter(map(dict.get, trace, repeat("action")))     # at C speed: 1.2M entries
         maps = sum(count for action, count in actions.items() if action in ("segment_map", "segment_unmap"))
