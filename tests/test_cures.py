@@ -11,7 +11,6 @@ to the next step, and an optimizer whose update makes three outputs per paramete
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess

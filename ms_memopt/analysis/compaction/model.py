@@ -29,6 +29,7 @@ from ms_memopt.allocators.base import AllocatorModel
 from ms_memopt.analysis.compaction.planner import Move, plan_compaction, plan_opening
 from ms_memopt.core.layout import Layout
 from ms_memopt.core.metrics import measure
+from ms_memopt.core.units import format_size
 
 __all__ = ["ModelCompaction", "compact_model", "largest_piece", "try_compaction"]
 
@@ -89,8 +90,6 @@ def try_compaction(model: AllocatorModel, addr_of: dict[int, int], fresh: Callab
         >>> try_compaction(done.model, {2: a}, lambda: create("mindspore")).skipped
         'the plan would not raise the largest piece (1024.00 MiB -> 1024.00 MiB)'
     """
-    from ms_memopt.core.units import format_size
-
     before = model.layout()
     id_at = {addr: tid for tid, addr in addr_of.items()}
     for block in before.live_blocks():
