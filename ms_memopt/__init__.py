@@ -17,9 +17,12 @@ __all__ = ["Arena", "Handle", "InputError", "Block", "Layout", "Segment", "Layou
            "format_size", "parse_count", "parse_size", "__version__"]
 
 
+#: exported lazily: Arena imports numpy (a tenth of a second), loaded when first asked for, not by every command
+_EXPORTS = ("Arena", "Handle")
+
+
 def __getattr__(name: str):
-    # Arena imports numpy (a tenth of a second): loaded when first asked for, not by every command
-    if name in ("Arena", "Handle"):
+    if name in _EXPORTS:
         from ms_memopt.analysis import arena
 
         return getattr(arena, name)
