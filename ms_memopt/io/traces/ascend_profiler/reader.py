@@ -370,6 +370,18 @@ def _csv_rows(path: Path, expected: str) -> Iterator[tuple[int, list[str]]]:
         raise InputError(f"malformed CSV: {exc}", source=str(path), line=reader.line_num + 1) from None
 
 
+def _csv_with_header(path: Path, name: str, needed: Iterable[str]
+                     ) -> tuple[Iterator[tuple[int, list[str]]], list[str], dict[str, int]]:
+    """The rows after the header of the profiler's ``name`` CSV, the header, and the index of each
+    column (``needed`` must be there)."""
+    rows = _csv_rows(path, f"the Ascend profiler's {name}")
+    try:
+        _, header = next(rows)
+    except StopIteration:
+        raise InputError(f"empty file; expected {name}'s header", source=str(path)) from None
+    return rows, header, _columns(header, needed, str(path))
+
+
 def _columns(header: list[str], needed: Iterable[str], source: str) -> dict[str, int]:
     names = [c.strip().lstrip("\ufeff") for c in header]
     index = {name: i for i, name in enumerate(names)}
@@ -561,12 +573,7 @@ def _record_series(path: Path, writer_hints: dict, *, keep_points: bool = True) 
     """Per component of ``memory_record.csv``: rows, peak allocated and reserved (bytes) and, with
     ``keep_points``, every ``(time, allocated, reserved, line)``."""
     source = str(path)
-    rows = _csv_rows(path, "the Ascend profiler's memory_record.csv")
-    try:
-        _, header = next(rows)
-    except StopIteration:
-        raise InputError("empty file; expected memory_record.csv's header", source=source) from None
-    col = _columns(header, _RECORD_COLUMNS, source)
+    rows, header, col = _csv_with_header(path, "memory_record.csv", _RECORD_COLUMNS)
     i_comp, i_time = col["Component"], col["Timestamp(us)"]
     i_alloc, i_res = col["Total Allocated(MB)"], col["Total Reserved(MB)"]
     width = len(header)
@@ -615,12 +622,7 @@ def _record_series(path: Path, writer_hints: dict, *, keep_points: bool = True) 
 def _module_series(path: Path) -> dict[str, int]:
     """Peak reserved bytes per CANN module of ``npu_module_mem.csv`` (modules that held any)."""
     source = str(path)
-    rows = _csv_rows(path, "the Ascend profiler's npu_module_mem.csv")
-    try:
-        _, header = next(rows)
-    except StopIteration:
-        raise InputError("empty file; expected npu_module_mem.csv's header", source=source) from None
-    col = _columns(header, _MODULE_COLUMNS, source)
+    rows, header, col = _csv_with_header(path, "npu_module_mem.csv", _MODULE_COLUMNS)
     peaks: dict[str, int] = {}
     for line, cells in rows:
         if not cells or (len(cells) == 1 and not cells[0].strip()):
