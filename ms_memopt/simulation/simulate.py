@@ -313,13 +313,18 @@ def _make_model(policy: str, spec: WorkloadSpec, cfg: SimConfig) -> AllocatorMod
     return create(cfg.allocator, cfg.capacity, **cfg.allocator_options)
 
 
+def _fresh(cfg: SimConfig) -> AllocatorModel:
+    """A new model of ``cfg``'s allocator to restore a layout into (no pre-grown blocks: the
+    layout brings its own)."""
+    options = {k: v for k, v in cfg.allocator_options.items() if k not in ("pregrow", "init_size")}
+    return create(cfg.allocator, cfg.capacity, **options)
+
+
 def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig, need: int | None = None):
-    """:func:`~ms_memopt.analysis.compaction.model.try_compaction` with a fresh model of ``cfg``'s
-    allocator (no pre-grown blocks: the compacted layout brings its own)."""
+    """:func:`~ms_memopt.analysis.compaction.model.try_compaction` with a fresh model of ``cfg``'s allocator."""
     from ms_memopt.analysis.compaction.model import try_compaction
 
-    options = {k: v for k, v in cfg.allocator_options.items() if k not in ("pregrow", "init_size")}
-    return try_compaction(model, addr_of, lambda: create(cfg.allocator, cfg.capacity, **options), need=need)
+    return try_compaction(model, addr_of, lambda: _fresh(cfg), need=need)
 
 
 class _Run:
@@ -360,7 +365,6 @@ class _Run:
         self.result.collective_bytes = collective_bytes(spec)
         self._stall_counts = [0, 0, 0, 0, 0]
         self.compaction_tensors = 0
-        self.model_before_compaction: AllocatorModel | None = None
         # a learned template's next step, to look ahead at before a compaction at a step end
         self.peek = peek
 
@@ -495,9 +499,10 @@ class _Run:
         if self.compacting:
             periodic = cfg.compact_every and step % cfg.compact_every == 0
             warned = scan and self._warned(fc)
-            if (periodic or warned) and self._averts(model, step, "periodic" if periodic else "warning"):
-                model = self._compaction(model, "periodic" if periodic else "warning")
-                if forecaster is not None and model is not self.model_before_compaction:
+            why = "periodic" if periodic else "warning"
+            if (periodic or warned) and self._averts(model, step, why):
+                before, model = model, self._compaction(model, why)
+                if forecaster is not None and model is not before:
                     forecaster.reset(step)      # the trend described the layout just compacted
         if scan:
             track.watch_min = None
@@ -507,14 +512,12 @@ class _Run:
     def _compaction(self, model: AllocatorModel, why: str, need: int | None = None) -> AllocatorModel:
         """Compact ``model`` when it helps (:func:`_compact`); the model to go on with."""
         result, step = self.result, self.step
-        self.model = self.model_before_compaction = model   # the stall counts read the model being compacted
+        self.model = model          # the stall counts read the model being compacted
         self._stall_add(self._stall_from)
         done = _compact(model, self.addr_of, self.cfg, need)
         self._stall_from = self._stall_start()
         if done.skipped is not None:
-            result.compactions_skipped += 1
-            if len(result.compaction_skips) < MAX_SKIPS_KEPT:
-                result.compaction_skips.append({"step": step, "why": f"{why}: {done.skipped}"})
+            self._skipped(f"{why}: {done.skipped}")
             return model
         self.model = done.model
         if self.placed is not None:
@@ -529,24 +532,27 @@ class _Run:
         model's own steps, where a request that fails can wait for a last-resort compaction) only
         when the next step, run on a copy of the pool as it is, fails: the step is then first
         aid, and until the step before the one the baseline dies in the run is the baseline's
-        (so it never dies sooner). The hand-made workload (a compiled graph, no last resort)
-        compacts at every planned step end."""
+        (so it never dies sooner). The hand-made workload compacts at every planned step end,
+        as the field report's periodic first aid does."""
         if self.peek is None:
             return True
         rows = self.peek(step + 1)
         if rows is not None:
-            options = {k: v for k, v in self.cfg.allocator_options.items() if k not in ("pregrow", "init_size")}
-            shadow = create(self.cfg.allocator, self.cfg.capacity, **options)
+            shadow = _fresh(self.cfg)
             shadow.restore(model.layout())
             ahead = drive(rows, shadow, addr_of=dict(self.addr_of), streams=False, stop_on_oom=True)
             if ahead.oom_index is not None:
                 return True
+        self._skipped(f"{why}: the next step fits the pool as it is (a request that fails gets a last-resort "
+                      "compaction)")
+        return False
+
+    def _skipped(self, why: str) -> None:
+        """A compaction not run, and why (the first :data:`MAX_SKIPS_KEPT` reasons are kept)."""
         result = self.result
         result.compactions_skipped += 1
         if len(result.compaction_skips) < MAX_SKIPS_KEPT:
-            result.compaction_skips.append({"step": step, "why": f"{why}: the next step fits the pool as it is "
-                                                                  "(a request that fails gets a last-resort compaction)"})
-        return False
+            result.compaction_skips.append({"step": self.step, "why": why})
 
     def _at_oom(self, index: int, row: tuple, model: AllocatorModel) -> AllocatorModel | None:
         """A request failed: a last-resort compaction when afterwards a piece holds it."""
