@@ -19,6 +19,7 @@ from ms_memopt.simulation.simulate import (
     simulate,
     simulate_policy,
 )
+from ms_memopt.simulation import simulate as simulate_module
 from ms_memopt.workload.step import WorkloadSpec
 
 MiB = 2**20
@@ -89,6 +90,55 @@ def test_on_watch_layouts_tag_every_live_block_and_see_the_oom():
     simulate_policy(small_spec(), "compact", small_cfg(steps=25), seed=0,
                     on_watch=lambda p: ok.append(None not in {b.tag for b in p.layout().live_blocks()}))
     assert ok and all(ok)          # tags survive a compaction (it moves blocks, ids follow)
+
+
+def _watched_layouts(run_steps) -> list:
+    """Every layout ``on_watch`` sees in ``run_steps(on_watch)``, as (kind, step, policy, blocks with tags)."""
+    seen = []
+
+    def on_watch(point: WatchPoint) -> None:
+        seen.append((point.kind, point.step, point.policy,
+                     [(b.addr, b.size, b.live, b.tag) for b in point.layout().blocks()]))
+
+    run_steps(on_watch)
+    return seen
+
+
+@pytest.mark.parametrize("policy, capacity", [("baseline", 88), ("compact", 88), ("pool", 120)])
+def test_on_watch_layouts_on_the_compiled_loop_are_the_hooks_layouts(policy, capacity, monkeypatch):
+    # tags noted ahead of each step (the compiled loop) against tags kept by the per-call hooks;
+    # at 88 MiB the baseline dies at step 10 and compact runs last-resort compactions
+    def run(on_watch):
+        simulate(small_spec(), small_cfg(steps=40, capacity=capacity * MiB), policies=(policy,), seeds=[3],
+                 on_watch=on_watch)
+
+    ahead = _watched_layouts(run)
+    monkeypatch.setattr(simulate_module._Run, "_tag_ahead", lambda self, batch: False)
+    assert _watched_layouts(run) == ahead and len(ahead) >= 10
+
+
+def test_tags_noted_ahead_give_way_to_the_hooks_when_an_id_comes_back(monkeypatch):
+    # a tensor id allocated twice in a step, or again while live: its tag is the one of the
+    # allocation that placed the live block, as the hooks keep it (the block id 1 named first
+    # is no longer any tensor's: no tag)
+    def row(action, tid, size=MiB, tag=None):
+        return (action, tid, size, None, 0, None, None, tag, None)
+
+    steps = [[row("alloc", 1, tag="a"), row("alloc", 2, tag="w")],
+             [row("free", 2), row("alloc", 3, tag="b"), row("free", 3), row("alloc", 3, tag="c"),
+              row("alloc", 4, tag="w")],
+             [row("alloc", 1, tag="d"), row("alloc", 5, tag="w"), row("free", 1)]]
+
+    def run(on_watch):
+        cfg = small_cfg(steps=len(steps), scan_every=0, compact_every=None, watch={"w": MiB})
+        r = simulate_module._Run(WorkloadSpec(), "baseline", cfg, 0, None, on_watch)
+        for step, batch in enumerate(steps):
+            assert r.feed(step, batch)
+
+    ahead = _watched_layouts(run)
+    assert [[b[3] for b in blocks if b[2]] for *_, blocks in ahead] == [["a"], ["a", "c"], [None, "c", "w", "d"]]
+    monkeypatch.setattr(simulate_module._Run, "_tag_ahead", lambda self, batch: False)
+    assert _watched_layouts(run) == ahead
 
 
 def test_control_no_oom_without_variation():

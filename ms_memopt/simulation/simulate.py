@@ -37,7 +37,8 @@ Two ways to look inside a run without a second event loop:
 * ``on_watch``: called with a :class:`WatchPoint` just before every watched request (where the
   ``watch`` sample is taken) and at the failing request of an OOM; ``point.layout()`` is the
   model's layout at that moment, live blocks tagged with their request's tag (the memory map of
-  ``make demo`` is collected this way).
+  ``make demo`` is collected this way). The tags are noted a step ahead, so the compiled loop
+  still runs the step (unless an id of the step is allocated twice, or while live).
 * ``placed``: ``{policy: PlacedRun()}``; the first seed's run of each such policy records its
   events with the model's addresses and its final layout (for ``--export-memory-viz``).
 The timeline (one JSON object per sample) streams to a file as it is measured, so memory
@@ -88,8 +89,10 @@ POLICIES = ("baseline", "compact", "pool")
 #: skipped compactions kept in a result with their reason (the rest are counted)
 MAX_SKIPS_KEPT = 20
 # where a row (a tuple of Event's fields, ms_memopt.core.events.FIELDS) holds what the loop reads
-_ID, _SIZE, _POOL, _TAG = (ROW_INDEX[n] for n in ("id", "size", "pool", "tag"))
+_ACTION, _ID, _SIZE, _POOL, _TAG = (ROW_INDEX[n] for n in ("action", "id", "size", "pool", "tag"))
 COMPACT_TRIGGERS = ("forecast", "margin")
+#: tags of freed tensors a run may keep before it drops them (tags noted ahead: _Run._tag_ahead)
+_STALE_TAGS = 1 << 16
 
 
 @dataclass
@@ -258,7 +261,9 @@ class WatchPoint:
         request it serves (pool-mode blocks already carry their region's name)."""
         layout = self.model.layout()
         run = self._run
-        tag_at = {run.addr_of[tid]: tag for tid, tag in run.tag_of.items() if tid in run.addr_of}
+        # the live tensors' tags (tag_of may still hold tensors freed since: the loop noted them ahead)
+        tag_of = run.tag_of
+        tag_at = {addr: tag_of.get(tid) for tid, addr in run.addr_of.items()}
         for block in layout.blocks():
             if block.live and block.tag is None:
                 block.tag = tag_at.get(block.addr)
@@ -327,13 +332,52 @@ def _compact(model: AllocatorModel, addr_of: dict[int, int], cfg: SimConfig, nee
     return try_compaction(model, addr_of, lambda: _fresh(cfg), need=need)
 
 
+class _StepTags:
+    """The tag of each allocation of one step by tensor id, read once for every policy fed the
+    step in lock step.
+
+    ``fresh``: every id of the step is larger than any id of the steps before, so none of them
+    can be live yet (the workload numbers its tensors in order), which spares each run the check.
+    """
+
+    def __init__(self) -> None:
+        self._batch: list | None = None
+        self._tags: dict | None = None
+        self._fresh = False
+        self._top: int | None = None       # the largest id of the steps read so far
+
+    def of(self, batch: list[tuple]) -> tuple[dict | None, bool]:
+        """``(tags, fresh)`` of ``batch``'s allocations (``tags`` ``None`` when an id is allocated
+        twice in the step); the last batch's are kept while it is fed to each policy."""
+        if batch is not self._batch:
+            pairs = [(row[_ID], row[_TAG]) for row in batch if row[_ACTION] == "alloc"]
+            tags = dict(pairs)
+            self._batch, self._tags = batch, (tags if len(tags) == len(pairs) else None)
+            self._fresh = self._note_ids(tags)
+        return self._tags, self._fresh
+
+    def _note_ids(self, tags: dict) -> bool:
+        """Whether every id of ``tags`` is above the steps before's (ids that are not numbers: no)."""
+        if not tags:
+            return True
+        try:
+            low, high = min(tags), max(tags)
+            fresh = self._top is None or low > self._top
+            self._top = high if self._top is None else max(self._top, high)
+        except TypeError:
+            self._top = None
+            return False
+        return fresh
+
+
 class _Run:
     """One policy on one seed, fed one step's events at a time (so several policies can
     share one generated stream)."""
 
     def __init__(self, spec: WorkloadSpec, policy: str, cfg: SimConfig, seed: int,
                  timeline: IO[str] | None, on_watch: Callable[[WatchPoint], None] | None = None,
-                 placed: PlacedRun | None = None, peek: Callable[[int], list | None] | None = None) -> None:
+                 placed: PlacedRun | None = None, peek: Callable[[int], list | None] | None = None,
+                 step_tags: _StepTags | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
         self.cfg = cfg
@@ -351,6 +395,7 @@ class _Run:
         self.placed = placed
         # tensor id -> tag, kept only for on_watch's tagged layouts (allocator models keep no tags)
         self.tag_of: dict[int, str | None] = {}
+        self.step_tags = (step_tags or _StepTags()) if on_watch is not None else None
         self.size_of: dict[int, int] = {}   # tensor id -> bytes, kept only when recording (evictions)
         self.dead = False
         self.seconds = 0.0
@@ -410,14 +455,15 @@ class _Run:
         moved_before, compactions_before = self.result.bytes_moved, self.result.compactions
         self.step = step
         recording = self.placed is not None
-        tagging = self.on_watch is not None
-        # recording and tagging see every call: the loop runs them in Python (else the compiled
-        # loop serves the stretches of allocs and frees between marks and watched requests)
+        # recording sees every call, and so does tagging when the step's tags cannot be noted
+        # ahead: the loop runs them in Python (else the compiled loop serves the stretches of
+        # allocs and frees between marks and watched requests)
+        hooked = recording or (self.on_watch is not None and not self._tag_ahead(batch))
         run = drive(batch, self.model, addr_of=self.addr_of, streams=False, stop_on_oom=True,
                     forget_evicted=True, watch=self.watch, on_watch=self._at_watch, on_mark=self._at_mark,
-                    on_alloc=self._at_alloc if recording or tagging else None,
-                    on_free=self._at_free if recording or tagging else None,
-                    on_evict=self._at_evict if recording or tagging else None,
+                    on_alloc=self._at_alloc if hooked else None,
+                    on_free=self._at_free if hooked else None,
+                    on_evict=self._at_evict if hooked else None,
                     on_oom=self._at_oom if self.compacting else None)
         self.model = run.model
         self.requests = run.allocs
@@ -430,6 +476,21 @@ class _Run:
                             self.result.compactions - compactions_before)
         self.seconds += time.perf_counter() - started
         return not self.dead
+
+    def _tag_ahead(self, batch: list[tuple]) -> bool:
+        """Note the tag of every allocation of the step before the compiled loop runs it (it
+        calls no hook back), so ``on_watch``'s layouts get their tags without the pure-Python
+        loop; ``False`` (nothing noted) when that could tag a live block wrongly, i.e. when a
+        tensor id is allocated twice in the step or while it is live: the hooks tag that step."""
+        tags, fresh = self.step_tags.of(batch)
+        addr_of = self.addr_of
+        if tags is None or not (fresh or tags.keys().isdisjoint(addr_of)):
+            return False
+        tag_of = self.tag_of
+        if len(tag_of) > 2 * len(addr_of) + _STALE_TAGS:       # now and then, not at every step
+            self.tag_of = tag_of = {tid: tag_of.get(tid) for tid in addr_of}
+        tag_of.update(tags)
+        return True
 
     # --- the loop's hooks (ms_memopt.replay.loop) ---------------------------------------------
     def _at_watch(self, index: int, row: tuple, model: AllocatorModel) -> None:
@@ -608,7 +669,9 @@ def _run_lockstep(spec: WorkloadSpec, policies: tuple[str, ...], cfg: SimConfig,
     placed = placed or {}
     gen = make_workload(spec, seed)
     peek = getattr(gen, "peek_rows", None)
-    runs = [_Run(spec, policy, cfg, seed, timeline, on_watch, placed.get(policy), peek) for policy in policies]
+    step_tags = _StepTags()       # read once a step for every policy that tags its layouts
+    runs = [_Run(spec, policy, cfg, seed, timeline, on_watch, placed.get(policy), peek, step_tags)
+            for policy in policies]
     started = time.perf_counter()
     batch = gen.prologue_rows()
     generation = time.perf_counter() - started
