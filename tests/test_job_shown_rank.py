@@ -25,3 +25,28 @@ def test_a_view_with_nothing_to_keep_is_the_rank_alone():
     job = small_job(steps=40)
     base = simulate_jobs([job], workers=1, show=ShowRank())[0]["baseline"]
     assert base.view is not None and base.view.stream == base.closest.stream and not base.view.snapshots
+
+
+def test_a_background_view_waits_for_the_same_layouts():
+    # ShowRank.background: the shown rank's run goes on in a process of its own; wait() gives
+    # the layouts the job's own rerun gives
+    from ms_memopt.io.layouts import layout_to_dict
+
+    job = small_job(steps=60, policies=("baseline", "compact"))
+    here = simulate_jobs([job], workers=2, show=ShowRank(layouts=True))[0]["baseline"].view
+    there = simulate_jobs([job], workers=2, show=ShowRank(layouts=True, background=True))[0]["baseline"].view
+    assert there.pending is not None and not there.snapshots
+    assert there.wait() is there and there.pending is None and there.stream == here.stream
+
+    def drawn(view) -> list:
+        return [layout_to_dict(snap.layout, step=snap.step, label=snap.label) for snap in view.snapshots]
+
+    assert drawn(there) == drawn(here) and drawn(here)
+
+
+def test_a_background_view_closed_before_it_finished_stops_its_process():
+    job = small_job(steps=400, policies=("baseline", "compact"))
+    view = simulate_jobs([job], workers=2, show=ShowRank(layouts=True, background=True))[0]["baseline"].view
+    process = next(iter(view.pending._pool._processes.values()))
+    view.close()
+    assert view.pending is None and not process.is_alive() and not view.snapshots

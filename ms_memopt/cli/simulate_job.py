@@ -85,7 +85,7 @@ def run_jobs(recipe, args, *, priced: bool = True) -> int:
     """Simulate ``recipe``'s job under ``args``' policies and print it (the recipe route; a bare
     template's one-card recipe, :func:`~ms_memopt.templates.workload.recipe_for_template`,
     comes here too with ``priced=False``: it has no model whose FLOPs the time model could price)."""
-    from ms_memopt.simulation.job import ShowRank, median_job_oom_step, simulate_jobs
+    from ms_memopt.simulation.job import ShowRank, simulate_jobs
     from ms_memopt.simulation.spec import job_from_recipe
     from ms_memopt.simulation.simulate import POLICIES
 
@@ -118,7 +118,8 @@ def run_jobs(recipe, args, *, priced: bool = True) -> int:
         check_output_file(path, key="--export-memory-viz", inputs=[args.recipe])
     show = None
     if out_dir is not None or viz_paths:        # the rank shown; its events are recorded after the job
-        show = ShowRank(layouts=out_dir is not None)
+        # its layouts are collected in the background while the report draws the timeline
+        show = ShowRank(layouts=out_dir is not None, background=True)
     try:
         results = simulate_jobs(jobs, executor=args.executor, address=args.address, workers=args.workers,
                                 progress=not args.json, timeline=timeline, show=show)
@@ -126,6 +127,20 @@ def run_jobs(recipe, args, *, priced: bool = True) -> int:
         if timeline is not None:
             timeline.close()
     first = next(iter(results[0].values()))
+    try:
+        return _report_jobs(recipe, args, jobs, results, show, out_dir, viz_paths, policies, priced)
+    finally:
+        if first.view is not None:
+            first.view.close()      # an error or Ctrl-C before the report waited for it
+
+
+def _report_jobs(recipe, args, jobs, results, show, out_dir, viz_paths, policies, priced) -> int:
+    """:func:`run_jobs` once the ranks have run: the files of ``--out``, the shown rank's
+    ``--export-memory-viz``, the table or ``--json``; the exit code."""
+    from ms_memopt.simulation.job import median_job_oom_step
+
+    first = next(iter(results[0].values()))
+    cfg = jobs[0].cfg
     if out_dir is not None and priced:
         _write_timing(out_dir / "timing.json", results[0])
     bound = _bound(recipe, jobs[0], results[0], policies)
@@ -242,7 +257,6 @@ def _write_shown_rank(job, view, out_dir: Path | None, viz_paths: dict[str, Path
         from ms_memopt.report.simulation_info import SimulationInfo, write_simulation_info
         from ms_memopt.io.layouts import write_layouts
         where = f"rank {stream.rank} (stage {stream.stage}, seed {stream.seed})"
-        write_layouts(out_dir / "layouts.jsonl", view.snapshots if view is not None else [])
         write_simulation_info(out_dir, SimulationInfo(
             title=f"Simulation of {name}: {job.cfg.steps} steps, {len(job.streams)} rank streams",
             recipe=str(args.recipe), steps=job.cfg.steps, ranks=len(job.streams), job_seed=job.seed,
@@ -250,7 +264,12 @@ def _write_shown_rank(job, view, out_dir: Path | None, viz_paths: dict[str, Path
                    "policy": job.policies[0]},
             memory_map_title=f"{name}, {where}: the pool at each policy's OOM, or its worst moment",
             policies={policy: judged_figures(result) for policy, result in (results or {}).items()}, bound=bound))
-        build_report(out_dir)
+
+        def layouts_ready() -> None:
+            """The layouts, once the shown rank's run in the background has collected them."""
+            write_layouts(out_dir / "layouts.jsonl", view.wait().snapshots if view is not None else [])
+
+        build_report(out_dir, layouts_ready=layouts_ready)
     if viz_paths:
         _export_shown_rank(job, stream, viz_paths, args)
 

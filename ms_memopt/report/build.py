@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from ms_memopt.core.errors import InputError
@@ -195,7 +196,7 @@ def _pool_log_replay(root: Path) -> str | None:
 
 
 def build_report(directory: str | Path, *, title: str | None = None, plan: dict | None = None,
-                 memory_map_title: str | None = None) -> Path:
+                 memory_map_title: str | None = None, layouts_ready: Callable[[], None] | None = None) -> Path:
     """Write ``report.md`` and its figures into ``directory`` from the logs found there.
 
     Args:
@@ -204,6 +205,8 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
             ``ms-memopt report: <directory name>``).
         plan: an estimate dict (``plan --json``); default: ``plan.json`` in the directory.
         memory_map_title: the memory map's title (default: simulate's, else the directory's name).
+        layouts_ready: called just before ``layouts.jsonl`` is read, after the figures before it: a
+            simulation still collecting its layouts writes them then (``ms-memopt simulate --out``).
 
     Raises:
         InputError: not a directory, nothing to report on, or a malformed log (file and line).
@@ -300,6 +303,8 @@ def build_report(directory: str | Path, *, title: str | None = None, plan: dict 
         lines += _simulation_section(root, timeline, problems, title or root.name, info)
 
     # layouts
+    if layouts_ready is not None:
+        layouts_ready()
     snapshots = read_layouts(root, at_most=MAX_MAP_ROWS)    # one figure row each: a bounded figure
     if snapshots:
         found = True

@@ -39,7 +39,7 @@ from typing import Any
 
 from ms_memopt.core.errors import InputError
 
-__all__ = ["EXECUTORS", "default_workers", "report_progress", "run_tasks"]
+__all__ = ["EXECUTORS", "Background", "default_workers", "report_progress", "run_tasks", "start_task"]
 
 #: the ``--executor`` choices
 EXECUTORS = ("local", "dask", "ray")
@@ -132,9 +132,7 @@ def _run_local(fn, tasks: list, workers: int, done: Callable[[int, Any], None],
         return
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    # forkserver: no fork of a parent that may hold threads (MindSpore, tqdm's monitor)
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    context = multiprocessing.get_context(method)
+    context = _context()
     counter = context.Value("q", 0)
     pool = ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context,
                                initializer=_init_worker, initargs=(counter,))
@@ -156,19 +154,90 @@ def _run_local(fn, tasks: list, workers: int, done: Callable[[int, Any], None],
             for future in finished:
                 done(futures[future], future.result())
     except BaseException:
-        # Ctrl-C or a failed task: stop the workers now rather than after their running tasks
-        for process in list((getattr(pool, "_processes", None) or {}).values()):
-            process.terminate()
+        _stop(pool)
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _init_worker(counter) -> None:
-    """A local worker: count :func:`report_progress` in the shared ``counter``; leave Ctrl-C to the
-    parent, which stops the workers itself (else every worker prints its own traceback)."""
-    global _progress_sink
+def _context():
+    """The local workers' start method: forkserver, so no fork of a parent that may hold threads
+    (MindSpore, tqdm's monitor); spawn where there is none."""
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    return multiprocessing.get_context(method)
+
+
+def _stop(pool) -> None:
+    """Ctrl-C or a failed task: stop ``pool``'s workers now rather than after their running tasks."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
+
+
+def _ignore_interrupt() -> None:
+    """A local worker leaves Ctrl-C to the parent, which stops the workers itself (else every
+    worker prints its own traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class Background:
+    """One task of :func:`start_task`: running in a process of its own, or already done."""
+
+    def __init__(self, future, pool=None) -> None:
+        self._future = future
+        self._pool = pool
+
+    def result(self) -> Any:
+        """The task's result, waited for (its exception raised here); its process is then gone."""
+        try:
+            return self._future.result()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._shutdown()
+
+    def close(self) -> None:
+        """Stop the task if it still runs (the caller failed or was interrupted) and its process."""
+        if self._pool is not None:
+            _stop(self._pool)
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def start_task(fn: Callable[[Any], Any], task: Any, *, executor: str = "local",
+               workers: int | None = None) -> Background:
+    """``fn(task)`` started on a local process of its own while the caller goes on (the result
+    read later: :meth:`Background.result`); run here and now, before this returns, on one core
+    (``workers=1``, or a machine with one) and on Dask or Ray, whose clusters :func:`run_tasks`
+    has just left.
+
+    Example:
+        >>> start_task(abs, -2, workers=1).result()
+        2
+    """
+    from concurrent.futures import Future, ProcessPoolExecutor
+
+    if executor != "local" or max(1, workers or default_workers()) == 1:
+        done: Future = Future()
+        done.set_result(fn(task))
+        return Background(done)
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=_context(), initializer=_ignore_interrupt)
+    try:
+        return Background(pool.submit(fn, task), pool)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+
+
+def _init_worker(counter) -> None:
+    """A local worker: count :func:`report_progress` in the shared ``counter``; Ctrl-C is the
+    parent's (:func:`_ignore_interrupt`)."""
+    global _progress_sink
+    _ignore_interrupt()
 
     def add(units: int) -> None:
         with counter.get_lock():

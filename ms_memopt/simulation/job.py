@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ms_memopt.core.errors import InputError
-from ms_memopt.simulation.executors import report_progress
+from ms_memopt.simulation.executors import Background, report_progress, start_task
 from ms_memopt.simulation.simulate import PolicyResult, SimConfig, simulate
 from ms_memopt.simulation.spec import JobSpec, RankStream
 from ms_memopt.workload.step import WorkloadSpec
@@ -209,19 +209,38 @@ class ShowRank:
     The ranks run without them; once every rank is done, the shown one runs again with them (the
     same seed: the same run). Layouts keep the compiled loop (their tags are noted a step ahead),
     about 1.5x a plain run; placed events see every call on the loop's pure-Python path.
+    ``background``: that run goes on in a local process of its own while the caller writes what
+    does not need it (simulate's report); the view's figures arrive with :meth:`RankView.wait`.
     """
 
     layouts: bool = False
     placed: tuple[str, ...] = ()
+    background: bool = False
 
 
 @dataclass
 class RankView:
-    """What :class:`ShowRank` kept of one rank: its stream, layouts and placed runs per policy."""
+    """What :class:`ShowRank` kept of one rank: its stream, layouts and placed runs per policy;
+    ``pending`` the run still collecting them (:attr:`ShowRank.background`) until :meth:`wait`."""
 
     stream: RankStream
     snapshots: list = field(default_factory=list)
     placed: dict = field(default_factory=dict)
+    pending: Background | None = field(default=None, repr=False, compare=False)
+
+    def wait(self) -> "RankView":
+        """This view with its figures: the background run's, once it has finished."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            done = pending.result()[2]
+            self.snapshots, self.placed = done.snapshots, done.placed
+        return self
+
+    def close(self) -> None:
+        """Stop a background run still going (its caller failed or was interrupted)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.close()
 
 
 @dataclass(frozen=True)
@@ -379,7 +398,8 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
             ``stage``), job by job in stream order, after the runs.
         on_stream: called as ``on_stream(done, total)`` when a stream finishes.
         show: what the first job keeps of the rank it is judged by (:class:`ShowRank`), set as
-            every policy's :attr:`JobResult.view`; the job's own runs take it, no second simulation.
+            every policy's :attr:`JobResult.view` (with ``background``, still being collected:
+            :meth:`RankView.wait`; ``on_job`` sees it so too).
         on_job: called as ``on_job(index, {policy: JobResult})`` as soon as every stream of job
             ``index`` has finished (a sweep writes each point as it goes).
     """
@@ -422,12 +442,24 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
             index = _shown_index(tasks, values, owner)
             bar.set_postfix_str(f"ranks {finished[0]}/{len(tasks)}, rank {tasks[index].stream.rank} shown",
                                 refresh=False)
-            collects = show.layouts or show.placed       # else the view is the rank alone: no run
-            values[index][2] = _run_stream(replace(tasks[index], show=show, timeline=False))[2] if collects \
-                else RankView(tasks[index].stream)
+            values[index][2] = _show(tasks[index], show, executor, workers)
             job_done(0)
+    except BaseException:
+        _close_views(values)
+        raise
     finally:
         bar.close()
+    try:
+        return _gather(jobs, tasks, values, owner, timeline)
+    except BaseException:
+        _close_views(values)
+        raise
+
+
+def _gather(jobs: list[JobSpec], tasks: list, values: list, owner: list,
+            timeline: io.TextIOBase | None) -> list[dict[str, JobResult]]:
+    """Per job ``{policy: JobResult}`` from the finished ``values``; every stream's timeline
+    written to ``timeline``, job by job in stream order."""
     out = []
     for j, job in enumerate(jobs):
         mine = [(task, value) for task, value, o in zip(tasks, values, owner) if o == j]
@@ -437,6 +469,24 @@ def simulate_jobs(jobs: list[JobSpec], *, executor: str = "local", address: str 
                 if text:
                     timeline.write(text)
     return out
+
+
+def _close_views(values: list) -> None:
+    """Stop the shown rank's background run, if any (the job failed or was interrupted after it began)."""
+    for value in values:
+        if value is not None and value[2] is not None:
+            value[2].close()
+
+
+def _show(task: _Task, show: ShowRank, executor: str, workers: int | None) -> RankView:
+    """The shown rank's view: its stream run again collecting what ``show`` asks (in the
+    background when it says so), or the rank alone when it asks nothing."""
+    if not (show.layouts or show.placed):
+        return RankView(task.stream)
+    again = replace(task, show=show, timeline=False)
+    if show.background:
+        return RankView(task.stream, pending=start_task(_run_stream, again, executor=executor, workers=workers))
+    return _run_stream(again)[2]
 
 
 def _shown_index(tasks: list, values: list, owner: list) -> int:
