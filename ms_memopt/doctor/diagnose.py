@@ -264,11 +264,15 @@ def _piece_text(oom, virtual: bool) -> str:
 
 
 def _verdict(trace: Trace, base: str, capacity: int | None, options: dict) -> tuple[Verdict, ReplayResult]:
-    # the pure-Python model: only it names the pool that failed (the compiled twins record no pool)
-    model = create(base, capacity, fast=False, **options)
-    model.full_oom_records = 1      # the verdict reads the first failure (a far too small card fails at most requests)
-    watch = _GrowthWatch(model, trace)
+    # the compiled model where built (its failures name their pool as the reference's do); the
+    # verdict reads the first failure (a far too small card fails at most requests: the rest are counted)
+    model = create(base, capacity, **options)
+    model.full_oom_records = 1
     result = replay(trace, model)
+    if not result.ooms:
+        # the growth watch wraps malloc, which takes the replay call by call: only a run that survives needs it
+        watch = _GrowthWatch(create(base, capacity, **options), trace)
+        result = replay(trace, watch.model)
     if result.ooms:
         oom = result.ooms[0]
         kind, text = _failure(trace, oom, capacity, model.virtual)
@@ -291,7 +295,7 @@ def _blockers(trace: Trace, base: str, capacity: int | None, verdict: Verdict,
               options: dict) -> tuple[list[Blocker], int | None, Layout | None]:
     if verdict.event is None or verdict.request is None or (verdict.first_kind or verdict.kind) != "fragmentation":
         return [], None, None        # a capacity failure: moving blocks would not make room
-    before = replay(trace, create(base, capacity, fast=False, **options), stop=verdict.event, sample_every=0)
+    before = replay(trace, create(base, capacity, **options), stop=verdict.event, sample_every=0)
     layout, ids = before.final_layout, before.live_ids
     request = aligned(verdict.request)
     best = cheapest_opening(layout, request, respect_pinned=False)
