@@ -51,6 +51,14 @@ CONFIGS = [
     ("torch", dict(capacity=256 * MiB)),
     ("torch", dict(capacity=200 * MiB, roundup_power2_divisions=4)),
     ("torch", dict(roundup_power2_divisions=1)),
+    # max_split_size_mb's oversize rules and release, garbage collection's passes by age
+    ("torch", dict(capacity=256 * MiB, max_split_size_mb=21)),
+    ("torch", dict(capacity=200 * MiB, max_split_size_mb=64, roundup_power2_divisions=4)),
+    ("torch", dict(max_split_size_mb=32)),
+    ("torch", dict(capacity=256 * MiB, garbage_collection_threshold=0.6)),
+    ("torch", dict(capacity=160 * MiB, garbage_collection_threshold=0.3, max_split_size_mb=24)),
+    ("torch-npu", dict(capacity=256 * MiB, max_split_size_mb=21, garbage_collection_threshold=0.8)),
+    ("torch-npu", dict(capacity=256 * MiB, garbage_collection_threshold=0.5, page_size_1g=True)),
     ("torch-expandable", dict(capacity=256 * MiB)),
     ("torch-expandable", dict(capacity=160 * MiB, roundup_power2_divisions=2)),
     ("torch-expandable", dict()),
@@ -68,9 +76,8 @@ def _pressed(name: str, capacity: int) -> dict:
 
 
 def _state(model):
-    # slow-path events: every MindSpore model counts them, compiled or not; of the PyTorch
-    # models only the pure-Python ones do (doctor uses them). Idle blocks freed: every model.
-    slow = model.slow_path_events if model.name.startswith("mindspore") else None
+    # slow-path events (doctor counts them) and idle blocks freed: every model, compiled or not
+    slow = model.slow_path_events
     return (model.reserved, model.allocated, model.peak_reserved, model.peak_allocated, model.segment_allocs,
             model.largest_free(), [o.to_dict() for o in model.ooms], model.layout(),
             model.eager_frees if model.name == "mindspore-vmm" else None, slow, model.segment_frees)
@@ -123,9 +130,7 @@ def test_random_calls_give_identical_addresses(name, options, ops):
 def _same_replay(trace: Trace, name: str, options: dict, sample_every: int | None = 0) -> None:
     results = [replay(trace, create(name, fast=f, **options), sample_every=sample_every) for f in (False, True)]
     ref, quick = (r.to_dict() for r in results)
-    # speeds differ; slow-path events: the compiled PyTorch models count none (the MindSpore
-    # ones count them as their references do)
-    for key in ("events_per_s", "cpu_events_per_s") + (() if name.startswith("mindspore") else ("slow_path_events",)):
+    for key in ("events_per_s", "cpu_events_per_s"):     # speeds differ
         ref.pop(key), quick.pop(key)
     assert quick == ref
     assert results[1].final_layout == results[0].final_layout
@@ -189,14 +194,16 @@ def test_shared_traces_replay_identically(path, name):
 def test_create_picks_the_fast_path_and_falls_back():
     assert type(create("mindspore")) is fast.FAST_MODELS["mindspore"]
     assert type(create("mindspore", fast=False)).__module__ == "ms_memopt.allocators.mindspore"
-    assert type(create("torch", max_split_size_mb=64)).__module__ == "ms_memopt.allocators.torch"
-    with pytest.raises(InputError, match="no compiled fast path"):
-        create("torch", fast=True, max_split_size_mb=64)
+    assert type(create("torch", max_split_size_mb=64, garbage_collection_threshold=0.5)) is fast.FAST_MODELS["torch"]
+    assert type(create("torch", fast=False, max_split_size_mb=64)).__module__ == "ms_memopt.allocators.torch"
 
 
 @pytest.mark.parametrize("name,options", [("mindspore", dict(grow="triple")), ("mindspore", dict(increase_size=0)),
                                           ("mindspore", dict(tie="random")), ("mindspore", dict(pregrow=True)),
-                                          ("torch", dict(roundup_power2_divisions=3))])
+                                          ("torch", dict(roundup_power2_divisions=3)),
+                                          ("torch", dict(max_split_size_mb=20)),
+                                          ("torch", dict(garbage_collection_threshold=1.0)),
+                                          ("torch-npu", dict(garbage_collection_threshold="0.5"))])
 @needs_fast
 def test_fast_model_errors_match_the_reference(name, options):
     with pytest.raises((ValueError, InputError)) as ref:

@@ -234,3 +234,24 @@ def test_a_recordings_fragmentation_verdict_never_contradicts_its_figures(sizes,
         assert "fragmentation" in v.text and "capacity" not in v.text.split(": ")[-1]
     if v.failed and v.kind == "capacity":
         assert "capacity: the card is too small for this step" in v.text
+
+
+def test_a_run_cached_above_the_card_is_capacity_not_a_fit():
+    """A snapshot taken mid-run starts with its pool cached above the card: every request fits
+    in that cache, so no replay fails; the live tensors alone exceed the card, so the verdict is
+    capacity and the advice never says the run fits (it did: "the run as recorded fits in 400 MiB"
+    for a 13 GiB recording)."""
+    base = 1 << 40
+    start = Layout([Segment(base, 128 * MiB, [Block(base, 16 * MiB, True, id=1),
+                                              Block(base + 16 * MiB, 112 * MiB, False)], pool="large")])
+    events = [Event("alloc", id=2, size=60 * MiB, addr=base + 16 * MiB), Event("free", id=2),
+              Event("free", id=1)]
+    d = diagnose(Trace(events, source="warm.pickle", initial=start), capacity=64 * MiB, allocator="torch")
+    assert (d.verdict.kind, d.verdict.failed, d.verdict.event) == ("capacity", False, 0)
+    assert "live tensors reach 76.00 MiB at event 0, more than the card" in d.verdict.text
+    assert "starts with 128.00 MiB reserved" in d.verdict.text
+    assert d.summary.startswith("no setting saves this run at 64.00 MiB") and "fits" not in d.summary
+    assert "a card of at least 76.00 MiB" in d.summary and d.remedies == []
+    # under the card's size of live tensors, a cached start says so and the run is fine
+    d = diagnose(Trace(events, source="warm.pickle", initial=start), capacity=100 * MiB, allocator="torch")
+    assert d.verdict.kind == "none" and d.verdict.text.startswith("the recording starts with 128.00 MiB reserved")

@@ -128,10 +128,10 @@ class AllocatorModel(ABC):
     #: True when each stream has pools of its own (PyTorch, MindSpore); pool mode's regions serve all
     pools_per_stream: ClassVar[bool] = True
     #: failed requests recorded in full, each building and measuring the layout (``free_total``,
-    #: ``largest_free``, the serving pool's largest hole); ``None``: every one. Past it a failure is
-    #: recorded from the counters (``free_total`` reserved - allocated, ``largest_free`` from
-    #: :meth:`largest_free`, no ``pool``): on a card far too small a replay fails at most of its
-    #: requests, and a layout at each took doctor minutes (it reads the first failure and the count)
+    #: ``largest_free``, the serving pool's largest hole); ``None``: every one, else at least 1.
+    #: Past it a failure is only counted (:attr:`ooms_counted`), and the compiled loop goes on past
+    #: it without a hook: on a card far too small a replay fails at most of its requests, and a
+    #: record at each took doctor minutes (it reads the first failure and the count)
     full_oom_records: int | None = None
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -157,6 +157,8 @@ class AllocatorModel(ABC):
         #: (counted through ``reserved``) and the PyTorch models report 0.
         self.segment_frees = 0
         self.ooms: list[OOMRecord] = []
+        #: failed requests past :attr:`full_oom_records`, counted without a record
+        self.ooms_counted = 0
 
     # --- requests -----------------------------------------------------------------------
     @abstractmethod
@@ -238,13 +240,14 @@ class AllocatorModel(ABC):
                                        layout, pool, stream if self.pools_per_stream else None)))
 
     def _counted_oom(self, size: int, stream: int, tag: str | None) -> bool:
-        """Record a failed request from the counters alone when :attr:`full_oom_records` are
-        made already (True), else nothing (False: the caller records it in full)."""
+        """Count a failed request when :attr:`full_oom_records` are made already (True), else
+        nothing (False: the caller records it in full)."""
         if self.full_oom_records is None or len(self.ooms) < self.full_oom_records:
             return False
-        device_free = None if self.capacity is None else max(self.capacity - self.reserved, 0)
-        self.ooms.append(OOMRecord(size=size, stream=stream, free_total=self.reserved - self.allocated,
-                                   largest_free=self.largest_free(), reserved=self.reserved,
-                                   allocated=self.allocated, capacity=self.capacity, device_free=device_free,
-                                   tag=tag))
+        self.ooms_counted += 1
         return True
+
+    @property
+    def oom_count(self) -> int:
+        """Failed requests so far: those recorded in :attr:`ooms` and those only counted."""
+        return len(self.ooms) + self.ooms_counted

@@ -148,6 +148,8 @@ def _text(d, out: str | None) -> str:
         lines.append(f"remedies    none needed: {d.summary}")
         return "\n".join(lines + ([f"report      {Path(out) / 'report.md'}"] if out else []))
     lines.append(f"advice      {d.summary}")
+    if not d.remedies and not d.skipped:
+        return "\n".join(lines + ([f"report      {Path(out) / 'report.md'}"] if out else []))
     lines.append(f"remedies    {d.family}'s settings, measured (best first: survives at the capacity, then peak "
                  "reserved without a capacity, then worst frag)")
     base = next((r for r in d.remedies if r.setting == "baseline"), None)
@@ -243,6 +245,8 @@ def write_report(d, out: Path, *, trace=None) -> Path:
     lines += ["", "## Remedies, measured", ""]
     if d.verdict.kind == "none":
         lines += ["None needed: " + d.summary + "."]
+    elif not d.remedies and not d.skipped:
+        lines += ["None measured: the run's live tensors alone are more than the card, which no setting changes."]
     else:
         lines += [f"{d.family}'s settings, ranked by survival at the capacity, then peak reserved without a capacity "
                   "(what the setting saves), then the worst frag ratio.", "",

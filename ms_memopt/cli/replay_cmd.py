@@ -199,7 +199,6 @@ def run(args: argparse.Namespace) -> int:
     out["capacity_reason"] = capacity_why
     out["allocator_options"] = options
     out["address_note"] = _address_note(result.address_match, name, recorded)
-    out["oom_count"] = len(result.ooms)
     if isinstance(trace.meta.get("recorded"), dict):   # the recording's own figures (the Ascend profiler's)
         out["recorded"] = trace.meta["recorded"]
     if "pool_log" in trace.meta:      # what the pool-log reader skipped or inferred

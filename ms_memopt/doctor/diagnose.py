@@ -214,6 +214,15 @@ def _live_peak(trace: Trace) -> tuple[int, int | None]:
     return peak, where
 
 
+def _start_above(trace: Trace, capacity: int | None) -> str:
+    """The words that say the recording starts above the card (``""`` when it does not)."""
+    start = trace.initial
+    if capacity is None or start is None or start.reserved <= capacity:
+        return ""
+    return (f"the recording starts with {format_size(start.reserved)} reserved ({format_size(start.allocated)} "
+            f"in live tensors) before its first event, more than the {format_size(capacity)} card; ")
+
+
 def _pool_words(pool: str | None, virtual: bool) -> str:
     """Where a request is served, in the allocator's own terms."""
     if pool in ("small", "large"):
@@ -230,11 +239,7 @@ def _failure(trace: Trace, oom, capacity: int | None, virtual: bool) -> tuple[st
     """``(kind, text)`` of the first failed request: whether the card is already too small, then
     the pool that serves the request and its largest piece, so the words never contradict the
     figures (a small request is not served by the large pool's hole)."""
-    start = trace.initial
-    head = ""
-    if capacity is not None and start is not None and start.reserved > capacity:
-        head = (f"the recording starts with {format_size(start.reserved)} reserved ({format_size(start.allocated)} "
-                f"in live tensors) before its first event, more than the {format_size(capacity)} card; ")
+    head = _start_above(trace, capacity)
     peak, where = _live_peak(trace)
     if capacity is not None and peak > capacity:
         at = "before the first event" if where is None else f"at event {where}"
@@ -264,10 +269,10 @@ def _piece_text(oom, virtual: bool) -> str:
 
 
 def _verdict(trace: Trace, base: str, capacity: int | None, options: dict) -> tuple[Verdict, ReplayResult]:
-    # the pure-Python model: only it names the pool that failed (the compiled twins record no pool)
-    model = create(base, capacity, fast=False, **options)
-    model.full_oom_records = 1      # the verdict reads the first failure (a far too small card fails at most requests)
-    watch = _GrowthWatch(model, trace)
+    # the compiled model where built (its failures name their pool as the reference's do); the
+    # verdict reads the first failure (a far too small card fails at most requests: the rest are counted)
+    model = create(base, capacity, **options)
+    model.full_oom_records = 1
     result = replay(trace, model)
     if result.ooms:
         oom = result.ooms[0]
@@ -276,9 +281,23 @@ def _verdict(trace: Trace, base: str, capacity: int | None, options: dict) -> tu
         ratio = frag_ratio(oom.free_total, oom.largest_free) if oom.largest_free else None
         return Verdict(kind, True, oom.size, oom.free_total, largest, ratio, oom.event_index,
                        oom.reserved, oom.allocated, text, pool=oom.pool, first_kind=oom.kind), result
+    start = _start_above(trace, capacity)
+    peak, where = _live_peak(trace)
+    if capacity is not None and peak > capacity:
+        # no request failed only because each fit in the pool cached before the first event
+        at = "before the first event" if where is None else f"at event {where}"
+        return Verdict("capacity", False, event=where, reserved=result.peak_reserved,
+                       allocated=result.peak_allocated,
+                       text=f"{start}its live tensors reach {format_size(peak)} {at}, more than the card: no "
+                            "placement holds this run: capacity: the card is too small for this step (no request "
+                            "failed in the replay: each fit in the memory cached before the first event)",
+                       first_kind="capacity"), result
+    # the growth watch wraps malloc, which takes the replay call by call: only a run that survives needs it
+    watch = _GrowthWatch(create(base, capacity, **options), trace)
+    result = replay(trace, watch.model)
     if watch.worst is None:
-        return Verdict("none", False, text="no request failed, and the pool never grew while its free memory "
-                       "would have covered the request"), result
+        return Verdict("none", False, text=f"{start}no request failed, and the pool never grew while its free "
+                       "memory would have covered the request"), result
     free, index, size, largest, reserved, allocated = watch.worst
     text = (f"needed {format_size(size)} in one piece; {format_size(free)} were free in the pool, the largest piece "
             f"was {format_size(largest)}: fragmentation. The pool grew instead (reserved {format_size(reserved)} for "
@@ -291,7 +310,7 @@ def _blockers(trace: Trace, base: str, capacity: int | None, verdict: Verdict,
               options: dict) -> tuple[list[Blocker], int | None, Layout | None]:
     if verdict.event is None or verdict.request is None or (verdict.first_kind or verdict.kind) != "fragmentation":
         return [], None, None        # a capacity failure: moving blocks would not make room
-    before = replay(trace, create(base, capacity, fast=False, **options), stop=verdict.event, sample_every=0)
+    before = replay(trace, create(base, capacity, **options), stop=verdict.event, sample_every=0)
     layout, ids = before.final_layout, before.live_ids
     request = aligned(verdict.request)
     best = cheapest_opening(layout, request, respect_pinned=False)
@@ -392,6 +411,12 @@ def diagnose(trace: Trace, *, capacity: int | None = None, allocator: str | None
         text = ("nothing needs saving: no request failed"
                 + (f" at {format_size(capacity)}" if capacity is not None else "")
                 + ", and the pool never grew while its free memory would have held the request")
+    elif verdict.kind == "capacity" and not verdict.failed:
+        # every setting "survives" in the pool cached before the first event, which no card this size holds
+        text = (f"no setting saves this run at {format_size(capacity)}: its live tensors alone are more than the "
+                f"card (the replays fail no request only because the recording starts with "
+                f"{format_size(trace.initial.reserved if trace.initial else 0)} cached). What would: a card of at "
+                f"least {format_size(_live_peak(trace)[0])}")
     else:
         settings, skipped = remedy_settings(trace, capacity=capacity, allocator=base, options=options, family=family)
         remedies = measure_remedies(trace, settings, capacity=capacity, progress=progress)

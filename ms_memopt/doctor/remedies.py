@@ -167,8 +167,8 @@ class SkippedSetting:
     why: str
 
 
-def _why_not(setting: Setting, trace: Trace, capacity: int | None, options: dict) -> str | None:
-    steps = any(e.action == "step" for e in trace.events)
+def _why_not(setting: Setting, trace: Trace, capacity: int | None, options: dict, steps: bool) -> str | None:
+    """Why ``setting`` is not tried on ``trace`` (``steps``: it has step events), or ``None``."""
     pregrown = bool(options.get("pregrow")) or bool(capacity and options.get("init_size", 0) >= capacity)
     for need in setting.needs:
         if need == "grown" and pregrown:
@@ -202,8 +202,9 @@ def remedy_settings(trace: Trace, *, capacity: int | None, allocator: str, optio
     skipped: list[SkippedSetting] = []
     values = {"capacity_gb": _gb(capacity) if capacity is not None else "?"}
     cpu_pool = trace.meta.get("pool") == POOL_NAME
+    steps = any(e.action == "step" for e in trace.events)
     for setting in SETTINGS.get(family or family_of_model(allocator), []):
-        why = _why_not(setting, trace, capacity, options)
+        why = _why_not(setting, trace, capacity, options, steps)
         if why is not None:
             skipped.append(SkippedSetting(setting.setting, why))
             continue
@@ -271,9 +272,9 @@ def _remedy(setting: Setting, result: ReplayResult, unbounded: ReplayResult, mea
                 + "), sized from this recording: a best case")
     return Remedy(setting=setting.setting, line=setting.line, allocator=setting.allocator,
                   options=dict(setting.options), peak_reserved=result.peak_reserved,
-                  peak_reserved_unbounded=unbounded.peak_reserved, oom_count=len(result.ooms),
+                  peak_reserved_unbounded=unbounded.peak_reserved, oom_count=result.oom_count,
                   slow_path_events=result.slow_path_events, frag_ratio_max=result.frag_ratio_max,
-                  survives=not result.ooms, verified=(setting.allocator, setting.options) in _VERIFIED
+                  survives=not result.oom_count, verified=(setting.allocator, setting.options) in _VERIFIED
                   and setting.policy == "baseline", note=note, timeline=timeline,
                   unbounded=measured_unbounded)
 

@@ -22,6 +22,7 @@ Example:
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -72,6 +73,8 @@ class ReplayResult:
     live_ids: dict[int, int] = field(repr=False, default_factory=dict)
     #: requests that took the model's slow path (:attr:`AllocatorModel.slow_path_events`)
     slow_path_events: int = 0
+    #: failed requests: ``ooms`` and those past the model's ``full_oom_records``, only counted
+    oom_count: int = 0
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("final_layout", "live_ids")}
@@ -200,6 +203,11 @@ def check_bounds(trace: Trace) -> None:
         ...
         ms_memopt.core.errors.InputError: t.jsonl: event 0 (alloc, id 1): size 1125899906842624 ...
     """
+    key = id(trace)
+    checked = _CHECKED.get(key)
+    if checked is not None and checked[0]() is trace and checked[1:] == (trace.events, len(trace.events),
+                                                                          trace.initial):
+        return
     limit = DEVICE_ADDRESS_LIMIT
     bound = "is beyond any device (sizes and addresses end below 2**48 bytes, 256 TiB)"
     if trace.initial is not None:
@@ -212,6 +220,14 @@ def check_bounds(trace: Trace) -> None:
                                  f"signed integer", source=trace.source)
     if isinstance(trace.events, list):      # a stream is checked chunk by chunk as it is read
         check_events(trace.events, 0, trace.source)
+        _CHECKED[key] = (weakref.ref(trace, lambda _, key=key: _CHECKED.pop(key, None)), trace.events,
+                         len(trace.events), trace.initial)
+
+
+#: id(trace) -> (a weak reference to it, its events, their count, its initial state) of the traces
+#: :func:`check_bounds` passed: doctor replays one trace under twenty settings, and a million
+#: events cost a quarter second to check each time
+_CHECKED: dict[int, tuple] = {}
 
 
 def check_events(events: list, offset: int, source: str) -> None:
@@ -381,6 +397,7 @@ def _replay(trace: Trace, model: AllocatorModel, *, sample_every: int | None = N
         final_layout_match=None if trace.final is None or count < total else same_layout(final_layout, trace.final),
         live_ids={addr: ident for ident, addr in address_of.items()},
         slow_path_events=model.slow_path_events,
+        oom_count=model.oom_count,
     )
 
 

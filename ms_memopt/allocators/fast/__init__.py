@@ -16,8 +16,8 @@ Fast classes (reference in brackets):
 * ``mindspore``: :class:`FastMindSporePool` (:class:`~.mindspore.MindSporePool`)
 * ``mindspore-bestfit``: :class:`FastMindSporeBestFitPool` (:class:`~.mindspore.MindSporeBestFitPool`)
 * ``mindspore-vmm``: :class:`FastMindSporeVMMPool` (:class:`~.mindspore_vmm.MindSporeVMMPool`)
-* ``torch``: :class:`FastTorchCachingAllocator` (:class:`~.torch.TorchCachingAllocator`;
-  ``max_split_size_mb`` runs the reference)
+* ``torch``: :class:`FastTorchCachingAllocator` (:class:`~.torch.TorchCachingAllocator`, every
+  option)
 * ``torch-expandable``: :class:`FastTorchExpandableAllocator`
   (:class:`~.torch_expandable.TorchExpandableAllocator`)
 * ``torch-npu``, ``torch-npu-expandable``: :class:`FastTorchNpuCachingAllocator`,
@@ -42,7 +42,7 @@ from ms_memopt.allocators.mindspore import check_options, initial_block, restore
 from ms_memopt.allocators.mindspore_vmm import CHUNK, MindSporeVMMPool, ChunkSet, ranges_largest_free, ranges_layout
 from ms_memopt.allocators.mindspore_vmm import restore_pieces as vmm_restore_pieces
 from ms_memopt.allocators.pool import PoolModeAllocator
-from ms_memopt.allocators.torch import check_divisions, is_small_segment, merged_blocks, serving_pool
+from ms_memopt.allocators.torch import TorchCachingAllocator, check_divisions, is_small_segment, merged_blocks, serving_pool
 from ms_memopt.allocators.torch_npu import PAD as NPU_PAD
 from ms_memopt.allocators.torch_expandable import page_size, range_size_for, restore_ranges
 from ms_memopt.allocators.torch_npu import TorchNpuCachingAllocator, TorchNpuExpandableAllocator, npu_page_size
@@ -147,30 +147,31 @@ if ModelCore is not None:
         default_tie = "idle_order"
 
     class FastTorchCachingAllocator(ModelCore, AllocatorModel):
-        """:class:`~ms_memopt.allocators.torch.TorchCachingAllocator` in C, without
-        ``max_split_size_mb`` (see :meth:`supports`)."""
+        """:class:`~ms_memopt.allocators.torch.TorchCachingAllocator` in C, with every option."""
 
         name = "torch"
         core_kind = "torch"     # its C Model record (torch.c)
-
-        @staticmethod
-        def supports(options: dict) -> bool:
-            # these two run the pure-Python model (create() picks it)
-            return options.get("max_split_size_mb") is None and options.get("garbage_collection_threshold") is None
+        reference = TorchCachingAllocator
+        supports = FastMindSporePool.supports
 
         def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
-                     roundup_power2_divisions: int | None = None) -> None:
-            self._init_core(capacity, max_split_size_mb, roundup_power2_divisions)
+                     roundup_power2_divisions: int | None = None,
+                     garbage_collection_threshold: float | None = None) -> None:
+            self._init_core(capacity, max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold)
 
         def _init_core(self, capacity: int | None, max_split_size_mb: int | None, divisions: int | None,
-                       **core_options) -> None:
-            if max_split_size_mb is not None:
-                raise ValueError("max_split_size_mb runs the pure-Python model (create() picks it)")
-            check_divisions(divisions)
-            ModelCore.__init__(self, capacity, kind=self.core_kind, divisions=divisions or 0, **core_options)
+                       gc_threshold: float | None, **options) -> None:
+            # the reference checks the options and derives what C takes
+            checked = self.reference(None, max_split_size_mb, divisions, gc_threshold, **options)
+            ModelCore.__init__(self, capacity, kind=self.core_kind, divisions=checked.divisions,
+                               max_split=checked.max_split_size or 0, gc_threshold=checked.gc_threshold or 0.0,
+                               **{self._CORE_OPTIONS.get(k, k): v for k, v in options.items()})
             AllocatorModel.__init__(self, capacity)
-            self.max_split_size = None
-            self.divisions = divisions or 0
+            self.max_split_size, self.gc_threshold = checked.max_split_size, checked.gc_threshold
+            self.divisions = checked.divisions
+
+        #: the reference's option -> ModelCore's keyword
+        _CORE_OPTIONS = {"page_size_1g": "page_1g"}
 
         def restore(self, layout: Layout) -> None:
             """Start from ``layout`` (as the reference's :meth:`restore`)."""
@@ -230,18 +231,19 @@ if ModelCore is not None:
 
     class FastTorchNpuCachingAllocator(FastTorchCachingAllocator):
         """:class:`~ms_memopt.allocators.torch_npu.TorchNpuCachingAllocator` in C (torch.c with
-        the 32-byte pad and ``page_size:1g``), without ``max_split_size_mb``."""
+        the 32-byte pad and ``page_size:1g``), with every option."""
 
         name = "torch-npu"
         core_kind = "torch_npu"     # torch_npu.c: torch.c's model with the 32-byte pad
+        reference = TorchNpuCachingAllocator
         pad = NPU_PAD
 
         def __init__(self, capacity: int | None = None, max_split_size_mb: int | None = None,
-                     roundup_power2_divisions: int | None = None, page_size_1g: bool = False) -> None:
-            # the reference checks the options and derives what C takes
-            TorchNpuCachingAllocator(None, max_split_size_mb, roundup_power2_divisions, None, page_size_1g)
+                     roundup_power2_divisions: int | None = None,
+                     garbage_collection_threshold: float | None = None, page_size_1g: bool = False) -> None:
             self.page_size_1g = page_size_1g
-            self._init_core(capacity, max_split_size_mb, roundup_power2_divisions, page_1g=page_size_1g)
+            self._init_core(capacity, max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold,
+                            page_size_1g=page_size_1g)
 
     class FastTorchNpuExpandableAllocator(FastTorchExpandableAllocator):
         """:class:`~ms_memopt.allocators.torch_npu.TorchNpuExpandableAllocator` in C

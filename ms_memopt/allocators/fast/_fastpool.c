@@ -3,7 +3,7 @@
  * the models are the table MODELS below, by ModelCore's kind=. */
 #include "fastpool.h"
 
-PyObject *fp_str_stream, *fp_str_pool, *fp_str_tag, *fp_str_persistent, *fp_str_record_oom, *fp_str_order,
+PyObject *fp_str_stream, *fp_str_pool, *fp_str_tag, *fp_str_persistent, *fp_str_record_oom, *fp_str_ooms, *fp_str_order,
     *fp_str_popitem, *fp_str_empty, *fp_str_workspace;
 static PyObject *fp_str_action, *fp_str_id, *fp_str_size, *fp_str_addr, *fp_str_alloc, *fp_str_free;
 
@@ -88,7 +88,8 @@ static inline PyObject *field(Fields *f, PyObject *ev, int k) {
  * ``forget`` (pool mode; simulate): the tensors a cache eviction drops leave ``address_of``
  * before the new entry goes in (simulate's drain_evicted + _forget after every malloc).
  * ``index`` is the first event not handled: a non-alloc/free event, an alloc whose tag is a key
- * of ``watch`` (not served), or with ``oom`` true an alloc that failed (OOM recorded). ``known``
+ * of ``watch`` (not served), or with ``oom`` true an alloc that failed (OOM recorded; one past
+ * full_oom_records is only counted, and the loop goes on). ``known``
  * and ``matched`` count allocs with a recorded address and those placed there. */
 static PyObject *Core_run(Core *c, PyObject *args) {
     PyObject *events, *address_of, *watch;
@@ -148,10 +149,15 @@ static PyObject *Core_run(Core *c, PyObject *args) {
         if (!size_obj || !pool || (use_stream && !stream_obj) || PyErr_Occurred()) { Py_DECREF(tag); Py_XDECREF(pool); return NULL; }
         allocs++;
         int region = -1;
+        c->oom_counted = 0;
         long long addr = model->malloc(c, raw, stream, pool, tag, &region);
         Py_DECREF(tag); Py_DECREF(pool);
         if (addr == -1) return NULL;
-        if (addr == -2) { oom = 1; break; }
+        if (addr == -2) {
+            if (c->oom_counted) continue;
+            oom = 1;
+            break;
+        }
         PyObject *id = field(&f, ev, F_ID);
         PyObject *addr_obj = PyLong_FromUnsignedLongLong((u64)addr);
         int bad = !id || !addr_obj;
@@ -295,15 +301,16 @@ static const Model *const MODELS[] = {&fp_mindspore_model, &fp_torch_model, &fp_
 
 static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"capacity", "increase_size", "grow_add", "small_pool", "idle_order", "kind",
-                            "divisions", "page_1g", "align", "large_page", NULL};
+                            "divisions", "page_1g", "align", "large_page", "max_split", "gc_threshold", NULL};
     PyObject *capacity = Py_None;
-    unsigned long long increase = 1ULL << 30, align = 0, large_page = 0;
+    unsigned long long increase = 1ULL << 30, align = 0, large_page = 0, max_split = 0;
+    double gc_threshold = 0.0;
     int grow_add = 0, small_pool = 0, idle_order = 0, page_1g = 0;
     const char *kind = "mindspore";
     unsigned int divisions = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OKpppsIpKK", names, &capacity, &increase, &grow_add,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OKpppsIpKKKd", names, &capacity, &increase, &grow_add,
                                      &small_pool, &idle_order, &kind, &divisions, &page_1g, &align,
-                                     &large_page)) return -1;
+                                     &large_page, &max_split, &gc_threshold)) return -1;
     const Model *model = NULL;
     for (size_t k = 0; k < sizeof(MODELS) / sizeof(MODELS[0]); k++)
         if (strcmp(kind, MODELS[k]->kind) == 0) model = MODELS[k];
@@ -321,10 +328,12 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     c->ms.grow_add = grow_add; c->ms.small_pool = small_pool;
     c->torch.divisions = divisions;
     c->torch.page_1g = page_1g;    /* torch_npu's options (torch_npu.c sets its pad) */
+    c->torch.max_split = max_split; c->torch.gc_threshold = gc_threshold;   /* checked by the reference */
     c->x.align = align; c->x.large_page = large_page;
     c->idle_order = idle_order;
     c->next_addr = BASE_ADDR;
     c->free_slot = -1;
+    c->full_oom_records = -1;
     if (!c->hkeys && fp_h_resize(c, 1024) < 0) return -1;
     return model->init ? model->init(c) : 0;
 }
@@ -404,10 +413,29 @@ static PyMemberDef Core_members[] = {
      "idle blocks given back to the device (MindSpore models: ReleaseFreeBlocks)"},
     {"eager_frees", T_LONGLONG, offsetof(Core, vmm.eager_frees), 0, "vmm: eager frees (defrag) so far"},
     {"evictions", T_LONGLONG, offsetof(Core, pm.evictions), 0, "pool mode: cache entries evicted so far"},
+    {"ooms_counted", T_LONGLONG, offsetof(Core, ooms_counted), 0,
+     "failed requests past full_oom_records, counted without a record"},
     {NULL}
 };
 
+/* AllocatorModel.full_oom_records: None or an int >= 1 */
+static PyObject *Core_get_full_oom_records(Core *c, void *unused) {
+    if (c->full_oom_records < 0) Py_RETURN_NONE;
+    return PyLong_FromLongLong(c->full_oom_records);
+}
+
+static int Core_set_full_oom_records(Core *c, PyObject *value, void *unused) {
+    if (!value || value == Py_None) { c->full_oom_records = -1; return 0; }
+    long long n = PyLong_AsLongLong(value);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (n < 1) { PyErr_SetString(PyExc_ValueError, "full_oom_records must be None or >= 1"); return -1; }
+    c->full_oom_records = n;
+    return 0;
+}
+
 static PyGetSetDef Core_getset[] = {
+    {"full_oom_records", (getter)Core_get_full_oom_records, (setter)Core_set_full_oom_records,
+     "failed requests recorded in full (None: every one); later ones only counted (ooms_counted)", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {"free_keys", (getter)fp_region_free_keys, NULL, "region: free buffers as sorted size << 64 | addr", NULL},
     {"head", (getter)fp_region_get, NULL, "region: the ring head", (void *)0},
@@ -456,6 +484,7 @@ PyMODINIT_FUNC PyInit__fastpool(void) {
     fp_str_tag = PyUnicode_InternFromString("tag");
     fp_str_persistent = PyUnicode_InternFromString("persistent");
     fp_str_record_oom = PyUnicode_InternFromString("_record_oom");
+    fp_str_ooms = PyUnicode_InternFromString("ooms");
     fp_str_action = PyUnicode_InternFromString("action");
     fp_str_id = PyUnicode_InternFromString("id");
     fp_str_size = PyUnicode_InternFromString("size");

@@ -185,8 +185,21 @@ long long fp_served(Core *c, int32_t b) {
 }
 
 /* the model's _record_oom(size, stream, tag) (AllocatorModel's, in Python; ``size`` a new
- * reference, consumed); -2, or -1 on error */
+ * reference, consumed), or past full_oom_records a count (oom_counted set); -2, or -1 on error */
 long long fp_record_oom(Core *c, PyObject *size, i64 stream, PyObject *tag) {
+    c->oom_counted = 0;
+    if (c->full_oom_records >= 0) {
+        PyObject *ooms = PyObject_GetAttr((PyObject *)c, fp_str_ooms);
+        Py_ssize_t made = ooms ? PyObject_Length(ooms) : -1;
+        Py_XDECREF(ooms);
+        if (made < 0) { Py_XDECREF(size); return -1; }
+        if (made >= c->full_oom_records) {
+            Py_XDECREF(size);
+            c->ooms_counted++;
+            c->oom_counted = 1;
+            return -2;
+        }
+    }
     PyObject *st = PyLong_FromLongLong(stream);
     PyObject *r = (size && st) ? PyObject_CallMethodObjArgs((PyObject *)c, fp_str_record_oom, size, st, tag, NULL) : NULL;
     Py_XDECREF(size); Py_XDECREF(st);

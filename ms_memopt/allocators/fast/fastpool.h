@@ -67,6 +67,7 @@ typedef struct {
     int32_t alloc, head;
     int alive;
     u64 page; int fixed;     /* expandable: page size of the range, recorded (fixed) range */
+    long long freed_at;      /* torch's garbage collection: its pool's lookups when a block of it was last freed */
 } Seg;
 
 typedef struct {
@@ -76,6 +77,7 @@ typedef struct {
     Key *keys; Py_ssize_t nkeys, capkeys;
     int32_t *unm; Py_ssize_t nunm, capunm;   /* expandable: unmapped buffers by address */
     Key *ekeys; Py_ssize_t nekeys, capekeys; /* vmm: eager-free buffers by (size, addr) */
+    long long lookups;                       /* torch's garbage collection: free-block lookups */
 } Alloc;
 
 typedef struct { u64 addr, size; i64 stream; } Recorded;
@@ -95,6 +97,8 @@ typedef struct {              /* torch.c (order, divisions and pad: torch_expand
     unsigned divisions;
     unsigned pad;             /* bytes added before rounding (torch_npu's round_size: 32) */
     int page_1g;              /* torch_npu's page_size:1g: large-pool segments in whole GiB */
+    u64 max_split;            /* max_split_size_mb in bytes (0: not set) */
+    double gc_threshold;      /* garbage_collection_threshold (0: not set; acts only with a capacity) */
     Recorded *trec; Py_ssize_t ntrec, captrec;   /* recorded segments for the next request */
 } TorchState;
 
@@ -141,6 +145,11 @@ typedef struct {
     /* requests on the slow path and idle blocks given back to the device (the MindSpore
      * models: mindspore.c, mindspore_vmm.c; base.py documents both) */
     long long slow_path_events, segment_frees;
+    /* OOM records (AllocatorModel.full_oom_records: -1 every failure in full; n: the first n, the
+     * later ones only counted in ooms_counted, without calling back into Python); oom_counted:
+     * the last failure was only counted (the batch loop goes on past it) */
+    long long full_oom_records, ooms_counted;
+    int oom_counted;
     /* configuration */
     int bounded; u64 capacity;
     int idle_order; u64 turn;       /* free keys tie on the idle turn (best-fit pool) */
@@ -191,7 +200,7 @@ typedef struct Model {
 extern const Model fp_mindspore_model, fp_torch_model, fp_expandable_model, fp_vmm_model, fp_region_model,
     fp_poolmode_model, fp_torch_npu_model, fp_npu_expandable_model;
 extern PyTypeObject fp_CoreType;
-extern PyObject *fp_str_stream, *fp_str_pool, *fp_str_tag, *fp_str_persistent, *fp_str_record_oom,
+extern PyObject *fp_str_stream, *fp_str_pool, *fp_str_tag, *fp_str_persistent, *fp_str_record_oom, *fp_str_ooms,
     *fp_str_order, *fp_str_popitem, *fp_str_empty, *fp_str_workspace;
 
 /* ---- common.c ------------------------------------------------------------------------------- */
