@@ -50,3 +50,19 @@ def test_a_background_view_closed_before_it_finished_stops_its_process():
     process = next(iter(view.pending._pool._processes.values()))
     view.close()
     assert view.pending is None and not process.is_alive() and not view.snapshots
+
+
+def test_ctrl_c_in_simulate_s_report_stops_the_shown_rank_s_process(tmp_path, monkeypatch):
+    import multiprocessing
+    from pathlib import Path
+
+    from ms_memopt.cli import main
+    from ms_memopt.report import build
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build, "build_report", interrupted)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "demo_cpu.yaml"
+    assert main(["simulate", str(recipe), "--steps", "200", "--workers", "2", "--out", str(tmp_path)]) == 130
+    assert multiprocessing.active_children() == []
