@@ -739,3 +739,48 @@ def test_a_log_where_every_line_holds_the_anchor_reads_fast(tmp_path):
 
     base = min(took(plain) for _ in range(2))
     assert min(took(anchored) for _ in range(2)) < 5 * base + 0.05
+
+
+# --- outputs that would hang or overwrite an input -----------------------------------------------
+
+def _learned_template(tmp_path: Path) -> tuple[Path, Path]:
+    """A template learned from test_template's calibration recordings, and a schedule for it."""
+    from test_template import CALIBRATION, record
+
+    from ms_memopt.core.events import write_jsonl
+
+    recs = []
+    for i, shapes in enumerate(CALIBRATION):
+        path = tmp_path / f"rec{i}.jsonl"
+        write_jsonl(path, record(shapes), meta={"pool": "DynamicMemPoolBestFit"})
+        recs.append(str(path))
+    template = tmp_path / "toy.template.json"
+    assert _cli(["learn", *recs, "--out", str(template)])[0] == 0
+    schedule = tmp_path / "s.csv"
+    schedule.write_text("seq,batch\n40,3\n12,5\n")
+    return template, schedule
+
+
+def test_export_events_into_a_fifo_or_over_an_input_exits_2(tmp_path):
+    """simulate --export-events opened a FIFO and waited for a reader for ever, and wrote over its own
+    schedule when given it."""
+    template, schedule = _learned_template(tmp_path)
+    base = ["simulate", str(template), "--schedule", str(schedule), "--export-events"]
+    code, _, err, _ = _run([*base, str(_fifo(tmp_path))])
+    assert code == 2 and "--export-events" in err and "FIFO" in err, err
+    for target in (schedule, template):
+        before = target.read_bytes()
+        code, _, err, _ = _run([*base, str(target)])
+        assert code == 2 and "--export-events" in err, err
+        assert target.read_bytes() == before
+
+
+def test_pack_out_into_a_fifo_or_over_its_instance_exits_2(tmp_path):
+    instance = tmp_path / "instance.csv"
+    instance.write_bytes((DATA / "instances_small.csv").read_bytes())
+    code, _, err, _ = _run(["pack", str(instance), "--no-progress", "--time-limit", "5", "--out",
+                            str(_fifo(tmp_path))])
+    assert code == 2 and "--out" in err and "FIFO" in err, err
+    code, _, err, _ = _run(["pack", str(instance), "--no-progress", "--time-limit", "5", "--out", str(instance)])
+    assert code == 2 and "--out" in err, err
+    assert instance.read_bytes() == (DATA / "instances_small.csv").read_bytes()

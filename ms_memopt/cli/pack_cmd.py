@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ms_memopt.analysis.planner import DEFAULT_STALL, DEFAULT_TIME_LIMIT, Buffer, pack
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.outputs import check_output_file
 from ms_memopt.core.placement import buffers_from_events
 from ms_memopt.core.units import format_size, parse_size
 from ms_memopt.io.traces import load_trace
@@ -101,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"expected a finite gap >= 0, got {args.gap}", source="--gap")
     if args.stall is not None and not args.stall >= 0:
         raise InputError(f"expected seconds >= 0, got {args.stall}", source="--stall")
+    if args.out:        # before the search: not a FIFO (it waits for a reader), not the instance itself
+        check_output_file(args.out, key="--out", inputs=[args.instance])
     # the time limit covers reading and every step after it, not the search alone
     limit = DEFAULT_TIME_LIMIT if args.time_limit is None else args.time_limit
     started = time.perf_counter()

@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from ms_memopt.core.errors import InputError
+from ms_memopt.core.outputs import check_output_file
 from ms_memopt.core.units import format_size, parse_size
 
 __all__ = ["DEFAULT_FIXED_STEPS", "fixed_dims", "run"]
@@ -90,6 +91,8 @@ def run(args) -> int:
         if getattr(args, flag, None) not in (None, False):
             raise InputError("--export-events replays the schedule once through the recorded pool's model; "
                              "drop it for the job's options", key="--" + flag.replace("_", "-"))
+    # not a FIFO (it waits for a reader), not an input; the other layouts' files are checked as they are named
+    check_output_file(args.export_events, key="--export-events", inputs=[args.recipe, args.schedule])
     schedule = read_schedule(args.schedule, template.dims)
     if args.steps is not None:      # the schedule's first steps, as in the job route
         if not 1 <= args.steps <= len(schedule):
@@ -122,6 +125,8 @@ def run(args) -> int:
     if name == template.allocator and template.pool:
         meta["pool"] = template.pool
     paths = [_layout_path(args.export_events, i) for i in range(len(layouts))]
+    for path in paths[1:]:
+        check_output_file(path, key="--export-events", inputs=[args.recipe, args.schedule])
     for path, layout in zip(paths, layouts):
         write_jsonl(path, layout.placed, meta={**meta, "free_orders": layout.free_orders})
     result = layouts[0].result
