@@ -42,7 +42,8 @@ from ms_memopt.allocators.mindspore import check_options, initial_block, restore
 from ms_memopt.allocators.mindspore_vmm import CHUNK, MindSporeVMMPool, ChunkSet, ranges_largest_free, ranges_layout
 from ms_memopt.allocators.mindspore_vmm import restore_pieces as vmm_restore_pieces
 from ms_memopt.allocators.pool import PoolModeAllocator
-from ms_memopt.allocators.torch import TorchCachingAllocator, check_divisions, is_small_segment, merged_blocks, serving_pool
+from ms_memopt.allocators.torch import (TorchCachingAllocator, check_divisions, is_small_segment, merged_blocks,
+                                        serving_pool)
 from ms_memopt.allocators.torch_npu import PAD as NPU_PAD
 from ms_memopt.allocators.torch_expandable import page_size, range_size_for, restore_ranges
 from ms_memopt.allocators.torch_npu import TorchNpuCachingAllocator, TorchNpuExpandableAllocator, npu_page_size
