@@ -745,17 +745,10 @@ def test_a_log_where_every_line_holds_the_anchor_reads_fast(tmp_path):
 
 def _learned_template(tmp_path: Path) -> tuple[Path, Path]:
     """A template learned from test_template's calibration recordings, and a schedule for it."""
-    from test_template import CALIBRATION, record
+    from test_template import calibration_recordings
 
-    from ms_memopt.core.events import write_jsonl
-
-    recs = []
-    for i, shapes in enumerate(CALIBRATION):
-        path = tmp_path / f"rec{i}.jsonl"
-        write_jsonl(path, record(shapes), meta={"pool": "DynamicMemPoolBestFit"})
-        recs.append(str(path))
     template = tmp_path / "toy.template.json"
-    assert _cli(["learn", *recs, "--out", str(template)])[0] == 0
+    assert _cli(["learn", *calibration_recordings(tmp_path), "--out", str(template)])[0] == 0
     schedule = tmp_path / "s.csv"
     schedule.write_text("seq,batch\n40,3\n12,5\n")
     return template, schedule

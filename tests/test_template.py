@@ -227,12 +227,18 @@ def test_step_lines_carry_dims_in_the_tag():
     assert (plain.step, plain.tag) == (4, None)
 
 
-def test_learn_and_simulate_through_the_cli(tmp_path, capsys):
+def calibration_recordings(folder: Path) -> list[str]:
+    """:data:`CALIBRATION`'s recordings written to ``folder`` as MindSpore's CPU pool records them."""
     recs = []
     for i, shapes in enumerate(CALIBRATION):
-        path = tmp_path / f"rec{i}.jsonl"
+        path = folder / f"rec{i}.jsonl"
         write_jsonl(path, record(shapes), meta={"pool": "DynamicMemPoolBestFit"})
         recs.append(str(path))
+    return recs
+
+
+def test_learn_and_simulate_through_the_cli(tmp_path, capsys):
+    recs = calibration_recordings(tmp_path)
     template = tmp_path / "toy.template.json"
     assert main(["learn", *recs, "--out", str(template), "--json"]) == 0
     learned_json = json.loads(capsys.readouterr().out)
