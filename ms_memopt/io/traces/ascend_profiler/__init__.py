@@ -16,6 +16,7 @@ Example:
 """
 from __future__ import annotations
 
+from ms_memopt.io.traces.ascend_profiler import reader
 from ms_memopt.io.traces.ascend_profiler.reader import (
     FORMAT,
     MEMORY_RECORD,
@@ -31,17 +32,4 @@ from ms_memopt.io.traces.ascend_profiler.reader import (
     stream_ascend_profiler,
 )
 
-__all__ = [
-    "FORMAT",
-    "MEMORY_RECORD",
-    "NPU_MODULE_MEM",
-    "OPERATOR_MEMORY",
-    "OUTPUT_DIR",
-    "is_profiler_dir",
-    "is_sqlite",
-    "profiler_file_kind",
-    "profiler_size",
-    "read_ascend_profiler",
-    "read_step_marks",
-    "stream_ascend_profiler",
-]
+__all__ = list(reader.__all__)

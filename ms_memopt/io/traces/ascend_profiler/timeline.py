@@ -321,19 +321,24 @@ class Timeline:
             fig.reserved_last = reserved
             if reserved > fig.peak_reserved:  # noqa: PLR1730
                 fig.peak_reserved = reserved
+        self.running = self._held(kind, ident, size, addr, stream, time, name, running)
+
+    def _held(self, kind: int, ident, size: int, addr, stream, time, name, running: int) -> int:
+        """The bytes held after an allocation (``kind`` 1) or a release of a tensor the capture
+        saw allocated (others are not counted twice), the event emitted; the events' peak noted."""
         if kind == 1:
             running += size
             self._sizes[ident] = size
             if self.emit:
                 self.events.append(Event("alloc", ident, size - self.size_pad if size >= _MIN_BLOCK else size, addr,
                                          stream, None, time, name))
-            if running > fig.events_peak_allocated:  # noqa: PLR1730
-                fig.events_peak_allocated = running
+            if running > self.fig.events_peak_allocated:  # noqa: PLR1730
+                self.fig.events_peak_allocated = running
         elif self._sizes.pop(ident, None) is not None:
             running -= size
             if self.emit:
                 self.events.append(Event("free", ident, 0, addr, stream, None, time, name))
-        self.running = running
+        return running
 
     def _apply_checked(self, item: tuple) -> None:
         """:meth:`_apply` for an event that does not start where the recorded total stands."""
@@ -374,18 +379,7 @@ class Timeline:
             fig.reserved_last = reserved
             if fig.peak_reserved is None or reserved > fig.peak_reserved:
                 fig.peak_reserved = reserved
-        if kind == 1:
-            running += size
-            self._sizes[ident] = size
-            if self.emit:
-                self.events.append(Event("alloc", ident, size - self.size_pad if size >= _MIN_BLOCK else size, addr,
-                                         stream, None, time, name))
-            fig.events_peak_allocated = max(fig.events_peak_allocated, running)
-        elif self._sizes.pop(ident, None) is not None:
-            running -= size
-            if self.emit:
-                self.events.append(Event("free", ident, 0, addr, stream, None, time, name))
-        self.running = running
+        self.running = self._held(kind, ident, size, addr, stream, time, name, running)
 
     def initial_events(self, time: int | None) -> list[Event]:
         """The initial state as allocations before the first event (the profiler records no addresses of it)."""
