@@ -242,19 +242,24 @@ class LazyProcess(Process):
         super().step(seq, batch)
 
 
+def _plan_recordings(process) -> list[tuple[str, list]]:
+    """One recording a process of the calibration plan over seq 16/32/40 x batch 2/3/4, each run
+    by a new ``process()`` (its ``step(seq, batch)`` and ``events``)."""
+    recordings = []
+    for i, steps in enumerate(calibration_plan({"seq": [16, 32, 40], "batch": [2, 3, 4]})):
+        proc = process()
+        for dims in steps:
+            proc.step(dims["seq"], dims["batch"])
+        recordings.append((f"p{i}", proc.events))
+    return recordings
+
+
 def test_the_first_step_sizes_are_learned_as_the_others_are():
     """Issue 42: the first steps of the plan over seq 16/32/40 x batch 2/3/4 start at 16x2, 16x3,
     16x4 and 32x2, where 2*seq + 16*batch - 32 equals seq*batch: a size the first step alone makes
     was fitted so (exact on its 4 samples, 90,112 B off at a held-out first step). Its size is a
     polynomial the repeat steps, fitted on the whole grid, make: that one is taken."""
-    plan = calibration_plan({"seq": [16, 32, 40], "batch": [2, 3, 4]})
-    recordings = []
-    for i, p in enumerate(plan):
-        lazy = LazyProcess()
-        for dims in p:
-            lazy.step(dims["seq"], dims["batch"])
-        recordings.append((f"p{i}", lazy.events))
-    template = learn(recordings)
+    template = learn(_plan_recordings(LazyProcess))
     assert template.exact == template.positions
     for first in ({"seq": 20, "batch": 3}, {"seq": 64, "batch": 4}, {"seq": 12, "batch": 2}):
         held = [first, {"seq": 28, "batch": 4}, first]
@@ -298,14 +303,7 @@ def test_a_free_order_never_seen_is_read_from_the_first_step_alone():
     def placed(events):
         return placed_events(Trace(list(events)), create("mindspore-bestfit"), segments=True)[0]
 
-    plan = calibration_plan({"seq": [16, 32, 40], "batch": [2, 3, 4]})
-    recordings = []
-    for i, p in enumerate(plan):
-        proc = DrawingProcess()
-        for dims in p:
-            proc.step(dims["seq"], dims["batch"])
-        recordings.append((f"p{i}", proc.events))
-    template = learn(recordings)
+    template = learn(_plan_recordings(DrawingProcess))
     assert not template.free_orders
     held = [{"seq": s, "batch": b} for s, b in [(20, 3), (28, 3), (20, 4), (20, 3), (44, 2), (28, 3)]]
     truth = DrawingProcess((1, 2, 0))
